@@ -1,0 +1,51 @@
+"""stitchboard.proto: the wire schema and the bit-exact patch codec (no server or engine imports)."""
+
+from .errors import (
+    BaseMismatchError,
+    PatchError,
+    PatchFormatError,
+    SchemaError,
+    StitchError,
+    TargetMismatchError,
+    TensorSetMismatchError,
+)
+from .schema import (
+    SCHEMA_VERSION,
+    ErrorBody,
+    FileRef,
+    Plan,
+    PlanStep,
+    RunInfo,
+    TensorSpec,
+    VersionInfo,
+    VersionManifest,
+    VersionStats,
+    canonical_json,
+    check_name,
+    check_run_id,
+    parse_manifest,
+)
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "BaseMismatchError",
+    "ErrorBody",
+    "FileRef",
+    "PatchError",
+    "PatchFormatError",
+    "Plan",
+    "PlanStep",
+    "RunInfo",
+    "SchemaError",
+    "StitchError",
+    "TargetMismatchError",
+    "TensorSetMismatchError",
+    "TensorSpec",
+    "VersionInfo",
+    "VersionManifest",
+    "VersionStats",
+    "canonical_json",
+    "check_name",
+    "check_run_id",
+    "parse_manifest",
+]

@@ -1,0 +1,200 @@
+"""Raw tensors and the safetensors container, read strictly.
+
+The codec works on :class:`RawTensor`: a dtype name, a shape and the flat raw element bits as
+a numpy unsigned array (``BF16`` -> uint16, ``F8_E4M3`` -> uint8, ...), so it never interprets
+values and NaN payloads, -0.0, Inf and denormals pass through unchanged.
+
+Files follow the safetensors format (https://github.com/huggingface/safetensors, "Format"): an
+8-byte little-endian header length N, N bytes of JSON header, then the data. Reading checks
+everything the format allows to go wrong before any tensor is used (truncation, header length
+past the end, duplicate names, unknown dtypes, sizes that disagree with shapes, overlapping or
+out-of-range offsets) and raises :class:`PatchFormatError`. Writing goes through the
+``safetensors`` library, so every file is readable with plain ``safetensors.safe_open``.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from safetensors import TensorSpec, serialize, serialize_file
+
+from .dtypes import DTYPE_SIZES, MAX_NUMEL, SPEC_NAMES, bits_type, numel_of
+from .errors import PatchFormatError
+from .schema import check_name
+
+#: Largest JSON header accepted (the safetensors library uses the same 100 MB bound).
+MAX_HEADER_BYTES = 100_000_000
+
+
+@dataclass(frozen=True)
+class RawTensor:
+    """A tensor as raw bits.
+
+    Attributes:
+        dtype: safetensors dtype name (``BF16``, ``F32``, ``F8_E4M3``, ``U8``...).
+        shape: dimensions.
+        bits: 1-D C-contiguous numpy array of ``bits_type(dtype)`` (uint8/16/32/64) with
+            ``numel`` elements, little-endian; may be a read-only view of a mapped file.
+    """
+
+    dtype: str
+    shape: tuple[int, ...]
+    bits: np.ndarray
+
+    @property
+    def numel(self) -> int:
+        """Element count."""
+        return int(self.bits.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        """Size in bytes."""
+        return int(self.bits.nbytes)
+
+    @staticmethod
+    def from_bytes(dtype: str, shape: tuple[int, ...] | list[int], data: bytes | bytearray | memoryview) -> RawTensor:
+        """Wrap raw little-endian bytes (no copy) as a tensor of ``dtype`` and ``shape``.
+
+        Raises:
+            PatchFormatError: unknown dtype, or the byte count is not ``numel * element size``.
+        """
+        if dtype not in DTYPE_SIZES:
+            raise PatchFormatError(f"unknown dtype {dtype!r}")
+        shape = tuple(int(d) for d in shape)
+        n = numel_of(shape)
+        if len(data) != n * DTYPE_SIZES[dtype]:
+            raise PatchFormatError(f"{len(data)} bytes do not hold shape {list(shape)} of {dtype}")
+        return RawTensor(dtype, shape, np.frombuffer(data, dtype=bits_type(dtype), count=n))
+
+
+def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        dup = sorted({k for k in keys if keys.count(k) > 1})
+        raise PatchFormatError(f"duplicate tensor names in safetensors header: {dup[:5]}")
+    return dict(pairs)
+
+
+def parse_safetensors(buf: bytes | bytearray | memoryview | mmap.mmap, what: str = "file") -> tuple[dict[str, str], dict[str, RawTensor]]:
+    """Parse a safetensors buffer strictly into (``__metadata__``, name -> :class:`RawTensor`).
+
+    Tensor bits are zero-copy views of ``buf`` (aligned copies only where the data is not
+    aligned to its element size). ``what`` names the file in error messages.
+
+    Raises:
+        PatchFormatError: truncated buffer, header length past the end or over 100 MB, invalid
+            or duplicate-keyed JSON, unknown dtype, bad shape, offsets out of range, overlapping
+            or leaving gaps, or a byte size that disagrees with the shape.
+    """
+    view = memoryview(buf).cast("B")
+    total = len(view)
+    if total < 8:
+        raise PatchFormatError(f"{what}: truncated ({total} bytes; a safetensors file starts with an 8-byte header length)")
+    (hlen,) = struct.unpack("<Q", view[:8])
+    if hlen > total - 8:
+        raise PatchFormatError(f"{what}: header length {hlen} is larger than the file ({total} bytes): truncated or not safetensors")
+    if hlen > MAX_HEADER_BYTES:
+        raise PatchFormatError(f"{what}: header of {hlen} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        header = json.loads(bytes(view[8 : 8 + hlen]).decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except PatchFormatError:
+        raise
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise PatchFormatError(f"{what}: header is not valid JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise PatchFormatError(f"{what}: header is not a JSON object")
+    meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise PatchFormatError(f"{what}: __metadata__ must map strings to strings")
+    data_start = 8 + hlen
+    data_len = total - data_start
+    spans: list[tuple[int, int, str]] = []
+    tensors: dict[str, RawTensor] = {}
+    for name, entry in header.items():
+        try:
+            check_name(name, "tensor name")
+        except Exception as exc:
+            raise PatchFormatError(f"{what}: {exc}") from None
+        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+            raise PatchFormatError(f"{what}: tensor {name!r} entry must have exactly dtype, shape, data_offsets")
+        dtype, shape, offs = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if dtype not in DTYPE_SIZES:
+            raise PatchFormatError(f"{what}: tensor {name!r} has unknown dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            raise PatchFormatError(f"{what}: tensor {name!r} has invalid shape {shape!r}")
+        if numel_of(shape) > MAX_NUMEL:
+            raise PatchFormatError(f"{what}: tensor {name!r} shape {shape} overflows")
+        if not (isinstance(offs, list) and len(offs) == 2 and all(isinstance(o, int) and not isinstance(o, bool) for o in offs)):
+            raise PatchFormatError(f"{what}: tensor {name!r} has invalid data_offsets {offs!r}")
+        begin, end = offs
+        if not 0 <= begin <= end <= data_len:
+            raise PatchFormatError(f"{what}: tensor {name!r} data_offsets {offs} outside the {data_len}-byte data section (truncated file?)")
+        if end - begin != numel_of(shape) * DTYPE_SIZES[dtype]:
+            raise PatchFormatError(f"{what}: tensor {name!r} holds {end - begin} bytes but shape {shape} of {dtype} needs {numel_of(shape) * DTYPE_SIZES[dtype]}")
+        spans.append((begin, end, name))
+    cursor = 0
+    for begin, end, name in sorted(spans):
+        if begin != cursor:
+            raise PatchFormatError(f"{what}: tensor {name!r} data starts at {begin}, expected {cursor} (overlap or gap)")
+        cursor = end
+    if cursor != data_len:
+        raise PatchFormatError(f"{what}: {data_len - cursor} trailing bytes after the last tensor")
+    for begin, end, name in spans:
+        dtype = header[name]["dtype"]
+        size = DTYPE_SIZES[dtype]
+        raw = view[data_start + begin : data_start + end]
+        if (data_start + begin) % size:
+            raw = bytearray(raw)  # align for the kernels; only files not written by safetensors
+        tensors[name] = RawTensor(dtype, tuple(header[name]["shape"]), np.frombuffer(raw, dtype=bits_type(dtype)))
+    return meta, tensors
+
+
+def read_safetensors(path: str | os.PathLike[str]) -> tuple[dict[str, str], dict[str, RawTensor]]:
+    """Memory-map and parse a safetensors file (see :func:`parse_safetensors`); read-only views.
+
+    Raises:
+        PatchFormatError: as :func:`parse_safetensors`.
+        OSError: the file cannot be opened.
+    """
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            raise PatchFormatError(f"{path}: empty file")
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    return parse_safetensors(mm, what=str(path))
+
+
+def _specs(tensors: Mapping[str, RawTensor]) -> dict[str, TensorSpec]:
+    specs = {}
+    for name, t in tensors.items():
+        if not t.bits.flags.c_contiguous:
+            raise ValueError(f"tensor {name!r}: bits must be C-contiguous")
+        specs[name] = TensorSpec(dtype=SPEC_NAMES[t.dtype], shape=list(t.shape), data_ptr=t.bits.ctypes.data, data_len=t.bits.nbytes)
+    return specs
+
+
+def serialize_safetensors(tensors: Mapping[str, RawTensor], metadata: Mapping[str, str] | None = None) -> bytes:
+    """Serialize raw tensors into safetensors bytes (deterministic for equal input)."""
+    return bytes(serialize(_specs(tensors), metadata=dict(metadata) if metadata else None))
+
+
+def write_safetensors(path: str | os.PathLike[str], tensors: Mapping[str, RawTensor], metadata: Mapping[str, str] | None = None) -> int:
+    """Write raw tensors as a safetensors file, atomically (temp file + fsync + rename).
+
+    Returns:
+        The file size in bytes.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    serialize_file(_specs(tensors), str(tmp), metadata=dict(metadata) if metadata else None)
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path.stat().st_size

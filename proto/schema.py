@@ -1,0 +1,357 @@
+"""The wire schema: version manifests, plans, version references and error bodies.
+
+Pydantic v2 models with no server or engine imports. A manifest is the client's part of a
+version and is byte-identical on a retried publish: it has no timestamps (the bulletin keeps
+its commit time beside it, in :class:`VersionInfo`). :func:`canonical_json` gives the bytes
+that are hashed and compared.
+
+Lineage (DESIGN.md, invariant 3): versions of a run are consecutive integers from 0; version 0
+is an anchor (``snapshot=True``, no base); version N > 0 has ``base_version == N - 1`` and
+carries a delta from it (possibly empty); any version may also carry a full snapshot.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from .dtypes import DTYPE_SIZES, MAX_NUMEL, numel_of
+
+#: Version of this schema; readers refuse manifests from a newer schema.
+SCHEMA_VERSION = 1
+
+#: The value encodings of a delta (see :mod:`stitchboard.proto.codec`).
+Encoding = Literal["xor", "overwrite"]
+#: The checksum algorithm every tensor carries; a device-computable fingerprint may sit beside it.
+XXH3_128 = "xxh3_128"
+
+_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_HEX = re.compile(r"^[0-9a-f]{8,128}$")
+
+
+def check_name(name: str, what: str = "name") -> str:
+    """Reject names that could escape a folder or confuse a parser.
+
+    Used for tensor names and file paths. Rejects empty names, ``..``, absolute paths
+    (``/x``, ``\\x``, ``C:x``), backslashes, NUL and other control characters.
+
+    Raises:
+        SchemaError: with the offending name.
+    """
+    from .errors import SchemaError
+
+    bad = (
+        not name
+        or ".." in name
+        or name.startswith(("/", "\\"))
+        or "\\" in name
+        or re.match(r"^[A-Za-z]:", name) is not None
+        or any(ord(c) < 32 or ord(c) == 127 for c in name)
+        or len(name) > 1024
+    )
+    if bad:
+        raise SchemaError(f"invalid {what} {name!r}: use a relative name without '..', NUL or control characters")
+    return name
+
+
+def check_run_id(run_id: str) -> str:
+    """Validate a run id: 1-128 of ``[A-Za-z0-9._-]``, starting alphanumeric, no ``..``.
+
+    Raises:
+        SchemaError: with the offending run id.
+    """
+    from .errors import SchemaError
+
+    if not _RUN_ID.match(run_id) or ".." in run_id:
+        raise SchemaError(f"invalid run id {run_id!r}: use 1-128 characters of [A-Za-z0-9._-], starting alphanumeric")
+    return run_id
+
+
+def _schema_error(exc: Exception) -> ValueError:
+    # pydantic wraps ValueErrors raised in validators into ValidationError; keep the message.
+    return ValueError(str(exc))
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TensorSpec(_Model):
+    """One tensor of the served view.
+
+    Attributes:
+        name: checkpoint (HF) name, e.g. ``model.layers.0.self_attn.q_proj.weight``.
+        dtype: safetensors dtype name (``BF16``, ``F32``, ``F8_E4M3``, ``U8`` for packed 4-bit...).
+        shape: dimensions; ``[]`` is a scalar.
+        checksums: algorithm -> lowercase hex digest of this version's raw little-endian
+            element bits; always has ``xxh3_128``.
+    """
+
+    name: str
+    dtype: str
+    shape: list[Annotated[int, Field(ge=0)]]
+    checksums: dict[str, str]
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        try:
+            return check_name(v, "tensor name")
+        except Exception as exc:
+            raise _schema_error(exc) from None
+
+    @field_validator("dtype")
+    @classmethod
+    def _dtype(cls, v: str) -> str:
+        if v not in DTYPE_SIZES:
+            raise ValueError(f"unknown dtype {v!r}; known: {', '.join(DTYPE_SIZES)}")
+        return v
+
+    @field_validator("shape")
+    @classmethod
+    def _shape(cls, v: list[int]) -> list[int]:
+        if len(v) > 16:
+            raise ValueError(f"shape {v} has more than 16 dimensions")
+        if numel_of(v) > MAX_NUMEL:
+            raise ValueError(f"shape {v} overflows: more than 2**62 elements")
+        return v
+
+    @field_validator("checksums")
+    @classmethod
+    def _checksums(cls, v: dict[str, str]) -> dict[str, str]:
+        if XXH3_128 not in v:
+            raise ValueError(f"checksums must include {XXH3_128!r}")
+        for alg, digest in v.items():
+            if not re.match(r"^[a-z0-9_]{1,32}$", alg) or not _HEX.match(digest):
+                raise ValueError(f"bad checksum {alg!r}: {digest!r} (want lowercase hex)")
+        return v
+
+    @property
+    def numel(self) -> int:
+        """Element count."""
+        return numel_of(self.shape)
+
+    @property
+    def size_bytes(self) -> int:
+        """Size of the raw tensor in bytes."""
+        return self.numel * DTYPE_SIZES[self.dtype]
+
+
+class FileRef(_Model):
+    """A file a version references, stored by the bulletin under its sha256.
+
+    Attributes:
+        path: relative file name (e.g. ``model-00001-of-00002.safetensors``, ``patch-r0.safetensors``).
+        sha256: lowercase hex sha256 of the file's bytes.
+        size_bytes: file size in bytes.
+        role: ``patch`` (a delta from the base version), ``snapshot`` (a shard of a full
+            safetensors checkpoint of the served view) or ``asset`` (config, tokenizer...).
+    """
+
+    path: str
+    sha256: str
+    size_bytes: Annotated[int, Field(ge=0)]
+    role: Literal["patch", "snapshot", "asset"]
+
+    @field_validator("path")
+    @classmethod
+    def _path(cls, v: str) -> str:
+        try:
+            return check_name(v, "file path")
+        except Exception as exc:
+            raise _schema_error(exc) from None
+
+    @field_validator("sha256")
+    @classmethod
+    def _sha(cls, v: str) -> str:
+        if not _SHA256.match(v):
+            raise ValueError(f"sha256 {v!r} is not 64 lowercase hex digits")
+        return v
+
+
+class VersionStats(_Model):
+    """Size figures of one version.
+
+    Attributes:
+        changed_elements: elements whose bits differ from the base version (0 for version 0).
+        total_elements: elements in the served view.
+        encoded_bytes: bytes of the patch files (the delta), excluding snapshot and assets.
+    """
+
+    changed_elements: Annotated[int, Field(ge=0)]
+    total_elements: Annotated[int, Field(ge=0)]
+    encoded_bytes: Annotated[int, Field(ge=0)]
+
+
+class VersionManifest(_Model):
+    """The immutable description of one version of a run (the client's part; no timestamps).
+
+    Attributes:
+        schema_version: :data:`SCHEMA_VERSION` of the writer.
+        run_id: the run, see :func:`check_run_id`.
+        version: consecutive integer from 0.
+        base_version: ``version - 1``; ``None`` for version 0.
+        snapshot: whether ``files`` hold a full snapshot (anchor) of the served view.
+        encoding: value encoding of the patch files (``xor`` or ``overwrite``).
+        tensors: the whole served view of this version, with target checksums.
+        files: patch, snapshot and asset files.
+        stats: changed/total elements and encoded bytes.
+        metadata: free-form trainer metadata (step, loss, ...), JSON values.
+    """
+
+    schema_version: int = SCHEMA_VERSION
+    run_id: str
+    version: Annotated[int, Field(ge=0, lt=2**53)]
+    base_version: int | None
+    snapshot: bool
+    encoding: Encoding = "xor"
+    tensors: list[TensorSpec]
+    files: list[FileRef]
+    stats: VersionStats
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("run_id")
+    @classmethod
+    def _run(cls, v: str) -> str:
+        try:
+            return check_run_id(v)
+        except Exception as exc:
+            raise _schema_error(exc) from None
+
+    @field_validator("schema_version")
+    @classmethod
+    def _schema(cls, v: int) -> int:
+        if not 1 <= v <= SCHEMA_VERSION:
+            raise ValueError(f"schema_version {v} is not supported (this reader knows 1..{SCHEMA_VERSION}); upgrade stitchboard")
+        return v
+
+    @model_validator(mode="after")
+    def _lineage(self) -> VersionManifest:
+        if self.version == 0:
+            if self.base_version is not None or not self.snapshot:
+                raise ValueError("version 0 must be an anchor: base_version null and snapshot true")
+        elif self.base_version != self.version - 1:
+            raise ValueError(f"version {self.version} must have base_version {self.version - 1}, got {self.base_version}")
+        names = [t.name for t in self.tensors]
+        if len(set(names)) != len(names):
+            dup = sorted({n for n in names if names.count(n) > 1})
+            raise ValueError(f"duplicate tensor names: {dup[:5]}")
+        paths = [f.path for f in self.files]
+        if len(set(paths)) != len(paths):
+            raise ValueError("duplicate file paths")
+        roles = {f.role for f in self.files}
+        if self.snapshot and "snapshot" not in roles:
+            raise ValueError(f"version {self.version} says snapshot=true but has no snapshot file")
+        if not self.snapshot and "snapshot" in roles:
+            raise ValueError(f"version {self.version} has snapshot files but snapshot=false")
+        if self.version == 0 and "patch" in roles:
+            raise ValueError("version 0 has no base: it cannot carry patch files")
+        total = sum(t.numel for t in self.tensors)
+        if self.stats.total_elements != total:
+            raise ValueError(f"stats.total_elements {self.stats.total_elements} != {total} (sum over tensors)")
+        if self.stats.changed_elements > total:
+            raise ValueError("stats.changed_elements exceeds total_elements")
+        enc = sum(f.size_bytes for f in self.files if f.role == "patch")
+        if self.stats.encoded_bytes != enc:
+            raise ValueError(f"stats.encoded_bytes {self.stats.encoded_bytes} != {enc} (sum of patch file sizes)")
+        json.dumps(self.metadata)  # must be plain JSON
+        return self
+
+    def files_of(self, role: str) -> list[FileRef]:
+        """The files of one role, in manifest order."""
+        return [f for f in self.files if f.role == role]
+
+    def tensor_map(self) -> dict[str, TensorSpec]:
+        """Tensor name -> spec."""
+        return {t.name: t for t in self.tensors}
+
+
+class VersionInfo(_Model):
+    """What the bulletin knows of a committed version, beside its manifest.
+
+    Attributes:
+        run_id, version, snapshot: as in the manifest.
+        manifest_sha256: sha256 of the manifest's canonical JSON.
+        committed_at: RFC 3339 time the bulletin committed it (outside the hashed content).
+        size_bytes: bytes of the delta files (``encoded_bytes``).
+        snapshot_bytes: bytes of the snapshot files (0 for a plain delta).
+    """
+
+    run_id: str
+    version: int
+    snapshot: bool
+    manifest_sha256: str
+    committed_at: str | None = None
+    size_bytes: int = 0
+    snapshot_bytes: int = 0
+
+
+class RunInfo(_Model):
+    """A run and its latest committed version (``None`` while nothing is published)."""
+
+    run_id: str
+    latest_version: int | None
+
+
+class PlanStep(_Model):
+    """One step of a plan: load a snapshot, or apply one version's delta.
+
+    Attributes:
+        version: the version this step brings the holder to.
+        kind: ``snapshot`` (load the full view from ``files``) or ``delta`` (apply ``files``).
+        files: files to fetch for this step (may be empty for an empty delta).
+        size_bytes: sum of the files' sizes.
+    """
+
+    version: int
+    kind: Literal["snapshot", "delta"]
+    files: list[FileRef]
+    size_bytes: int
+
+
+class Plan(_Model):
+    """Ordered steps taking a holder of ``from_version`` (``None``: nothing) to ``to_version``."""
+
+    run_id: str
+    from_version: int | None
+    to_version: int
+    steps: list[PlanStep]
+    total_bytes: int
+
+
+class ErrorBody(BaseModel):
+    """The JSON body of every error answer: ``{"type": ..., "message": ..., <details>}``."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    message: str
+
+
+def canonical_json(model: BaseModel) -> bytes:
+    """Canonical bytes of a model: sorted keys, no spaces, UTF-8. Equal content -> equal bytes."""
+    return json.dumps(model.model_dump(mode="json"), sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def parse_manifest(data: bytes | str | dict) -> VersionManifest:
+    """Parse and validate a manifest from JSON bytes/text or a dict.
+
+    Raises:
+        SchemaError: the input is not valid JSON or breaks the schema; the message lists each
+            offending field.
+    """
+    from pydantic import ValidationError
+
+    from .errors import SchemaError
+
+    try:
+        if isinstance(data, dict):
+            return VersionManifest.model_validate(data)
+        return VersionManifest.model_validate_json(data)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'manifest'}: {e['msg']}" for e in exc.errors()[:10])
+        raise SchemaError(f"invalid manifest: {problems}") from None
