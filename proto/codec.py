@@ -1,26 +1,30 @@
-"""The bit-exact patch codec.
+"""The bit-exact patch codec: format and encoder.
 
 A patch takes every tensor of a base view to the target view by replacing element bits; it
 never adds floating-point deltas. For each changed tensor it stores:
 
 * the flat positions of the elements whose bits changed, gap-coded (``gap_i = pos_i -
-  pos_{i-1} - 1``, ``pos_{-1} = -1``) as little-endian unsigned integers of 4 bytes (8 when the
-  tensor has more than 2**32 elements);
+  pos_{i-1} - 1``, ``pos_{-1} = -1``) as LEB128 varints (one byte for gaps < 128);
 * one value per changed element: ``old XOR new`` bits (``xor`` encoding: smallest, valid only
   on its exact base) or the new bits (``overwrite``: applying it again to its own result is
   harmless, so it suits at-least-once delivery);
 * xxh3-128 checksums of the tensor's base and target bits.
 
-Gaps and values are split into byte planes (all first bytes, then all second bytes, ...), so
-the near-constant high bytes compress to almost nothing, and the planes of one tensor form one
-zstd frame with its content size declared. Small RL steps change ~1-5 % of bf16 elements with
-XORs of a few low mantissa bits, which this turns into ~1.1-1.3 bytes per changed element
-(figures: ``python tests/benchmarks/bench_codec.py``).
+The whole patch is one zstd frame (content size declared) over a payload laid out as: every
+tensor's gap varints, then byte plane 0 of every tensor's values, then plane 1 of the tensors
+whose elements have 2+ bytes, and so on (tensors in name order). Splitting values into byte
+planes puts the near-constant high bytes (sign and exponent; an XOR's high byte is almost always
+0) together, where they compress to almost nothing, and one frame over all tensors shares the
+entropy tables. Real RL steps change ~0.5-1.5 % of bf16 elements, mostly by one ulp; this gives
+~1.35-1.6 bytes per changed element against ~2.5 for whole-tensor XOR + zstd and 6 for int32
+index + bf16 value (``python tests/benchmarks/bench_codec.py``). The coding does not depend on
+the base's values, so a tensor-parallel rank can pick out the positions of its own slice.
 
-Container: a safetensors file whose tensors are the frames (dtype ``U8``, key ``delta/<name>``)
-and whose ``__metadata__`` has one key, ``stitchboard.patch``, holding JSON with
-``format_version``, ``encoding``, ``tensors`` (the per-tensor entries, see :class:`PatchEntry`)
-and ``metadata`` (free strings: run id, versions). Tensors not listed are unchanged.
+Container: a safetensors file (readable with plain ``safetensors.safe_open``) with two ``U8``
+tensors, ``__index__`` (a zstd frame of the JSON list of :class:`PatchEntry`) and
+``__payload__`` (the frame above); its ``__metadata__`` has one key, ``stitchboard.patch``,
+with JSON ``format_version``, ``encoding`` and ``metadata`` (free strings: run id, versions).
+Tensors not listed are unchanged.
 """
 
 from __future__ import annotations
@@ -35,33 +39,35 @@ import zstandard
 
 from . import _bitdiff
 from .container import RawTensor, serialize_safetensors
-from .dtypes import DTYPE_SIZES, bits_type, numel_of
+from .dtypes import DTYPE_SIZES, numel_of
 from .errors import TensorSetMismatchError
 from .schema import XXH3_128, Encoding
 
 FORMAT = "stitchboard.patch"
 FORMAT_VERSION = "1"
-PAYLOAD_PREFIX = "delta/"
-#: zstd level of the frames; level 1 measured as small as 3 on RL steps and faster.
+INDEX_KEY = "__index__"
+PAYLOAD_KEY = "__payload__"
+#: zstd level of the payload; on RL steps levels 2-6 are within 1 % of level 1 and slower.
 DEFAULT_LEVEL = 1
+#: zstd level of the index (small; names and shapes compress well).
+INDEX_LEVEL = 9
 ENCODINGS: tuple[str, ...] = ("xor", "overwrite")
 
 
 def checksum(t: RawTensor) -> str:
-    """xxh3-128 hex digest of a tensor's raw little-endian bits (32 lowercase hex digits)."""
-    return xxhash.xxh3_128_hexdigest(memoryview(t.bits).cast("B")) if t.bits.size else xxhash.xxh3_128_hexdigest(b"")
+    """xxh3-128 hex digest (32 lowercase hex digits) of a tensor's raw little-endian bits."""
+    return xxhash.xxh3_128_hexdigest(memoryview(t.bits).cast("B") if t.bits.size else b"")
 
 
 @dataclass(frozen=True)
 class PatchEntry:
-    """Metadata of one changed tensor in a patch (one element of the ``tensors`` JSON list).
+    """Metadata of one changed tensor in a patch (one element of the ``__index__`` list).
 
     Attributes:
         name: checkpoint name of the tensor.
         dtype, shape: of the tensor (unchanged by the patch).
         count: number of changed elements (>= 1).
-        gap_width: bytes per gap, 4 or 8.
-        frame_bytes: size of the zstd frame in bytes.
+        gap_bytes: length of the tensor's varint gap stream in the payload.
         base, target: algorithm -> hex digest of the tensor's bits before and after.
     """
 
@@ -69,8 +75,7 @@ class PatchEntry:
     dtype: str
     shape: tuple[int, ...]
     count: int
-    gap_width: int
-    frame_bytes: int
+    gap_bytes: int
     base: dict[str, str]
     target: dict[str, str]
 
@@ -80,19 +85,18 @@ class PatchEntry:
         return numel_of(self.shape)
 
     @property
-    def payload_bytes(self) -> int:
-        """Decompressed size of the frame: ``count * (gap_width + element size)``."""
-        return self.count * (self.gap_width + DTYPE_SIZES[self.dtype])
+    def itemsize(self) -> int:
+        """Bytes per element."""
+        return DTYPE_SIZES[self.dtype]
 
     def to_json(self) -> dict:
-        """The entry as stored in the patch metadata."""
+        """The entry as stored in the index."""
         return {
             "name": self.name,
             "dtype": self.dtype,
             "shape": list(self.shape),
             "count": self.count,
-            "gap_width": self.gap_width,
-            "frame_bytes": self.frame_bytes,
+            "gap_bytes": self.gap_bytes,
             "base": self.base,
             "target": self.target,
         }
@@ -100,15 +104,31 @@ class PatchEntry:
 
 @dataclass(frozen=True)
 class EncodedTensor:
-    """One tensor's encoded delta, ready to be put in a patch file."""
+    """One tensor's delta before compression: its entry, varint gaps and raw values."""
 
     entry: PatchEntry
-    frame: bytes
+    gaps: bytes
+    values: bytes
 
 
-def _planes(arr: np.ndarray, width: int, out: np.ndarray) -> None:
-    """Write the byte planes of ``arr`` (uint, ``width`` bytes each) into ``out`` (uint8)."""
-    out.reshape(width, arr.shape[0])[:] = arr.view(np.uint8).reshape(arr.shape[0], width).T
+def payload_layout(entries: list[PatchEntry]) -> list[tuple[int, list[int]]]:
+    """Where each entry's gaps and value planes sit in the payload (entries in payload order).
+
+    Returns:
+        Per entry: (offset of its gap stream, [offset of its value plane k for each byte k]).
+        The payload's total size is ``sum(gap_bytes) + sum(count * itemsize)``.
+    """
+    offset = 0
+    layout: list[tuple[int, list[int]]] = []
+    for e in entries:
+        layout.append((offset, []))
+        offset += e.gap_bytes
+    for k in range(max((e.itemsize for e in entries), default=0)):
+        for e, (_, planes) in zip(entries, layout):
+            if e.itemsize > k:
+                planes.append(offset)
+                offset += e.count
+    return layout
 
 
 def check_compatible(name: str, base: RawTensor, target: RawTensor) -> None:
@@ -132,19 +152,17 @@ def encode_tensor(
     *,
     base_checksum: str | None = None,
     target_checksum: str | None = None,
-    level: int = DEFAULT_LEVEL,
 ) -> EncodedTensor | None:
-    """Diff one tensor bitwise and encode the changed positions and values.
+    """Diff one tensor bitwise: the changed positions (varint gaps) and values.
 
     Args:
         name: checkpoint name.
         base, target: same dtype and shape; ``bits`` aligned to the element size.
         encoding: ``xor`` or ``overwrite``.
         base_checksum, target_checksum: xxh3-128 hex digests if already known (else computed).
-        level: zstd level.
 
     Returns:
-        The encoded delta, or ``None`` when no element's bits changed.
+        The tensor's delta, or ``None`` when no element's bits changed.
 
     Raises:
         TensorSetMismatchError: dtype or shape differ.
@@ -153,45 +171,53 @@ def encode_tensor(
     if encoding not in ENCODINGS:
         raise ValueError(f"unknown encoding {encoding!r}; use one of {ENCODINGS}")
     check_compatible(name, base, target)
-    itemsize = DTYPE_SIZES[base.dtype]
-    numel = base.numel
-    gap_width = 4 if numel <= 2**32 else 8
-    count, gaps, vals, _ = _bitdiff.diff(base.bits, target.bits, itemsize, gap_width, encoding == "xor", 0, numel, -1)
+    count, gaps, values = _bitdiff.diff(base.bits, target.bits, DTYPE_SIZES[base.dtype], encoding == "xor")
     if count == 0:
         return None
-    payload = np.empty(count * (gap_width + itemsize), dtype=np.uint8)
-    _planes(np.frombuffer(gaps, dtype=np.uint32 if gap_width == 4 else np.uint64), gap_width, payload[: count * gap_width])
-    _planes(np.frombuffer(vals, dtype=bits_type(base.dtype)), itemsize, payload[count * gap_width :])
-    frame = zstandard.ZstdCompressor(level=level, write_content_size=True).compress(payload)
     entry = PatchEntry(
         name=name,
         dtype=base.dtype,
         shape=tuple(base.shape),
         count=count,
-        gap_width=gap_width,
-        frame_bytes=len(frame),
+        gap_bytes=len(gaps),
         base={XXH3_128: base_checksum or checksum(base)},
         target={XXH3_128: target_checksum or checksum(target)},
     )
-    return EncodedTensor(entry, frame)
+    return EncodedTensor(entry, gaps, values)
 
 
-def build_patch(encoded: list[EncodedTensor], encoding: Encoding = "xor", metadata: Mapping[str, str] | None = None) -> bytes:
-    """Assemble encoded tensors into patch-file bytes (deterministic for equal input).
+def build_patch(
+    encoded: list[EncodedTensor], encoding: Encoding = "xor", metadata: Mapping[str, str] | None = None, level: int = DEFAULT_LEVEL
+) -> bytes:
+    """Assemble tensor deltas into patch-file bytes (deterministic for equal input).
 
-    ``metadata`` adds free string entries (e.g. run id, base and target version).
+    Args:
+        encoded: deltas from :func:`encode_tensor` (any order; stored in name order).
+        encoding: the encoding they were made with.
+        metadata: free string entries (e.g. run id, base and target version).
+        level: zstd level of the payload.
     """
     encoded = sorted(encoded, key=lambda e: e.entry.name)
-    header = {
-        "format_version": FORMAT_VERSION,
-        "encoding": encoding,
-        "tensors": [e.entry.to_json() for e in encoded],
-        "metadata": dict(metadata or {}),
-    }
+    entries = [e.entry for e in encoded]
+    layout = payload_layout(entries)
+    size = sum(e.gap_bytes + e.count * e.itemsize for e in entries)
+    payload = np.empty(size, dtype=np.uint8)
+    for enc, (gap_at, plane_at) in zip(encoded, layout):
+        e = enc.entry
+        payload[gap_at : gap_at + e.gap_bytes] = np.frombuffer(enc.gaps, dtype=np.uint8)
+        values = np.frombuffer(enc.values, dtype=np.uint8).reshape(e.count, e.itemsize)
+        for k, at in enumerate(plane_at):
+            payload[at : at + e.count] = values[:, k]
+    frame = zstandard.ZstdCompressor(level=level, write_content_size=True).compress(payload)
+    listing = json.dumps([e.to_json() for e in entries], separators=(",", ":"), sort_keys=True).encode()
+    index = zstandard.ZstdCompressor(level=INDEX_LEVEL, write_content_size=True).compress(listing)
     # One metadata key: safetensors writes __metadata__ from a hash map in arbitrary order,
     # and a retried publish must produce the same bytes.
-    meta = {FORMAT: json.dumps(header, separators=(",", ":"), sort_keys=True)}
-    payloads = {
-        PAYLOAD_PREFIX + e.entry.name: RawTensor("U8", (len(e.frame),), np.frombuffer(e.frame, dtype=np.uint8)) for e in encoded
-    }
-    return serialize_safetensors(payloads, meta)
+    header = {"format_version": FORMAT_VERSION, "encoding": encoding, "metadata": dict(metadata or {})}
+    return serialize_safetensors(
+        {
+            INDEX_KEY: RawTensor("U8", (len(index),), np.frombuffer(index, dtype=np.uint8)),
+            PAYLOAD_KEY: RawTensor("U8", (len(frame),), np.frombuffer(frame, dtype=np.uint8)),
+        },
+        {FORMAT: json.dumps(header, separators=(",", ":"), sort_keys=True)},
+    )

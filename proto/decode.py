@@ -1,10 +1,10 @@
 """Reading patch files: parse, validate and decode deltas before anything is written.
 
-:func:`read_patch` checks the container and every entry's metadata; :meth:`Patch.delta`
-decompresses one tensor's frame only after checking that the frame declares exactly the size
-its metadata implies (so a frame that claims a huge content size is refused before any
-allocation), then checks the positions (in range, strictly increasing). Every failure raises
-:class:`PatchFormatError` naming the tensor.
+:func:`read_patch` checks the container, the index and every entry; the payload frame is
+decompressed only after checking that it declares exactly the size the index implies (a frame
+claiming a huge content size is refused before any allocation). :meth:`Patch.deltas` then
+decodes and checks every tensor's positions (in range, strictly increasing). Every failure
+raises :class:`PatchFormatError` naming the tensor.
 """
 
 from __future__ import annotations
@@ -15,11 +15,15 @@ from dataclasses import dataclass
 import numpy as np
 import zstandard
 
-from .codec import ENCODINGS, FORMAT, FORMAT_VERSION, PAYLOAD_PREFIX, PatchEntry
+from . import _bitdiff
+from .codec import ENCODINGS, FORMAT, FORMAT_VERSION, INDEX_KEY, PAYLOAD_KEY, PatchEntry, payload_layout
 from .container import parse_safetensors
 from .dtypes import DTYPE_SIZES, MAX_NUMEL, bits_type, numel_of
 from .errors import PatchFormatError
 from .schema import XXH3_128, check_name
+
+#: Largest decompressed index accepted (about 100 k tensors).
+MAX_INDEX_BYTES = 64 * 1024**2
 
 
 @dataclass(frozen=True)
@@ -39,69 +43,94 @@ class TensorDelta:
     values: np.ndarray
 
 
-@dataclass(frozen=True)
 class Patch:
-    """A parsed patch file (entries validated, frames not yet decompressed).
+    """A parsed patch file: index validated, payload frame checked but not yet decompressed.
 
     Attributes:
         encoding: ``xor`` or ``overwrite``.
         entries: tensor name -> :class:`PatchEntry`, in name order.
-        metadata: the extra ``__metadata__`` strings (run id, versions...).
+        metadata: the free metadata strings (run id, versions...).
         size_bytes: size of the patch file in bytes.
     """
 
-    encoding: str
-    entries: dict[str, PatchEntry]
-    metadata: dict[str, str]
-    size_bytes: int
-    _frames: dict[str, memoryview]
+    def __init__(self, encoding: str, entries: list[PatchEntry], metadata: dict[str, str], size_bytes: int, frame: memoryview, what: str):
+        self.encoding = encoding
+        self.entries = {e.name: e for e in entries}
+        self.metadata = metadata
+        self.size_bytes = size_bytes
+        self._frame = frame
+        self._what = what
+        self._layout = dict(zip(self.entries, payload_layout(entries)))
+        self._payload_bytes = sum(e.gap_bytes + e.count * e.itemsize for e in entries)
+        self._payload: np.ndarray | None = None
 
     @property
     def changed_elements(self) -> int:
         """Changed elements over all tensors."""
         return sum(e.count for e in self.entries.values())
 
+    def _decompressed(self) -> np.ndarray:
+        if self._payload is None:
+            raw = _decompress_exact(self._frame, self._payload_bytes, f"{self._what}: {PAYLOAD_KEY}")
+            self._payload = np.frombuffer(raw, dtype=np.uint8)
+        return self._payload
+
     def delta(self, name: str) -> TensorDelta:
-        """Decompress and validate one tensor's delta.
+        """Decode and validate one tensor's delta (decompresses the payload on first use).
 
         Raises:
             KeyError: the patch does not touch ``name``.
-            PatchFormatError: the frame's declared size, real size or positions are invalid.
+            PatchFormatError: the payload frame or the tensor's positions are invalid.
         """
         entry = self.entries[name]
-        frame = self._frames[name]
-        want = entry.payload_bytes
-        declared = zstandard.frame_content_size(frame)
-        if declared != want:
-            raise PatchFormatError(f"tensor {name!r}: zstd frame declares {declared} bytes, metadata implies {want}; refusing to decompress")
-        dobj = zstandard.ZstdDecompressor().decompressobj()
+        payload = self._decompressed()
+        gap_at, plane_at = self._layout[name]
+        positions = np.empty(entry.count, dtype=np.int64)
         try:
-            raw = dobj.decompress(frame)
-        except zstandard.ZstdError as exc:
-            raise PatchFormatError(f"tensor {name!r}: corrupt zstd frame ({exc})") from None
-        if len(raw) != want or not dobj.eof or dobj.unused_data:
-            raise PatchFormatError(f"tensor {name!r}: zstd frame is truncated, longer than declared or followed by extra bytes")
-        buf = np.frombuffer(raw, dtype=np.uint8)
-        gw, isz, n = entry.gap_width, DTYPE_SIZES[entry.dtype], entry.count
-        gaps = np.ascontiguousarray(buf[: n * gw].reshape(gw, n).T).view(np.uint32 if gw == 4 else np.uint64).reshape(n)
-        values = np.ascontiguousarray(buf[n * gw :].reshape(isz, n).T).view(bits_type(entry.dtype)).reshape(n)
-        numel = entry.numel
-        if int(gaps.max()) >= numel:
-            raise PatchFormatError(f"tensor {name!r}: a position gap exceeds the tensor's {numel} elements (index out of range or unsorted)")
-        positions = np.cumsum(gaps.astype(np.int64) + 1) - 1
-        if int(positions[-1]) >= numel or (n > 1 and not bool(np.all(positions[1:] > positions[:-1]))):
-            raise PatchFormatError(f"tensor {name!r}: positions run past the tensor's {numel} elements or are not increasing")
-        return TensorDelta(entry, self.encoding, positions, values)
+            _bitdiff.positions(payload[gap_at : gap_at + entry.gap_bytes], positions, entry.numel)
+        except ValueError as exc:
+            raise PatchFormatError(f"{self._what}: tensor {name!r}: {exc}") from None
+        planes = np.empty((entry.count, entry.itemsize), dtype=np.uint8)
+        for k, at in enumerate(plane_at):
+            planes[:, k] = payload[at : at + entry.count]
+        return TensorDelta(entry, self.encoding, positions, planes.view(bits_type(entry.dtype)).reshape(entry.count))
 
     def deltas(self) -> dict[str, TensorDelta]:
         """Decode and validate every tensor's delta (all of them, before any use)."""
         return {name: self.delta(name) for name in self.entries}
 
 
+def _declared_size(frame: memoryview | bytes) -> int:
+    """Content size a zstd frame header declares; -1 when absent or not a zstd frame."""
+    try:
+        return zstandard.frame_content_size(frame)
+    except zstandard.ZstdError:
+        return -1
+
+
+def _decompress_exact(frame: memoryview | bytes, want: int, what: str) -> bytes:
+    """Decompress one zstd frame that must declare and hold exactly ``want`` bytes.
+
+    The declared content size is checked before decompressing, so a frame claiming a huge size
+    is refused without allocating.
+    """
+    declared = _declared_size(frame)
+    if declared != want:
+        raise PatchFormatError(f"{what}: zstd frame declares {declared} bytes, the index implies {want}; refusing to decompress")
+    dobj = zstandard.ZstdDecompressor().decompressobj()
+    try:
+        raw = dobj.decompress(frame)
+    except zstandard.ZstdError as exc:
+        raise PatchFormatError(f"{what}: corrupt zstd frame ({exc})") from None
+    if len(raw) != want or not dobj.eof or dobj.unused_data:
+        raise PatchFormatError(f"{what}: zstd frame is truncated, longer than declared or followed by extra bytes")
+    return raw
+
+
 def _entry_from_json(obj: object, what: str) -> PatchEntry:
     if not isinstance(obj, dict):
         raise PatchFormatError(f"{what}: tensor entry is not an object")
-    want = {"name", "dtype", "shape", "count", "gap_width", "frame_bytes", "base", "target"}
+    want = {"name", "dtype", "shape", "count", "gap_bytes", "base", "target"}
     if set(obj) != want:
         raise PatchFormatError(f"{what}: tensor entry keys {sorted(obj)} != {sorted(want)}")
     name = obj["name"]
@@ -109,28 +138,27 @@ def _entry_from_json(obj: object, what: str) -> PatchEntry:
         check_name(name if isinstance(name, str) else "", "tensor name")
     except Exception as exc:
         raise PatchFormatError(f"{what}: {exc}") from None
-    dtype, shape = obj["dtype"], obj["shape"]
+    dtype, shape, count, gap_bytes = obj["dtype"], obj["shape"], obj["count"], obj["gap_bytes"]
     if dtype not in DTYPE_SIZES:
         raise PatchFormatError(f"{what}: tensor {name!r} has unknown dtype {dtype!r}")
-    ints = [obj["count"], obj["gap_width"], obj["frame_bytes"]]
-    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape + ints):
-        raise PatchFormatError(f"{what}: tensor {name!r} has a bad shape, count, gap_width or frame_bytes")
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in [*shape, count, gap_bytes]):
+        raise PatchFormatError(f"{what}: tensor {name!r} has a bad shape, count or gap_bytes")
     numel = numel_of(shape)
     if numel > MAX_NUMEL:
         raise PatchFormatError(f"{what}: tensor {name!r} shape {shape} overflows")
-    if not 1 <= obj["count"] <= numel:
-        raise PatchFormatError(f"{what}: tensor {name!r} claims {obj['count']} changed elements of {numel}")
-    if obj["gap_width"] not in (4, 8) or (obj["gap_width"] == 4 and numel > 2**32):
-        raise PatchFormatError(f"{what}: tensor {name!r} has gap_width {obj['gap_width']} for {numel} elements")
+    if not 1 <= count <= numel:
+        raise PatchFormatError(f"{what}: tensor {name!r} claims {count} changed elements of {numel}")
+    if not count <= gap_bytes <= 10 * count:
+        raise PatchFormatError(f"{what}: tensor {name!r} has {gap_bytes} gap bytes for {count} varints")
     for key in ("base", "target"):
         sums = obj[key]
         if not isinstance(sums, dict) or not isinstance(sums.get(XXH3_128), str) or len(sums[XXH3_128]) != 32:
             raise PatchFormatError(f"{what}: tensor {name!r} lacks a {key} {XXH3_128} checksum")
-    return PatchEntry(name, dtype, tuple(shape), obj["count"], obj["gap_width"], obj["frame_bytes"], dict(obj["base"]), dict(obj["target"]))
+    return PatchEntry(name, dtype, tuple(shape), count, gap_bytes, dict(obj["base"]), dict(obj["target"]))
 
 
 def read_patch(data: bytes | bytearray | memoryview, expected_size: int | None = None, what: str = "patch") -> Patch:
-    """Parse and validate a patch file's container and metadata.
+    """Parse and validate a patch file's container and index.
 
     Args:
         data: the whole file.
@@ -138,46 +166,48 @@ def read_patch(data: bytes | bytearray | memoryview, expected_size: int | None =
         what: name used in error messages (e.g. the file path or sha256).
 
     Raises:
-        PatchFormatError: size differs from ``expected_size``, not safetensors, not a
-            stitchboard patch (format/version/encoding), an entry is invalid, a payload is
-            missing, extra, not ``U8`` or of another size than ``frame_bytes``.
+        PatchFormatError: size differs from ``expected_size``; not safetensors; not a stitchboard
+            patch or an unknown format version or encoding; index or payload missing, not
+            ``U8``, declaring another size than the entries imply, or not valid; an entry is
+            invalid or listed twice.
     """
     if expected_size is not None and len(data) != expected_size:
         raise PatchFormatError(f"{what}: {len(data)} bytes, the manifest says {expected_size}")
-    meta, payloads = parse_safetensors(data, what)
+    meta, tensors = parse_safetensors(data, what)
     if set(meta) != {FORMAT}:
         raise PatchFormatError(f"{what}: not a stitchboard patch (no {FORMAT!r} metadata); an anchor is a plain checkpoint, load it instead")
     try:
         header = json.loads(meta[FORMAT])
     except json.JSONDecodeError as exc:
         raise PatchFormatError(f"{what}: {FORMAT!r} metadata is not JSON ({exc})") from None
-    if not isinstance(header, dict) or set(header) != {"format_version", "encoding", "tensors", "metadata"}:
-        raise PatchFormatError(f"{what}: {FORMAT!r} metadata must have format_version, encoding, tensors, metadata")
+    if not isinstance(header, dict) or set(header) != {"format_version", "encoding", "metadata"}:
+        raise PatchFormatError(f"{what}: {FORMAT!r} metadata must have format_version, encoding, metadata")
     if header["format_version"] != FORMAT_VERSION:
         raise PatchFormatError(f"{what}: patch format version {header['format_version']!r} is not supported (this reader knows {FORMAT_VERSION}); upgrade stitchboard")
-    encoding, items, extra = header["encoding"], header["tensors"], header["metadata"]
+    encoding, extra = header["encoding"], header["metadata"]
     if encoding not in ENCODINGS:
         raise PatchFormatError(f"{what}: unknown encoding {encoding!r}")
-    if not isinstance(items, list):
-        raise PatchFormatError(f"{what}: 'tensors' is not a list")
     if not isinstance(extra, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in extra.items()):
         raise PatchFormatError(f"{what}: 'metadata' must map strings to strings")
-    entries: dict[str, PatchEntry] = {}
-    for obj in items:
-        entry = _entry_from_json(obj, what)
-        if entry.name in entries:
-            raise PatchFormatError(f"{what}: tensor {entry.name!r} listed twice")
-        entries[entry.name] = entry
-    frames: dict[str, memoryview] = {}
-    for key, raw in payloads.items():
-        name = key[len(PAYLOAD_PREFIX) :] if key.startswith(PAYLOAD_PREFIX) else None
-        if name not in entries:
-            raise PatchFormatError(f"{what}: payload {key!r} has no metadata entry")
-        entry = entries[name]
-        if raw.dtype != "U8" or raw.shape != (entry.frame_bytes,):
-            raise PatchFormatError(f"{what}: payload {key!r} is {raw.dtype}{list(raw.shape)}, expected U8[{entry.frame_bytes}]")
-        frames[name] = memoryview(raw.bits)
-    missing = sorted(set(entries) - set(frames))
-    if missing:
-        raise PatchFormatError(f"{what}: no payload for tensors {missing[:5]}")
-    return Patch(encoding, dict(sorted(entries.items())), dict(extra), len(data), frames)
+    if set(tensors) != {INDEX_KEY, PAYLOAD_KEY} or any(t.dtype != "U8" for t in tensors.values()):
+        found = {k: t.dtype for k, t in tensors.items()}
+        raise PatchFormatError(f"{what}: expected U8 tensors {INDEX_KEY!r} and {PAYLOAD_KEY!r}, found {found}")
+    index = memoryview(tensors[INDEX_KEY].bits)
+    declared = _declared_size(index)
+    if not 0 <= declared <= MAX_INDEX_BYTES:
+        raise PatchFormatError(f"{what}: {INDEX_KEY} declares {declared} bytes (limit {MAX_INDEX_BYTES}); refusing to decompress")
+    try:
+        items = json.loads(_decompress_exact(index, declared, f"{what}: {INDEX_KEY}"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise PatchFormatError(f"{what}: {INDEX_KEY} is not JSON ({exc})") from None
+    if not isinstance(items, list):
+        raise PatchFormatError(f"{what}: {INDEX_KEY} is not a list")
+    entries = [_entry_from_json(obj, what) for obj in items]
+    names = [e.name for e in entries]
+    if names != sorted(set(names)):
+        raise PatchFormatError(f"{what}: {INDEX_KEY} entries must be unique and in name order")
+    frame = memoryview(tensors[PAYLOAD_KEY].bits)
+    want = sum(e.gap_bytes + e.count * e.itemsize for e in entries)
+    if _declared_size(frame) != want:
+        raise PatchFormatError(f"{what}: {PAYLOAD_KEY} declares {_declared_size(frame)} bytes, the index implies {want}; refusing to decompress")
+    return Patch(encoding, entries, dict(extra), len(data), frame, what)

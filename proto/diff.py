@@ -81,14 +81,14 @@ def diff_views(
 
     def one(name: str) -> tuple[str, str, EncodedTensor | None]:
         target_sum = checksum(target[name])
-        enc = encode_tensor(name, base[name], target[name], encoding, base_checksum=known.get(name), target_checksum=target_sum, level=level)
+        enc = encode_tensor(name, base[name], target[name], encoding, base_checksum=known.get(name), target_checksum=target_sum)
         return name, target_sum, enc
 
     with ThreadPoolExecutor(max_workers=threads or min(8, os.cpu_count() or 1)) as pool:
         results = list(pool.map(one, order))
     encoded = [e for _, _, e in results if e is not None]
     return ViewDiff(
-        patch=build_patch(encoded, encoding, metadata),
+        patch=build_patch(encoded, encoding, metadata, level),
         changed_elements=sum(e.entry.count for e in encoded),
         total_elements=sum(t.numel for t in target.values()),
         changed_tensors=sorted(e.entry.name for e in encoded),

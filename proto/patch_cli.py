@@ -87,9 +87,9 @@ def inspect(file: Annotated[Path, typer.Argument(help="a patch file or a checkpo
     console.print(f"[bold]{file}[/bold]: stitchboard patch, encoding {p.encoding}, {len(data):,} bytes")
     for k, v in p.metadata.items():
         console.print(f"  {k}: {v}")
-    table = Table("tensor", "dtype", "shape", "changed", "%", "frame bytes", "bytes/change")
+    table = Table("tensor", "dtype", "shape", "changed", "%", "gap bytes (raw)")
     for e in p.entries.values():
-        table.add_row(e.name, e.dtype, json.dumps(list(e.shape)), f"{e.count:,}", f"{100 * e.count / max(e.numel, 1):.3f}", f"{e.frame_bytes:,}", f"{e.frame_bytes / e.count:.3f}")
+        table.add_row(e.name, e.dtype, json.dumps(list(e.shape)), f"{e.count:,}", f"{100 * e.count / max(e.numel, 1):.3f}", f"{e.gap_bytes:,}")
     console.print(table)
     n = p.changed_elements
     console.print(f"total: {n:,} changed elements, {len(data) / n:.3f} bytes per changed element (whole file)" if n else "empty delta")

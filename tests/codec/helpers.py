@@ -7,7 +7,9 @@ import struct
 
 import numpy as np
 
-from stitchboard.proto.codec import FORMAT, FORMAT_VERSION, PAYLOAD_PREFIX
+import zstandard
+
+from stitchboard.proto.codec import FORMAT, FORMAT_VERSION, INDEX_KEY, PAYLOAD_KEY
 from stitchboard.proto.container import RawTensor, serialize_safetensors
 from stitchboard.proto.dtypes import bits_type
 
@@ -29,10 +31,33 @@ def same_bits(a: dict[str, RawTensor], b: dict[str, RawTensor]) -> bool:
     )
 
 
-def patch_file(entries: list[dict], frames: dict[str, bytes], encoding: str = "xor", payload_dtype: str = "U8") -> bytes:
-    """A patch file with the given metadata entries and raw frames (no validation)."""
-    meta = {FORMAT: json.dumps({"format_version": FORMAT_VERSION, "encoding": encoding, "tensors": entries, "metadata": {}})}
-    payloads = {PAYLOAD_PREFIX + n: RawTensor(payload_dtype, (len(f),), np.frombuffer(f, dtype=np.uint8)) for n, f in frames.items()}
+def varints(values: list[int]) -> bytes:
+    """LEB128 encoding of unsigned integers."""
+    out = bytearray()
+    for v in values:
+        while v >= 0x80:
+            out.append((v & 0x7F) | 0x80)
+            v >>= 7
+        out.append(v)
+    return bytes(out)
+
+
+def bf16_payload(gap_stream: bytes, values: list[int]) -> bytes:
+    """Uncompressed payload of a one-tensor bf16 patch: varint gaps, then the two value planes."""
+    v = np.array(values, dtype=np.uint16)
+    return gap_stream + v.view(np.uint8).reshape(len(v), 2).T.tobytes()
+
+
+def patch_file(entries: list[dict], frame: bytes, encoding: str = "xor", index: bytes | None = None, extra: dict | None = None) -> bytes:
+    """A patch file with the given index entries and payload frame (no validation)."""
+    meta = {FORMAT: json.dumps({"format_version": FORMAT_VERSION, "encoding": encoding, "metadata": {}})}
+    if index is None:
+        index = zstandard.ZstdCompressor().compress(json.dumps(entries).encode())
+    payloads = {
+        INDEX_KEY: RawTensor("U8", (len(index),), np.frombuffer(index, dtype=np.uint8)),
+        PAYLOAD_KEY: RawTensor("U8", (len(frame),), np.frombuffer(frame, dtype=np.uint8)),
+        **(extra or {}),
+    }
     return serialize_safetensors(payloads, meta)
 
 

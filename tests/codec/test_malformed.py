@@ -9,13 +9,15 @@ import pytest
 import zstandard
 
 from stitchboard.proto.apply import apply_patch
+from stitchboard.proto.container import RawTensor
 from stitchboard.proto.decode import read_patch
 from stitchboard.proto.diff import diff_views
 from stitchboard.proto.errors import PatchError, PatchFormatError, TensorSetMismatchError
 
-from .helpers import copy_view, patch_file, raw, rewrite_header, same_bits
+from .helpers import bf16_payload, copy_view, patch_file, raw, rewrite_header, same_bits, varints
 
 BASE = {"model.w": raw("BF16", (4, 8), np.arange(32) * 7), "model.v": raw("F32", (5,), np.arange(5))}
+BOMB = bytes.fromhex("28b52ffde06c06060663636363")  # 13-byte zstd frame declaring a huge content size
 
 
 def good_patch() -> bytes:
@@ -25,17 +27,17 @@ def good_patch() -> bytes:
     return diff_views(BASE, target).patch
 
 
-def entry(count=1, gap_width=4, frame=b"", name="model.w", dtype="BF16", shape=(4, 8)) -> dict:
+def entry(count=1, gap_bytes=None, name="model.w", dtype="BF16", shape=(4, 8)) -> dict:
     z = "0" * 32
-    return {"name": name, "dtype": dtype, "shape": list(shape), "count": count, "gap_width": gap_width,
-            "frame_bytes": len(frame), "base": {"xxh3_128": z}, "target": {"xxh3_128": z}}
+    return {"name": name, "dtype": dtype, "shape": list(shape), "count": count, "gap_bytes": count if gap_bytes is None else gap_bytes,
+            "base": {"xxh3_128": z}, "target": {"xxh3_128": z}}
 
 
-def frame_of(gaps: list[int], values: list[int], gap_dtype=np.uint32) -> bytes:
-    g = np.array(gaps, dtype=gap_dtype)
-    v = np.array(values, dtype=np.uint16)
-    planes = np.concatenate([g.view(np.uint8).reshape(len(g), -1).T.ravel(), v.view(np.uint8).reshape(len(v), -1).T.ravel()])
-    return zstandard.ZstdCompressor().compress(planes.tobytes())
+def one(gaps: list[int], values: list[int], gap_stream: bytes | None = None, **kw) -> bytes:
+    """A patch touching one bf16 tensor with the given gaps and values."""
+    g = varints(gaps) if gap_stream is None else gap_stream
+    frame = zstandard.ZstdCompressor().compress(bf16_payload(g, values))
+    return patch_file([entry(len(values), gap_bytes=len(g), **kw)], frame)
 
 
 def assert_refused(data: bytes, error=PatchFormatError, expected_size=None, match=None) -> None:
@@ -60,7 +62,7 @@ def test_truncated_file():
 
 def test_header_length_larger_than_file():
     data = good_patch()
-    assert_refused((len(data)).to_bytes(8, "little") + data[8:], match="larger than the file")
+    assert_refused(len(data).to_bytes(8, "little") + data[8:], match="larger than the file")
 
 
 def test_duplicate_tensor_names():
@@ -68,50 +70,58 @@ def test_duplicate_tensor_names():
 
     def dup(text: str) -> str:
         header = json.loads(text)
-        key = "delta/model.w"
-        item = json.dumps(header[key])
-        return text.rstrip()[:-1] + f',"{key}":{item}' + "}"
+        return text.rstrip()[:-1] + f',"__payload__":{json.dumps(header["__payload__"])}' + "}"
 
     assert_refused(rewrite_header(data, dup), match="duplicate")
+    assert_refused(_index_twice(), match="unique")
+
+
+def _index_twice() -> bytes:
+    g = varints([0])
+    frame = zstandard.ZstdCompressor().compress(bf16_payload(g, [1]) * 2)
+    return patch_file([entry(1), entry(1)], frame)
 
 
 def test_payload_dtype_relabelled_same_size():
     data = good_patch()
-    assert_refused(rewrite_header(data, lambda t: t.replace('"dtype":"U8"', '"dtype":"I8"', 1)), match="expected U8")
+    relabelled = rewrite_header(data, lambda t: t.replace('"__payload__":{"dtype":"U8"', '"__payload__":{"dtype":"I8"'))
+    assert relabelled != data
+    assert_refused(relabelled, match="expected U8")
 
 
 def test_tensor_dtype_relabelled_same_size():
-    data = good_patch()
-    relabelled = rewrite_header(data, lambda t: t.replace('\\"dtype\\":\\"BF16\\"', '\\"dtype\\":\\"F16\\"'))
-    assert relabelled != data
-    assert_refused(relabelled, error=TensorSetMismatchError, match="F16")
+    assert_refused(one([3], [1], dtype="F16"), error=TensorSetMismatchError, match="F16")
 
 
 def test_index_out_of_range():
-    f = frame_of([32], [1])  # position 32 in a 32-element tensor
-    assert_refused(patch_file([entry(1, frame=f)], {"model.w": f}), match="out of range")
+    assert_refused(one([32], [1]), match="out of range")  # position 32 in a 32-element tensor
 
 
 def test_positions_past_the_end_by_accumulation():
-    f = frame_of([20, 20], [1, 1])  # positions 20, 41
-    assert_refused(patch_file([entry(2, frame=f)], {"model.w": f}), match="past")
+    assert_refused(one([20, 20], [1, 1]), match="out of range")  # positions 20, 41
 
 
 def test_unsorted_indices():
-    # positions 5, then 3: the gap would have to be -3, which wraps to a huge unsigned value
-    f = frame_of([5, 2**64 - 3], [1, 1], gap_dtype=np.uint64)
-    assert_refused(patch_file([entry(2, gap_width=8, frame=f)], {"model.w": f}), match="unsorted")
+    # positions 5, then 3: the gap would be -3, which as an unsigned varint is huge
+    assert_refused(one([5, 2**64 - 3], [1, 1]), match="unsorted")
+
+
+def test_overlong_truncated_and_leftover_varints():
+    assert_refused(one([0], [1], gap_stream=b"\x80" * 10), match="overflows 64 bits")
+    assert_refused(one([0], [1], gap_stream=b"\x80" * 11), match="gap bytes")
+    assert_refused(one([0, 0], [1, 1], gap_stream=b"\x80\x80"), match="truncated")
+    assert_refused(one([0], [1], gap_stream=b"\x00\x00"), match="left after")
 
 
 def test_zstd_frame_declaring_huge_content_size():
-    bomb = bytes.fromhex("28b52ffde06c06060663636363")
-    assert len(bomb) == 13
-    assert_refused(patch_file([entry(1, frame=bomb)], {"model.w": bomb}), match="refusing to decompress")
+    assert len(BOMB) == 13
+    assert_refused(patch_file([entry(1)], BOMB), match="refusing to decompress")
+    assert_refused(patch_file([], b"", index=BOMB), match="refusing to decompress")
 
 
-def test_frame_with_trailing_bytes():
-    f = frame_of([3], [1]) + b"junk"
-    assert_refused(patch_file([entry(1, frame=f)], {"model.w": f}), match="extra bytes")
+def test_payload_with_trailing_bytes():
+    frame = zstandard.ZstdCompressor().compress(bf16_payload(varints([3]), [1]))
+    assert_refused(patch_file([entry(1)], frame + b"junk"), match="extra bytes")
 
 
 def test_manifest_file_size_mismatch():
@@ -120,21 +130,18 @@ def test_manifest_file_size_mismatch():
 
 
 def test_path_traversal_in_a_name():
-    f = frame_of([3], [1])
-    bad = entry(1, frame=f, name="../../etc/passwd")
-    assert_refused(patch_file([bad], {"../../etc/passwd": f}), match="invalid tensor name")
-    assert_refused(patch_file([bad], {"model.w": f}), match="invalid tensor name")
+    assert_refused(one([3], [1], name="../../etc/passwd"), match="invalid tensor name")
+    assert_refused(one([3], [1], name="/etc/passwd"), match="invalid tensor name")
 
 
 def test_count_larger_than_tensor():
-    f = frame_of([0], [1])
-    assert_refused(patch_file([entry(33, frame=f)], {"model.w": f}), match="changed elements")
+    assert_refused(one([0] * 33, [1] * 33), match="changed elements")
 
 
-def test_payload_without_entry_and_entry_without_payload():
-    f = frame_of([0], [1])
-    assert_refused(patch_file([], {"model.w": f}), match="no metadata entry")
-    assert_refused(patch_file([entry(1, frame=f)], {}), match="no payload")
+def test_index_and_payload_disagree():
+    frame = zstandard.ZstdCompressor().compress(bf16_payload(varints([3]), [1]))
+    assert_refused(patch_file([entry(2, gap_bytes=2)], frame), match="index implies")
+    assert_refused(patch_file([entry(1)], frame, extra={"stray": RawTensor("U8", (1,), np.zeros(1, np.uint8))}), match="found")
 
 
 def test_not_a_patch_and_future_version():
