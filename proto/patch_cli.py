@@ -4,6 +4,7 @@ debug weights. Works on single files and on HF sharded checkpoints (index json).
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Annotated
@@ -21,11 +22,13 @@ from .diff import diff_views
 from .errors import StitchError
 
 app = typer.Typer(help="Diff, apply and inspect bit-exact weight patches.", no_args_is_help=True)
-console = Console()
+# Piped output (logs, scripts) gets wide tables instead of rich's 80-column default.
+console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200)
+errors = Console(stderr=True, soft_wrap=True)
 
 
 def _fail(exc: Exception) -> None:
-    console.print(f"[red]error:[/red] {exc}")
+    errors.print(f"[red]error:[/red] {exc}")
     raise typer.Exit(1)
 
 

@@ -1,0 +1,103 @@
+"""Wire schema validation: lineage, names, shapes, dtypes, sizes."""
+
+from __future__ import annotations
+
+import pytest
+
+from stitchboard.proto import SchemaError, VersionManifest, canonical_json, check_run_id, parse_manifest
+
+SUM = {"xxh3_128": "0" * 32}
+SHA = "a" * 64
+
+
+def manifest(**over) -> dict:
+    m = {
+        "run_id": "run-1",
+        "version": 1,
+        "base_version": 0,
+        "snapshot": False,
+        "encoding": "xor",
+        "tensors": [{"name": "model.w", "dtype": "BF16", "shape": [2, 3], "checksums": SUM}],
+        "files": [{"path": "patch-v1.safetensors", "sha256": SHA, "size_bytes": 100, "role": "patch"}],
+        "stats": {"changed_elements": 2, "total_elements": 6, "encoded_bytes": 100},
+        "metadata": {"step": 7, "loss": 1.5},
+    }
+    m.update(over)
+    return m
+
+
+def test_valid_manifest_round_trips_canonically():
+    m = parse_manifest(manifest())
+    again = parse_manifest(canonical_json(m))
+    assert canonical_json(again) == canonical_json(m)
+    assert m.schema_version == 1 and m.tensors[0].numel == 6 and m.files_of("patch")[0].size_bytes == 100
+
+
+def test_version_zero_is_an_anchor():
+    snap = [{"path": "model.safetensors", "sha256": SHA, "size_bytes": 12, "role": "snapshot"}]
+    ok = parse_manifest(manifest(version=0, base_version=None, snapshot=True, files=snap, stats={"changed_elements": 0, "total_elements": 6, "encoded_bytes": 0}))
+    assert ok.snapshot
+    with pytest.raises(SchemaError, match="anchor"):
+        parse_manifest(manifest(version=0, base_version=None, snapshot=False, files=[], stats={"changed_elements": 0, "total_elements": 6, "encoded_bytes": 0}))
+    with pytest.raises(SchemaError, match="cannot carry patch"):
+        parse_manifest(manifest(version=0, base_version=None, snapshot=True, files=snap + manifest()["files"]))
+
+
+@pytest.mark.parametrize("base", [0, 5, None])
+def test_base_must_be_previous_version(base):
+    with pytest.raises(SchemaError, match="base_version"):
+        parse_manifest(manifest(version=3, base_version=base))
+
+
+@pytest.mark.parametrize("name", ["../etc/passwd", "/abs/path", "a\x00b", "C:evil", "a\\b", "x/../y", ""])
+def test_bad_names_are_rejected(name):
+    t = [{"name": name, "dtype": "BF16", "shape": [6], "checksums": SUM}]
+    with pytest.raises(SchemaError, match="invalid tensor name"):
+        parse_manifest(manifest(tensors=t))
+    f = [{"path": name, "sha256": SHA, "size_bytes": 100, "role": "patch"}]
+    with pytest.raises(SchemaError, match="invalid file path"):
+        parse_manifest(manifest(files=f))
+
+
+@pytest.mark.parametrize("shape", [[-1, 6], [2**40, 2**40], [1] * 17])
+def test_bad_shapes_are_rejected(shape):
+    with pytest.raises(SchemaError, match="shape"):
+        parse_manifest(manifest(tensors=[{"name": "w", "dtype": "BF16", "shape": shape, "checksums": SUM}]))
+
+
+def test_unknown_dtype_and_missing_checksum():
+    with pytest.raises(SchemaError, match="unknown dtype"):
+        parse_manifest(manifest(tensors=[{"name": "w", "dtype": "BF17", "shape": [6], "checksums": SUM}]))
+    with pytest.raises(SchemaError, match="xxh3_128"):
+        parse_manifest(manifest(tensors=[{"name": "w", "dtype": "BF16", "shape": [6], "checksums": {"crc": "00"}}]))
+
+
+def test_stats_must_agree_with_tensors_and_files():
+    with pytest.raises(SchemaError, match="total_elements"):
+        parse_manifest(manifest(stats={"changed_elements": 2, "total_elements": 7, "encoded_bytes": 100}))
+    with pytest.raises(SchemaError, match="encoded_bytes"):
+        parse_manifest(manifest(stats={"changed_elements": 2, "total_elements": 6, "encoded_bytes": 99}))
+
+
+def test_future_schema_unknown_fields_and_bad_json():
+    with pytest.raises(SchemaError, match="upgrade"):
+        parse_manifest(manifest(schema_version=2))
+    with pytest.raises(SchemaError, match="Extra inputs"):
+        parse_manifest(manifest(created_at="2026-01-01"))
+    with pytest.raises(SchemaError):
+        parse_manifest(b"{not json")
+    with pytest.raises(SchemaError, match="sha256"):
+        parse_manifest(manifest(files=[{"path": "p", "sha256": "XYZ", "size_bytes": 100, "role": "patch"}]))
+
+
+@pytest.mark.parametrize("run", ["..", "a/b", "-x", "", "a" * 129, "ok..no"])
+def test_bad_run_ids(run):
+    with pytest.raises(SchemaError):
+        check_run_id(run)
+    assert check_run_id("run_1.v2-a") == "run_1.v2-a"
+
+
+def test_manifest_is_immutable():
+    m = VersionManifest.model_validate(manifest())
+    with pytest.raises(Exception):
+        m.version = 2  # type: ignore[misc]
