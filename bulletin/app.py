@@ -1,0 +1,171 @@
+"""The bulletin service: :func:`create_app` builds the FastAPI app (nothing is created at import).
+
+Routes live in :mod:`.routes_versions` (versions, long-poll, plans, runs) and
+:mod:`.routes_blobs` (blob upload/download). Every error answer is JSON
+``{"type", "message", ...}`` (:class:`stitchboard.proto.schema.ErrorBody`); the OpenAPI
+document is at ``/openapi.json``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import tempfile
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from anyio import to_thread
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .auth import Authorizer, Scope
+from .errors import BulletinError
+from .ledger import Ledger
+from .longpoll import Watcher
+from .metrics import BulletinMetrics, LatencyMiddleware
+from .settings import BulletinSettings
+from .store import FileStore, Store, open_store
+
+log = logging.getLogger("stitchboard.bulletin")
+_bearer = HTTPBearer(auto_error=False, description="Token with scope read or publish (STITCH_BULLETIN_TOKENS).")
+
+
+@dataclass
+class BulletinState:
+    """What the routes share: settings, store, ledger, long-poll watcher, auth and metrics."""
+
+    settings: BulletinSettings
+    store: Store
+    ledger: Ledger
+    watcher: Watcher
+    auth: Authorizer
+    metrics: BulletinMetrics
+    upload_dir: Path
+
+
+def state_of(request: Request) -> BulletinState:
+    """The :class:`BulletinState` of the app serving ``request``."""
+    return request.app.state.bulletin
+
+
+def _error(status: int, type_: str, message: str, **details: object) -> JSONResponse:
+    return JSONResponse({"type": type_, "message": message, **details}, status_code=status)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(BulletinError)
+    async def _bulletin_error(request: Request, exc: BulletinError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:10])
+        return _error(422, "InvalidRequest", f"invalid request: {problems}")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        names = {404: "NotFound", 405: "MethodNotAllowed"}
+        return _error(exc.status_code, names.get(exc.status_code, "InvalidRequest" if exc.status_code < 500 else "BulletinError"), str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return _error(500, "InternalError", f"internal error ({type(exc).__name__}); see the bulletin log")
+
+
+def _remove_stale_uploads(folder: Path, older_than_s: float) -> None:
+    # Partial uploads left by a crashed process (live ones are written to continuously).
+    cutoff = time.time() - older_than_s
+    for path in folder.glob(".*"):
+        with contextlib.suppress(FileNotFoundError):
+            if path.stat().st_mtime < cutoff:
+                path.unlink()
+
+
+def create_app(settings: BulletinSettings | None = None, store: Store | None = None) -> FastAPI:
+    """Build a bulletin app.
+
+    Args:
+        settings: configuration (default: read from ``STITCH_BULLETIN_*`` env vars).
+        store: the object store (default: :func:`open_store` of ``settings.store``).
+
+    Raises:
+        InvalidRequestError: the store URL is not understood.
+    """
+    from .routes_blobs import router as blobs_router
+    from .routes_versions import router as versions_router
+
+    settings = settings or BulletinSettings()
+    store = store or open_store(settings.store, settings)
+    if settings.upload_tmp_dir:
+        upload_dir = Path(settings.upload_tmp_dir)
+    elif isinstance(store, FileStore):
+        upload_dir = store.root / ".uploads"  # same filesystem: a verified upload is linked, not copied
+    else:
+        upload_dir = Path(tempfile.gettempdir()) / "stitchboard-uploads"
+    upload_dir.mkdir(parents=True, exist_ok=True)
+    ledger = Ledger(store, max_manifest_bytes=settings.max_manifest_bytes, cache_entries=settings.manifest_cache_entries)
+    metrics = BulletinMetrics(store)
+    state = BulletinState(settings, store, ledger, Watcher(ledger, settings.poll_interval_s, metrics), Authorizer(settings.tokens), metrics, upload_dir)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await to_thread.run_sync(_remove_stale_uploads, upload_dir, settings.gc_grace_s)
+        if state.auth.open:
+            log.warning("no tokens configured (STITCH_BULLETIN_TOKENS): this bulletin accepts reads and publishes from anyone")
+        log.info("bulletin serving store %s", store.url)
+        yield
+        await state.watcher.close()
+
+    app = FastAPI(
+        title="stitchboard bulletin",
+        version="1",
+        description="Publishes immutable weight versions of RL runs and tells rollout engines how to reach the latest one.",
+        lifespan=lifespan,
+    )
+    app.state.bulletin = state
+    _install_error_handlers(app)
+    app.include_router(versions_router)
+    app.include_router(blobs_router)
+
+    @app.get("/healthz", tags=["ops"])
+    async def healthz() -> dict:
+        """Liveness: the process answers."""
+        return {"status": "ok"}
+
+    @app.get("/readyz", tags=["ops"])
+    async def readyz() -> JSONResponse:
+        """Readiness: the object store is reachable."""
+        try:
+            await to_thread.run_sync(store.check)
+        except BulletinError as exc:
+            return _error(503, exc.type, exc.message)
+        return JSONResponse({"status": "ready", "store": store.url})
+
+    @app.get("/metrics", tags=["ops"])
+    def metrics_endpoint() -> Response:
+        """Prometheus metrics."""
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    app.add_middleware(LatencyMiddleware, metrics=metrics)
+    return app
+
+
+def _access(scope: Scope):
+    async def dependency(request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> BulletinState:
+        state = state_of(request)
+        state.auth.check(request.headers.get("authorization"), scope, request.path_params.get("run"))
+        return state
+
+    return dependency
+
+
+#: Route dependencies: check the bearer token for the ``read`` / ``publish`` scope of the path's run.
+read_access = _access("read")
+publish_access = _access("publish")

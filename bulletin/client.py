@@ -1,0 +1,281 @@
+"""The HTTP client of the bulletin, shared by the CLI, the trainer SDK and the sidecar.
+
+Imports only httpx and :mod:`stitchboard.proto` (no FastAPI), so it works without the
+``bulletin`` extra. Blocking; one instance may be shared between threads (httpx.Client is
+thread-safe). Every method raises the :mod:`stitchboard.bulletin.errors` tree:
+
+* transport errors and 5xx answers are retried with exponential backoff (``retries`` times),
+  then raised as :class:`UnavailableError` (or the 5xx body's type);
+* 4xx answers are never retried: 401/403 -> :class:`AuthError`, 404 -> :class:`NotFoundError`,
+  409 -> :class:`ConflictError` subclasses, other 4xx -> :class:`InvalidRequestError` subclasses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from stitchboard.proto.schema import Plan, RunInfo, VersionInfo, VersionManifest, canonical_json, parse_manifest
+
+from .errors import BlobMismatchError, BulletinError, UnavailableError, error_from_body
+
+_RETRY_STATUS = {500, 502, 503, 504}
+_CHUNK = 1 << 20
+
+
+class BulletinClient:
+    """Talks to one bulletin.
+
+    Args:
+        url: base URL of the bulletin, e.g. ``http://bulletin:8700``.
+        token: bearer token (scope ``read``, or ``publish`` for uploads and publishes); None for an open bulletin.
+        timeout_s: connect/read/write timeout of one request, seconds (a long-poll adds its ``wait_s``).
+        retries: extra attempts after a transport error or 5xx answer (0: try once).
+        backoff_s: first retry delay, seconds; doubles each attempt (capped at 10 s), with jitter.
+        transport: an httpx transport to use instead of the network (e.g. ``httpx.ASGITransport`` in tests).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        token: str | None = None,
+        *,
+        timeout_s: float = 30.0,
+        retries: int = 4,
+        backoff_s: float = 0.25,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.backoff_s = backoff_s
+        headers = {"authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s, transport=transport)
+        self._presign: bool | None = None
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self._http.close()
+
+    def __enter__(self) -> BulletinClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- plumbing ----------------------------------------------------------------------------
+
+    def _retrying(self, send: Callable[[], httpx.Response], what: str) -> httpx.Response:
+        for attempt in range(self.retries + 1):
+            last = attempt == self.retries
+            try:
+                response = send()
+            except httpx.TransportError as exc:
+                if last:
+                    raise UnavailableError(f"{what}: bulletin {self.url} unreachable after {attempt + 1} attempts: {exc!r}; check the URL and that it is up") from exc
+            else:
+                if response.status_code < 400:
+                    return response
+                if response.status_code not in _RETRY_STATUS or last:
+                    raise self._error(response)
+            time.sleep(min(10.0, self.backoff_s * 2**attempt) * (0.5 + random.random() / 2))
+        raise AssertionError("unreachable")
+
+    @staticmethod
+    def _error(response: httpx.Response) -> BulletinError:
+        response.read()
+        try:
+            body: Any = response.json()
+        except ValueError:
+            body = response.text
+        return error_from_body(response.status_code, body)
+
+    def _call(self, method: str, path: str, *, what: str, **kwargs: Any) -> httpx.Response:
+        return self._retrying(lambda: self._http.request(method, path, **kwargs), what)
+
+    # -- blobs -------------------------------------------------------------------------------
+
+    def has_blob(self, run: str, sha256: str) -> int | None:
+        """Size in bytes of the stored blob, or ``None`` if the bulletin does not have it."""
+        try:
+            r = self._call("HEAD", f"/v1/runs/{run}/blobs/{sha256}", what=f"checking blob {sha256} of run {run!r}")
+        except BulletinError as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return int(r.headers["content-length"])
+
+    def put_blob(self, run: str, sha256: str, source: str | os.PathLike | bytes, size_bytes: int | None = None) -> bool:
+        """Upload one file (patch, snapshot shard or asset) unless the bulletin already has it.
+
+        Args:
+            run: run id.
+            sha256: lowercase hex sha256 of the bytes (the bulletin verifies it while receiving).
+            source: a file path (streamed) or the bytes.
+            size_bytes: the size in bytes (default: measured); verified by the bulletin.
+
+        Returns:
+            True if uploaded, False if an identical blob was already stored.
+
+        Raises:
+            BlobMismatchError: the bytes do not hash to ``sha256`` or differ from ``size_bytes``.
+            PayloadTooLargeError: over the bulletin's ``max_blob_bytes``.
+            AuthError, UnavailableError: see the module docstring.
+        """
+        size = size_bytes if size_bytes is not None else (len(source) if isinstance(source, bytes) else os.path.getsize(source))
+        if self.has_blob(run, sha256) == size:
+            return False
+        what = f"uploading blob {sha256} of run {run!r}"
+        url = None
+        if self._presign is not False:
+            answer = self._call("POST", f"/v1/runs/{run}/blobs/{sha256}/upload-url", params={"size_bytes": size}, what=what).json()
+            url = answer.get("url")
+            self._presign = url is not None
+
+        def send() -> httpx.Response:
+            body = source if isinstance(source, bytes) else open(source, "rb")  # noqa: SIM115 - closed below
+            try:
+                headers = {"content-length": str(size), "content-type": "application/octet-stream"}
+                if url is not None:  # presigned: straight to the object store, without our token
+                    return httpx.put(url, content=body, headers=headers, timeout=self.timeout_s)
+                return self._http.put(f"/v1/runs/{run}/blobs/{sha256}", params={"size_bytes": size}, content=body, headers=headers)
+            finally:
+                if not isinstance(body, bytes):
+                    body.close()
+
+        self._retrying(send, what)
+        return True
+
+    def download_blob(self, run: str, sha256: str, dest: str | os.PathLike, expected_size: int | None = None) -> Path:
+        """Download a blob to ``dest``, verifying its sha256 (and size); resumes ``dest + '.part'`` via Range.
+
+        The file appears at ``dest`` only once verified (atomic rename).
+
+        Args:
+            run: run id.
+            sha256: expected lowercase hex sha256.
+            dest: final path of the file.
+            expected_size: expected size in bytes, if known.
+
+        Returns:
+            ``dest`` as a Path.
+
+        Raises:
+            NotFoundError: the bulletin has no such blob.
+            BlobMismatchError: the received bytes do not match ``sha256``/``expected_size`` (the partial file is removed).
+            AuthError, UnavailableError: see the module docstring.
+        """
+        dest = Path(dest)
+        part = dest.with_name(dest.name + ".part")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        what = f"downloading blob {sha256} of run {run!r}"
+        for attempt in range(self.retries + 1):
+            if self._fetch_part(run, sha256, part, may_retry=attempt < self.retries, what=what):
+                break
+            time.sleep(min(10.0, self.backoff_s * 2**attempt))
+        digest, size = hashlib.sha256(), 0
+        with open(part, "rb") as f:
+            while chunk := f.read(_CHUNK):
+                digest.update(chunk)
+                size += len(chunk)
+        if digest.hexdigest() != sha256 or (expected_size is not None and size != expected_size):
+            part.unlink()
+            raise BlobMismatchError(f"{what}: got {size} bytes hashing to {digest.hexdigest()}, expected {expected_size if expected_size is not None else '?'} bytes with sha256 {sha256}; the partial file was removed, retry", run_id=run, sha256=sha256)
+        os.replace(part, dest)
+        return dest
+
+    def _fetch_part(self, run: str, sha256: str, part: Path, *, may_retry: bool, what: str) -> bool:
+        # Appends the rest of the blob to ``part``; False when the attempt should be retried.
+        have = part.stat().st_size if part.exists() else 0
+        headers = {"range": f"bytes={have}-"} if have else {}
+        try:
+            with self._http.stream("GET", f"/v1/runs/{run}/blobs/{sha256}", headers=headers, follow_redirects=True) as r:
+                if r.status_code == 416:  # the partial file already holds the whole blob
+                    return True
+                if r.status_code >= 400:
+                    if r.status_code in _RETRY_STATUS and may_retry:
+                        return False
+                    raise self._error(r)
+                with open(part, "ab" if r.status_code == 206 else "wb") as f:
+                    for chunk in r.iter_bytes(_CHUNK):
+                        f.write(chunk)
+        except httpx.TransportError as exc:
+            if may_retry:
+                return False
+            raise UnavailableError(f"{what}: bulletin {self.url} unreachable after {self.retries + 1} attempts: {exc!r}") from exc
+        return True
+
+    # -- versions ----------------------------------------------------------------------------
+
+    def publish(self, manifest: VersionManifest) -> VersionInfo:
+        """Publish a version (all its files uploaded first). Safe to retry: an identical manifest is a no-op.
+
+        Raises:
+            BlobMissingError, BlobMismatchError: a file is not uploaded or has another size.
+            VersionConflictError: the version exists with different content.
+            VersionRewindError, BaseMissingError: not the run's next version.
+            InvalidRequestError, PayloadTooLargeError, AuthError, UnavailableError.
+        """
+        body = canonical_json(manifest)
+        r = self._call("POST", f"/v1/runs/{manifest.run_id}/versions", content=body, headers={"content-type": "application/json"}, what=f"publishing version {manifest.version} of run {manifest.run_id!r}")
+        return VersionInfo.model_validate_json(r.content)
+
+    def latest_info(self, run: str, after: int = -1, wait_s: float = 0.0) -> VersionInfo | None:
+        """Like :meth:`latest` but returns the :class:`VersionInfo` (``None`` if nothing newer)."""
+        r = self._call(
+            "GET",
+            f"/v1/runs/{run}/versions/latest",
+            params={"after": after, "wait_s": wait_s},
+            timeout=httpx.Timeout(self.timeout_s, read=self.timeout_s + wait_s),
+            what=f"asking the latest version of run {run!r}",
+        )
+        return None if r.status_code == 204 else VersionInfo.model_validate_json(r.content)
+
+    def latest(self, run: str, after: int = -1, wait_s: float = 0.0) -> int | None:
+        """The run's latest version once it is greater than ``after``, waiting up to ``wait_s`` seconds.
+
+        Returns:
+            The version, or ``None`` when the run has nothing newer than ``after`` after the
+            wait (also for a run with no version yet).
+        """
+        info = self.latest_info(run, after, wait_s)
+        return None if info is None else info.version
+
+    def manifest(self, run: str, version: int) -> VersionManifest:
+        """The manifest of one version. Raises :class:`NotFoundError` if it is not (or no longer) stored."""
+        r = self._call("GET", f"/v1/runs/{run}/versions/{version}", what=f"reading version {version} of run {run!r}")
+        return parse_manifest(r.content)
+
+    def versions(self, run: str, after: int = -1, limit: int | None = None) -> list[VersionInfo]:
+        """Committed versions greater than ``after``, ascending, at most ``limit`` (None: all; follows pages)."""
+        out: list[VersionInfo] = []
+        while limit is None or len(out) < limit:
+            page = 1000 if limit is None else min(1000, limit - len(out))
+            r = self._call("GET", f"/v1/runs/{run}/versions", params={"after": after, "limit": page}, what=f"listing versions of run {run!r}").json()
+            out.extend(VersionInfo.model_validate(v) for v in r["versions"])
+            if r["next_after"] is None:
+                break
+            after = r["next_after"]
+        return out
+
+    def runs(self) -> list[RunInfo]:
+        """Every run the token may read, with its latest version."""
+        r = self._call("GET", "/v1/runs", what="listing runs").json()
+        return [RunInfo.model_validate(x) for x in r["runs"]]
+
+    def plan(self, run: str, from_version: int | None = None, to_version: int | None = None) -> Plan:
+        """The files to fetch, in order, to go from ``from_version`` (None: nothing held) to ``to_version`` (None: latest).
+
+        Raises:
+            NotFoundError: the run has no such version, or no complete route remains.
+        """
+        params = {k: v for k, v in (("from", from_version), ("to", to_version)) if v is not None}
+        r = self._call("GET", f"/v1/runs/{run}/plan", params=params, what=f"planning run {run!r}")
+        return Plan.model_validate_json(r.content)

@@ -1,0 +1,187 @@
+"""The exception tree of the bulletin, shared by the service and its HTTP client.
+
+Each class carries the HTTP status the service answers with and the wire ``type`` of the JSON
+error body (``{"type": ..., "message": ..., <details>}``, see
+:class:`stitchboard.proto.schema.ErrorBody`). The client maps an error body back to the same
+class with :func:`error_from_body`, so callers catch one tree whether they talk to the
+service or use the store directly::
+
+    BulletinError
+    ├── NotFoundError            404  run, version or blob does not exist
+    ├── ConflictError            409  store state forbids the request
+    │   ├── VersionConflictError      same version published before with different bytes
+    │   ├── VersionRewindError        version is not after the run's latest
+    │   └── BaseMissingError          base version (version - 1) is not committed
+    ├── InvalidRequestError      400/422  bad input; nothing was written
+    │   ├── BlobMissingError          manifest references a blob that was never uploaded
+    │   ├── BlobMismatchError         blob bytes/size disagree with the stated sha256/size
+    │   └── PayloadTooLargeError 413  body over the configured limit
+    ├── AuthError                401/403
+    │   ├── UnauthorizedError    401  no or unknown bearer token
+    │   └── ForbiddenError       403  token lacks the scope for this run
+    └── UnavailableError         503  store or service unreachable (after the client's retries)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from stitchboard.proto.errors import SchemaError, StitchError
+
+
+class BulletinError(StitchError):
+    """Root of bulletin errors (service side and client side)."""
+
+    type = "BulletinError"
+    status = 500
+
+    def __init__(self, message: str, *, status: int | None = None, **details: Any) -> None:
+        super().__init__(message, **details)
+        if status is not None:
+            self.status = status
+
+    def body(self) -> dict[str, Any]:
+        """The JSON error body: ``{"type", "message", **details}``."""
+        return {"type": self.type, "message": self.message, **self.details}
+
+
+class NotFoundError(BulletinError):
+    """The run, version or blob does not exist (or was removed by retention)."""
+
+    type = "NotFound"
+    status = 404
+
+
+class ConflictError(BulletinError):
+    """The request conflicts with what the store already holds; retrying it unchanged will not help."""
+
+    type = "Conflict"
+    status = 409
+
+
+class VersionConflictError(ConflictError):
+    """The version was already published with different bytes. Versions are immutable: publish the next one."""
+
+    type = "VersionConflict"
+
+
+class VersionRewindError(ConflictError):
+    """The version is not after the run's latest one. Versions only move forward; a new run starts from an anchor."""
+
+    type = "VersionRewind"
+
+
+class BaseMissingError(ConflictError):
+    """The manifest's base version (``version - 1``) is not committed yet: publish it first."""
+
+    type = "BaseMissing"
+
+
+class InvalidRequestError(BulletinError):
+    """Bad input (schema, names, sizes, JSON). Nothing was written; fix the request."""
+
+    type = "InvalidRequest"
+    status = 422
+
+
+class BlobMissingError(InvalidRequestError):
+    """A manifest references a blob that is not in the store: upload it (PUT .../blobs/{sha256}) first."""
+
+    type = "BlobMissing"
+
+
+class BlobMismatchError(InvalidRequestError):
+    """Received bytes (or a stored blob) disagree with the stated sha256 or size."""
+
+    type = "BlobMismatch"
+
+
+class PayloadTooLargeError(InvalidRequestError):
+    """The body is over the configured size limit (blobs: ``max_blob_bytes``; manifests: ``max_manifest_bytes``)."""
+
+    type = "PayloadTooLarge"
+    status = 413
+
+
+class AuthError(BulletinError):
+    """Authentication or authorization failed."""
+
+    type = "AuthError"
+    status = 401
+
+
+class UnauthorizedError(AuthError):
+    """No bearer token, or one the bulletin does not know."""
+
+    type = "Unauthorized"
+    status = 401
+
+
+class ForbiddenError(AuthError):
+    """The token is valid but lacks the scope (``read``/``publish``) for this run."""
+
+    type = "Forbidden"
+    status = 403
+
+
+class UnavailableError(BulletinError):
+    """The object store or the bulletin could not be reached (the client gives up after its retries)."""
+
+    type = "Unavailable"
+    status = 503
+
+
+_BY_TYPE: dict[str, type[BulletinError]] = {
+    cls.type: cls
+    for cls in (
+        BulletinError,
+        NotFoundError,
+        ConflictError,
+        VersionConflictError,
+        VersionRewindError,
+        BaseMissingError,
+        InvalidRequestError,
+        BlobMissingError,
+        BlobMismatchError,
+        PayloadTooLargeError,
+        AuthError,
+        UnauthorizedError,
+        ForbiddenError,
+        UnavailableError,
+    )
+}
+_BY_TYPE[SchemaError.type] = InvalidRequestError
+
+_BY_STATUS: dict[int, type[BulletinError]] = {
+    401: UnauthorizedError,
+    403: ForbiddenError,
+    404: NotFoundError,
+    409: ConflictError,
+    413: PayloadTooLargeError,
+    503: UnavailableError,
+}
+
+
+def error_from_body(status: int, body: Any) -> BulletinError:
+    """Rebuild the exception for an error answer.
+
+    Args:
+        status: HTTP status code of the answer.
+        body: the decoded JSON body (or anything else, e.g. text from a proxy).
+
+    Returns:
+        An instance of the class named by ``body["type"]``; when the type is unknown, the
+        class for the status (any other 4xx -> :class:`InvalidRequestError`, 5xx ->
+        :class:`UnavailableError`). The wire type and status are kept on the instance.
+    """
+    if isinstance(body, dict) and isinstance(body.get("message"), str):
+        wire_type = str(body.get("type", ""))
+        message = body["message"]
+        details = {k: v for k, v in body.items() if k not in ("type", "message", "status")}
+    else:
+        wire_type, message, details = "", f"HTTP {status}: {str(body)[:500]}", {}
+    cls = _BY_TYPE.get(wire_type) or _BY_STATUS.get(status) or (InvalidRequestError if status < 500 else UnavailableError)
+    exc = cls(message, status=status, **details)
+    if wire_type:
+        exc.type = wire_type
+    return exc

@@ -1,0 +1,115 @@
+"""Long-polling for new versions: wake waiters on local publishes, poll the store for remote ones.
+
+All waiters of a run share one :class:`asyncio.Event`; a publish through this process sets it
+at once. Publishes through another bulletin process over the same store are seen by a
+background task that re-reads the latest version of every run with waiters each
+``poll_interval_s``. The answer body for a version is encoded once and shared by all waiters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from anyio import to_thread
+
+from stitchboard.proto.schema import VersionInfo, canonical_json
+
+from .ledger import Ledger
+from .metrics import BulletinMetrics
+
+log = logging.getLogger("stitchboard.bulletin")
+
+
+class Watcher:
+    """Tracks the latest version of watched runs and wakes their long-polls.
+
+    Args:
+        ledger: where latest versions are read from.
+        poll_interval_s: seconds between store reads for runs that have waiters; also how
+            old a cached latest version may be when a new waiter arrives.
+        metrics: the ``waiters`` gauge and ``latest_version`` per run are kept here.
+    """
+
+    def __init__(self, ledger: Ledger, poll_interval_s: float, metrics: BulletinMetrics) -> None:
+        self._ledger = ledger
+        self._interval = poll_interval_s
+        self._metrics = metrics
+        self._latest: dict[str, VersionInfo] = {}
+        self._bodies: dict[str, bytes] = {}
+        self._checked_at: dict[str, float] = {}
+        self._events: dict[str, asyncio.Event] = {}
+        self._waiters: dict[str, int] = {}
+        self._task: asyncio.Task | None = None
+
+    def note(self, info: VersionInfo | None) -> None:
+        """Record a committed version (from a publish or a read); wakes waiters if it is newer. Loop thread only."""
+        if info is None:
+            return
+        current = self._latest.get(info.run_id)
+        if current is not None and current.version >= info.version:
+            return
+        self._latest[info.run_id] = info
+        self._bodies[info.run_id] = canonical_json(info)
+        self._metrics.latest_version.labels(info.run_id).set(info.version)
+        event = self._events.pop(info.run_id, None)
+        if event is not None:
+            event.set()
+
+    def body(self, run: str) -> bytes:
+        """The JSON body of the latest known version of ``run`` (call after :meth:`wait` returned it)."""
+        return self._bodies[run]
+
+    async def _refresh(self, run: str) -> None:
+        self._checked_at[run] = time.monotonic()
+        self.note(await to_thread.run_sync(self._ledger.latest, run))
+
+    async def wait(self, run: str, after: int, wait_s: float) -> VersionInfo | None:
+        """The latest version of ``run`` once it is greater than ``after``, or ``None`` after ``wait_s`` seconds.
+
+        Raises:
+            BulletinError: the store could not be read.
+        """
+        fresh = self._waiters.get(run, 0) > 0 and time.monotonic() - self._checked_at.get(run, -1e9) < self._interval
+        if not fresh:
+            await self._refresh(run)
+        deadline = time.monotonic() + wait_s
+        self._waiters[run] = self._waiters.get(run, 0) + 1
+        self._metrics.waiters.inc()
+        try:
+            while True:
+                current = self._latest.get(run)
+                if current is not None and current.version > after:
+                    return current
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                if self._task is None or self._task.done():
+                    self._task = asyncio.create_task(self._poll_forever())
+                event = self._events.setdefault(run, asyncio.Event())
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(remaining):  # no extra task per waiter, unlike wait_for
+                        await event.wait()
+        finally:
+            self._waiters[run] -= 1
+            if not self._waiters[run]:
+                del self._waiters[run]
+            self._metrics.waiters.dec()
+
+    async def _poll_forever(self) -> None:
+        while self._waiters:
+            await asyncio.sleep(self._interval)
+            for run in list(self._waiters):
+                try:
+                    await self._refresh(run)
+                except Exception as exc:  # a store hiccup must not end polling; the next round retries
+                    log.warning("reading the latest version of run %r failed: %s", run, exc)
+
+    async def close(self) -> None:
+        """Stop the background poller."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task

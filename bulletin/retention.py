@@ -1,0 +1,115 @@
+"""Retention: which versions and blobs a run keeps, and the garbage collector that removes the rest.
+
+Policy: keep the last ``keep_snapshots`` snapshot versions and every version after the oldest
+kept snapshot (so every kept version can be reached from a kept anchor). Runs with fewer
+snapshots keep everything. The latest version is always kept.
+
+Removal waits out a grace period so in-flight plans and uploads finish:
+
+* a version that fell out of the policy is removed once the snapshot that pushed it out (the
+  ``keep_snapshots``-th snapshot after it) was committed at least ``grace_s`` ago;
+* a blob is removed when no remaining version references it and it was last written at least
+  ``grace_s`` ago (this covers uploads whose publish never happened).
+
+Manifests go before blobs, so a reader never sees a version whose files are missing. Blob
+references are re-read just before blobs are deleted, so a version committed while gc runs
+protects its files. (A publish that reuses an old blob from a removed version at the very
+moment gc deletes it can still lose that race; re-upload the blob and publish again.)
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from .errors import InvalidRequestError, NotFoundError
+from .ledger import Ledger, blob_key, run_key, version_key
+
+
+@dataclass
+class GcReport:
+    """What :func:`collect_garbage` removed (or would remove with ``dry_run``), per run."""
+
+    versions_removed: dict[str, list[int]] = field(default_factory=dict)
+    blobs_removed: dict[str, list[str]] = field(default_factory=dict)
+    bytes_freed: int = 0
+
+
+def kept_from(snapshots: list[int], keep_snapshots: int) -> int:
+    """The oldest version the policy keeps, given the run's snapshot versions (ascending)."""
+    if len(snapshots) < keep_snapshots:
+        return 0
+    return snapshots[-keep_snapshots]
+
+
+def _epoch(rfc3339: str | None) -> float:
+    return datetime.fromisoformat(rfc3339.replace("Z", "+00:00")).timestamp() if rfc3339 else 0.0
+
+
+def _referenced(ledger: Ledger, run: str, versions: list[int]) -> set[str]:
+    refs: set[str] = set()
+    for v in versions:
+        try:
+            refs.update(f.sha256 for f in ledger.committed(run, v).manifest.files)
+        except NotFoundError:
+            continue
+    return refs
+
+
+def collect_run(ledger: Ledger, run: str, keep_snapshots: int, grace_s: float, report: GcReport, dry_run: bool = False, now: float | None = None) -> None:
+    """Apply the policy to one run, adding what was removed to ``report``. See the module docstring."""
+    now = time.time() if now is None else now
+    numbers = ledger.version_numbers(run)
+    infos = {v: ledger.committed(run, v).info for v in numbers}
+    snapshots = [v for v in numbers if infos[v].snapshot]
+    keep_from = kept_from(snapshots, keep_snapshots)
+    drop = []
+    for v in numbers:
+        if v >= keep_from:
+            break
+        newer = [s for s in snapshots if s > v]
+        pushed_out_at = _epoch(infos[newer[keep_snapshots - 1]].committed_at)
+        if now - pushed_out_at >= grace_s:
+            drop.append(v)
+    for v in drop:
+        if not dry_run:
+            ledger.store.delete(version_key(run, v))
+    if drop:
+        report.versions_removed[run] = drop
+    protected = _referenced(ledger, run, [v for v in numbers if v not in drop])
+    candidates = [o for o in ledger.store.list(f"{run_key(run)}blobs/") if o.key.rsplit("/", 1)[-1] not in protected and now - o.modified_at >= grace_s]
+    if candidates and not dry_run:
+        protected |= _referenced(ledger, run, ledger.version_numbers(run, after=max(numbers, default=-1)))
+    removed = []
+    for o in candidates:
+        sha = o.key.rsplit("/", 1)[-1]
+        if sha in protected:
+            continue
+        if not dry_run:
+            ledger.store.delete(blob_key(run, sha))
+        removed.append(sha)
+        report.bytes_freed += o.size_bytes
+    if removed:
+        report.blobs_removed[run] = removed
+
+
+def collect_garbage(ledger: Ledger, keep_snapshots: int, grace_s: float, runs: list[str] | None = None, dry_run: bool = False) -> GcReport:
+    """Apply the retention policy to ``runs`` (default: every run in the store).
+
+    Args:
+        ledger: the store to clean.
+        keep_snapshots: K, the number of most recent snapshot versions to keep (>= 1).
+        grace_s: seconds a dropped version or unreferenced blob must wait before removal.
+        runs: run ids to clean; None for all.
+        dry_run: report what would be removed without removing it.
+
+    Raises:
+        InvalidRequestError: a bad run id; BulletinError: the store failed.
+    """
+    if keep_snapshots < 1:
+        raise InvalidRequestError(f"keep_snapshots must be >= 1, got {keep_snapshots}")
+    report = GcReport()
+    for run in runs if runs is not None else [r.run_id for r in ledger.runs()]:
+        collect_run(ledger, run, keep_snapshots, grace_s, report, dry_run)
+    return report

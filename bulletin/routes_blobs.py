@@ -1,0 +1,136 @@
+"""REST routes for blobs: streamed, verified upload; download with Range/ETag; presigned URLs (S3)."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import uuid
+from typing import Annotated
+
+from anyio import to_thread
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
+
+from .app import BulletinState, publish_access, read_access
+from .errors import BlobMismatchError, NotFoundError, PayloadTooLargeError
+from .ledger import blob_key
+
+router = APIRouter(prefix="/v1", tags=["blobs"])
+Read = Annotated[BulletinState, Depends(read_access)]
+Publish = Annotated[BulletinState, Depends(publish_access)]
+SizeQuery = Annotated[int | None, Query(ge=0, description="expected size in bytes; checked while receiving")]
+_RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
+
+
+def _too_large(run: str, sha256: str, size: int | str, limit: int) -> PayloadTooLargeError:
+    return PayloadTooLargeError(
+        f"blob {sha256} of run {run!r} is {size} bytes, over the {limit}-byte limit (max_blob_bytes); split snapshots into smaller shards",
+        run_id=run,
+        sha256=sha256,
+    )
+
+
+@router.put("/runs/{run}/blobs/{sha256}", status_code=201, responses={200: {"description": "already stored"}, 413: {}, 422: {}})
+async def put_blob(run: str, sha256: str, request: Request, state: Publish, size_bytes: SizeQuery = None) -> JSONResponse:
+    """Upload a blob (raw body, streamed). Its sha256 and size are verified while receiving; nothing is stored on mismatch."""
+    key = blob_key(run, sha256)
+    limit = state.settings.max_blob_bytes
+    declared = request.headers.get("content-length")
+    for size in (size_bytes, int(declared) if declared and declared.isdigit() else None):
+        if size is not None and size > limit:
+            raise _too_large(run, sha256, size, limit)
+    tmp = state.upload_dir / f".{sha256}.{uuid.uuid4().hex}"
+    try:
+        digest, received = hashlib.sha256(), 0
+        with open(tmp, "wb") as f:
+            async for chunk in request.stream():
+                received += len(chunk)
+                if received > limit:
+                    raise _too_large(run, sha256, f"more than {limit}", limit)
+                digest.update(chunk)
+                f.write(chunk)
+            await to_thread.run_sync(os.fsync, f.fileno())
+        if size_bytes is not None and received != size_bytes:
+            raise BlobMismatchError(f"blob {sha256} of run {run!r}: received {received} bytes, size_bytes says {size_bytes}", run_id=run, sha256=sha256)
+        if digest.hexdigest() != sha256:
+            raise BlobMismatchError(f"blob of run {run!r}: received bytes hash to {digest.hexdigest()}, not {sha256}; the upload was corrupted or mislabeled", run_id=run, sha256=sha256)
+        existed = await to_thread.run_sync(state.store.stat, key)
+        if existed is None:
+            await to_thread.run_sync(state.store.put_file, key, tmp)
+            state.metrics.blob_bytes_received.inc(received)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+    body = {"run_id": run, "sha256": sha256, "size_bytes": received, "created": existed is None}
+    return JSONResponse(body, status_code=201 if existed is None else 200)
+
+
+@router.post("/runs/{run}/blobs/{sha256}/upload-url")
+def upload_url(run: str, sha256: str, state: Publish, size_bytes: SizeQuery = None) -> dict:
+    """A presigned PUT URL for the blob (S3 with ``presign`` on), else ``{"url": null}``: upload to this bulletin then.
+
+    With a presigned upload the bulletin checks only existence and size at publish; every
+    downloader verifies the sha256.
+    """
+    key = blob_key(run, sha256)
+    if size_bytes is not None and size_bytes > state.settings.max_blob_bytes:
+        raise _too_large(run, sha256, size_bytes, state.settings.max_blob_bytes)
+    url = state.store.presign(key, "PUT", state.settings.presign_expires_s) if state.settings.presign else None
+    return {"url": url, "method": "PUT", "expires_s": state.settings.presign_expires_s}
+
+
+def _parse_range(header: str | None, size: int) -> tuple[int, int] | None:
+    """``(start, end)`` inclusive for a single satisfiable ``bytes=`` range; ``None`` to send everything."""
+    m = _RANGE.match(header.strip()) if header else None
+    if m is None or (not m.group(1) and not m.group(2)):
+        return None
+    if not m.group(1):
+        return max(0, size - int(m.group(2))), size - 1
+    start = int(m.group(1))
+    end = min(int(m.group(2)), size - 1) if m.group(2) else size - 1
+    return start, end
+
+
+@router.get("/runs/{run}/blobs/{sha256}", responses={206: {}, 304: {}, 307: {}, 404: {}, 416: {}})
+def get_blob(run: str, sha256: str, request: Request, state: Read) -> Response:
+    """Download a blob. Supports one ``Range`` (206), ``If-None-Match`` (304); ``ETag`` is the quoted sha256.
+
+    With S3 and ``presign`` on, answers 307 to a presigned URL. Downloaders must verify the sha256.
+    """
+    return _serve_blob(run, sha256, request, state)
+
+
+@router.head("/runs/{run}/blobs/{sha256}", responses={404: {}})
+def head_blob(run: str, sha256: str, request: Request, state: Read) -> Response:
+    """Whether the blob is stored: 200 with ``Content-Length`` (its size in bytes) and ``ETag``, else 404."""
+    return _serve_blob(run, sha256, request, state)
+
+
+def _serve_blob(run: str, sha256: str, request: Request, state: BulletinState) -> Response:
+    key = blob_key(run, sha256)
+    stat = state.store.stat(key)
+    if stat is None:
+        raise NotFoundError(f"run {run!r} has no blob {sha256} (never uploaded, or removed by retention)", run_id=run, sha256=sha256)
+    etag = f'"{sha256}"'
+    headers = {"etag": etag, "accept-ranges": "bytes"}
+    if state.settings.presign and request.method == "GET":
+        url = state.store.presign(key, "GET", state.settings.presign_expires_s)
+        if url:
+            return RedirectResponse(url, status_code=307)
+    if etag in (request.headers.get("if-none-match") or ""):
+        return Response(status_code=304, headers=headers)
+    size = stat.size_bytes
+    rng = _parse_range(request.headers.get("range"), size)
+    if rng is not None and (rng[0] >= size or rng[0] > rng[1]):
+        return Response(status_code=416, headers={**headers, "content-range": f"bytes */{size}"})
+    start, end = rng if rng is not None else (0, size - 1)
+    headers["content-length"] = str(end - start + 1)
+    status = 200
+    if rng is not None:
+        status = 206
+        headers["content-range"] = f"bytes {start}-{end}/{size}"
+    if request.method == "HEAD" or size == 0:
+        return Response(status_code=status, headers=headers, media_type="application/octet-stream")
+    return StreamingResponse(state.store.iter_range(key, start, end), status_code=status, headers=headers, media_type="application/octet-stream")

@@ -1,0 +1,153 @@
+"""REST routes for versions: publish, latest (long-poll), one manifest, a page of versions, runs, plans."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated
+
+from anyio import to_thread
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
+
+from stitchboard.proto.schema import Plan, RunInfo, VersionInfo
+
+from .app import BulletinState, publish_access, read_access
+from .errors import BulletinError, NotFoundError, PayloadTooLargeError
+from .ledger import run_key
+from .planner import make_plan
+
+router = APIRouter(prefix="/v1", tags=["versions"])
+
+
+class VersionPage(BaseModel):
+    """A page of committed versions, ascending; ``next_after`` is the ``after`` of the next page (None: last page)."""
+
+    run_id: str
+    versions: list[VersionInfo]
+    next_after: int | None
+
+
+class RunList(BaseModel):
+    """Runs with their latest version."""
+
+    runs: list[RunInfo]
+
+Read = Annotated[BulletinState, Depends(read_access)]
+Publish = Annotated[BulletinState, Depends(publish_access)]
+
+
+async def _read_limited(request: Request, limit: int, run: str) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLargeError(f"manifest for run {run!r} is {declared} bytes, over the {limit}-byte limit", run_id=run)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLargeError(f"manifest for run {run!r} is over the {limit}-byte limit", run_id=run)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+@router.post(
+    "/runs/{run}/versions",
+    response_model=VersionInfo,
+    status_code=201,
+    responses={200: {"description": "identical manifest already committed (no-op)"}, 409: {}, 413: {}, 422: {}},
+)
+async def publish(run: str, request: Request, state: Publish) -> JSONResponse:
+    """Publish a version manifest (JSON body). 201 when committed, 200 when the identical manifest already was.
+
+    Every referenced blob must be stored with the stated size, the base version must be
+    committed, and versions only move forward. Nothing is written on a 4xx.
+    """
+    run_key(run)
+    body = await _read_limited(request, state.settings.max_manifest_bytes, run)
+    loop = asyncio.get_running_loop()
+    try:
+        info, created = await to_thread.run_sync(state.ledger.publish, run, body, lambda info: loop.call_soon_threadsafe(state.watcher.note, info))
+    except BulletinError:
+        state.metrics.publishes.labels(run, "rejected").inc()
+        raise
+    state.metrics.publishes.labels(run, "created" if created else "noop").inc()
+    state.watcher.note(info)
+    return JSONResponse(info.model_dump(mode="json"), status_code=201 if created else 200)
+
+
+@router.get("/runs/{run}/versions/latest", response_model=VersionInfo, responses={204: {"description": "nothing newer than `after` within wait_s"}})
+async def latest(
+    run: str,
+    state: Read,
+    after: Annotated[int, Query(ge=-1, description="answer only with a version greater than this")] = -1,
+    wait_s: Annotated[float, Query(ge=0, description="long-poll up to this many seconds (capped by max_wait_s)")] = 0.0,
+) -> Response:
+    """The latest committed version of the run, as soon as it is greater than ``after``; 204 if none within ``wait_s``.
+
+    A run with no version yet is not an error (204).
+    """
+    run_key(run)
+    info = await state.watcher.wait(run, after, min(wait_s, state.settings.max_wait_s))
+    if info is None:
+        return Response(status_code=204)
+    return Response(state.watcher.body(run), media_type="application/json")
+
+
+@router.get("/runs/{run}/versions/{version}", responses={200: {"description": "the manifest (canonical JSON)"}, 404: {}})
+def manifest(run: str, version: int, state: Read) -> Response:
+    """One version's manifest, byte-identical to what was published (canonical JSON).
+
+    Headers: ``ETag`` (sha256 of the manifest), ``X-Stitch-Committed-At``.
+    """
+    found = state.ledger.committed(run, version)
+    headers = {"etag": f'"{found.info.manifest_sha256}"', "x-stitch-committed-at": found.info.committed_at or ""}
+    return Response(found.manifest_json, media_type="application/json", headers=headers)
+
+
+@router.get("/runs/{run}/versions", response_model=VersionPage)
+def versions(
+    run: str,
+    state: Read,
+    after: Annotated[int, Query(ge=-1, description="list versions greater than this")] = -1,
+    limit: Annotated[int, Query(ge=1, description="page size (capped by versions_page_max)")] = 100,
+) -> dict:
+    """A page of the run's committed versions (ascending) as VersionInfo; ``next_after`` continues the listing."""
+    numbers = state.ledger.version_numbers(run, after)
+    page = numbers[: min(limit, state.settings.versions_page_max)]
+    items = []
+    for v in page:
+        try:
+            items.append(state.ledger.committed(run, v).info.model_dump(mode="json"))
+        except NotFoundError:
+            continue  # removed by retention between listing and reading
+    return {"run_id": run, "versions": items, "next_after": page[-1] if len(numbers) > len(page) else None}
+
+
+@router.get("/runs", response_model=RunList)
+def runs(request: Request, state: Read) -> dict:
+    """Every run (that the token may read) with its latest version."""
+    authorization = request.headers.get("authorization")
+    return {"runs": [r.model_dump() for r in state.ledger.runs() if state.auth.visible(authorization, r.run_id)]}
+
+
+@router.get("/runs/{run}/plan", response_model=Plan)
+def plan(
+    run: str,
+    state: Read,
+    from_version: Annotated[int | None, Query(alias="from", ge=0, description="version the caller holds; absent: nothing")] = None,
+    to_version: Annotated[int | None, Query(alias="to", ge=0, description="target version; absent: latest")] = None,
+) -> Plan:
+    """The ordered files to fetch to go from ``from`` to ``to``: the cheaper of deltas and anchor-then-deltas."""
+    if to_version is None:
+        info = state.ledger.latest(run)
+        if info is None:
+            raise NotFoundError(f"run {run!r} has no version yet: nothing to plan", run_id=run)
+        to_version = info.version
+
+    def lookup(version: int):
+        try:
+            return state.ledger.committed(run, version).manifest
+        except NotFoundError:
+            return None
+
+    return make_plan(run, from_version, to_version, lookup)

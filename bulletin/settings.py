@@ -1,0 +1,69 @@
+"""Settings of the bulletin service, read from ``STITCH_BULLETIN_*`` environment variables.
+
+Every field below is also an environment variable: the field name upper-cased with the
+``STITCH_BULLETIN_`` prefix (e.g. ``STITCH_BULLETIN_STORE=s3://bucket/prefix``). Complex
+values (``TOKENS``) are JSON. Command-line options of ``stitchboard bulletin serve`` override
+them.
+
+Tokens example::
+
+    STITCH_BULLETIN_TOKENS='{"trainer-secret": {"scopes": ["publish"], "runs": ["grpo-7b"]},
+                             "sidecar-secret": {"scopes": ["read"]}}'
+
+``publish`` implies ``read``; ``runs`` limits a token to those run ids (absent: every run).
+With no tokens the bulletin is open and warns at start-up.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+class TokenGrant(BaseModel):
+    """What one bearer token may do: ``scopes`` among ``read``/``publish``; ``runs`` (None: all runs)."""
+
+    scopes: list[Literal["read", "publish"]]
+    runs: list[str] | None = None
+
+
+class BulletinSettings(BaseSettings):
+    """Configuration of one bulletin process (see the module docstring for the env var names)."""
+
+    model_config = SettingsConfigDict(env_prefix="STITCH_BULLETIN_", extra="ignore")
+
+    store: str = Field("file://./stitchboard-store", description="Object store URL: file:///path or s3://bucket/prefix.")
+    host: str = Field("127.0.0.1", description="Address to listen on.")
+    port: int = Field(8700, description="TCP port to listen on.")
+    tokens: dict[str, TokenGrant] = Field(default_factory=dict, description="Bearer token -> grant (JSON).")
+
+    max_blob_bytes: int = Field(8 * GiB, gt=0, description="Largest blob accepted by PUT .../blobs, bytes.")
+    max_manifest_bytes: int = Field(32 * MiB, gt=0, description="Largest manifest accepted by POST .../versions, bytes.")
+    max_wait_s: float = Field(300.0, ge=0, description="Upper bound on a long-poll's wait_s, seconds.")
+    poll_interval_s: float = Field(0.5, gt=0, description="How often runs with waiters are re-read from the store, seconds.")
+    manifest_cache_entries: int = Field(1024, ge=0, description="Committed manifests kept in memory (they never change).")
+    upload_tmp_dir: str | None = Field(None, description="Folder for blobs being received (default: inside a file store, else the system temp).")
+    versions_page_max: int = Field(1000, gt=0, description="Largest page of GET .../versions.")
+
+    presign: bool = Field(False, description="S3 only: hand out presigned URLs so blobs bypass the bulletin.")
+    presign_expires_s: int = Field(3600, gt=0, description="Lifetime of presigned URLs, seconds.")
+
+    keep_snapshots: int = Field(2, ge=1, description="Retention: keep the last K snapshot versions and every version after the oldest kept one.")
+    gc_grace_s: float = Field(3600.0, ge=0, description="Retention: wait this long before removing dropped versions or unreferenced uploads, seconds.")
+
+    s3_endpoint_url: str | None = Field(None, description="S3 endpoint (MinIO, R2, ...); None: AWS.")
+    s3_region: str | None = Field(None, description="S3 region (None: boto3's default chain).")
+    s3_access_key_id: str | None = Field(None, description="S3 access key (None: boto3's default credential chain).")
+    s3_secret_access_key: str | None = Field(None, description="S3 secret key.")
+    s3_session_token: str | None = Field(None, description="S3 session token.")
+    s3_addressing_style: Literal["auto", "path", "virtual"] = Field("auto", description="S3 bucket addressing style.")
+    s3_multipart_threshold_bytes: int = Field(64 * MiB, gt=0, description="Blobs at least this large go up as multipart uploads, bytes.")
+    s3_multipart_chunk_bytes: int = Field(64 * MiB, ge=5 * MiB, description="Part size of multipart uploads, bytes.")
+    s3_max_concurrency: int = Field(8, gt=0, description="Parallel parts per multipart transfer.")
+
+    log_level: str = Field("info", description="uvicorn log level.")
