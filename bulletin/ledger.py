@@ -200,6 +200,7 @@ class Ledger:
             VersionConflictError: the version exists with different content.
             VersionRewindError: the version is not after the latest one.
             BaseMissingError: ``version - 1`` is not committed.
+            InvalidRequestError: also when a non-snapshot version changes the tensor set.
             Nothing is written when any of these is raised.
         """
         run_key(run)
@@ -229,6 +230,13 @@ class Ledger:
             raise VersionRewindError(f"run {run!r} is at version {top}; version {version} cannot be published any more: publish {top + 1}", run_id=run, version=version, latest_version=top)
         if version > top + 1:
             raise BaseMissingError(f"run {run!r} is at version {top}; publish version {top + 1} before {version}", run_id=run, version=version, latest_version=top)
+        if version > 0 and not manifest.snapshot and self.committed(run, version - 1).manifest.layout() != manifest.layout():
+            raise InvalidRequestError(
+                f"version {version} of run {run!r} changes the tensor set (names, dtypes or shapes) of version {version - 1}: "
+                "a delta cannot express that; publish it as an anchor (snapshot=true)",
+                run_id=run,
+                version=version,
+            )
         for f in manifest.files:
             stat = self.stat_blob(run, f.sha256)
             if stat is None:

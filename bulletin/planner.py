@@ -2,8 +2,9 @@
 
 Two routes are compared and the cheaper one (fewer bytes; deltas on a tie) is returned:
 
-* **deltas**: apply the ``patch`` files of A+1, A+2, ..., B in order (needs A <= B and every
-  version in between still stored);
+* **deltas**: apply the ``patch`` files of A+1, A+2, ..., B in order (needs A <= B, every
+  version in between still stored, and no version in between changing the tensor set: such a
+  version is an anchor, and only its snapshot leads past it);
 * **anchor**: load the snapshot of the nearest anchor S <= B (its ``snapshot`` and ``asset``
   files), then apply the deltas of S+1 .. B.
 
@@ -34,11 +35,13 @@ def _snapshot(m: VersionManifest) -> PlanStep:
 
 def _deltas(lookup: ManifestLookup, start: int, stop: int) -> list[PlanStep] | None:
     steps = []
+    prev = lookup(start)
     for v in range(start + 1, stop + 1):
         m = lookup(v)
-        if m is None:
+        if m is None or prev is None or m.layout() != prev.layout():
             return None
         steps.append(_delta(m))
+        prev = m
     return steps
 
 

@@ -269,6 +269,10 @@ class VersionManifest(_Model):
         """Tensor name -> spec."""
         return {t.name: t for t in self.tensors}
 
+    def layout(self) -> frozenset[tuple[str, str, tuple[int, ...]]]:
+        """The tensor set as (name, dtype, shape) triples: a delta can only connect equal layouts."""
+        return frozenset((t.name, t.dtype, tuple(t.shape)) for t in self.tensors)
+
 
 class VersionInfo(_Model):
     """What the bulletin knows of a committed version, beside its manifest.

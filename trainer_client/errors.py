@@ -35,3 +35,52 @@ class MissingModelDependencyError(ModelBuildError):
     """
 
     type = "MissingModelDependency"
+
+
+class ServedViewError(TrainerError):
+    """The model's state cannot be turned into a served view (a non-tensor entry, a dtype
+    with no safetensors name)."""
+
+    type = "ServedViewError"
+
+
+class CheckpointNameError(ServedViewError):
+    """Two different tensors map to one checkpoint name once wrapper prefixes are stripped.
+
+    ``details["name"]`` is the checkpoint name.
+    """
+
+    type = "CheckpointNameError"
+
+
+class PublishError(TrainerError):
+    """A publish failed on the trainer side; the run's versions are unchanged by it.
+
+    Bulletin failures are raised as the :mod:`stitchboard.bulletin.errors` tree instead
+    (``UnavailableError`` after the retries, ``VersionConflictError``, ``AuthError``...).
+    """
+
+    type = "PublishError"
+
+
+class PublisherClosedError(PublishError):
+    """``publish``/``publish_async`` was called on a closed publisher."""
+
+    type = "PublisherClosed"
+
+
+class ResumeError(TrainerError):
+    """The last published view could not be rebuilt from the bulletin, or the rebuilt view
+    does not match its manifest's checksums (``details["tensors"]`` names the mismatches).
+
+    Publish a fresh anchor instead (``Publisher(..., resume="anchor")``).
+    """
+
+    type = "ResumeError"
+
+
+class AssetsError(TrainerError):
+    """Run assets are invalid (a non-asset file name, a missing folder) or differ from the
+    assets the run already carries: they are published once, with version 0, and immutable."""
+
+    type = "AssetsError"

@@ -10,7 +10,7 @@ from bulletin_helpers import make_manifest, sha, upload_version
 from typer.testing import CliRunner
 
 from stitchboard.bulletin.cli import app as bulletin_cli
-from stitchboard.bulletin.errors import NotFoundError
+from stitchboard.bulletin.errors import InvalidRequestError, NotFoundError
 from stitchboard.bulletin.ledger import Ledger
 from stitchboard.bulletin.planner import make_plan
 from stitchboard.bulletin.retention import GcReport, collect_garbage, collect_run, kept_from
@@ -102,3 +102,28 @@ def test_gc_cli(client, backend, run):
     result = CliRunner().invoke(bulletin_cli, ["gc", "--keep-snapshots", "1", "--grace-s", "0", "--run", run], env=env)
     assert result.exit_code == 0 and "bytes freed" in result.output
     assert [i.version for i in client.versions(run)] == [1]
+
+
+def test_plan_never_crosses_a_tensor_set_change_with_deltas():
+    h = _history({0: (0, 1000), 1: (10, 0), 2: (10, 1000), 3: (10, 0)})
+    grown = h[2].model_copy(update={"tensors": [*h[2].tensors, h[2].tensors[0].model_copy(update={"name": "model.new"})]})
+    h[2] = grown.model_copy(update={"stats": grown.stats.model_copy(update={"total_elements": 16})})
+    h[3] = h[3].model_copy(update={"tensors": h[2].tensors, "stats": h[3].stats.model_copy(update={"total_elements": 16})})
+    p = make_plan("r", 1, 3, h.get)  # the delta of 2 is cheaper, but only 2's snapshot leads past the change
+    assert [(s.version, s.kind) for s in p.steps] == [(2, "snapshot"), (3, "delta")]
+
+
+def test_publish_refuses_a_tensor_set_change_without_snapshot(tmp_path):
+    ledger = Ledger(open_store(f"file://{tmp_path}"))
+    store = ledger.store
+    for tag, size in (("s0", 4), ("p1", 2)):
+        data = tag.encode().ljust(size, b"x")[:size]
+        store.put_new(f"runs/r/blobs/{sha(data)}", data)
+    snap = FileRef(path="model.safetensors", sha256=sha(b"s0xx"), size_bytes=4, role="snapshot")
+    patch = FileRef(path="patch.safetensors", sha256=sha(b"p1"), size_bytes=2, role="patch")
+    ledger.publish("r", make_manifest("r", 0, [snap]))
+    v1 = make_manifest("r", 1, [patch])
+    changed = v1.model_copy(update={"tensors": [v1.tensors[0].model_copy(update={"shape": [2, 4]})]})
+    with pytest.raises(InvalidRequestError, match="changes the tensor set"):
+        ledger.publish("r", changed)
+    assert ledger.publish("r", v1)[1] is True

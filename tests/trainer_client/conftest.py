@@ -1,0 +1,37 @@
+"""Fixtures of the trainer SDK tests: one live bulletin (file store) on loopback for the session."""
+
+from __future__ import annotations
+
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bulletin"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bulletin_helpers import ThreadServer  # noqa: E402
+
+from stitchboard.bulletin.settings import BulletinSettings  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def bulletin_store(tmp_path_factory) -> Path:
+    """Folder of the session bulletin's file store."""
+    return tmp_path_factory.mktemp("bulletin-store")
+
+
+@pytest.fixture(scope="session")
+def bulletin(bulletin_store: Path) -> Iterator[ThreadServer]:
+    """A real bulletin over HTTP on loopback, shared by the session (each test uses its own run)."""
+    server = ThreadServer(BulletinSettings(store=f"file://{bulletin_store}", poll_interval_s=0.1))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def run() -> str:
+    """A fresh run id."""
+    return f"run-{uuid.uuid4().hex[:10]}"

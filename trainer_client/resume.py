@@ -1,0 +1,127 @@
+"""Rebuilding a published version from the bulletin alone: plan -> anchor + deltas -> verify.
+
+Used by a restarted :class:`~stitchboard.trainer_client.publisher.Publisher` (to continue a
+run from its last published view) and by ``stitchboard pull`` (to materialize any version as a
+plain checkpoint). The result is checked against the target manifest's checksums, tensor by
+tensor, before it is returned.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from stitchboard.bulletin.client import BulletinClient
+from stitchboard.proto.apply import apply_patch
+from stitchboard.proto.checkpoint import load_checkpoint, save_checkpoint
+from stitchboard.proto.codec import checksum
+from stitchboard.proto.container import RawTensor
+from stitchboard.proto.decode import read_patch
+from stitchboard.proto.schema import XXH3_128, FileRef, VersionManifest
+
+from .errors import ResumeError
+
+
+@dataclass
+class RebuiltVersion:
+    """A version rebuilt from the bulletin.
+
+    Attributes:
+        manifest: the version's manifest.
+        view: checkpoint name -> tensor (writable host arrays), verified against ``manifest``.
+        checksums: checkpoint name -> xxh3-128 hex digest (from the manifest, verified).
+        assets: the run asset files the plan's anchor references (role ``asset``).
+    """
+
+    manifest: VersionManifest
+    view: dict[str, RawTensor]
+    checksums: dict[str, str]
+    assets: list[FileRef]
+
+
+def verify_view(manifest: VersionManifest, view: dict[str, RawTensor]) -> dict[str, str]:
+    """Check ``view`` against every tensor of ``manifest`` (names, dtypes, shapes, xxh3-128).
+
+    Returns:
+        name -> checksum.
+
+    Raises:
+        ResumeError: listing missing, extra and mismatching tensors.
+    """
+    specs = manifest.tensor_map()
+    missing, extra = sorted(set(specs) - set(view)), sorted(set(view) - set(specs))
+    bad = []
+    sums = {}
+    for name in sorted(set(specs) & set(view)):
+        spec, t = specs[name], view[name]
+        sums[name] = checksum(t)
+        if (spec.dtype, tuple(spec.shape)) != (t.dtype, tuple(t.shape)) or sums[name] != spec.checksums[XXH3_128]:
+            bad.append(name)
+    if missing or extra or bad:
+        raise ResumeError(
+            f"version {manifest.version} of run {manifest.run_id!r} rebuilt from the bulletin does not match its manifest: "
+            f"missing {missing[:3]}, extra {extra[:3]}, different {bad[:3]}",
+            tensors=missing + extra + bad,
+        )
+    return sums
+
+
+def _download(client: BulletinClient, run: str, ref: FileRef, folder: Path) -> Path:
+    return client.download_blob(run, ref.sha256, folder / ref.path, expected_size=ref.size_bytes)
+
+
+def rebuild_version(client: BulletinClient, run: str, version: int | None = None, workdir: str | os.PathLike[str] | None = None) -> RebuiltVersion:
+    """Rebuild ``version`` (None: the latest) of ``run`` from its anchor and deltas, and verify it.
+
+    Downloads the anchor's snapshot shards into a temporary folder under ``workdir`` (default:
+    the system temp), loads them into memory (one host copy of the view), applies each delta in
+    order, checks every tensor against the manifest and removes the temporary files.
+
+    Raises:
+        NotFoundError: no such run or version, or no complete route (retention).
+        BulletinError: other bulletin failures (after the client's retries).
+        PatchError: a downloaded patch is malformed or does not apply to its base.
+        ResumeError: the plan has no anchor, or the result differs from the manifest.
+    """
+    plan = client.plan(run, None, version)
+    manifest = client.manifest(run, plan.to_version)
+    if not plan.steps or plan.steps[0].kind != "snapshot":
+        raise ResumeError(f"the plan to version {plan.to_version} of run {run!r} does not start at an anchor")
+    anchor = plan.steps[0]
+    with tempfile.TemporaryDirectory(prefix="stitchboard-rebuild-", dir=workdir) as tmp:
+        folder = Path(tmp)
+        for ref in anchor.files:
+            if ref.role == "snapshot":
+                _download(client, run, ref, folder / "anchor")
+        loaded = load_checkpoint(folder / "anchor")
+        view = {name: RawTensor(t.dtype, tuple(t.shape), t.bits.copy()) for name, t in loaded.items()}
+        del loaded
+        for step in plan.steps[1:]:
+            for ref in step.files:
+                path = _download(client, run, ref, folder / f"v{step.version}")
+                apply_patch(view, read_patch(path.read_bytes(), ref.size_bytes, what=f"{ref.path} of version {step.version}"))
+    sums = verify_view(manifest, view)
+    return RebuiltVersion(manifest, view, sums, [f for f in anchor.files if f.role == "asset"])
+
+
+def pull_version(client: BulletinClient, run: str, out: str | os.PathLike[str], version: int | None = None) -> RebuiltVersion:
+    """Materialize a version as a plain HF folder: safetensors checkpoint + run assets.
+
+    ``out`` must not exist or be empty. The weights are verified against the manifest before
+    they are written; the assets are verified by sha256 while downloading.
+
+    Raises:
+        FileExistsError: ``out`` exists and is not empty.
+        the errors of :func:`rebuild_version`.
+    """
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} is not empty; pull into a new folder")
+    rebuilt = rebuild_version(client, run, version, workdir=out.parent if out.parent.exists() else None)
+    out.mkdir(parents=True, exist_ok=True)
+    save_checkpoint(out, rebuilt.view)
+    for ref in rebuilt.assets:
+        _download(client, run, ref, out)
+    return rebuilt
