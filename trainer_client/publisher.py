@@ -129,7 +129,7 @@ class Publisher:
         max_shard_bytes: largest snapshot shard file, bytes (default 2 GiB).
         retries, backoff_s, timeout_s: the bulletin client's retries after a transport error
             or 5xx, first backoff delay (doubling, seconds) and per-request timeout (seconds).
-        workdir: folder for temporary snapshot shards (default: the system temp folder).
+        workdir: folder for temporary snapshot shards, created if missing (default: the system temp folder).
         client: a ready :class:`BulletinClient` to use instead of one built from ``url``/``token``.
 
     Raises:
@@ -168,6 +168,8 @@ class Publisher:
         self.default_dtype = default_dtype
         self.max_shard_bytes = max_shard_bytes
         self.workdir = workdir
+        if workdir is not None:
+            Path(workdir).mkdir(parents=True, exist_ok=True)
         self._owns_client = client is None
         self.client = client or BulletinClient(url, token, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s)
         self._worker = BoundedWorker(max_pending)

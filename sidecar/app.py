@@ -1,0 +1,156 @@
+"""The sidecar service: :func:`create_app` builds the FastAPI app (nothing starts at import).
+
+Routes (every error answer is JSON ``{"type", "message", ...}``; 503s carry ``Retry-After``):
+
+* ``GET /health``: 200 ``{"status": "ok", ...}`` once a verified version is applied and the
+  engine answers and the last sync left the sidecar healthy; else 503 with the reason.
+* ``GET /v1/stitch/status``: applied and target version, lag, state, last error, last sync.
+* ``GET /metrics``: the sidecar's Prometheus metrics; ``GET /engine/metrics``: the engine's.
+* the engine's OpenAI routes, gated and stamped, and its read-only routes (:mod:`.proxy`);
+  any other path: 403 ``RouteForbidden``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from contextlib import asynccontextmanager
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from stitchboard.bulletin.client import BulletinClient
+
+from .engine import EngineAdapter, VllmEngine
+from .errors import RouteForbiddenError, SidecarError
+from .gate import Gate
+from .metrics import SidecarMetrics
+from .proxy import MODEL_ROUTES, Proxy, is_read_route
+from .reconciler import Reconciler
+from .settings import SidecarSettings
+from .staging import Stager
+
+log = logging.getLogger("stitchboard.sidecar")
+_ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+
+
+def create_app(settings: SidecarSettings, engine: EngineAdapter | None = None, client: BulletinClient | None = None) -> FastAPI:
+    """Build a sidecar app; the reconciler starts with the app's lifespan.
+
+    Args:
+        settings: configuration.
+        engine: the engine adapter (default: ``VllmEngine(settings.engine_url)``).
+        client: the bulletin client (default: one for ``settings.bulletin``/``token``).
+
+    Engines and clients passed in are not closed at shutdown; those created here are.
+    """
+    owned: list[Any] = []  # what this app created, closed at shutdown
+    if engine is None:
+        engine = VllmEngine(settings.engine_url)
+        owned.append(engine)
+    if client is None:
+        client = BulletinClient(settings.bulletin, settings.token, timeout_s=settings.bulletin_timeout_s, retries=settings.bulletin_retries)
+        owned.append(client)
+    metrics = SidecarMetrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        gate = Gate()
+        stager = Stager(client, settings.run, Path(settings.handoff_dir) / f"sidecar-{settings.port}", settings.download_concurrency)
+        reconciler = Reconciler(settings, client, engine, gate, metrics, stager)
+        proxy = Proxy(settings, gate, metrics)
+        app.state.gate, app.state.reconciler, app.state.proxy = gate, reconciler, proxy
+        task = asyncio.create_task(reconciler.run(), name="stitch-reconciler")
+        log.info("sidecar following run %r at %s for the engine at %s", settings.run, settings.bulletin, settings.engine_url)
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await proxy.aclose()
+            reconciler.close()
+            stager.close()
+            for resource in owned:
+                resource.close()
+
+    app = FastAPI(title="stitchboard sidecar", version="1", description="Keeps one engine at the run's latest weight version and gates requests by version.", lifespan=lifespan)
+    app.state.metrics = metrics
+
+    @app.exception_handler(SidecarError)
+    async def _sidecar_error(request: Request, exc: SidecarError) -> JSONResponse:
+        metrics.requests_rejected.labels(exc.type).inc()
+        headers = {"Retry-After": str(settings.retry_after_s)} if exc.status == 503 else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    @app.get("/health", tags=["ops"])
+    async def health(request: Request) -> JSONResponse:
+        """200 when a verified version is applied, the engine answers and syncing is healthy; else 503."""
+        reconciler: Reconciler = request.app.state.reconciler
+        applied = request.app.state.gate.applied
+        body: dict[str, Any] = {"applied_version": applied, "state": reconciler.state}
+        if reconciler.unhealthy_reason:
+            return _unhealthy({**body, "status": "unhealthy", "reason": reconciler.unhealthy_reason})
+        if applied is None:
+            return _unhealthy({**body, "status": "recovering" if reconciler.state == "recovering" else "starting", "reason": "no verified weight version applied"})
+        try:
+            ok = await asyncio.wait_for(asyncio.to_thread(engine.health), settings.engine_call_timeout_s)
+            reason = "the engine's health check failed"
+        except Exception as exc:  # noqa: BLE001 - any failure means the engine is not healthy
+            ok, reason = False, f"{type(exc).__name__}: {exc}"
+        if not ok:
+            return _unhealthy({**body, "status": "engine_unhealthy", "reason": reason})
+        return JSONResponse({**body, "status": "ok"})
+
+    def _unhealthy(body: dict[str, Any]) -> JSONResponse:
+        return JSONResponse(body, status_code=503, headers={"Retry-After": str(settings.retry_after_s)})
+
+    @app.get("/v1/stitch/status", tags=["ops"])
+    async def status(request: Request) -> dict[str, Any]:
+        """Applied and target version, lag, state, last error, and the last sync's bytes and seconds."""
+        reconciler: Reconciler = request.app.state.reconciler
+        gate: Gate = request.app.state.gate
+        lag = None if gate.target is None else gate.target - (gate.applied if gate.applied is not None else -1)
+        return {
+            "run_id": settings.run,
+            "applied_version": gate.applied,
+            "target_version": gate.target,
+            "lag_versions": lag,
+            "state": reconciler.state,
+            "healthy": reconciler.unhealthy_reason is None and gate.applied is not None,
+            "unhealthy_reason": reconciler.unhealthy_reason,
+            "last_error": reconciler.last_error,
+            "last_sync": asdict(reconciler.last_sync) if reconciler.last_sync else None,
+            "requests_in_flight": gate.in_flight,
+            "committing": gate.committing,
+            "time": time.time(),
+        }
+
+    @app.get("/metrics", tags=["ops"])
+    def metrics_endpoint() -> Response:
+        """The sidecar's Prometheus metrics."""
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/engine/metrics", tags=["ops"])
+    async def engine_metrics(request: Request) -> Response:
+        """The engine's own ``/metrics``, passed through."""
+        return await request.app.state.proxy.forward_plain(request, "/metrics")
+
+    @app.api_route("/{path:path}", methods=_ALL_METHODS, include_in_schema=False)
+    async def proxied(request: Request, path: str) -> Response:
+        """Engine routes: OpenAI routes gated and stamped, read-only routes as they are, the rest 403."""
+        route = "/" + path
+        proxy: Proxy = request.app.state.proxy
+        if request.method == "POST" and route in MODEL_ROUTES:
+            return await proxy.forward_model(request)
+        if is_read_route(request.method, route):
+            return await proxy.forward_plain(request, route)
+        raise RouteForbiddenError(f"{request.method} {route} is not forwarded: the sidecar serves inference and read-only routes; engine control (pause, weight updates, sleep...) is the sidecar's alone", method=request.method, path=route)
+
+    return app

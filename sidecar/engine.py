@@ -1,0 +1,219 @@
+"""The engine adapter seam: what the sidecar needs from an inference engine, and vLLM's version.
+
+:class:`EngineAdapter` is the whole contract (blocking calls; the reconciler runs them in a
+thread pool). :class:`VllmEngine` drives a vLLM server started with ``VLLM_SERVER_DEV_MODE=1``
+and ``--worker-extension-cls stitchboard.sidecar.vllm_worker.StitchWorkerExtension`` over its
+HTTP dev/RL endpoints: ``/pause?mode=keep`` (in-flight requests are frozen, never aborted),
+``/resume``, ``/is_paused``, ``/reset_prefix_cache`` and ``/collective_rpc`` into the worker
+extension (one JSON-string argument per call; results are small dicts, one per TP rank).
+Patches and snapshots travel as files under the hand-off folder, never as bytes over HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import httpx
+
+from .errors import (
+    ApplyFailedError,
+    ApplyRefusedError,
+    EngineRequestError,
+    EngineStateError,
+    EngineUnavailableError,
+)
+
+
+class EngineAdapter(Protocol):
+    """What the sidecar calls on an engine. Every method blocks; errors are ``SidecarError``s."""
+
+    def health(self) -> bool:
+        """Whether the engine answers its health check."""
+
+    def state(self) -> dict[str, Any]:
+        """``{"version": int | None, "phase": str}`` as the engine records it (``paused`` while paused and idle)."""
+
+    def pause(self) -> None:
+        """Stop scheduling; in-flight requests are kept and continue after :meth:`resume`."""
+
+    def resume(self) -> None:
+        """Resume scheduling."""
+
+    def apply_patch(self, handoff_path: str | Sequence[str], from_version: int, to_version: int) -> dict[str, Any]:
+        """Apply the hand-off patch file(s) of one version in place; returns the apply report."""
+
+    def load_snapshot(self, paths: Sequence[str], version: int, checksums: dict[str, str] | None = None) -> dict[str, Any]:
+        """Load a full snapshot (anchor shards) in place, verified; returns the load report."""
+
+    def set_version(self, version: int) -> None:
+        """Record ``version`` as the one the engine holds (boot checkpoint, empty delta)."""
+
+    def reset_prefix_cache(self) -> None:
+        """Drop KV blocks computed with older weights."""
+
+
+def _snapshot_checksums(paths: Sequence[str]) -> dict[str, str]:
+    from stitchboard.proto.codec import checksum
+    from stitchboard.proto.container import read_safetensors
+
+    return {name: checksum(t) for path in paths for name, t in read_safetensors(path)[1].items()}
+
+
+class VllmEngine:
+    """:class:`EngineAdapter` over a vLLM server's HTTP endpoints.
+
+    Args:
+        engine_url: base URL, e.g. ``http://127.0.0.1:8001``.
+        timeout_s: timeout of control calls (health, state, pause...), seconds.
+        apply_timeout_s: timeout of an apply or snapshot load, seconds.
+    """
+
+    def __init__(self, engine_url: str, timeout_s: float = 10.0, apply_timeout_s: float = 900.0) -> None:
+        self.engine_url = engine_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.apply_timeout_s = apply_timeout_s
+        self._http = httpx.Client(base_url=self.engine_url, timeout=timeout_s)
+
+    def close(self) -> None:
+        """Close the HTTP connection pool."""
+        self._http.close()
+
+    # -- HTTP plumbing ---------------------------------------------------------------------------
+
+    def _request(self, method: str, path: str, *, timeout: float | None = None, **kwargs: Any) -> Any:
+        try:
+            resp = self._http.request(method, path, timeout=timeout or self.timeout_s, **kwargs)
+        except httpx.HTTPError as exc:
+            raise EngineUnavailableError(f"engine at {self.engine_url} does not answer {path}: {type(exc).__name__}: {exc}", path=path) from exc
+        if resp.status_code in (502, 503, 504):
+            raise EngineUnavailableError(f"engine answered {path} with HTTP {resp.status_code}", path=path, status=resp.status_code)
+        if resp.status_code != 200:
+            raise EngineRequestError(f"engine answered {path} with HTTP {resp.status_code}: {resp.text[:300]}", path=path, status=resp.status_code)
+        try:
+            return resp.json() if resp.content else None
+        except ValueError:
+            raise EngineRequestError(f"engine answered {path} with a non-JSON body: {resp.text[:300]}", path=path, status=200) from None
+
+    def _rpc(self, method: str, args: dict[str, Any], timeout: float | None = None) -> list[dict[str, Any]]:
+        """Call a worker-extension method on every rank; returns the per-rank result dicts."""
+        body = {"method": method, "args": [json.dumps(args)]}
+        answer = self._request("POST", "/collective_rpc", json=body, timeout=timeout)
+        results = answer.get("results") if isinstance(answer, dict) else None
+        if not isinstance(results, list) or not results or not all(isinstance(r, dict) and "ok" in r for r in results):
+            raise EngineRequestError(f"collective_rpc {method}: unexpected answer {str(answer)[:300]} (is the stitchboard worker extension loaded?)", path="/collective_rpc")
+        return results
+
+    @staticmethod
+    def _one_state(results: list[dict[str, Any]]) -> dict[str, Any]:
+        states = [r.get("state") for r in results]
+        if any(s != states[0] for s in states):
+            raise EngineStateError(f"TP ranks record different states: {states}", held=None, phase="inconsistent")
+        return dict(states[0])
+
+    def _checked(self, method: str, args: dict[str, Any], timeout: float | None = None) -> list[dict[str, Any]]:
+        results = self._rpc(method, args, timeout)
+        failed = [r for r in results if not r["ok"]]
+        state = self._one_state(results)
+        if not failed:
+            return results
+        err = failed[0]["error"]
+        cause, message = err.get("type", "Error"), err.get("message", "")
+        details = {k: v for k, v in err.items() if k not in ("type", "message", "written", "restored")}
+        details.update(cause=cause, held=state.get("version"), phase=state.get("phase"))
+        if err.get("written"):
+            raise ApplyFailedError(f"{method}: {cause}: {message}", restored=bool(err.get("restored")), **details)
+        if cause == EngineStateError.type:
+            raise EngineStateError(f"{method}: {message}", **{k: v for k, v in details.items() if k != "cause"})
+        raise ApplyRefusedError(f"{method} refused, nothing written: {cause}: {message}", **details)
+
+    # -- EngineAdapter ---------------------------------------------------------------------------
+
+    def health(self) -> bool:
+        """True when ``GET /health`` answers 200."""
+        try:
+            return self._http.get("/health", timeout=self.timeout_s).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def state(self) -> dict[str, Any]:
+        """``{"version", "phase"}``; phase ``paused`` when the worker is idle and the engine paused.
+
+        Raises:
+            EngineUnavailableError, EngineRequestError, EngineStateError (ranks disagree).
+        """
+        state = self._one_state(self._rpc("stitch_state", {}))
+        if state["phase"] == "idle" and self._request("GET", "/is_paused").get("is_paused"):
+            state["phase"] = "paused"
+        return state
+
+    def pause(self) -> None:
+        """``POST /pause?mode=keep``: requests in flight are frozen and kept (never aborted)."""
+        self._request("POST", "/pause", params={"mode": "keep"})
+
+    def resume(self) -> None:
+        """``POST /resume``."""
+        self._request("POST", "/resume")
+
+    def apply_patch(self, handoff_path: str | Sequence[str], from_version: int, to_version: int) -> dict[str, Any]:
+        """Apply the patch file(s) of one version (all files of the version in one call).
+
+        Returns:
+            The worker's report (rank 0): ``bytes``, ``tensors``, ``elements``,
+            ``repacked_modules``, seconds ``read_s``, ``base_check_s``, ``write_s``,
+            ``repack_s``, ``verify_s``, plus ``rpc_s`` (the whole call, HTTP included).
+
+        Raises:
+            ApplyRefusedError: refused before any write (details ``cause``: ``BaseMismatch``,
+                ``PatchFormatError``, ``TensorSetMismatch``, ``UnmappedTensor``...).
+            EngineStateError: the engine does not hold ``from_version`` (nothing written).
+            ApplyFailedError: failed after writing (``restored`` says whether the old bits are back).
+            EngineUnavailableError, EngineRequestError.
+        """
+        paths = [handoff_path] if isinstance(handoff_path, str) else list(handoff_path)
+        t = time.perf_counter()
+        results = self._checked("stitch_apply_patch", {"paths": paths, "from_version": from_version, "to_version": to_version}, self.apply_timeout_s)
+        return {**results[0]["report"], "rpc_s": time.perf_counter() - t}
+
+    def load_snapshot(self, paths: Sequence[str], version: int, checksums: dict[str, str] | None = None) -> dict[str, Any]:
+        """Load snapshot shards in place and record ``version``.
+
+        Args:
+            paths: the shard files in the hand-off folder.
+            version: the version they hold.
+            checksums: the manifest's tensor checksums (name -> xxh3-128); when None they are
+                computed here from the files (the files were verified by sha256 when staged).
+
+        Returns:
+            The worker's report (``bytes``, ``tensors``, ``repacked_modules``, ``read_s``,
+            ``write_s``, ``repack_s``, ``verify_s``) plus ``rpc_s``.
+
+        Raises:
+            ApplyRefusedError: refused before any write; ApplyFailedError (``restored`` False):
+            failed after writing, the engine holds no version; EngineUnavailableError...
+        """
+        sums = dict(checksums) if checksums is not None else _snapshot_checksums(paths)
+        t = time.perf_counter()
+        results = self._checked("stitch_load_snapshot", {"paths": list(paths), "version": version, "checksums": sums}, self.apply_timeout_s)
+        return {**results[0]["report"], "rpc_s": time.perf_counter() - t}
+
+    def set_version(self, version: int) -> None:
+        """Record ``version`` in the engine. Raises EngineStateError in phase ``failed``."""
+        self._checked("stitch_set_version", {"version": version})
+
+    def checksums(self, names: Sequence[str]) -> dict[str, str]:
+        """xxh3-128 of the named checkpoint tensors as the engine holds them (for verification)."""
+        return self._checked("stitch_checksums", {"names": list(names)}, self.apply_timeout_s)[0]["checksums"]
+
+    def reset_prefix_cache(self) -> None:
+        """``POST /reset_prefix_cache?reset_running_requests=true``: running (kept) requests are
+        preempted so their KV is recomputed with the new weights.
+
+        Raises:
+            EngineRequestError: the engine reports the reset failed.
+        """
+        answer = self._request("POST", "/reset_prefix_cache", params={"reset_running_requests": "true"})
+        if not (isinstance(answer, dict) and answer.get("success")):
+            raise EngineRequestError(f"engine could not reset its prefix cache: {answer}", path="/reset_prefix_cache")

@@ -1,0 +1,164 @@
+"""The exception tree of the sidecar (service and engine adapter).
+
+Each class carries the HTTP status the sidecar answers with and the wire ``type`` of the JSON
+error body (``{"type": ..., "message": ..., <details>}``, see
+:class:`stitchboard.proto.schema.ErrorBody`)::
+
+    SidecarError                      500
+    ├── WeightVersionError            409  the request's version constraint cannot be met now
+    │   ├── WeightVersionNotReadyError     wanted version not applied within the wait
+    │   └── WeightVersionPassedError       exact version pinned, engine already past it
+    ├── InvalidVersionConstraintError 400  malformed X-Stitch-* header or weight_version field
+    ├── RouteForbiddenError           403  engine control / dev route: only the sidecar changes weights
+    ├── NotReadyError                 503  no verified version applied (starting, recovering, unhealthy)
+    ├── EngineUnavailableError        503  the engine does not answer
+    ├── StagingError                  ---  staged files disagree with their manifests (never sent to the engine)
+    ├── NothingPublishedError         ---  the run has no version yet (the sidecar waits)
+    ├── EngineVersionMismatchError    ---  after a commit the engine records another version than applied
+    │   (engine adapter and vLLM worker extension:)
+    ├── EngineRequestError            ---  the engine answered a control call with an unexpected status/body
+    ├── EngineStateError              ---  the engine's recorded version/phase forbids the call (nothing written)
+    ├── UnmappedTensorError           ---  a checkpoint name has no runtime place in the engine (nothing written)
+    ├── ApplyRefusedError             ---  apply/snapshot refused before the first write (details: cause)
+    └── ApplyFailedError              ---  writing began, then failed (details: cause, restored)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from stitchboard.proto.errors import StitchError
+
+
+# --- sidecar service (reconciler, gate, proxy) -------------------------------------------------
+class SidecarError(StitchError):
+    """Root of sidecar errors."""
+
+    type = "SidecarError"
+    status = 500
+
+    def body(self) -> dict[str, Any]:
+        """The JSON error body: ``{"type", "message", **details}``."""
+        return {"type": self.type, "message": self.message, **self.details}
+
+
+class WeightVersionError(SidecarError):
+    """The request's weight-version constraint cannot be met now; details name the versions."""
+
+    type = "WeightVersionError"
+    status = 409
+
+
+class WeightVersionNotReadyError(WeightVersionError):
+    """The wanted version was not applied within the request's wait; retry later or wait longer.
+
+    Details: ``min_version``, ``exact_version``, ``applied_version``, ``target_version``.
+    """
+
+    type = "WeightVersionNotReady"
+
+
+class WeightVersionPassedError(WeightVersionError):
+    """The request pins an exact version the engine has already moved past; it will not come back."""
+
+    type = "WeightVersionPassed"
+
+
+class InvalidVersionConstraintError(SidecarError):
+    """An ``X-Stitch-*`` header or the body's ``weight_version`` field is malformed."""
+
+    type = "InvalidVersionConstraint"
+    status = 400
+
+
+class RouteForbiddenError(SidecarError):
+    """Engine control and dev routes are refused: only the sidecar changes the engine's weights."""
+
+    type = "RouteForbidden"
+    status = 403
+
+
+class NotReadyError(SidecarError):
+    """No verified version is applied (starting, recovering or unhealthy); retry after ``Retry-After``."""
+
+    type = "NotReady"
+    status = 503
+
+
+class EngineUnavailableError(SidecarError):
+    """The engine does not answer (down, restarting); retry after ``Retry-After``."""
+
+    type = "EngineUnavailable"
+    status = 503
+
+
+class StagingError(SidecarError):
+    """Staged files disagree with their manifests (tensor set, checksums, encoding, lineage).
+
+    Raised before the engine is touched; the sidecar retries, then takes the anchor route.
+    """
+
+    type = "StagingError"
+
+
+class NothingPublishedError(SidecarError):
+    """The run has no version yet, and the engine holds none: the sidecar waits for the first publish."""
+
+    type = "NothingPublished"
+
+
+class EngineVersionMismatchError(SidecarError):
+    """After a commit the engine records another version than the one applied (the sidecar recovers from an anchor)."""
+
+    type = "EngineVersionMismatch"
+
+
+# --- engine adapter and the vLLM worker extension (sidecar/engine.py, sidecar/vllm_*.py) -------
+# Raised by the adapter from the worker's error reports; the worker raises the same classes in
+# the engine process (and the codec's PatchError tree for bad patch files and checksums).
+class EngineRequestError(SidecarError):
+    """The engine answered a control call with an unexpected status or body (not an apply verdict).
+
+    Details: ``path`` (the engine route), ``status`` (HTTP status, when there was one).
+    """
+
+    type = "EngineRequestError"
+
+
+class EngineStateError(SidecarError):
+    """The engine's recorded state forbids the call: it holds another version than the call's
+    ``from_version``, an earlier apply left it in phase ``failed``, or TP ranks disagree.
+    Nothing was written. Details: ``held`` (the engine's version), ``phase``.
+    """
+
+    type = "EngineStateError"
+
+
+class UnmappedTensorError(SidecarError):
+    """A checkpoint tensor name has no place in the engine's runtime parameters (unknown name,
+    ignored by the model's loader, or a layer kind the adapter cannot address in place).
+    Nothing was written. Details: ``name``.
+    """
+
+    type = "UnmappedTensor"
+
+
+class ApplyRefusedError(SidecarError):
+    """An apply or snapshot load was refused before the first write; the engine still holds its
+    version, bit for bit. Details: ``cause`` (wire type of the underlying error: ``BaseMismatch``,
+    ``PatchFormatError``, ``TensorSetMismatch``, ``UnmappedTensor``, ``EngineStateError``...),
+    ``held`` (the engine's version).
+    """
+
+    type = "ApplyRefused"
+
+
+class ApplyFailedError(SidecarError):
+    """Writing began and then failed (target checksum mismatch, an error while writing).
+
+    Details: ``cause`` (wire type of the underlying error), ``restored`` (True: the old bits were
+    written back and the engine still holds ``held``; False: the engine holds no verified
+    version, ``held`` is None, and it must be reloaded from an anchor).
+    """
+
+    type = "ApplyFailed"

@@ -1,0 +1,43 @@
+"""Prometheus metrics of one sidecar (its own registry, so several apps can coexist in a process).
+
+Versions are exported as gauges with ``-1`` meaning "none" (nothing applied or known yet).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+
+
+class SidecarMetrics:
+    """The counters, gauges and histograms the sidecar updates; :attr:`registry` is what ``/metrics`` exposes."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.applied_version = Gauge("stitch_sidecar_applied_version", "Verified version the engine holds (-1: none).", registry=r)
+        self.target_version = Gauge("stitch_sidecar_target_version", "Newest version known at the bulletin (-1: none).", registry=r)
+        self.lag_versions = Gauge("stitch_sidecar_lag_versions", "Target minus applied version (target + 1 while nothing is applied).", registry=r)
+        self.healthy = Gauge("stitch_sidecar_healthy", "1 when the engine answers and the last sync did not leave the sidecar unhealthy.", registry=r)
+        self.in_flight = Gauge("stitch_sidecar_requests_in_flight", "Admitted requests not yet completed.", registry=r)
+        self.bytes_fetched = Counter("stitch_sidecar_bytes_fetched", "Bytes downloaded from the bulletin and verified.", registry=r)
+        self.commits = Counter("stitch_sidecar_commits", "Commits by outcome (applied, flipped: empty deltas only, failed).", ["outcome"], registry=r)
+        self.recoveries = Counter("stitch_sidecar_recoveries", "Anchor recoveries by outcome (ok, failed).", ["outcome"], registry=r)
+        self.pause_seconds = Histogram("stitch_sidecar_pause_seconds", "Time the engine spent paused per commit, seconds.", buckets=_SECONDS, registry=r)
+        self.apply_seconds = Histogram("stitch_sidecar_apply_seconds", "Time the engine spent applying patches or snapshots per commit, seconds.", buckets=_SECONDS, registry=r)
+        self.stage_seconds = Histogram("stitch_sidecar_stage_seconds", "Download, verify and decode time per sync, seconds.", buckets=_SECONDS, registry=r)
+        self.sync_seconds = Histogram("stitch_sidecar_sync_seconds", "From seeing a new version at the bulletin to having it applied, seconds.", buckets=_SECONDS, registry=r)
+        self.requests_held = Counter("stitch_sidecar_requests_held", "Requests held by the gate before admission (or rejection).", registry=r)
+        self.requests_rejected = Counter("stitch_sidecar_requests_rejected", "Requests refused by the sidecar, by error type.", ["reason"], registry=r)
+        for g in (self.applied_version, self.target_version):
+            g.set(-1)
+
+    def versions(self, applied: int | None, target: int | None) -> None:
+        """Update the applied/target/lag gauges."""
+        self.applied_version.set(-1 if applied is None else applied)
+        self.target_version.set(-1 if target is None else target)
+        if target is not None:
+            self.lag_versions.set(max(0, target - (applied if applied is not None else -1)))
+        else:
+            self.lag_versions.set(0)

@@ -1,0 +1,350 @@
+"""The reconciler: keeps the engine at the run's latest version, bit-exact, one commit at a time.
+
+One asyncio task in the sidecar's event loop; blocking calls (bulletin, engine, staging) run in
+a small thread pool of its own so the proxy keeps serving. The loop:
+
+1. **boot** (:meth:`Reconciler.boot`): ask the engine what it holds (DESIGN.md invariant 7).
+   An engine caught mid-apply or paused (the previous sidecar died) is brought to a verified
+   version and resumed; a fresh engine is ``--boot-version`` or gets the nearest anchor loaded.
+2. **follow**: long-poll the bulletin for a version newer than the target.
+3. **stage** (:mod:`.staging`): plan from the applied version, download, verify, decode; the
+   engine keeps serving. Versions published meanwhile are coalesced into the same plan.
+4. **commit**: hold new requests -> pause the engine (in-flight requests kept) -> apply each
+   step -> verify the engine's recorded version -> clear the prefix cache -> mark applied ->
+   resume (in a ``finally``) -> admit again. A plan of empty deltas only flips the version.
+
+A failed apply never leaves a version claimed: the gate drops to "no version", the engine is
+brought back from the nearest anchor inside the same pause, and if that fails too the sidecar
+reports itself unhealthy with the reason (and keeps retrying with backoff).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from stitchboard.bulletin.client import BulletinClient
+from stitchboard.bulletin.errors import NotFoundError
+from stitchboard.proto.errors import StitchError
+from stitchboard.proto.schema import XXH3_128, VersionManifest
+
+from .engine import EngineAdapter
+from .errors import EngineVersionMismatchError, NothingPublishedError
+from .gate import Gate
+from .metrics import SidecarMetrics
+from .settings import SidecarSettings
+from .staging import StagedPlan, Stager
+
+log = logging.getLogger("stitchboard.sidecar")
+
+#: Engine phases in which its recorded version is trustworthy; any other (``applying``,
+#: ``loading``, ``failed``) means a commit was interrupted and the weights are of no known version.
+IDLE_PHASES = frozenset({None, "idle", "paused"})
+
+
+@dataclass
+class SyncReport:
+    """Figures of the last completed sync (``/v1/stitch/status``).
+
+    Attributes: versions moved, bytes downloaded, seconds staging / paused / applying / in total,
+    whether it was an anchor load, and the wall-clock time it finished (Unix seconds).
+    """
+
+    from_version: int | None
+    to_version: int
+    bytes_fetched: int
+    stage_seconds: float
+    pause_seconds: float
+    apply_seconds: float
+    total_seconds: float
+    anchor: bool
+    finished_at: float
+
+
+class Reconciler:
+    """Follows one run at the bulletin and applies its versions to one engine.
+
+    Args:
+        settings: sidecar settings (run, waits, backoff).
+        client: bulletin client.
+        engine: the engine adapter (blocking methods).
+        gate: the request gate of the app (updated from the event loop).
+        metrics: where figures go.
+        stager: stages plans into the handoff folder.
+    """
+
+    def __init__(self, settings: SidecarSettings, client: BulletinClient, engine: EngineAdapter, gate: Gate, metrics: SidecarMetrics, stager: Stager) -> None:
+        self.settings = settings
+        self.run_id = settings.run
+        self.client = client
+        self.engine = engine
+        self.gate = gate
+        self.metrics = metrics
+        self.stager = stager
+        self.state = "starting"
+        self.last_error: dict[str, Any] | None = None
+        self.unhealthy_reason: str | None = None
+        self.last_sync: SyncReport | None = None
+        self._failures = 0
+        self._force_anchor = False
+        self._resume_pending = False
+        self._manifest: VersionManifest | None = None  # of the applied version, for lineage checks
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="stitch-reconcile")
+
+    # -- plumbing ----------------------------------------------------------------------------
+
+    async def _io(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+
+    def _publish(self) -> None:
+        self.metrics.versions(self.gate.applied, self.gate.target)
+        self.metrics.healthy.set(0 if self.unhealthy_reason else 1)
+
+    def _set_target(self, version: int) -> None:
+        self.gate.set_target(version)
+        self._publish()
+
+    def _set_applied(self, version: int | None, manifest: VersionManifest | None = None) -> None:
+        self._manifest = manifest if version is not None else None
+        self.gate.set_applied(version)
+        self._publish()
+
+    def _error(self, exc: BaseException, during: str) -> None:
+        kind = exc.type if isinstance(exc, StitchError) else type(exc).__name__
+        self.last_error = {"type": kind, "message": f"{during}: {exc}", "at": time.time()}
+        log.warning("%s failed: %s: %s", during, kind, exc)
+
+    def close(self) -> None:
+        """Release the worker threads (a running blocking call finishes in the background)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- main loop ---------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Boot, then follow the bulletin until cancelled. Errors are recorded and retried with backoff."""
+        await self._until_ok(self.boot, "boot", escalate=False)
+        while True:
+            await self._until_ok(self.step, "sync", escalate=True)
+
+    async def _until_ok(self, fn: Any, during: str, *, escalate: bool) -> None:
+        # Retries ``fn`` with backoff; with ``escalate``, repeated failures switch to the anchor route.
+        delay = self.settings.retry_backoff_s
+        while True:
+            try:
+                await fn()
+                self._failures = 0
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - any failure is recorded, then retried
+                self._failures += 1
+                if escalate and self._failures >= self.settings.anchor_after_failures:
+                    self._force_anchor = True
+                self._error(exc, during)
+                if self.state not in ("unhealthy", "waiting_for_engine"):
+                    self.state = "retrying"
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.settings.max_backoff_s)
+
+    async def boot(self) -> None:
+        """Learn what the engine holds; finish an interrupted commit; load an anchor into a fresh engine.
+
+        Raises:
+            SidecarError, BulletinError, PatchError: on failure (the caller retries).
+        """
+        self.state = "waiting_for_engine"
+        info = await self._io(self.engine.state)
+        version, phase = info.get("version"), info.get("phase")
+        paused = phase == "paused"
+        self.state = "booting"
+        if phase not in IDLE_PHASES or paused:
+            log.warning("engine is in phase %r (paused: %s) holding version %s: an earlier commit was interrupted; recovering", phase, paused, version)
+            await self._recover_interrupted(version if phase in IDLE_PHASES else None, paused)
+            return
+        if version is None and self.settings.boot_version is not None and not self._force_anchor:
+            await self._io(self.engine.set_version, self.settings.boot_version)
+            version = self.settings.boot_version
+        if version is not None:
+            self._set_applied(version)
+            self.state = "idle"
+            return
+        target = await self._io(self.client.latest, self.run_id, -1, self.settings.poll_wait_s)
+        if target is None:
+            raise NothingPublishedError(f"run {self.run_id!r} has no version yet and the engine holds none")
+        self._set_target(target)
+        self._force_anchor = True
+        await self.sync(target)
+
+    async def _recover_interrupted(self, version: int | None, paused: bool) -> None:
+        # A commit died: the engine is paused at a verified ``version``, or holds no known version.
+        self.gate.set_committing(True)
+        self._force_anchor = True  # whatever happens, this engine is no longer a fresh boot checkpoint
+        try:
+            if version is not None:
+                self._force_anchor = False
+                self._set_applied(version)
+                return
+            self._set_applied(None)
+            if not paused:  # no request may run on weights of no known version
+                await self._io(self.engine.pause)
+            target = await self._io(self.client.latest, self.run_id)
+            if target is None:
+                raise NothingPublishedError(f"run {self.run_id!r} has no version to recover the engine to")
+            self._set_target(target)
+            await self._recover(target, time.perf_counter(), None)
+        finally:
+            await self._resume()
+            self.gate.set_committing(False)
+            self.state = "idle" if self.gate.applied is not None else "unhealthy"
+
+    async def _resume(self) -> None:
+        # Resume the engine; a failure is kept and retried by the next step (requests would hang).
+        self._resume_pending = True
+        await self._io(self.engine.resume)
+        self._resume_pending = False
+
+    async def step(self) -> None:
+        """Sync to the target if behind, else long-poll the bulletin once for a newer version."""
+        if self._resume_pending:
+            await self._resume()
+        applied, target = self.gate.applied, self.gate.target
+        if target is not None and (applied is None or target > applied):
+            if self._failures:  # retrying: a newer version may route around what failed
+                newer = await self._io(self.client.latest, self.run_id, target)
+                if newer is not None and newer > target:
+                    target = newer
+                    self._set_target(target)
+            await self.sync(target)
+            return
+        self.state = "idle" if applied is not None else self.state
+        after = max(v for v in (applied, target, -1) if v is not None)
+        latest = await self._io(self.client.latest, self.run_id, after, self.settings.poll_wait_s)
+        if latest is not None and latest > after:
+            self._set_target(latest)
+
+    # -- sync: stage, coalesce, commit -------------------------------------------------------
+
+    async def sync(self, target: int) -> None:
+        """Stage the plan to ``target`` (coalescing newer versions), then commit it.
+
+        Raises:
+            BulletinError, PatchError, StagingError: staging failed; the engine was not touched.
+            SidecarError: the commit failed and the anchor recovery failed too (sidecar unhealthy).
+        """
+        seen = time.perf_counter()
+        self.state = "staging"
+        staged = await self._stage(target)
+        while (newer := await self._io(self.client.latest, self.run_id, staged.to_version)) is not None and newer > staged.to_version:
+            log.info("version %d appeared while staging %d: coalescing it into this commit", newer, staged.to_version)
+            self._set_target(newer)
+            staged = await self._stage(newer)
+        await self.commit(staged, seen)
+
+    async def _stage(self, target: int) -> StagedPlan:
+        start = None if self._force_anchor else self.gate.applied
+        plan = await self._io(self.client.plan, self.run_id, start, target)
+        base = await self._base_manifest(start)
+        staged = await self._io(self.stager.stage, plan, base)
+        self.metrics.bytes_fetched.inc(staged.bytes_fetched)
+        self.metrics.stage_seconds.observe(staged.seconds)
+        return staged
+
+    async def _base_manifest(self, version: int | None) -> VersionManifest | None:
+        # The applied version's manifest (checks the first delta's base checksums); None if gone.
+        if version is None:
+            return None
+        if self._manifest is None or self._manifest.version != version:
+            try:
+                self._manifest = await self._io(self.client.manifest, self.run_id, version)
+            except NotFoundError:
+                return None
+        return self._manifest
+
+    async def commit(self, staged: StagedPlan, seen: float) -> None:
+        """Apply a staged plan to the engine; see the module docstring for the sequence.
+
+        Raises:
+            SidecarError and engine errors: the apply and the anchor recovery both failed.
+        """
+        if staged.steps and all(s.empty for s in staged.steps) and staged.from_version == self.gate.applied:
+            await self._io(self.engine.set_version, staged.to_version)
+            self._finish(staged, seen, 0.0, 0.0, flipped=True)
+            return
+        self.state = "committing"
+        self.gate.set_committing(True)
+        paused_at = None
+        try:
+            await self._io(self.engine.pause)
+            paused_at = time.perf_counter()
+            try:
+                apply_s = await self._apply(staged)
+            except Exception as exc:  # noqa: BLE001 - any apply failure leads to the anchor
+                self._error(exc, f"applying versions {staged.from_version}->{staged.to_version}")
+                self.metrics.commits.labels("failed").inc()
+                self._set_applied(None)
+                await self._recover(staged.to_version, seen, paused_at)
+                return
+            self._finish(staged, seen, time.perf_counter() - paused_at, apply_s, flipped=False)
+        finally:
+            try:
+                await self._resume()
+            finally:
+                if paused_at is not None:
+                    self.metrics.pause_seconds.observe(time.perf_counter() - paused_at)
+                self.gate.set_committing(False)
+
+    async def _apply(self, staged: StagedPlan) -> float:
+        # Inside the pause: every step, then verify, clear the prefix cache. Returns apply seconds.
+        start = time.perf_counter()
+        for step in staged.steps:
+            if step.kind == "snapshot":
+                checksums = {t.name: t.checksums[XXH3_128] for t in step.manifest.tensors}
+                await self._io(self.engine.load_snapshot, [str(p) for p in step.paths], step.version, checksums)
+            elif step.empty:
+                await self._io(self.engine.set_version, step.version)
+            else:
+                await self._io(self.engine.apply_patch, [str(p) for p in step.paths], step.version - 1, step.version)
+        held = (await self._io(self.engine.state)).get("version")
+        if held != staged.to_version:
+            raise EngineVersionMismatchError(f"after applying, the engine records version {held}, expected {staged.to_version}")
+        await self._io(self.engine.reset_prefix_cache)
+        seconds = time.perf_counter() - start
+        self.metrics.apply_seconds.observe(seconds)
+        return seconds
+
+    def _finish(self, staged: StagedPlan, seen: float, pause_s: float, apply_s: float, *, flipped: bool) -> None:
+        self._set_applied(staged.to_version, staged.steps[-1].manifest if staged.steps else self._manifest)
+        self.unhealthy_reason = None
+        self._force_anchor = False
+        self._publish()
+        total = time.perf_counter() - seen
+        self.last_sync = SyncReport(staged.from_version, staged.to_version, staged.bytes_fetched, staged.seconds, pause_s, apply_s, total, staged.from_version is None, time.time())
+        self.metrics.commits.labels("flipped" if flipped else "applied").inc()
+        self.metrics.sync_seconds.observe(total)
+        self.stager.discard()
+        self.state = "idle"
+        log.info("engine at version %d (from %s, %d bytes, %.3f s)", staged.to_version, staged.from_version, staged.bytes_fetched, total)
+
+    async def _recover(self, target: int, seen: float, paused_at: float | None) -> None:
+        # The engine is paused and holds no verified version: load the nearest anchor, then deltas.
+        self.state = "recovering"
+        try:
+            plan = await self._io(self.client.plan, self.run_id, None, target)
+            staged = await self._io(self.stager.stage, plan, None)
+            self.metrics.bytes_fetched.inc(staged.bytes_fetched)
+            apply_s = await self._apply(staged)
+        except Exception as exc:
+            self.unhealthy_reason = f"recovery from the anchor to version {target} failed: {type(exc).__name__}: {exc}"
+            self.state = "unhealthy"
+            self._force_anchor = True
+            self.metrics.recoveries.labels("failed").inc()
+            self._publish()
+            raise
+        self.metrics.recoveries.labels("ok").inc()
+        self._finish(staged, seen, 0.0 if paused_at is None else time.perf_counter() - paused_at, apply_s, flipped=False)
+

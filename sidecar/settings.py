@@ -1,0 +1,59 @@
+"""Settings of the sidecar, read from ``STITCH_SIDECAR_*`` environment variables.
+
+Every field below is also an environment variable: the field name upper-cased with the
+``STITCH_SIDECAR_`` prefix (e.g. ``STITCH_SIDECAR_BULLETIN=http://bulletin:8700``,
+``STITCH_SIDECAR_BOOT_VERSION=0``). Options of ``stitchboard sidecar run`` override them.
+
+The sidecar shares a host with its engine: patches are handed over as files under
+``<handoff_dir>/sidecar-<port>/<run>/``, in a memory-backed folder (``/dev/shm`` by default)
+both processes can read; the port keeps several sidecars of one host apart. The folder must
+hold the largest plan (an anchor's snapshot when the sidecar recovers): in containers, size
+``/dev/shm`` accordingly (Docker's default is 64 MiB) or point ``handoff_dir`` elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def default_handoff_dir() -> str:
+    """``/dev/shm/stitchboard`` where ``/dev/shm`` exists (memory-backed), else the system temp folder."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return os.path.join(base, "stitchboard")
+
+
+class SidecarSettings(BaseSettings):
+    """Configuration of one sidecar process (see the module docstring for the env var names)."""
+
+    model_config = SettingsConfigDict(env_prefix="STITCH_SIDECAR_", extra="ignore")
+
+    bulletin: str = Field(..., description="Base URL of the bulletin, e.g. http://bulletin:8700.")
+    run: str = Field(..., description="Run id to follow.")
+    token: str | None = Field(None, description="Bearer token with scope read (None: open bulletin).")
+    engine: Literal["vllm"] = Field("vllm", description="Engine kind behind the sidecar.")
+    engine_url: str = Field("http://127.0.0.1:8001", description="Base URL of the engine's HTTP server (same host).")
+    host: str = Field("127.0.0.1", description="Address the sidecar listens on.")
+    port: int = Field(8000, description="TCP port the sidecar listens on (clients use it instead of the engine's).")
+    boot_version: int | None = Field(None, ge=0, description="Published version the engine's boot checkpoint is; None: load the nearest anchor into the engine.")
+    handoff_dir: str = Field(default_factory=default_handoff_dir, description="Memory-backed folder where staged patches are handed to the engine.")
+
+    poll_wait_s: float = Field(30.0, gt=0, description="Long-poll wait of one 'latest version' request to the bulletin, seconds.")
+    download_concurrency: int = Field(4, ge=1, description="Files downloaded at once.")
+    bulletin_retries: int = Field(4, ge=0, description="Extra attempts of a bulletin request after a transport error or 5xx.")
+    bulletin_timeout_s: float = Field(30.0, gt=0, description="Timeout of one bulletin request (a long-poll adds its wait), seconds.")
+    retry_backoff_s: float = Field(0.5, gt=0, description="First delay after a failed sync, seconds; doubles per failure up to max_backoff_s.")
+    max_backoff_s: float = Field(30.0, gt=0, description="Longest delay between failed syncs, seconds.")
+    anchor_after_failures: int = Field(2, ge=1, description="Consecutive failed syncs of the delta route after which the sidecar takes the anchor route.")
+
+    request_wait_s: float = Field(30.0, ge=0, description="How long a request whose version constraint is unmet is held by default, seconds.")
+    max_request_wait_s: float = Field(600.0, ge=0, description="Upper bound on a request's X-Stitch-Wait-S, seconds.")
+    engine_timeout_s: float = Field(600.0, gt=0, description="Read timeout of a proxied request to the engine, seconds.")
+    engine_call_timeout_s: float = Field(5.0, gt=0, description="Timeout of a health or state call to the engine, seconds.")
+    retry_after_s: int = Field(2, ge=1, description="Retry-After of 503 answers, seconds.")
+
+    log_level: str = Field("info", description="Log level of the sidecar and uvicorn.")

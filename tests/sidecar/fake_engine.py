@@ -1,0 +1,225 @@
+"""A fake engine for the sidecar tests: the adapter seam plus a tiny OpenAI-compatible server.
+
+Its "weights" are a dict of writable :class:`RawTensor`; patches are really applied with
+:func:`stitchboard.proto.apply.apply_patch` and snapshots really loaded, so a test can compare
+the engine's bits with the trainer's view. Generation is token by token (``token_delay_s``
+apart), and every token names a fingerprint of the weights it was produced with. Pausing
+(vLLM's ``mode=keep``) stops token production without dropping requests; resuming continues
+them. The server runs uvicorn in a thread on a free loopback port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import xxhash
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from stitchboard.proto.apply import apply_patch
+from stitchboard.proto.codec import checksum
+from stitchboard.proto.container import RawTensor, read_safetensors
+from stitchboard.proto.decode import read_patch
+
+CONTROL_ROUTES = ["/pause", "/resume", "/collective_rpc", "/update_weights", "/start_weight_update", "/reset_prefix_cache", "/sleep", "/wake_up"]
+
+
+def fingerprint(view: dict[str, RawTensor]) -> str:
+    """Short digest of a whole view's bits."""
+    h = xxhash.xxh3_64()
+    for name in sorted(view):
+        h.update(name.encode())
+        h.update(checksum(view[name]).encode())
+    return h.hexdigest()[:12]
+
+
+def copy_view(view: dict[str, RawTensor]) -> dict[str, RawTensor]:
+    """Writable copy of a view."""
+    return {n: RawTensor(t.dtype, tuple(t.shape), np.array(t.bits, copy=True)) for n, t in view.items()}
+
+
+class FakeEngine:
+    """Implements the engine adapter seam in process and serves HTTP (start with :meth:`serve`).
+
+    Attributes:
+        weights: name -> writable tensor.
+        version, phase: what :meth:`state` reports (phase ``idle``, ``applying``, ``loading``
+            or ``failed`` as the real worker extension; ``paused`` when idle and paused, as the adapter).
+        paused: whether the engine is paused (in-flight requests frozen, kept).
+        calls: adapter calls in order, as (method, args) tuples.
+        http_control_calls: control routes the HTTP server received (the sidecar must never forward any).
+        aborted: requests whose client went away before they completed.
+        fail_apply: number of next :meth:`apply_patch` calls that corrupt weights then raise.
+        fail_snapshot: number of next :meth:`load_snapshot` calls that raise.
+        fingerprints_seen: fingerprint -> first time it was current.
+    """
+
+    def __init__(self, weights: dict[str, RawTensor] | None = None, version: int | None = None, *, token_delay_s: float = 0.01) -> None:
+        self.weights = copy_view(weights or {})
+        self.version = version
+        self.phase = "idle"
+        self.paused = False
+        self.token_delay_s = token_delay_s
+        self.calls: list[tuple[str, tuple]] = []
+        self.http_control_calls: list[str] = []
+        self.aborted = 0
+        self.completed = 0
+        self.fail_apply = 0
+        self.fail_snapshot = 0
+        self.prefix_cache_resets = 0
+        self._running = threading.Event()
+        self._running.set()
+        self._lock = threading.Lock()
+        self.fp = fingerprint(self.weights)
+        self.url = ""
+
+    # -- adapter seam --------------------------------------------------------------------------
+
+    def health(self) -> bool:
+        self.calls.append(("health", ()))
+        return True
+
+    def state(self) -> dict:
+        return {"version": self.version, "phase": "paused" if self.phase == "idle" and self.paused else self.phase}
+
+    def pause(self) -> None:
+        self.calls.append(("pause", ()))
+        self._running.clear()
+        self.paused = True
+
+    def resume(self) -> None:
+        self.calls.append(("resume", ()))
+        self.paused = False
+        self._running.set()
+
+    def apply_patch(self, handoff_path: str | list[str], from_version: int, to_version: int) -> dict:
+        """Apply the patch file(s) of one version, as one update."""
+        paths = [handoff_path] if isinstance(handoff_path, str) else list(handoff_path)
+        self.calls.append(("apply_patch", (tuple(paths), from_version, to_version)))
+        with self._lock:
+            if self.phase != "idle" or self.version != from_version:
+                raise RuntimeError(f"engine holds version {self.version} in phase {self.phase}, the patch is from {from_version}")
+            self.phase = "applying"
+            if self.fail_apply:
+                self.fail_apply -= 1
+                name = sorted(self.weights)[0]
+                self.weights[name].bits[:4] ^= 0x5A5A  # a partial write, then a failure that could not restore
+                self.version, self.phase = None, "failed"
+                raise RuntimeError("injected apply failure")
+            try:
+                written = sum(apply_patch(self.weights, read_patch(Path(p).read_bytes())).elements_written for p in paths)
+            finally:
+                self.phase = "idle"  # the codec refuses before writing, or undoes its writes
+            self.fp = fingerprint(self.weights)
+            self.version, self.phase = to_version, "idle"
+        return {"elements": written}
+
+    def load_snapshot(self, paths: list[str], version: int, checksums: dict[str, str] | None = None) -> dict:
+        self.calls.append(("load_snapshot", (tuple(paths), version)))
+        with self._lock:
+            self.phase, self.version = "loading", None
+            if self.fail_snapshot:
+                self.fail_snapshot -= 1
+                self.phase = "failed"
+                raise RuntimeError("injected snapshot failure")
+            loaded = {}
+            for path in paths:
+                loaded.update(read_safetensors(path)[1])
+            if checksums is not None and checksums != {n: checksum(t) for n, t in loaded.items()}:
+                self.phase = "failed"
+                raise RuntimeError("snapshot does not match the checksums")
+            self.weights = copy_view(loaded)
+            self.fp = fingerprint(self.weights)
+            self.version, self.phase = version, "idle"
+        return {"tensors": len(loaded)}
+
+    def set_version(self, version: int | None) -> None:
+        self.calls.append(("set_version", (version,)))
+        if self.phase == "failed":
+            raise RuntimeError("engine in phase failed: load a snapshot")
+        self.version = version
+
+    def reset_prefix_cache(self) -> None:
+        self.calls.append(("reset_prefix_cache", ()))
+        self.prefix_cache_resets += 1
+
+    def count(self, method: str) -> int:
+        """How many times the sidecar called ``method``."""
+        return sum(1 for m, _ in self.calls if m == method)
+
+    # -- HTTP server ---------------------------------------------------------------------------
+
+    async def _token(self, i: int) -> str:
+        while not self._running.is_set():
+            await asyncio.sleep(0.002)
+        await asyncio.sleep(self.token_delay_s)
+        while not self._running.is_set():  # a pause that began while this token was computed
+            await asyncio.sleep(0.002)
+        return f" t{i}@{self.fp}"
+
+    def app(self) -> FastAPI:
+        app = FastAPI()
+        engine = self
+
+        async def generate(request: Request, chat: bool) -> object:
+            body = await request.json()
+            n = int(body.get("max_tokens", 4))
+            rid = f"cmpl-{time.monotonic_ns()}"
+            obj = "chat.completion" if chat else "text_completion"
+            if body.get("stream"):
+                async def events():
+                    try:
+                        for i in range(n):
+                            text = await engine._token(i)
+                            choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
+                            yield f"data: {json.dumps({'id': rid, 'object': obj + '.chunk' if chat else obj, 'created': 1, 'model': 'fake', 'choices': [choice]})}\n\n"
+                        yield "data: [DONE]\n\n"
+                        engine.completed += 1
+                    except asyncio.CancelledError:
+                        engine.aborted += 1
+                        raise
+
+                return StreamingResponse(events(), media_type="text/event-stream")
+            text = ""
+            for i in range(n):
+                if await request.is_disconnected():
+                    engine.aborted += 1
+                    return PlainTextResponse("aborted", status_code=499)
+                text += await engine._token(i)
+            engine.completed += 1
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}} if chat else {"index": 0, "text": text}
+            return JSONResponse({"id": rid, "object": obj, "created": 1, "model": "fake", "echo_body": body, "choices": [choice]})
+
+        @app.post("/v1/completions")
+        async def completions(request: Request):
+            return await generate(request, chat=False)
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request):
+            return await generate(request, chat=True)
+
+        @app.get("/v1/models")
+        async def models():
+            return {"object": "list", "data": [{"id": "fake", "object": "model"}]}
+
+        @app.post("/tokenize")
+        async def tokenize(request: Request):
+            body = await request.json()
+            return {"tokens": [ord(c) for c in body.get("prompt", "")]}
+
+        @app.get("/metrics")
+        async def metrics():
+            return PlainTextResponse(f"fake_engine_completed_total {engine.completed}\n")
+
+        for route in CONTROL_ROUTES:
+            async def control(request: Request, route: str = route):
+                engine.http_control_calls.append(route)
+                return {"ok": True}
+
+            app.add_api_route(route, control, methods=["POST", "GET"])
+        return app

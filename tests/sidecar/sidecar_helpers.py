@@ -1,0 +1,146 @@
+"""Helpers of the sidecar tests: ASGI apps served on loopback, a trainer-free publisher."""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import uvicorn
+
+from stitchboard.bulletin.client import BulletinClient
+from stitchboard.proto.checkpoint import save_checkpoint
+from stitchboard.proto.codec import checksum
+from stitchboard.proto.container import RawTensor
+from stitchboard.proto.diff import diff_views
+from stitchboard.proto.schema import FileRef, TensorSpec, VersionManifest, VersionStats
+
+from fake_engine import copy_view
+
+
+class AppServer:
+    """An ASGI app served by uvicorn in a thread of this process, on a free loopback port."""
+
+    def __init__(self, app, log_level: str = "warning") -> None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=0.2, lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("test server did not start")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def wait_for(predicate: Callable[[], object], timeout_s: float = 10.0, what: str = "condition") -> object:
+    """Poll ``predicate`` until truthy; return its value, or fail after ``timeout_s`` seconds."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.01)
+
+
+def make_view(seed: int = 0, tensors: int = 4, numel: int = 4096) -> dict[str, RawTensor]:
+    """A small BF16 view: ``tensors`` tensors of ``numel`` elements each."""
+    rng = np.random.default_rng(seed)
+    return {f"model.layers.{i}.w": RawTensor("BF16", (numel // 64, 64), rng.integers(0, 1 << 16, numel, dtype=np.uint16)) for i in range(tensors)}
+
+
+def mutate(view: dict[str, RawTensor], seed: int, fraction: float = 0.01) -> dict[str, RawTensor]:
+    """A copy of ``view`` with about ``fraction`` of each tensor's elements changed in their 2 lowest bits.
+
+    Like an RL step, values move by an ulp or so and stay finite, so a real engine can serve them.
+    """
+    rng = np.random.default_rng(seed)
+    out = copy_view(view)
+    for t in out.values():
+        idx = rng.choice(t.numel, max(1, int(t.numel * fraction)), replace=False)
+        t.bits[idx] ^= rng.integers(1, 4, idx.size).astype(t.bits.dtype)
+    return out
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class Publisher:
+    """Publishes versions of one run from views of RawTensors (no trainer), like the trainer SDK would."""
+
+    def __init__(self, client: BulletinClient, run: str, workdir: Path) -> None:
+        self.client = client
+        self.run = run
+        self.workdir = workdir
+        self.views: list[dict[str, RawTensor]] = []
+        self.manifests: list[VersionManifest] = []
+
+    def _file(self, role: str, path: str, data: bytes) -> FileRef:
+        self.client.put_blob(self.run, _sha(data), data)
+        return FileRef(path=path, sha256=_sha(data), size_bytes=len(data), role=role)
+
+    def publish(self, view: dict[str, RawTensor], *, anchor: bool = False, patch_files: int = 1) -> VersionManifest:
+        """Publish ``view`` as the next version (version 0 and ``anchor=True`` carry a snapshot).
+
+        ``patch_files`` > 1 splits the delta into that many patch files (like sharded trainers).
+        """
+        manifest = self.prepare(view, anchor=anchor, patch_files=patch_files)
+        self.commit(manifest, view)
+        return manifest
+
+    def prepare(self, view: dict[str, RawTensor], *, anchor: bool = False, patch_files: int = 1) -> VersionManifest:
+        """Diff and upload the next version's files; returns its manifest, not yet published."""
+        version = len(self.views)
+        files: list[FileRef] = []
+        changed = 0
+        if version > 0:
+            base = self.views[-1]
+            names = sorted(view)
+            groups = [names[i::patch_files] for i in range(patch_files)]
+            for k, group in enumerate(groups):
+                d = diff_views({n: base[n] for n in group}, {n: view[n] for n in group}, threads=1)
+                changed += d.changed_elements
+                if d.changed_elements:
+                    files.append(self._file("patch", f"patch-r{k}.safetensors", d.patch))
+        if version == 0 or anchor:
+            folder = self.workdir / f"{self.run}-snap-{version}"
+            for path in save_checkpoint(folder, view, max_shard_bytes=16 * 1024):
+                files.append(self._file("snapshot", path.name, path.read_bytes()))
+        manifest = VersionManifest(
+            run_id=self.run,
+            version=version,
+            base_version=None if version == 0 else version - 1,
+            snapshot=version == 0 or anchor,
+            tensors=[TensorSpec(name=n, dtype=t.dtype, shape=list(t.shape), checksums={"xxh3_128": checksum(t)}) for n, t in sorted(view.items())],
+            files=files,
+            stats=VersionStats(changed_elements=changed, total_elements=sum(t.numel for t in view.values()), encoded_bytes=sum(f.size_bytes for f in files if f.role == "patch")),
+        )
+        return manifest
+
+    def commit(self, manifest: VersionManifest, view: dict[str, RawTensor]) -> None:
+        """Publish a prepared manifest (the commit point) and remember its view."""
+        self.client.publish(manifest)
+        self.views.append(copy_view(view))
+        self.manifests.append(manifest)
+
+    def step(self, seed: int, fraction: float = 0.01, **kwargs) -> VersionManifest:
+        """Publish a mutation of the latest view."""
+        return self.publish(mutate(self.views[-1], seed, fraction), **kwargs)
+
+    def same(self) -> VersionManifest:
+        """Publish an empty delta (the same bits again)."""
+        return self.publish(self.views[-1])

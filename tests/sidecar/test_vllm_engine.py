@@ -1,0 +1,225 @@
+"""The vLLM engine adapter and worker extension on a real vLLM (CPU build) serving SmolLM2.
+
+The oracle: after applying a real training step's patch in place, greedy completions with
+logprobs are bitwise equal to those of a fresh vLLM started from the target's full checkpoint.
+Refusals (wrong base, corrupt file, unknown tensor, wrong version) leave the engine serving its
+version bit for bit; a failed target check restores the old bits, packed GEMM copies included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from stitchboard.proto.codec import build_patch, encode_tensor
+from stitchboard.proto.diff import diff_views
+from stitchboard.proto.schema import XXH3_128
+
+from vllm_fixtures import view_sums
+
+pytestmark = pytest.mark.slow
+
+FUSED_AND_TIED = [
+    "model.embed_tokens.weight",
+    "model.layers.0.self_attn.q_proj.weight",
+    "model.layers.0.self_attn.k_proj.weight",
+    "model.layers.0.self_attn.v_proj.weight",
+    "model.layers.0.mlp.gate_proj.weight",
+    "model.layers.0.mlp.up_proj.weight",
+    "model.layers.0.mlp.down_proj.weight",
+    "model.layers.0.self_attn.o_proj.weight",
+]
+
+
+def _write(folder: Path, name: str, data: bytes) -> str:
+    path = folder / name
+    path.write_bytes(data)
+    return str(path)
+
+
+def _bring_to(adapter, snapshot, version: int) -> None:
+    """Load ``version``'s snapshot unless the engine already records it."""
+    if adapter.state()["version"] != version:
+        adapter.pause()
+        try:
+            adapter.load_snapshot(snapshot(version), version)
+            adapter.reset_prefix_cache()
+        finally:
+            adapter.resume()
+
+
+def _assert_holds(adapter, views, version: int) -> None:
+    """The engine records ``version`` and every tensor, read back, has its checksum."""
+    assert adapter.state() == {"version": version, "phase": "idle"}
+    assert adapter.checksums(sorted(views[version])) == view_sums(views[version])
+
+
+def test_engine_reads_back_the_boot_checkpoint(vllm_adapter, vllm_views):
+    """A fresh engine records no version until told; its tensors read back as the checkpoint."""
+    if vllm_adapter.state()["version"] is None:
+        vllm_adapter.set_version(0)
+    if vllm_adapter.state()["version"] == 0:
+        _assert_holds(vllm_adapter, vllm_views, 0)
+    assert vllm_adapter.health()
+
+
+def test_patch_in_place_is_bit_exact_with_a_fresh_engine(vllm_engine, vllm_adapter, vllm_views, vllm_snapshot, vllm_workdir, vllm_fresh_greedy):
+    _bring_to(vllm_adapter, vllm_snapshot, 0)
+    assert vllm_engine.greedy() == vllm_engine.boot_greedy
+    diff = diff_views(vllm_views[0], vllm_views[1])
+    assert set(FUSED_AND_TIED) <= set(diff.changed_tensors)
+    vllm_adapter.pause()
+    assert vllm_adapter.state()["phase"] == "paused"
+    report = vllm_adapter.apply_patch(_write(vllm_workdir, "v1.patch", diff.patch), 0, 1)
+    vllm_adapter.reset_prefix_cache()
+    vllm_adapter.resume()
+    assert report["tensors"] == len(diff.changed_tensors) and report["elements"] == diff.changed_elements
+    assert report["repacked_modules"] >= 4 * 30 + 1  # qkv, o, gate_up, down per layer + tied lm_head
+    _assert_holds(vllm_adapter, vllm_views, 1)
+    patched = vllm_engine.greedy()
+    assert patched != vllm_engine.boot_greedy
+    assert patched == vllm_fresh_greedy(1)
+
+
+def test_wrong_base_or_version_is_refused_before_any_write(vllm_engine, vllm_adapter, vllm_views, vllm_snapshot, vllm_workdir, vllm_fresh_greedy):
+    from stitchboard.sidecar.errors import ApplyRefusedError, EngineStateError
+
+    _bring_to(vllm_adapter, vllm_snapshot, 1)
+    skip_one = _write(vllm_workdir, "v0-v2.patch", diff_views(vllm_views[0], vllm_views[2]).patch)
+    with pytest.raises(ApplyRefusedError) as refused:
+        vllm_adapter.apply_patch(skip_one, 1, 2)
+    assert refused.value.details["cause"] == "BaseMismatch" and refused.value.details["held"] == 1
+    with pytest.raises(EngineStateError):
+        vllm_adapter.apply_patch(skip_one, 0, 2)
+    _assert_holds(vllm_adapter, vllm_views, 1)
+    assert vllm_engine.greedy() == vllm_fresh_greedy(1)
+
+
+def test_corrupt_or_unmappable_patch_is_rejected(vllm_adapter, vllm_views, vllm_snapshot, vllm_workdir):
+    from stitchboard.sidecar.errors import ApplyRefusedError
+
+    _bring_to(vllm_adapter, vllm_snapshot, 1)
+    good = diff_views(vllm_views[1], vllm_views[2]).patch
+    flipped = bytearray(good)
+    flipped[-100] ^= 0xFF  # inside the compressed payload
+    name = "model.layers.0.mlp.up_proj.weight"
+    base, target = vllm_views[1][name], vllm_views[2][name]
+    stray = build_patch([dataclasses.replace(encode_tensor(name, base, target), entry=dataclasses.replace(encode_tensor(name, base, target).entry, name="model.layers.0.mlp.sideways_proj.weight"))])
+    for label, data, cause in [("flipped", bytes(flipped), "PatchFormatError"), ("truncated", good[: len(good) // 2], "PatchFormatError"), ("stray", stray, "UnmappedTensor")]:
+        with pytest.raises(ApplyRefusedError) as refused:
+            vllm_adapter.apply_patch(_write(vllm_workdir, f"{label}.patch", data), 1, 2)
+        assert refused.value.details["cause"] == cause, label
+    _assert_holds(vllm_adapter, vllm_views, 1)
+
+
+def test_failed_target_check_restores_old_bits(vllm_engine, vllm_adapter, vllm_views, vllm_snapshot, vllm_workdir, vllm_fresh_greedy):
+    """A patch whose target checksum is wrong is written, fails verification, and is undone."""
+    from stitchboard.sidecar.errors import ApplyFailedError
+
+    _bring_to(vllm_adapter, vllm_snapshot, 1)
+    encoded = []
+    for name in FUSED_AND_TIED:
+        enc = encode_tensor(name, vllm_views[1][name], vllm_views[2][name])
+        if name == "model.embed_tokens.weight":  # the tied lm_head's packed copy must be restored too
+            enc = dataclasses.replace(enc, entry=dataclasses.replace(enc.entry, target={XXH3_128: "0" * 32}))
+        encoded.append(enc)
+    with pytest.raises(ApplyFailedError) as failed:
+        vllm_adapter.apply_patch(_write(vllm_workdir, "bad-target.patch", build_patch(encoded)), 1, 2)
+    assert failed.value.details["restored"] is True and failed.value.details["cause"] == "TargetMismatch"
+    _assert_holds(vllm_adapter, vllm_views, 1)
+    assert vllm_engine.greedy() == vllm_fresh_greedy(1)
+
+
+def test_next_step_then_snapshot_back_to_the_anchor(vllm_engine, vllm_adapter, vllm_views, vllm_snapshot, vllm_workdir):
+    _bring_to(vllm_adapter, vllm_snapshot, 1)
+    vllm_adapter.pause()
+    try:
+        vllm_adapter.apply_patch(_write(vllm_workdir, "v2.patch", diff_views(vllm_views[1], vllm_views[2]).patch), 1, 2)
+    finally:
+        vllm_adapter.resume()
+    _assert_holds(vllm_adapter, vllm_views, 2)
+    vllm_adapter.pause()
+    try:
+        report = vllm_adapter.load_snapshot(vllm_snapshot(0), 0, view_sums(vllm_views[0]))
+        vllm_adapter.reset_prefix_cache()
+    finally:
+        vllm_adapter.resume()
+    assert report["tensors"] == len(vllm_views[0])
+    _assert_holds(vllm_adapter, vllm_views, 0)
+    assert vllm_engine.greedy() == vllm_engine.boot_greedy
+
+
+def test_snapshot_with_a_wrong_checksum_is_refused(vllm_adapter, vllm_views, vllm_snapshot):
+    from stitchboard.sidecar.errors import ApplyRefusedError
+
+    _bring_to(vllm_adapter, vllm_snapshot, 0)
+    sums = view_sums(vllm_views[1])
+    sums["model.norm.weight"] = "0" * 32
+    with pytest.raises(ApplyRefusedError) as refused:
+        vllm_adapter.load_snapshot(vllm_snapshot(1), 1, sums)
+    assert refused.value.details["cause"] == "TargetMismatch"
+    _assert_holds(vllm_adapter, vllm_views, 0)
+
+
+@pytest.mark.parametrize("phase", ["half-written"])
+def test_fault_injection_kills_the_engine_mid_apply(phase, smollm2_dir, vllm_views, vllm_workdir):
+    """``STITCH_FAULT_PHASE`` makes the engine process exit at that phase of an apply (crash tests)."""
+    from support.vllm_server import VllmServer
+
+    from stitchboard.sidecar.engine import VllmEngine
+    from stitchboard.sidecar.errors import EngineRequestError, EngineUnavailableError
+    from stitchboard.sidecar.vllm_worker import FAULT_ENV
+
+    server = VllmServer(smollm2_dir, vllm_workdir / f"fault-{phase}.log", env={FAULT_ENV: phase})
+    try:
+        server.wait_ready()
+        engine = VllmEngine(server.url, timeout_s=30)
+        engine.set_version(0)
+        patch = _write(vllm_workdir, "fault.patch", diff_views(vllm_views[0], vllm_views[1]).patch)
+        with pytest.raises((EngineUnavailableError, EngineRequestError)):
+            engine.apply_patch(patch, 0, 1)
+        server.proc.wait(120)
+        assert f"exiting at phase {phase}" in server.log_tail(200_000)
+        assert not engine.health()
+    finally:
+        server.stop()
+
+
+def test_tensor_parallel_3_patch_is_bit_exact_with_a_fresh_tp3_engine(smollm2_dir, vllm_views, vllm_workdir):
+    """TP = 3 (3 KV heads: one per rank; vocab rows split in three): apply in place on every rank,
+    verify by gathered whole-tensor checksums, and match a fresh TP = 3 engine of the target."""
+    from support.vllm_server import VllmServer
+    from vllm_fixtures import copy_model_files
+
+    from stitchboard.proto.checkpoint import save_checkpoint
+    from stitchboard.sidecar.engine import VllmEngine
+
+    folder = vllm_workdir / "checkpoint-v1-tp3"
+    save_checkpoint(folder, vllm_views[1])
+    copy_model_files(smollm2_dir, folder)
+    server = VllmServer(smollm2_dir, vllm_workdir / "tp3.log", tp=3)
+    try:
+        server.wait_ready()
+        engine = VllmEngine(server.url, timeout_s=60)
+        engine.set_version(0)
+        assert engine.checksums(sorted(vllm_views[0])) == view_sums(vllm_views[0])
+        before = server.greedy()
+        engine.pause()
+        report = engine.apply_patch(_write(vllm_workdir, "tp3.patch", diff_views(vllm_views[0], vllm_views[1]).patch), 0, 1)
+        engine.reset_prefix_cache()
+        engine.resume()
+        assert 0 < report["rank_elements"] < report["elements"]
+        assert engine.state() == {"version": 1, "phase": "idle"}
+        assert engine.checksums(sorted(vllm_views[1])) == view_sums(vllm_views[1])
+        patched = server.greedy()
+    finally:
+        server.stop()
+    fresh = VllmServer(folder, vllm_workdir / "tp3-fresh.log", extension=False, tp=3)
+    try:
+        fresh.wait_ready()
+        assert patched != before
+        assert patched == fresh.greedy()
+    finally:
+        fresh.stop()

