@@ -19,13 +19,12 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from support.vllm_server import VllmServer, vllm_importable  # noqa: E402
+from support.vllm_server import VllmServer, require_vllm  # noqa: E402
 
 from stitchboard.proto.checkpoint import save_checkpoint  # noqa: E402
 from stitchboard.proto.codec import checksum  # noqa: E402
 from stitchboard.proto.container import RawTensor  # noqa: E402
 
-SKIP_REASON = "vLLM is not importable in this interpreter: run them with .venv-vllm/bin/python -m pytest tests/sidecar (install steps: tests/support/vllm_server.py)"
 Views = dict[int, dict[str, RawTensor]]
 
 
@@ -44,8 +43,7 @@ def view_sums(view: dict[str, RawTensor]) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def vllm_views(smollm2_dir: Path) -> Views:
     """Served views of versions 0, 1, 2: the checkpoint, then after each of two real AdamW steps."""
-    if not vllm_importable():
-        pytest.skip(SKIP_REASON)
+    require_vllm()
     import torch
     from support.training import CpuTrainer
 
@@ -72,8 +70,7 @@ def vllm_workdir() -> Iterator[Path]:
 @pytest.fixture(scope="session")
 def vllm_engine(smollm2_dir: Path, vllm_workdir: Path) -> Iterator[VllmServer]:
     """The session's vLLM server (extension loaded) booted from the SmolLM2 checkpoint (version 0)."""
-    if not vllm_importable():
-        pytest.skip(SKIP_REASON)
+    require_vllm()
     server = VllmServer(smollm2_dir, vllm_workdir / "engine.log")
     try:
         server.wait_ready()
