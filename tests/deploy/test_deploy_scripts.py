@@ -107,7 +107,7 @@ def test_boot_step_pulls_the_latest_version_for_the_engine(bulletin, tmp_path):
     )
     try:
         with pytest.raises(subprocess.TimeoutExpired):
-            proc.wait(2)
+            proc.wait(10)  # long enough for a loaded machine to start the CLI and print
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         out = proc.communicate()[0].decode()
