@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -41,6 +42,9 @@ from .settings import SidecarSettings
 from .staging import StagedPlan, Stager
 
 log = logging.getLogger("stitchboard.sidecar")
+
+#: Exit status of a fault-injected exit (``fault_phase`` setting; the worker extension uses the same).
+FAULT_EXIT_CODE = 86
 
 #: Engine phases in which its recorded version is trustworthy; any other (``applying``,
 #: ``loading``, ``failed``) means a commit was interrupted and the weights are of no known version.
@@ -118,6 +122,12 @@ class Reconciler:
         kind = exc.type if isinstance(exc, StitchError) else type(exc).__name__
         self.last_error = {"type": kind, "message": f"{during}: {exc}", "at": time.time()}
         log.warning("%s failed: %s: %s", during, kind, exc)
+
+    def _fault(self, phase: str) -> None:
+        # Crash tests: exit the process at once when the fault_phase setting names ``phase``.
+        if self.settings.fault_phase == phase:
+            log.error("stitchboard fault injection: sidecar exiting at phase %s", phase)
+            os._exit(FAULT_EXIT_CODE)
 
     def close(self) -> None:
         """Release the worker threads (a running blocking call finishes in the background)."""
@@ -222,6 +232,11 @@ class Reconciler:
             await self.sync(target)
             return
         self.state = "idle" if applied is not None else self.state
+        if target is None and applied is not None:  # booted on the engine's version: learn the run's latest now
+            latest = await self._io(self.client.latest, self.run_id)
+            if latest is not None:
+                self._set_target(latest)
+                return
         after = max(v for v in (applied, target, -1) if v is not None)
         latest = await self._io(self.client.latest, self.run_id, after, self.settings.poll_wait_s)
         if latest is not None and latest > after:
@@ -281,6 +296,7 @@ class Reconciler:
         try:
             await self._io(self.engine.pause)
             paused_at = time.perf_counter()
+            self._fault("paused")
             try:
                 apply_s = await self._apply(staged)
             except Exception as exc:  # noqa: BLE001 - any apply failure leads to the anchor

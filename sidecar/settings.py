@@ -9,6 +9,10 @@ The sidecar shares a host with its engine: patches are handed over as files unde
 both processes can read; the port keeps several sidecars of one host apart. The folder must
 hold the largest plan (an anchor's snapshot when the sidecar recovers): in containers, size
 ``/dev/shm`` accordingly (Docker's default is 64 MiB) or point ``handoff_dir`` elsewhere.
+
+``STITCH_SIDECAR_FAULT_PHASE=paused`` is for crash tests only: the sidecar process exits at once
+(status 86) right after pausing the engine for a commit, leaving it paused. Unset (the default),
+it does nothing.
 """
 
 from __future__ import annotations
@@ -57,3 +61,4 @@ class SidecarSettings(BaseSettings):
     retry_after_s: int = Field(2, ge=1, description="Retry-After of 503 answers, seconds.")
 
     log_level: str = Field("info", description="Log level of the sidecar and uvicorn.")
+    fault_phase: Literal["paused"] | None = Field(None, description="Crash tests only: exit the process (status 86) at this phase of a commit; 'paused': right after pausing the engine. None: never.")

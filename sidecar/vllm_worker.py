@@ -27,11 +27,13 @@ Importing this module (vLLM does it in every worker before the model loads) make
 GEMM dispatch keep each linear layer's weight (``remove_weight=False``) so that the weights
 can be written in place and re-packed; it costs one extra copy of the linear weights in host
 memory. Set ``STITCH_FAULT_PHASE`` to ``staged``, ``half-written`` or ``written-unverified`` to
-make the process exit (``os._exit(86)``) at that point of an apply or load (crash tests).
+make the process exit (``os._exit(86)``) at that point of an apply or load (crash tests); with
+``STITCH_FAULT_VERSION=V`` too, only an apply or load to version V exits (the others run).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -47,6 +49,8 @@ log = logging.getLogger("stitchboard.sidecar.vllm_worker")
 
 #: Environment variable naming the phase at which to kill the process (crash tests).
 FAULT_ENV = "STITCH_FAULT_PHASE"
+#: Environment variable restricting the fault to an apply or load to this version (crash tests).
+FAULT_VERSION_ENV = "STITCH_FAULT_VERSION"
 FAULT_PHASES = ("staged", "half-written", "written-unverified")
 #: Exit status of a fault-injected exit.
 FAULT_EXIT_CODE = 86
@@ -78,10 +82,12 @@ def _keep_cpu_linear_weights() -> None:
 _keep_cpu_linear_weights()
 
 
-def _fault(phase: str) -> None:
-    """Exit the process at once when ``STITCH_FAULT_PHASE`` names ``phase``."""
-    if os.environ.get(FAULT_ENV) == phase:
-        log.error("stitchboard fault injection: exiting at phase %s", phase)
+def _fault(phase: str, version: int) -> None:
+    """Exit the process at once when ``STITCH_FAULT_PHASE`` names ``phase`` and
+    ``STITCH_FAULT_VERSION`` is unset or names ``version`` (the one being applied or loaded)."""
+    only = os.environ.get(FAULT_VERSION_ENV)
+    if os.environ.get(FAULT_ENV) == phase and (only is None or only == str(version)):
+        log.error("stitchboard fault injection: exiting at phase %s of version %d", phase, version)
         os._exit(FAULT_EXIT_CODE)
 
 
@@ -171,7 +177,7 @@ class StitchWorkerExtension:
             io = self._stitch_weights()
             self._stitch_phase = "applying"
             try:
-                report = apply_patch_files(io, paths, _fault)
+                report = apply_patch_files(io, paths, functools.partial(_fault, version=end))
             except BaseException as exc:
                 if getattr(exc, "restore_failed", False):
                     self._stitch_version, self._stitch_phase = None, "failed"
@@ -201,7 +207,7 @@ class StitchWorkerExtension:
             held, phase = self._stitch_version, self._stitch_phase
             self._stitch_phase = "loading"
             try:
-                report = load_snapshot_files(io, paths, sums, _fault)
+                report = load_snapshot_files(io, paths, sums, functools.partial(_fault, version=version))
             except BaseException as exc:
                 if getattr(exc, "written", False):
                     self._stitch_version, self._stitch_phase = None, "failed"

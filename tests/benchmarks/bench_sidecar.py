@@ -13,8 +13,9 @@ Target: applied p50 <= 1 s.
 
 With a real engine: start vLLM on ``--checkpoint DIR`` (a bf16 safetensors checkpoint) with the
 stitchboard worker extension and ``VLLM_SERVER_DEV_MODE=1``, then pass ``--engine-url URL
---checkpoint DIR``: version 0 is that checkpoint (the engine's boot version) and each step
-changes the lowest bits of ``--fraction`` of every tensor.
+--checkpoint DIR``: version 0 is that checkpoint (the engine's boot version; an engine that
+already records a version, e.g. from an earlier run, gets the checkpoint loaded back as version 0)
+and each step changes the lowest bits of ``--fraction`` of every tensor.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ from fake_engine import FakeEngine, copy_view  # noqa: E402
 from sidecar_helpers import AppServer, Publisher, make_view, mutate  # noqa: E402
 
 from stitchboard.bulletin.client import BulletinClient  # noqa: E402
-from stitchboard.proto.checkpoint import load_checkpoint  # noqa: E402
+from stitchboard.proto.checkpoint import checkpoint_files, load_checkpoint  # noqa: E402
+from stitchboard.proto.schema import XXH3_128, VersionManifest  # noqa: E402
 from stitchboard.sidecar.app import create_app  # noqa: E402
 from stitchboard.sidecar.engine import VllmEngine  # noqa: E402
 from stitchboard.sidecar.settings import SidecarSettings  # noqa: E402
@@ -64,6 +66,20 @@ def _start_bulletin(store: str, port: int) -> subprocess.Popen:
             time.sleep(0.1)
     proc.kill()
     raise SystemExit("bulletin did not start")
+
+
+def _boot_at_version_0(engine: VllmEngine, checkpoint: str, manifest: VersionManifest) -> None:
+    """Make a used engine hold ``checkpoint`` as version 0 again (a fresh one records none and is left as it is)."""
+    if engine.state() == {"version": None, "phase": "idle"}:
+        return
+    weight_map, where = checkpoint_files(checkpoint)
+    shards = sorted({str(where / f) for f in weight_map.values()}) if weight_map else [str(where)]
+    engine.pause()
+    try:
+        engine.load_snapshot(shards, 0, {t.name: t.checksums[XXH3_128] for t in manifest.tensors})
+        engine.reset_prefix_cache()
+    finally:
+        engine.resume()
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -98,7 +114,9 @@ def main() -> None:
             engine_server = AppServer(engine.app())
             settings = SidecarSettings(bulletin=url, run=RUN, engine_url=engine_server.url, handoff_dir=f"{tmp}/handoff", log_level="warning")
             engine.url = engine_server.url
-        publisher.publish(view)
+        anchor = publisher.publish(view)
+        if args.engine_url:
+            _boot_at_version_0(engine, args.checkpoint, anchor)
         sidecar = AppServer(create_app(settings, engine=engine, client=BulletinClient(url)))
         gate = lambda: sidecar.server.config.app.state.gate  # noqa: E731
         try:

@@ -122,5 +122,5 @@ def sc_start(sc_bulletin: AppServer, sc_publisher: Publisher, tmp_path: Path) ->
         client.close()
 
 
-# --- real vLLM engine (test_vllm_engine.py): one server per session, see vllm_fixtures.py ------
-from vllm_fixtures import vllm_adapter, vllm_engine, vllm_fresh_greedy, vllm_snapshot, vllm_views, vllm_workdir  # noqa: E402, F401
+# --- real vLLM (test_vllm_engine.py, test_sidecar_vllm.py): one server per session, see vllm_fixtures.py
+from vllm_fixtures import vllm_adapter, vllm_engine, vllm_fresh_greedy, vllm_run, vllm_run_engine, vllm_sidecars, vllm_snapshot, vllm_views, vllm_workdir  # noqa: E402, F401

@@ -1,9 +1,13 @@
-"""Fixtures of the real-vLLM engine tests (imported by this folder's conftest.py).
+"""Fixtures of the real-vLLM tests (imported by this folder's conftest.py).
 
 One vLLM server with the stitchboard worker extension serves the SmolLM2 checkpoint for the
 whole session (start-up 45 s-3 min on 2 cores); tests bring it to the version they need by
 loading a snapshot (~1 s) rather than restarting it. Real weight updates come from
 :class:`tests.support.training.CpuTrainer` (two AdamW steps, ~10 s).
+
+The sidecar tests (test_sidecar_vllm.py) add :class:`VllmRun`, a bulletin on loopback whose run
+the trainer SDK publishes from real AdamW steps, and ``stitchboard sidecar run`` subprocesses
+(:class:`SidecarProcess`) in front of an engine.
 """
 
 from __future__ import annotations
@@ -11,9 +15,11 @@ from __future__ import annotations
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
@@ -24,6 +30,7 @@ from support.vllm_server import VllmServer, require_vllm  # noqa: E402
 from stitchboard.proto.checkpoint import save_checkpoint  # noqa: E402
 from stitchboard.proto.codec import checksum  # noqa: E402
 from stitchboard.proto.container import RawTensor  # noqa: E402
+from stitchboard.proto.schema import XXH3_128  # noqa: E402
 
 Views = dict[int, dict[str, RawTensor]]
 
@@ -122,3 +129,169 @@ def vllm_fresh_greedy(smollm2_dir: Path, vllm_views: Views, vllm_workdir: Path) 
         return answers[version]
 
     return fresh
+
+
+# --- the sidecar in front of real vLLM (test_sidecar_vllm.py) ---------------------------------
+
+
+class VllmRun:
+    """A bulletin on loopback and one run on it, published by the trainer SDK from real AdamW steps.
+
+    Version 0 is the SmolLM2 checkpoint's bits (its float32 master cast back to bf16); each
+    :meth:`step` trains one step of :class:`support.training.CpuTrainer` and publishes it. The
+    batch is one row of 32 tokens: AdamW still moves ~1 % of the served bits per step, and the
+    step costs little more than the optimizer's pass over the weights.
+
+    Args:
+        model_dir: the SmolLM2 checkpoint folder.
+        folder: where the bulletin's store and the publisher's work files go.
+    """
+
+    def __init__(self, model_dir: Path, folder: Path) -> None:
+        from sidecar_helpers import AppServer
+        from support.training import CpuTrainer
+
+        from stitchboard.bulletin.app import create_app as create_bulletin
+        from stitchboard.bulletin.client import BulletinClient
+        from stitchboard.bulletin.settings import BulletinSettings
+        from stitchboard.trainer_client.publisher import Publisher
+
+        self.run = "vllm-sidecar"
+        self.store = folder / "store"
+        self.bulletin = AppServer(create_bulletin(BulletinSettings(store=f"file://{self.store}", poll_interval_s=0.05)))
+        self.client = BulletinClient(self.bulletin.url, retries=1, backoff_s=0.05)
+        self.trainer = CpuTrainer(model_dir, batch_size=1, seq_len=32)
+        self.publisher = Publisher(self.bulletin.url, self.run, client=self.client, workdir=folder / "publisher")
+        self.publisher.publish(self.trainer.model, step=0)
+
+    @property
+    def latest(self) -> int:
+        """The last published version."""
+        return self.publisher.last_version
+
+    def train(self) -> None:
+        """One AdamW step (not yet published)."""
+        self.trainer.step()
+
+    def publish(self) -> int:
+        """Publish the trainer's weights as the next version; returns it."""
+        return self.publisher.publish(self.trainer.model, step=self.trainer.steps).version
+
+    def step(self) -> int:
+        """Train one step and publish it; returns the new version."""
+        self.train()
+        return self.publish()
+
+    def sums(self, version: int) -> dict[str, str]:
+        """name -> xxh3-128 of every tensor of ``version``, from its manifest."""
+        return {t.name: t.checksums[XXH3_128] for t in self.client.manifest(self.run, version).tensors}
+
+    def close(self) -> None:
+        self.publisher.close()
+        self.client.close()
+        self.bulletin.stop()
+
+
+def load_checkpoint_as_version_0(engine_url: str, model_dir: Path, sums: dict[str, str]) -> None:
+    """Make an engine hold the SmolLM2 checkpoint as version 0 (whatever it held), resumed."""
+    from stitchboard.sidecar.engine import VllmEngine
+
+    engine = VllmEngine(engine_url, timeout_s=60)
+    try:
+        engine.pause()
+        try:
+            engine.load_snapshot([str(model_dir / "model.safetensors")], 0, sums)
+            engine.reset_prefix_cache()
+        finally:
+            engine.resume()
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def vllm_run(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmRun]:
+    """The module's run, version 0 published."""
+    require_vllm()
+    run = VllmRun(smollm2_dir, tmp_path_factory.mktemp("vllm-run"))
+    yield run
+    run.close()
+
+
+@pytest.fixture(scope="module")
+def vllm_run_engine(vllm_engine: VllmServer, vllm_run: VllmRun, smollm2_dir: Path) -> Iterator[VllmServer]:
+    """The session engine, holding the module run's version 0 at first (and again afterwards)."""
+    load_checkpoint_as_version_0(vllm_engine.url, smollm2_dir, vllm_run.sums(0))
+    yield vllm_engine
+    load_checkpoint_as_version_0(vllm_engine.url, smollm2_dir, vllm_run.sums(0))  # what test_vllm_engine.py expects
+
+
+class SidecarProcess:
+    """A ``stitchboard sidecar run`` subprocess following :class:`VllmRun`'s run for one engine.
+
+    Args:
+        run: the run to follow.
+        engine_url: the engine's base URL.
+        folder: where its log (``sidecar-<port>.log``) and hand-off folder go.
+        env: extra ``STITCH_SIDECAR_*`` settings (e.g. ``STITCH_SIDECAR_BOOT_VERSION``).
+    """
+
+    def __init__(self, run: VllmRun, engine_url: str, folder: Path, env: dict[str, str]) -> None:
+        from stitchboard.trainer_client.demo.engines import stitchboard_cli
+        from stitchboard.trainer_client.demo.processes import ManagedProcess, free_port
+
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        settings = {
+            "BULLETIN": run.bulletin.url, "RUN": run.run, "ENGINE_URL": engine_url, "PORT": str(port), "HANDOFF_DIR": str(folder / "handoff"),
+            "POLL_WAIT_S": "5", "RETRY_BACKOFF_S": "0.2", "MAX_BACKOFF_S": "1", "BULLETIN_RETRIES": "1", "LOG_LEVEL": "info",
+        }  # fmt: skip
+        full_env = {**{f"STITCH_SIDECAR_{k}": v for k, v in settings.items()}, **env}
+        self.proc = ManagedProcess(f"sidecar-{port}", [*stitchboard_cli(), "sidecar", "run"], folder / f"sidecar-{port}.log", f"{self.url}/health", full_env)
+
+    def status(self) -> dict:
+        """``GET /v1/stitch/status``."""
+        return httpx.get(f"{self.url}/v1/stitch/status", timeout=30).json()
+
+    def metrics(self) -> str:
+        """The sidecar's Prometheus metrics text."""
+        return httpx.get(f"{self.url}/metrics", timeout=30).text
+
+    def wait_status(self, predicate: Callable[[dict], bool], what: str, timeout_s: float = 300.0) -> dict:
+        """Poll the status until ``predicate(status)``; returns it. Fails after ``timeout_s`` or if the process exits."""
+        deadline = time.monotonic() + timeout_s
+        status: dict = {}
+        while time.monotonic() < deadline:
+            if self.proc.proc.poll() is not None:
+                raise AssertionError(f"sidecar exited ({self.proc.proc.returncode}) waiting for {what}:\n{self.proc.log_tail()}")
+            try:
+                status = self.status()
+                if predicate(status):
+                    return status
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"timed out after {timeout_s} s waiting for {what}; status {status}\n{self.proc.log_tail()}")
+
+    def wait_applied(self, version: int, timeout_s: float = 300.0) -> dict:
+        """Wait until the sidecar reports ``version`` applied; returns the status."""
+        return self.wait_status(lambda s: s["applied_version"] == version, f"version {version} applied", timeout_s)
+
+    def stop(self) -> None:
+        """SIGTERM (SIGKILL after 20 s) unless it already exited."""
+        self.proc.stop()
+
+
+@pytest.fixture
+def vllm_sidecars(vllm_run: VllmRun, tmp_path: Path) -> Iterator[Callable[..., SidecarProcess]]:
+    """Factory: ``start(engine_url, **settings)`` starts a sidecar subprocess (settings: lower-case
+    ``SidecarSettings`` fields, e.g. ``boot_version=0``); every one is stopped at teardown."""
+    started: list[SidecarProcess] = []
+
+    def start(engine_url: str, **settings: object) -> SidecarProcess:
+        sidecar = SidecarProcess(vllm_run, engine_url, tmp_path, {f"STITCH_SIDECAR_{k.upper()}": str(v) for k, v in settings.items()})
+        started.append(sidecar)
+        return sidecar
+
+    yield start
+    for sidecar in started:
+        sidecar.stop()

@@ -1,0 +1,273 @@
+"""The sidecar in front of a real vLLM (CPU build) with the stitchboard worker extension.
+
+Each test runs the real ``stitchboard sidecar run`` process, a bulletin on loopback, and versions
+the trainer SDK publishes from real AdamW steps of SmolLM2 (:class:`vllm_fixtures.VllmRun`).
+All but the engine-crash tests share the session's engine; those start fresh engines from the
+checkpoint, chained so that N crash phases cost N + 1 engine starts (:class:`EngineChain`).
+"Verified" below means the engine records the version, idle, and every tensor it holds has the
+checksum of that version's manifest (DESIGN.md invariant 1: never a mix of versions).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from support.vllm_server import VllmServer, require_vllm
+
+from stitchboard.sidecar.engine import VllmEngine
+from stitchboard.sidecar.reconciler import FAULT_EXIT_CODE as SIDECAR_FAULT_EXIT
+from stitchboard.sidecar.vllm_worker import FAULT_ENV, FAULT_PHASES, FAULT_VERSION_ENV
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "Once upon a time, in a small village by the sea,"
+
+
+@pytest.fixture(autouse=True)
+def _needs_vllm() -> None:
+    """Skip without vLLM (fail under CI) before any expensive fixture runs."""
+    require_vllm()
+
+
+@pytest.fixture
+def adapter(vllm_run_engine: VllmServer) -> Iterator[VllmEngine]:
+    """A :class:`VllmEngine` on the session engine (for checks only; the sidecar drives it)."""
+    engine = VllmEngine(vllm_run_engine.url, timeout_s=60)
+    yield engine
+    engine.close()
+
+
+def assert_verified(engine_url: str, run, version: int) -> None:
+    """The engine records ``version``, idle and not paused, and holds exactly its bits."""
+    engine = VllmEngine(engine_url, timeout_s=60)
+    try:
+        assert engine.state() == {"version": version, "phase": "idle"}
+        sums = run.sums(version)
+        assert engine.checksums(sorted(sums)) == sums, f"the engine's weights are not version {version}'s"
+    finally:
+        engine.close()
+
+
+def complete(url: str, model: str, headers: dict[str, str] | None = None, **body) -> httpx.Response:
+    """``POST /v1/completions`` (greedy, 4 tokens unless ``body`` says otherwise)."""
+    return httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, **body}, headers=headers, timeout=600)
+
+
+def test_held_request_is_served_once_its_version_is_applied(vllm_run_engine, vllm_run, vllm_sidecars):
+    """X-Stitch-Min-Version above the applied version: held until it is applied, then stamped with it;
+    with a short wait 409 WeightVersionNotReady; an exact pin the engine has passed 409 WeightVersionPassed."""
+    sidecar = vllm_sidecars(vllm_run_engine.url)
+    v = vllm_run.latest
+    sidecar.wait_applied(v)
+    early = complete(sidecar.url, vllm_run_engine.model, {"X-Stitch-Min-Version": str(v + 1), "X-Stitch-Wait-S": "0.5"})
+    assert early.status_code == 409 and early.json()["type"] == "WeightVersionNotReady" and early.json()["applied_version"] == v
+    held: dict[str, httpx.Response] = {}
+    waiter = threading.Thread(target=lambda: held.update(r=complete(sidecar.url, vllm_run_engine.model, {"X-Stitch-Min-Version": str(v + 1), "X-Stitch-Wait-S": "300"})))
+    waiter.start()
+    waiter.join(1.0)
+    assert waiter.is_alive() and sidecar.status()["requests_in_flight"] == 0, "the request was not held"
+    assert vllm_run.step() == v + 1  # trains for a few seconds, then publishes
+    waiter.join(600)
+    answer = held["r"]
+    assert answer.status_code == 200, answer.text
+    assert (answer.json()["weight_version_start"], answer.json()["weight_version_end"]) == (v + 1, v + 1)
+    assert (answer.headers["X-Stitch-Version-Start"], answer.headers["X-Stitch-Version-End"]) == (str(v + 1), str(v + 1))
+    assert sidecar.status()["applied_version"] == v + 1 and "stitch_sidecar_requests_held_total 1.0" in sidecar.metrics()
+    passed = complete(sidecar.url, vllm_run_engine.model, {"X-Stitch-Exact-Version": str(v)})
+    assert passed.status_code == 409 and passed.json()["type"] == "WeightVersionPassed"
+    assert complete(sidecar.url, vllm_run_engine.model, {"X-Stitch-Exact-Version": str(v + 1)}).json()["weight_version_end"] == v + 1
+    assert_verified(vllm_run_engine.url, vllm_run, v + 1)
+
+
+def test_requests_in_flight_across_a_commit_complete_with_both_versions(vllm_run_engine, vllm_run, vllm_sidecars):
+    """vLLM's pause (mode=keep) keeps running requests through the commit; they are stamped start v, end v + 1."""
+    sidecar = vllm_sidecars(vllm_run_engine.url)
+    v = vllm_run.latest
+    sidecar.wait_applied(v)
+    vllm_run.train()  # before the requests start: only the publish and the commit overlap them
+    long = {"max_tokens": 600, "ignore_eos": True}
+    events: list[dict] = []
+    plain: dict[str, httpx.Response] = {}
+
+    def stream() -> None:
+        body = {"model": vllm_run_engine.model, "prompt": PROMPT, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, **long}
+        with httpx.stream("POST", f"{sidecar.url}/v1/completions", json=body, timeout=600) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    events.append(json.loads(line[6:]))
+
+    threads = [threading.Thread(target=stream), threading.Thread(target=lambda: plain.update(r=complete(sidecar.url, vllm_run_engine.model, **long)))]
+    for t in threads:
+        t.start()
+    sidecar.wait_status(lambda s: s["requests_in_flight"] == 2 and len(events) > 0, "both requests generating")
+    assert vllm_run.publish() == v + 1
+    sidecar.wait_applied(v + 1)
+    assert threads[0].is_alive() and threads[1].is_alive(), "the requests finished before the commit: make them longer"
+    for t in threads:
+        t.join(600)
+    (usage,) = [e["usage"] for e in events if e.get("usage")]
+    last = [e for e in events if e.get("choices")][-1]
+    assert usage["completion_tokens"] == 600 and last["choices"][0]["finish_reason"] == "length", "the streamed request was cut short"
+    assert (events[-1]["weight_version_start"], events[-1]["weight_version_end"]) == (v, v + 1)
+    answer = plain["r"].json()
+    assert answer["usage"]["completion_tokens"] == 600 and answer["choices"][0]["finish_reason"] == "length"
+    assert (answer["weight_version_start"], answer["weight_version_end"]) == (v, v + 1)
+    assert sidecar.status()["last_sync"]["to_version"] == v + 1
+    assert_verified(vllm_run_engine.url, vllm_run, v + 1)
+
+
+def test_restarted_sidecar_does_not_reapply(vllm_run_engine, vllm_run, vllm_sidecars):
+    """A new sidecar asks the engine what it holds (DESIGN.md invariant 7): nothing is applied again."""
+    first = vllm_sidecars(vllm_run_engine.url)
+    v = vllm_run.latest
+    first.wait_applied(v)
+    first.stop()
+    second = vllm_sidecars(vllm_run_engine.url, boot_version=0)  # ignored: the engine records its version
+    second.proc.wait_healthy(120)
+    status = second.status()
+    assert (status["applied_version"], status["target_version"], status["state"], status["last_sync"]) == (v, v, "idle", None)
+    metrics = second.metrics()
+    assert "stitch_sidecar_commits_total{" not in metrics and "stitch_sidecar_pause_seconds_count 0.0" in metrics
+    assert "engine at version" not in second.proc.log_tail(100_000)
+    assert_verified(vllm_run_engine.url, vllm_run, v)
+
+
+def test_control_routes_are_forbidden_through_the_proxy(vllm_run_engine, vllm_run, vllm_sidecars):
+    """The engine's control and dev routes answer 403 through the sidecar, and the engine is untouched."""
+    sidecar = vllm_sidecars(vllm_run_engine.url)
+    v = vllm_run.latest
+    sidecar.wait_applied(v)
+    rpc = {"method": "stitch_set_version", "args": [json.dumps({"version": v + 7})]}
+    routes = [
+        ("POST", "/pause", {"mode": "abort"}, None), ("POST", "/resume", None, None), ("GET", "/is_paused", None, None),
+        ("POST", "/collective_rpc", None, rpc), ("POST", "/reset_prefix_cache", None, None), ("POST", "/sleep", None, None),
+        ("POST", "/wake_up", None, None), ("POST", "/update_weights", None, {}), ("POST", "/start_weight_update", None, {}),
+        ("POST", "/abort_requests", None, {}), ("POST", "/update_weight_version", None, {}),
+    ]  # fmt: skip
+    engine_routes = httpx.get(f"{vllm_run_engine.url}/openapi.json", timeout=30).json()["paths"]
+    assert {path for _, path, _, _ in routes} <= set(engine_routes), "the engine serves every one of them"
+    for method, path, params, body in routes:
+        r = httpx.request(method, f"{sidecar.url}{path}", params=params, json=body, timeout=30)
+        assert r.status_code == 403 and r.json()["type"] == "RouteForbidden", (path, r.text)
+    assert not httpx.get(f"{vllm_run_engine.url}/is_paused", timeout=30).json()["is_paused"]
+    assert_verified(vllm_run_engine.url, vllm_run, v)
+    assert complete(sidecar.url, vllm_run_engine.model).status_code == 200
+
+
+def _corrupt(path: Path) -> bytes:
+    """Flip one byte in the middle of ``path``; returns the original bytes."""
+    good = path.read_bytes()
+    bad = bytearray(good)
+    bad[len(bad) // 2] ^= 0xFF
+    path.write_bytes(bytes(bad))
+    return good
+
+
+def test_corrupted_bulletin_file_is_rejected_before_touching_the_engine(vllm_run_engine, vllm_run, vllm_sidecars):
+    """Wrong bytes stored under a patch's sha256: staging refuses them, the engine is never paused and
+    keeps its version and answers; once the store is repaired the sidecar gets through on its own."""
+    first = vllm_sidecars(vllm_run_engine.url)
+    v = vllm_run.latest
+    first.wait_applied(v)
+    first.stop()  # so the next version is first seen once its file is corrupted in the store
+    before = vllm_run_engine.greedy()
+    assert vllm_run.step() == v + 1
+    (patch,) = [f for f in vllm_run.client.manifest(vllm_run.run, v + 1).files if f.role == "patch"]
+    blob = vllm_run.store / "runs" / vllm_run.run / "blobs" / patch.sha256
+    good = _corrupt(blob)  # bit rot: wrong bytes stored under the sha256
+    sidecar = vllm_sidecars(vllm_run_engine.url)
+    status = sidecar.wait_status(lambda s: (s["last_error"] or {}).get("type") == "BlobMismatch", "the checksum mismatch reported")
+    assert (status["applied_version"], status["target_version"]) == (v, v + 1)
+    assert "stitch_sidecar_pause_seconds_count 0.0" in sidecar.metrics(), "the engine was paused"
+    assert httpx.get(f"{sidecar.url}/health", timeout=30).status_code == 200  # still serving verified version v
+    assert_verified(vllm_run_engine.url, vllm_run, v)
+    assert vllm_run_engine.greedy() == before
+    blob.write_bytes(good)  # the store is repaired: the sidecar's retries now get through
+    sidecar.wait_applied(v + 1)
+    assert_verified(vllm_run_engine.url, vllm_run, v + 1)
+
+
+def test_sidecar_killed_with_the_engine_paused_recovers(vllm_run_engine, vllm_run, vllm_sidecars, adapter):
+    """Fault phase ``paused``: the sidecar dies right after pausing the engine; the next one resumes it and syncs."""
+    first = vllm_sidecars(vllm_run_engine.url, fault_phase="paused")
+    v = vllm_run.latest
+    first.wait_applied(v)
+    assert vllm_run.step() == v + 1
+    assert first.proc.proc.wait(300) == SIDECAR_FAULT_EXIT
+    assert "sidecar exiting at phase paused" in first.proc.log_tail(100_000)
+    assert adapter.state() == {"version": v, "phase": "paused"}
+    second = vllm_sidecars(vllm_run_engine.url)
+    status = second.wait_applied(v + 1)
+    assert status["healthy"] and status["last_sync"]["from_version"] == v
+    assert not httpx.get(f"{vllm_run_engine.url}/is_paused", timeout=30).json()["is_paused"]
+    assert_verified(vllm_run_engine.url, vllm_run, v + 1)
+    assert complete(second.url, vllm_run_engine.model, {"X-Stitch-Exact-Version": str(v + 1)}).status_code == 200
+
+
+class EngineChain:
+    """Fresh engines from the checkpoint (version 0) for the engine-crash tests, one at a time.
+
+    An engine is armed (``STITCH_FAULT_PHASE`` and ``STITCH_FAULT_VERSION``) to die at one
+    phase of the apply of one version; the engine started to recover from that crash is
+    already armed for the next test's phase and version.
+    """
+
+    def __init__(self, model_dir: Path, logs: Path) -> None:
+        self.model_dir, self.logs = model_dir, logs
+        self.server: VllmServer | None = None
+        self.armed: tuple[str | None, int] | None = None
+
+    def start(self, phase: str | None, version: int) -> VllmServer:
+        """Stop the current engine, start a fresh one armed for ``phase`` (None: unarmed) at ``version``."""
+        self.stop()
+        env = {FAULT_ENV: phase, FAULT_VERSION_ENV: str(version)} if phase else {}
+        self.server = VllmServer(self.model_dir, self.logs / f"engine-{phase}-v{version}.log", env=env)
+        self.armed = (phase, version)
+        self.server.wait_ready()
+        return self.server
+
+    def armed_for(self, phase: str, version: int) -> VllmServer:
+        """The current engine if it is armed for ``phase`` at ``version``, else a fresh one that is."""
+        return self.server if self.armed == (phase, version) else self.start(phase, version)
+
+    def stop(self) -> None:
+        """Stop the current engine, if any."""
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+
+@pytest.fixture(scope="module")
+def engine_chain(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineChain]:
+    """The module's :class:`EngineChain` (its last engine is stopped at the end)."""
+    chain = EngineChain(smollm2_dir, tmp_path_factory.mktemp("engine-chain"))
+    yield chain
+    chain.stop()
+
+
+@pytest.mark.parametrize("phase", FAULT_PHASES)
+def test_engine_killed_mid_apply_recovers_to_a_verified_version(phase, engine_chain, vllm_run, vllm_sidecars):
+    """The engine dies at ``phase`` of an apply; the sidecar claims no version while it is down;
+    restarted from its boot checkpoint, with a restarted sidecar, it ends verified at the target."""
+    v = vllm_run.latest + 1
+    engine = engine_chain.armed_for(phase, v)
+    first = vllm_sidecars(engine.url, boot_version=0)
+    first.wait_applied(v - 1)
+    assert vllm_run.step() == v
+    engine.proc.wait(300)
+    assert f"exiting at phase {phase} of version {v}" in engine.log_tail(500_000)
+    status = first.wait_status(lambda s: s["applied_version"] is None, "no version claimed while the engine is down")
+    assert not status["healthy"] and httpx.get(f"{first.url}/health", timeout=30).status_code == 503
+    first.stop()
+    following = FAULT_PHASES.index(phase) + 1
+    engine = engine_chain.start(FAULT_PHASES[following] if following < len(FAULT_PHASES) else None, v + 1)  # restarted from its boot checkpoint
+    second = vllm_sidecars(engine.url, boot_version=0)
+    status = second.wait_applied(v)
+    assert status["healthy"] and status["target_version"] == v
+    assert_verified(engine.url, vllm_run, v)
+    assert complete(second.url, engine.model, {"X-Stitch-Exact-Version": str(v)}).status_code == 200
