@@ -44,55 +44,80 @@ static inline uint64_t lane_high_bits(unsigned lane_bits) {
     return h;
 }
 
-/* Append one changed element: its varint gap from *prev and its value. */
-static inline int emit(growbuf *gaps, growbuf *vals, size_t itemsize, int use_xor, int64_t idx, int64_t *prev,
-                       uint64_t old, uint64_t new_) {
-    if (gaps->len + 10 > gaps->cap || vals->len + 8 > vals->cap) {
-        if (gb_reserve(gaps, 10) || gb_reserve(vals, 8)) return -1;
-    }
-    uint64_t gap = (uint64_t)(idx - *prev - 1);
-    unsigned char *p = gaps->data + gaps->len;
-    while (gap >= 0x80) {
-        *p++ = (unsigned char)(gap | 0x80);
-        gap >>= 7;
-    }
-    *p++ = (unsigned char)gap;
-    gaps->len = (size_t)(p - gaps->data);
-    const uint64_t v = use_xor ? (old ^ new_) : new_;
-    memcpy(vals->data + vals->len, &v, itemsize);
-    vals->len += itemsize;
-    *prev = idx;
+/*
+ * Make room for at least one more element (10 gap bytes, 8 value bytes): store the cursors'
+ * lengths in the buffers, grow them, and reload the cursors. Returns 0, or -1 when out of memory.
+ */
+static int make_room(growbuf *gaps, growbuf *vals, unsigned char **g, unsigned char **gend, unsigned char **v, unsigned char **vend) {
+    gaps->len = (size_t)(*g - gaps->data);
+    vals->len = (size_t)(*v - vals->data);
+    if (gb_reserve(gaps, 10) || gb_reserve(vals, 8)) return -1;
+    *g = gaps->data + gaps->len;
+    *gend = gaps->data + gaps->cap;
+    *v = vals->data + vals->len;
+    *vend = vals->data + vals->cap;
     return 0;
 }
+
+/*
+ * Append changed element j (value bits OLD_, NEW_) to the local cursors g (varint gaps) and v
+ * (values). The cursors are plain locals whose address is taken only on the rare grow path, so
+ * the compiler keeps them in registers across the byte stores. Gaps below 16384 (nearly all)
+ * are written as one or two bytes without a data-dependent branch.
+ */
+#define EMIT(J, OLD_, NEW_)                                                                       \
+    do {                                                                                          \
+        if ((gend - g < 10 || vend - v < 8) && make_room(gaps, vals, &g, &gend, &v, &vend)) return -1; \
+        uint64_t gap_ = (uint64_t)((int64_t)(J) - prev - 1);                                      \
+        if (gap_ < 0x4000) {                                                                      \
+            const unsigned two_ = gap_ >= 0x80;                                                   \
+            g[0] = (unsigned char)((gap_ & 0x7F) | (two_ << 7));                                  \
+            g[1] = (unsigned char)(gap_ >> 7);                                                    \
+            g += 1 + two_;                                                                        \
+        } else {                                                                                  \
+            while (gap_ >= 0x80) {                                                                \
+                *g++ = (unsigned char)(gap_ | 0x80);                                              \
+                gap_ >>= 7;                                                                       \
+            }                                                                                     \
+            *g++ = (unsigned char)gap_;                                                           \
+        }                                                                                         \
+        const __typeof__(*a) val_ = use_xor ? (__typeof__(*a))((OLD_) ^ (NEW_)) : (NEW_);         \
+        memcpy(v, &val_, sizeof val_);                                                           \
+        v += sizeof val_;                                                                         \
+        prev = (int64_t)(J);                                                                      \
+    } while (0)
 
 #define DEFINE_SCAN(NAME, T)                                                                          \
     static int NAME(const T *a, const T *b, Py_ssize_t n, int use_xor, growbuf *gaps, growbuf *vals) { \
         const Py_ssize_t per_word = 8 / (Py_ssize_t)sizeof(T);                                        \
         const unsigned lane_bits = 8u * (unsigned)sizeof(T);                                          \
         const uint64_t high = lane_high_bits(lane_bits), low = ~high;                                 \
+        unsigned char *g = gaps->data + gaps->len, *gend = gaps->data + gaps->cap;                    \
+        unsigned char *v = vals->data + vals->len, *vend = vals->data + vals->cap;                    \
         int64_t prev = -1;                                                                            \
         Py_ssize_t i = 0;                                                                             \
         /* elements before the first 8-byte aligned word, and after the last, go one by one */       \
-        while (i < n && (((uintptr_t)(a + i)) & 7) != 0) {                                            \
-            if (a[i] != b[i] && emit(gaps, vals, sizeof(T), use_xor, i, &prev, a[i], b[i])) return -1; \
-            i++;                                                                                      \
+        for (; i < n && (((uintptr_t)(a + i)) & 7) != 0; i++) {                                       \
+            if (a[i] != b[i]) EMIT(i, a[i], b[i]);                                                    \
         }                                                                                             \
         for (; i + per_word <= n; i += per_word) {                                                    \
             uint64_t wa, wb;                                                                          \
             memcpy(&wa, a + i, 8);                                                                    \
             memcpy(&wb, b + i, 8);                                                                    \
             const uint64_t x = wa ^ wb;                                                               \
-            if (x == 0) continue;                                                                     \
+            if (__builtin_expect(x == 0, 1)) continue;                                                \
             uint64_t m = (((x & low) + low) | x) & high;                                              \
             while (m) {                                                                               \
                 const Py_ssize_t j = i + (Py_ssize_t)((unsigned)__builtin_ctzll(m) / lane_bits);      \
-                if (emit(gaps, vals, sizeof(T), use_xor, j, &prev, a[j], b[j])) return -1;            \
+                EMIT(j, a[j], b[j]);                                                                  \
                 m &= m - 1;                                                                           \
             }                                                                                         \
         }                                                                                             \
         for (; i < n; i++) {                                                                          \
-            if (a[i] != b[i] && emit(gaps, vals, sizeof(T), use_xor, i, &prev, a[i], b[i])) return -1; \
+            if (a[i] != b[i]) EMIT(i, a[i], b[i]);                                                    \
         }                                                                                             \
+        gaps->len = (size_t)(g - gaps->data);                                                         \
+        vals->len = (size_t)(v - vals->data);                                                         \
         return 0;                                                                                     \
     }
 
