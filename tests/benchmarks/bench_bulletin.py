@@ -18,7 +18,6 @@ import hashlib
 import json
 import os
 import resource
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,15 +27,10 @@ import time
 import httpx
 
 from stitchboard.bulletin.client import BulletinClient
+from stitchboard.trainer_client.demo.processes import free_port
 from stitchboard.proto.schema import FileRef, TensorSpec, VersionManifest, VersionStats, canonical_json
 
 RUN = "bench"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start_server(store: str, port: int) -> subprocess.Popen:
@@ -160,7 +154,7 @@ def main() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(want, hard), hard))
 
     with tempfile.TemporaryDirectory() as folder:
-        port = _free_port()
+        port = free_port()
         url = f"http://127.0.0.1:{port}"
         proc = _start_server(f"file://{folder}", port)
         try:

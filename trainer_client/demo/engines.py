@@ -85,19 +85,26 @@ def sample(url: str, prompt_text: str, n: int, *, min_version: int, max_tokens: 
     return [c["text"] for c in data["choices"]], (data["weight_version_start"], data["weight_version_end"])
 
 
-def greedy(url: str, *, exact_version: int | None = None, max_tokens: int = 8) -> list[dict]:
-    """Greedy completions with top-5 logprobs of :data:`ORACLE_PROMPTS`, one request at a time.
+def greedy(url: str, *, exact_version: int | None = None, model: str = SERVED_NAME, prompts: tuple[str, ...] = ORACLE_PROMPTS, max_tokens: int = 8) -> list[dict]:
+    """Greedy completions with top-5 logprobs of ``prompts``, one request at a time.
+
+    Sent one at a time because batch composition can change the last bits of a logprob.
 
     Args:
         url: a sidecar (then pinned with ``exact_version``) or a plain engine (``None``).
+        model: the served model name.
 
     Returns:
-        Per prompt ``{"text", "tokens", "token_logprobs", "top_logprobs"}`` as the server sent them.
+        Per prompt ``{"text", "tokens", "token_logprobs", "top_logprobs"}`` as the server sent
+        them (floats as parsed from its JSON, so equal answers compare equal).
+
+    Raises:
+        DemoError: the server answered an error.
     """
     out = []
     headers = {"X-Stitch-Exact-Version": str(exact_version), "X-Stitch-Wait-S": "300"} if exact_version is not None else {}
-    for prompt in ORACLE_PROMPTS:
-        body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 5, "seed": 0}
+    for prompt in prompts:
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 5, "seed": 0}
         resp = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=600)
         if resp.status_code != 200:
             raise DemoError(f"greedy request to {url} failed: {resp.status_code} {resp.text[:500]}")
