@@ -33,8 +33,9 @@ from stitchboard.proto.schema import FileRef, TensorSpec, VersionManifest, Versi
 RUN = "bench"
 
 
-def _start_server(store: str, port: int) -> subprocess.Popen:
-    env = {**os.environ, "STITCH_BULLETIN_STORE": store, "STITCH_BULLETIN_LOG_LEVEL": "warning"}
+def start_bulletin(store: str, port: int, log_level: str = "warning") -> subprocess.Popen:
+    """``stitchboard bulletin serve`` on ``port`` over ``store`` as a subprocess, once healthy."""
+    env = {**os.environ, "STITCH_BULLETIN_STORE": store, "STITCH_BULLETIN_LOG_LEVEL": log_level}
     cmd = [sys.executable, "-c", "from stitchboard.proto.cli import main; main()", "bulletin", "serve", "--port", str(port)]
     proc = subprocess.Popen(cmd, env=env)
     for _ in range(300):
@@ -156,7 +157,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        proc = _start_server(f"file://{folder}", port)
+        proc = start_bulletin(f"file://{folder}", port)
         try:
             with BulletinClient(url) as client:
                 client.publish(_manifest(client, 0, args.tensors))

@@ -21,9 +21,7 @@ and each step changes the lowest bits of ``--fraction`` of every tensor.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -34,6 +32,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sidecar"))
 
+from bench_bulletin import start_bulletin  # noqa: E402
 from fake_engine import FakeEngine, copy_view  # noqa: E402
 from sidecar_helpers import AppServer, Publisher, make_view, mutate  # noqa: E402
 
@@ -46,20 +45,6 @@ from stitchboard.sidecar.engine import VllmEngine  # noqa: E402
 from stitchboard.sidecar.settings import SidecarSettings  # noqa: E402
 
 RUN = "bench-sidecar"
-
-
-def _start_bulletin(store: str, port: int) -> subprocess.Popen:
-    env = {**os.environ, "STITCH_BULLETIN_STORE": store, "STITCH_BULLETIN_LOG_LEVEL": "critical"}  # quiet about the long-poll cut at exit
-    cmd = [sys.executable, "-c", "from stitchboard.proto.cli import main; main()", "bulletin", "serve", "--port", str(port)]
-    proc = subprocess.Popen(cmd, env=env)
-    for _ in range(300):
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            time.sleep(0.1)
-    proc.kill()
-    raise SystemExit("bulletin did not start")
 
 
 def _boot_at_version_0(engine: VllmEngine, checkpoint: str, manifest: VersionManifest) -> None:
@@ -94,7 +79,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="bench-sidecar-") as tmp:
         port = free_port()
-        bulletin = _start_bulletin(f"file://{tmp}/store", port)
+        bulletin = start_bulletin(f"file://{tmp}/store", port, "critical")  # quiet about the long-poll cut at exit
         url = f"http://127.0.0.1:{port}"
         client = BulletinClient(url)
         publisher = Publisher(client, RUN, Path(tmp))
