@@ -80,6 +80,7 @@ def demo(
     except (StitchError, OSError) as exc:
         console.print(f"[red]FAIL[/red]: {exc}")
         raise typer.Exit(1) from None
+    console.print()  # the live table's last frame ends without a newline when not on a terminal
     summary, plot = write_outputs(result, workdir)
     for name, ok in result.checks.items():
         console.print(f"  {'[green]ok[/green]  ' if ok else '[red]FAIL[/red]'} {name}")
