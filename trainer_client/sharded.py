@@ -97,6 +97,8 @@ class ShardedPublisher:
         self.snapshot_every = snapshot_every
         self.dtypes, self.default_dtype = dtypes, default_dtype
         self.max_shard_bytes, self.workdir = max_shard_bytes, workdir
+        if workdir is not None:
+            Path(workdir).mkdir(parents=True, exist_ok=True)
         self._owns_client = client is None
         self.client = client or BulletinClient(url, token, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s)
         given = load_assets(assets) if assets is not None and self.rank == 0 else []
