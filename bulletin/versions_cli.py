@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from stitchboard.proto.schema import canonical_json
+from stitchboard.proto.schema import VersionInfo, canonical_json
 
 from .client import BulletinClient
 from .errors import BulletinError
@@ -61,9 +61,14 @@ def latest(
     elif info is None:
         typer.echo(f"run {run!r}: no version after {after}")
     else:
-        _table(f"run {run}", ["version", "snapshot", "delta bytes", "snapshot bytes", "committed at"], [[info.version, info.snapshot, info.size_bytes, info.snapshot_bytes, info.committed_at]])
+        _versions_table(run, [info])
     if info is None:
         raise typer.Exit(3)
+
+
+def _versions_table(run: str, infos: list[VersionInfo]) -> None:
+    """One row per version: number, snapshot, delta and snapshot bytes, commit time."""
+    _table(f"run {run}", ["version", "snapshot", "delta bytes", "snapshot bytes", "committed at"], [[i.version, i.snapshot, i.size_bytes, i.snapshot_bytes, i.committed_at] for i in infos])
 
 
 @app.command("list")
@@ -84,7 +89,7 @@ def list_versions(
     if as_json:
         typer.echo(json.dumps([i.model_dump() for i in infos]))
         return
-    _table(f"run {run}", ["version", "snapshot", "delta bytes", "snapshot bytes", "committed at"], [[i.version, i.snapshot, i.size_bytes, i.snapshot_bytes, i.committed_at] for i in infos])
+    _versions_table(run, infos)
 
 
 @app.command()
