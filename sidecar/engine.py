@@ -45,6 +45,13 @@ class EngineAdapter(Protocol):
     def apply_patch(self, handoff_path: str | Sequence[str], from_version: int, to_version: int) -> dict[str, Any]:
         """Apply the hand-off patch file(s) of one version in place; returns the apply report."""
 
+    def stage_patches(self, steps: Sequence[tuple[Sequence[str], int, int]]) -> dict[str, Any]:
+        """Validate and prepare ``(paths, from_version, to_version)`` steps while the engine serves
+        (nothing written); returns the staging report. :meth:`commit_staged` writes them."""
+
+    def commit_staged(self, to_version: int) -> dict[str, Any]:
+        """Write the staged update (engine paused), verified; returns the commit report."""
+
     def load_snapshot(self, paths: Sequence[str], version: int, checksums: dict[str, str] | None = None) -> dict[str, Any]:
         """Load a full snapshot (anchor shards) in place, verified; returns the load report."""
 
@@ -162,8 +169,8 @@ class VllmEngine:
 
         Returns:
             The worker's report (rank 0): ``bytes``, ``tensors``, ``elements``,
-            ``repacked_modules``, seconds ``read_s``, ``base_check_s``, ``write_s``,
-            ``repack_s``, ``verify_s``, plus ``rpc_s`` (the whole call, HTTP included).
+            ``repacked_modules``, seconds ``read_s``, ``check_s``, ``build_s``, ``pack_s``,
+            ``write_s``, ``swap_s``, ``verify_s``, plus ``rpc_s`` (the whole call, HTTP included).
 
         Raises:
             ApplyRefusedError: refused before any write (details ``cause``: ``BaseMismatch``,
@@ -175,6 +182,52 @@ class VllmEngine:
         paths = [handoff_path] if isinstance(handoff_path, str) else list(handoff_path)
         t = time.perf_counter()
         results = self._checked("stitch_apply_patch", {"paths": paths, "from_version": from_version, "to_version": to_version}, self.apply_timeout_s)
+        return {**results[0]["report"], "rpc_s": time.perf_counter() - t}
+
+    def stage_patches(self, steps: Sequence[tuple[Sequence[str], int, int]], poll_s: float = 0.02) -> dict[str, Any]:
+        """Stage consecutive patch steps in the engine while it keeps serving; blocks until ready.
+
+        The worker reads, decodes and checks the patches and (CPU backend) packs the new GEMM
+        copies in a background thread; this polls ``stitch_staged`` every ``poll_s`` seconds,
+        up to ``apply_timeout_s``.
+
+        Args:
+            steps: ``(hand-off paths, from_version, to_version)`` in order from the held version.
+
+        Returns:
+            The worker's staging report (rank 0; see :func:`.vllm_staging.stage_patches`) plus
+            ``rpc_s`` (start to ready, HTTP included).
+
+        Raises:
+            ApplyRefusedError: the update is refused (base or target mismatch, bad file...);
+                nothing written. EngineStateError: the engine does not hold the first
+                ``from_version``. EngineUnavailableError, EngineRequestError: also on timeout.
+        """
+        t = time.perf_counter()
+        body = {"steps": [{"paths": list(paths), "from_version": start, "to_version": end} for paths, start, end in steps]}
+        self._checked("stitch_stage", body, self.apply_timeout_s)
+        while True:
+            results = self._checked("stitch_staged", {})
+            if all(r["staging"]["state"] == "ready" for r in results):
+                return {**results[0]["staging"]["report"], "rpc_s": time.perf_counter() - t}
+            if time.perf_counter() - t > self.apply_timeout_s:
+                raise EngineRequestError(f"staging versions {steps[0][1]}->{steps[-1][2]} did not finish within {self.apply_timeout_s} s", path="/collective_rpc")
+            time.sleep(poll_s)
+
+    def commit_staged(self, to_version: int) -> dict[str, Any]:
+        """Write the staged update ending at ``to_version`` into the live weights and verify.
+
+        Returns:
+            The worker's report (rank 0): the staging figures plus seconds ``write_s``,
+            ``swap_s``, ``verify_s``, and ``rpc_s``.
+
+        Raises:
+            EngineStateError: nothing staged and ready, or the engine moved since (nothing
+                written). ApplyFailedError: failed after writing (``restored`` says whether
+                the old bits are back). EngineUnavailableError, EngineRequestError.
+        """
+        t = time.perf_counter()
+        results = self._checked("stitch_commit", {"to_version": to_version}, self.apply_timeout_s)
         return {**results[0]["report"], "rpc_s": time.perf_counter() - t}
 
     def load_snapshot(self, paths: Sequence[str], version: int, checksums: dict[str, str] | None = None) -> dict[str, Any]:

@@ -9,9 +9,12 @@ a small thread pool of its own so the proxy keeps serving. The loop:
 2. **follow**: long-poll the bulletin for a version newer than the target.
 3. **stage** (:mod:`.staging`): plan from the applied version, download, verify, decode; the
    engine keeps serving. Versions published meanwhile are coalesced into the same plan.
-4. **commit**: hold new requests -> pause the engine (in-flight requests kept) -> apply each
-   step -> verify the engine's recorded version -> clear the prefix cache -> mark applied ->
-   resume (in a ``finally``) -> admit again. A plan of empty deltas only flips the version.
+4. **commit**: a plan of deltas is first staged inside the engine while it serves (decoded,
+   checked against the engine's bits, GEMM copies packed: :meth:`EngineAdapter.stage_patches`);
+   then hold new requests -> pause the engine (in-flight requests kept) -> write the staged
+   update (or apply each step, for a plan with a snapshot) -> verify the engine's recorded
+   version -> clear the prefix cache -> mark applied -> resume (in a ``finally``) -> admit
+   again. A plan of empty deltas only flips the version.
 
 A failed apply never leaves a version claimed: the gate drops to "no version", the engine is
 brought back from the nearest anchor inside the same pause, and if that fails too the sidecar
@@ -290,6 +293,7 @@ class Reconciler:
             await self._io(self.engine.set_version, staged.to_version)
             self._finish(staged, seen, 0.0, 0.0, flipped=True)
             return
+        prepared, refused = await self._stage_in_engine(staged)
         self.state = "committing"
         self.gate.set_committing(True)
         paused_at = None
@@ -298,7 +302,9 @@ class Reconciler:
             paused_at = time.perf_counter()
             self._fault("paused")
             try:
-                apply_s = await self._apply(staged)
+                if refused is not None:
+                    raise refused
+                apply_s = await self._apply(staged, prepared)
             except Exception as exc:  # noqa: BLE001 - any apply failure leads to the anchor
                 self._error(exc, f"applying versions {staged.from_version}->{staged.to_version}")
                 self.metrics.commits.labels("failed").inc()
@@ -314,10 +320,30 @@ class Reconciler:
                     self.metrics.pause_seconds.observe(time.perf_counter() - paused_at)
                 self.gate.set_committing(False)
 
-    async def _apply(self, staged: StagedPlan) -> float:
-        # Inside the pause: every step, then verify, clear the prefix cache. Returns apply seconds.
+    async def _stage_in_engine(self, staged: StagedPlan) -> tuple[bool, Exception | None]:
+        """Before the pause: have the engine stage a plan of deltas from the applied version
+        (decode, check, pre-pack) while it serves. Returns (staged, the refusal if any); a plan
+        with a snapshot is applied step by step in the pause instead."""
+        deltas = [s for s in staged.steps if not s.empty]
+        if not deltas or staged.from_version != self.gate.applied or any(s.kind == "snapshot" for s in staged.steps):
+            return False, None
+        # Empty deltas between them change no bit: each delta runs from the previous one's version.
+        ends = [staged.from_version] + [s.version for s in deltas[:-1]] + [staged.to_version]
+        steps = [([str(p) for p in s.paths], ends[i], ends[i + 1]) for i, s in enumerate(deltas)]
+        self.state = "staging"
+        try:
+            await self._io(self.engine.stage_patches, steps)
+        except Exception as exc:  # noqa: BLE001 - handled in the pause like a failed apply
+            return False, exc
+        return True, None
+
+    async def _apply(self, staged: StagedPlan, prepared: bool = False) -> float:
+        # Inside the pause: every step (or the engine's staged update), then verify, clear the
+        # prefix cache. Returns apply seconds.
         start = time.perf_counter()
-        for step in staged.steps:
+        if prepared:
+            await self._io(self.engine.commit_staged, staged.to_version)
+        for step in [] if prepared else staged.steps:
             if step.kind == "snapshot":
                 checksums = {t.name: t.checksums[XXH3_128] for t in step.manifest.tensors}
                 await self._io(self.engine.load_snapshot, [str(p) for p in step.paths], step.version, checksums)

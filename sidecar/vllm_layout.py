@@ -89,13 +89,17 @@ class Placement:
         shape[self.split_dim] = self.local_span[1]
         return tuple(shape)
 
-    def block(self) -> torch.Tensor:
-        """This rank's block: a contiguous view of the runtime parameter, ``block_shape``."""
-        return self.param.data.narrow(0, self.row_offset, self.block_shape[0])
+    def block(self, data: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's block: a contiguous view of the runtime parameter, ``block_shape``.
 
-    def block_bits(self) -> torch.Tensor:
+        Args:
+            data: a copy of the parameter (same shape) to take the block of instead.
+        """
+        return (self.param.data if data is None else data).narrow(0, self.row_offset, self.block_shape[0])
+
+    def block_bits(self, data: torch.Tensor | None = None) -> torch.Tensor:
         """The block's raw bits as a flat integer tensor (int16 for bf16...); a view."""
-        return self.block().reshape(-1).view(BITS_TORCH[self.param.element_size()])
+        return self.block(data).reshape(-1).view(BITS_TORCH[self.param.element_size()])
 
     def local_indices(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Select the positions this rank holds and map them into its block.

@@ -1,39 +1,25 @@
-"""In-place writes into a live vLLM model: patches and snapshots, verified, all or nothing.
+"""Reading, hashing and loading checkpoint tensors of a live vLLM model, on one TP rank.
 
-Runs inside the engine's worker process (one call per TP rank, all ranks in step). The
-sequence of :func:`apply_patch_files` keeps DESIGN.md invariants 1 and 5:
-
-1. **validate** (nothing written): every patch file parses, every tensor name maps to a runtime
-   placement (:mod:`.vllm_layout`) with the patch's dtype and shape, every position decodes,
-   and every touched tensor, read back from the engine through the same mapping, matches the
-   patch's base checksum (``overwrite``: base or target; a tensor already at the target is
-   skipped);
-2. **write**: the changed elements of each rank's block, by indexed assignment into the runtime
-   parameter's raw bits (``param.data`` is never reassigned: CUDA graphs keep their pointers);
-   the old bits of every written element are kept (patch-sized);
-3. **re-pack**: on vLLM's CPU backend every linear layer multiplies with a packed copy of its
-   weight (oneDNN / sgl ``cpu_linear``); the layers that read a written parameter, the tied
-   ``lm_head`` included, are re-packed from the parameter;
-4. **verify**: every touched tensor, read back, matches its target checksum.
-
-Any failure after the first write restores the old bits (and re-packs) before the error is
-raised, so the engine holds either the base or the target, never a mix.
+Runs inside the engine's worker process (one call per TP rank, all ranks in step).
+:class:`WeightIO` hashes tensors as the engine holds them; :func:`load_snapshot_files` loads a
+full snapshot in place (validate every file tensor's checksum, write, re-pack the CPU GEMM
+copies, verify); patches are staged and committed by :mod:`.vllm_staging`.
 
 Checksums with TP > 1: each rank holds slices, and the patch carries xxh3-128 of whole
-tensors, which does not decompose. Every rank all-gathers the blocks of a tensor over the TP
-group's CPU (gloo) group, reassembles the full tensor (replicated KV heads and vocab padding
+tensors, which does not decompose. Every rank all-gathers the blocks of a tensor over a gloo
+group of the TP ranks (the worker extension creates one for stitchboard, so that staging in a
+background thread never shares a group with vLLM's own collectives), reassembles the full tensor (replicated KV heads and vocab padding
 dropped) and hashes it, so all ranks reach the same verdict. Cost per verified tensor: one
-all-gather of the tensor's size (for a real RL step: the whole model, twice, base and target)
+all-gather of the tensor's size (for a real RL step: the whole model, three times: base and
+target while staging, target after the commit)
 plus a host copy on GPU; with TP = 1 the block is hashed in place, no copy.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -41,12 +27,9 @@ import xxhash
 
 from stitchboard.proto.container import RawTensor, read_safetensors
 from stitchboard.proto.decode import Patch, read_patch
-from stitchboard.proto.errors import BaseMismatchError, PatchFormatError, TargetMismatchError, TensorSetMismatchError
-from stitchboard.proto.schema import XXH3_128
+from stitchboard.proto.errors import PatchFormatError, TargetMismatchError, TensorSetMismatchError
 
 from .vllm_layout import Placement, RuntimeLayout
-
-log = logging.getLogger("stitchboard.sidecar.vllm_weights")
 
 #: Called at named points of an apply (fault injection); gets the phase name.
 PhaseHook = Callable[[str], None]
@@ -64,16 +47,16 @@ def _repack(placements: Sequence[Placement]) -> int:
     return len(modules)
 
 
-def _block_bytes(p: Placement) -> np.ndarray:
-    """This rank's block as a uint8 numpy array (a view on CPU, a host copy on GPU)."""
-    return p.block().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
+def _block_bytes(block: torch.Tensor) -> np.ndarray:
+    """A block as a uint8 numpy array (a view on CPU, a host copy on GPU)."""
+    return block.contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
 
 
-def _gathered_tensor_bytes(p: Placement, group: object) -> np.ndarray:
-    """The full checkpoint tensor's raw bytes, reassembled from every TP rank's block."""
+def _gathered_tensor_bytes(p: Placement, block: torch.Tensor, group: object) -> np.ndarray:
+    """The full checkpoint tensor's raw bytes, reassembled from every TP rank's ``block``."""
     split = p.split_dim
     longest = max(length for _, length in p.spans)
-    mine = p.block().contiguous().view(torch.uint8)  # [rows, cols * itemsize] or [rows * itemsize]
+    mine = block.contiguous().view(torch.uint8)  # [rows, cols * itemsize] or [rows * itemsize]
     mine = mine.reshape(p.block_shape[0], -1).cpu()
     pad_shape = list(mine.shape)
     pad_shape[split] = longest * (1 if split == 0 else p.param.element_size())
@@ -103,9 +86,16 @@ class WeightIO:
         self.tp_group = tp_group
         self.repack = repack
 
-    def checksum(self, p: Placement) -> str:
-        """xxh3-128 hex digest of the full checkpoint tensor as the engine holds it (see module doc)."""
-        raw = _gathered_tensor_bytes(p, self.tp_group) if self.tp_group is not None else _block_bytes(p)
+    def checksum(self, p: Placement, block: torch.Tensor | None = None) -> str:
+        """xxh3-128 hex digest of the full checkpoint tensor as the engine holds it (see module doc).
+
+        Args:
+            p: the tensor's placement.
+            block: this rank's block of a copy (``p.block(copy)``) to hash instead of the
+                engine's; with TP > 1 every rank must pass its block of the same copy.
+        """
+        block = p.block() if block is None else block
+        raw = _gathered_tensor_bytes(p, block, self.tp_group) if self.tp_group is not None else _block_bytes(block)
         return xxhash.xxh3_128_hexdigest(raw)
 
     def checksums(self, names: Sequence[str]) -> dict[str, str]:
@@ -117,15 +107,7 @@ class WeightIO:
         return _repack(placements) if self.repack else 0
 
 
-@dataclass
-class _Write:
-    placement: Placement
-    index: torch.Tensor  # int64 [k_local], flat into block_bits()
-    values: torch.Tensor  # bits [k_local]
-    old: torch.Tensor | None = None
-
-
-def _placements_for(io: WeightIO, specs: dict[str, tuple[str, tuple[int, ...]]]) -> dict[str, Placement]:
+def placements_for(io: WeightIO, specs: dict[str, tuple[str, tuple[int, ...]]]) -> dict[str, Placement]:
     """Map every name; check dtype and shape. Raises UnmappedTensorError, TensorSetMismatchError."""
     out = {}
     for name, (dtype, shape) in specs.items():
@@ -153,93 +135,6 @@ def read_patches(paths: Sequence[str]) -> tuple[list[Patch], int]:
         patches.append(patch)
         size += len(data)
     return patches, size
-
-
-def apply_patch_files(io: WeightIO, paths: Sequence[str], hook: PhaseHook) -> dict:
-    """Apply hand-off patch files in place: validate all, write, re-pack, verify, or restore.
-
-    Args:
-        io: the rank's weight reader/writer.
-        paths: patch files of one version (disjoint tensors).
-        hook: called with ``staged`` (validated, nothing written), ``half-written`` and
-            ``written-unverified``.
-
-    Returns:
-        Report: ``bytes``, ``tensors``, ``tensors_already_current``, ``elements`` (changed
-        elements written, whole tensors), ``rank_elements`` (those this rank holds),
-        ``repacked_modules`` and seconds ``read_s`` (hand-off read + decode), ``base_check_s``,
-        ``write_s``, ``repack_s``, ``verify_s``.
-
-    Raises:
-        PatchFormatError, UnmappedTensorError, TensorSetMismatchError, BaseMismatchError:
-            refused, nothing written (``written`` attribute False).
-        TargetMismatchError or any error while writing: old bits restored, then re-raised
-            with attribute ``written`` True (and ``restore_failed`` True if the restore failed
-            too: the engine then holds no verified version).
-    """
-    t0 = time.perf_counter()
-    patches, size = read_patches(paths)
-    entries = {n: e for patch in patches for n, e in patch.entries.items()}
-    places = _placements_for(io, {n: (e.dtype, e.shape) for n, e in entries.items()})
-    deltas = {n: d for patch in patches for n, d in patch.deltas().items()}
-    t_read = time.perf_counter()
-    writes: list[_Write] = []
-    current = 0
-    for name, delta in deltas.items():
-        have = io.checksum(places[name])
-        if have == delta.entry.base[XXH3_128]:
-            selected, index = places[name].local_indices(delta.positions)
-            bits = delta.values[selected].view(f"i{delta.values.itemsize}")
-            writes.append(_Write(places[name], torch.from_numpy(index), torch.from_numpy(np.ascontiguousarray(bits))))
-        elif delta.encoding == "overwrite" and have == delta.entry.target[XXH3_128]:
-            current += 1
-        else:
-            raise BaseMismatchError(f"tensor {name!r} in the engine is not the patch's base (xxh3 {have} != {delta.entry.base[XXH3_128]})", name=name)
-    t_base = time.perf_counter()
-    hook("staged")
-    touched = [w.placement for w in writes]
-    timing: dict[str, float] = {}
-    try:
-        for i, w in enumerate(writes):
-            flat = w.placement.block_bits()
-            index, values = w.index.to(flat.device), w.values.to(flat.device)
-            w.old = flat[index]
-            flat[index] = (w.old ^ values) if deltas[w.placement.name].encoding == "xor" else values
-            if i == len(writes) // 2:
-                hook("half-written")
-        timing["write_s"] = time.perf_counter() - t_base
-        t = time.perf_counter()
-        repacked = io.repack_all(touched)
-        timing["repack_s"] = time.perf_counter() - t
-        hook("written-unverified")
-        t = time.perf_counter()
-        for w in writes:
-            got = io.checksum(w.placement)
-            if got != entries[w.placement.name].target[XXH3_128]:
-                raise TargetMismatchError(f"tensor {w.placement.name!r} does not match its target checksum after the write", name=w.placement.name)
-        timing["verify_s"] = time.perf_counter() - t
-    except BaseException as exc:
-        exc.written = True  # type: ignore[attr-defined]
-        try:
-            for w in reversed(writes):
-                if w.old is not None:
-                    w.placement.block_bits()[w.index.to(w.old.device)] = w.old
-            io.repack_all(touched)
-        except BaseException:
-            exc.restore_failed = True  # type: ignore[attr-defined]
-            log.exception("restoring the old bits failed: the engine holds no verified version")
-        raise
-    return {
-        "bytes": size,
-        "tensors": len(writes),
-        "tensors_already_current": current,
-        "elements": int(sum(deltas[w.placement.name].entry.count for w in writes)),
-        "rank_elements": int(sum(int(w.index.numel()) for w in writes)),
-        "repacked_modules": repacked,
-        "read_s": t_read - t0,
-        "base_check_s": t_base - t_read,
-        **timing,
-    }
 
 
 def load_snapshot_files(io: WeightIO, paths: Sequence[str], checksums: dict[str, str], hook: PhaseHook) -> dict:
@@ -272,7 +167,7 @@ def load_snapshot_files(io: WeightIO, paths: Sequence[str], checksums: dict[str,
         size += os.path.getsize(path)
     if set(tensors) != set(checksums):
         raise TensorSetMismatchError(f"snapshot tensors differ from the manifest: missing {sorted(set(checksums) - set(tensors))[:3]}, extra {sorted(set(tensors) - set(checksums))[:3]}")
-    places = _placements_for(io, {n: (t.dtype, t.shape) for n, t in tensors.items()})
+    places = placements_for(io, {n: (t.dtype, t.shape) for n, t in tensors.items()})
     uncovered = set(io.layout.runtime_params()) - {p.runtime_name for p in places.values()}
     if uncovered:
         raise TensorSetMismatchError(f"snapshot leaves runtime parameters without data: {sorted(uncovered)[:3]}")

@@ -12,8 +12,14 @@ JSON dict: ``{"ok": true, "state": {...}, ...}`` or ``{"ok": false, "error": {"t
 
 * ``stitch_state("{}")``: ``state`` only.
 * ``stitch_set_version('{"version": V}')``: record V (for ``--boot-version`` and empty deltas).
-* ``stitch_apply_patch('{"paths": [...], "from_version": F, "to_version": T}')``: apply hand-off
-  patch files (see :func:`.vllm_weights.apply_patch_files`); refused unless the engine holds F.
+* ``stitch_stage('{"steps": [{"paths": [...], "from_version": F, "to_version": T}, ...]}')``:
+  start staging consecutive patch steps from the held version in a background thread (see
+  :mod:`.vllm_staging`); the engine keeps serving. Returns at once.
+* ``stitch_staged("{}")``: ``staging`` ``{"state": "running" | "ready", "to_version", "report"}``;
+  a failed staging answers its error (nothing written).
+* ``stitch_commit('{"to_version": T}')``: write the ready staged update, verify (engine paused).
+* ``stitch_apply_patch('{"paths": [...], "from_version": F, "to_version": T}')``: stage and
+  commit the patch files of one version in one call; refused unless the engine holds F.
 * ``stitch_load_snapshot('{"paths": [...], "version": V, "checksums": {name: xxh3}}')``.
 * ``stitch_checksums('{"names": [...]}')``: ``checksums`` {name: xxh3-128 hex} as held now.
 
@@ -37,13 +43,15 @@ import functools
 import json
 import logging
 import os
+from datetime import timedelta
 from typing import Any
 
 from stitchboard.proto.errors import StitchError
 
 from .errors import EngineStateError
 from .vllm_layout import RuntimeLayout
-from .vllm_weights import WeightIO, apply_patch_files, load_snapshot_files
+from .vllm_staging import StagingJob, apply_patch_files, commit_staged, parse_steps
+from .vllm_weights import WeightIO, load_snapshot_files
 
 log = logging.getLogger("stitchboard.sidecar.vllm_worker")
 
@@ -54,6 +62,8 @@ FAULT_VERSION_ENV = "STITCH_FAULT_VERSION"
 FAULT_PHASES = ("staged", "half-written", "written-unverified")
 #: Exit status of a fault-injected exit.
 FAULT_EXIT_CODE = 86
+#: Timeout of a collective of stitchboard's TP group (a rank that fails alone cannot hang the others longer).
+COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 
 
 def _keep_cpu_linear_weights() -> None:
@@ -106,17 +116,21 @@ class StitchWorkerExtension:
     _stitch_version: int | None = None
     _stitch_phase: str = "idle"
     _stitch_io: WeightIO | None = None
+    _stitch_job: StagingJob | None = None
 
     # -- plumbing ------------------------------------------------------------------------------
 
     def _stitch_weights(self) -> WeightIO:
         if self._stitch_io is None:
+            import torch
             from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size, get_tp_group
             from vllm.platforms import current_platform
 
             rank, size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
             layout = RuntimeLayout(self.get_model(), rank, size)
-            self._stitch_io = WeightIO(layout, get_tp_group().cpu_group if size > 1 else None, repack=current_platform.is_cpu())
+            # A group of our own: staging runs collectives from a background thread.
+            group = torch.distributed.new_group(get_tp_group().ranks, backend="gloo", timeout=COLLECTIVE_TIMEOUT) if size > 1 else None
+            self._stitch_io = WeightIO(layout, group, repack=current_platform.is_cpu())
         return self._stitch_io
 
     def _stitch_state(self) -> dict[str, Any]:
@@ -134,6 +148,34 @@ class StitchWorkerExtension:
             log.warning("stitchboard call failed: %s: %s", type(exc).__name__, exc)
             restored = None if not getattr(exc, "written", False) else self._stitch_phase != "failed"
             return {"ok": False, "state": self._stitch_state(), "error": _error(exc, restored)}
+
+    def _stitch_finish_staging(self, drop: bool) -> None:
+        """Wait for a background staging to end (it reads the weights and uses the TP group);
+        with ``drop``, forget it (the weights are about to change)."""
+        if self._stitch_job is not None:
+            self._stitch_job.thread.join()
+            if drop:
+                self._stitch_job = None
+
+    def _stitch_update(self, end: int, write: Any) -> dict[str, Any]:
+        """Run ``write()`` (an apply or a staged commit) in phase ``applying``; on success the
+        engine holds ``end``; on failure it still holds its version unless restoring failed."""
+        self._stitch_phase = "applying"
+        try:
+            report = write()
+        except BaseException as exc:
+            if getattr(exc, "restore_failed", False):
+                self._stitch_version, self._stitch_phase = None, "failed"
+            else:  # refused, or written and restored: the engine still holds its version
+                self._stitch_phase = "idle"
+            raise
+        self._stitch_version, self._stitch_phase = end, "idle"
+        return {"report": report}
+
+    def _stitch_require_version(self, start: int) -> None:
+        self._stitch_require_idle()
+        if self._stitch_version != start:
+            raise EngineStateError(f"the engine holds version {self._stitch_version}, the patch is from version {start}", held=self._stitch_version, phase=self._stitch_phase)
 
     def _stitch_require_idle(self) -> None:
         if self._stitch_phase != "idle":
@@ -157,35 +199,69 @@ class StitchWorkerExtension:
 
         return self._stitch_call(request, run)
 
+    def stitch_stage(self, request: str) -> dict[str, Any]:
+        """Start staging ``steps`` (consecutive patch versions from the held one) in the background.
+
+        Returns ``{"ok": true, "state", "staging": {"state": "running", ...}}``; poll
+        :meth:`stitch_staged`. A staging already running is waited for and replaced.
+        """
+
+        def run(args: dict[str, Any]) -> dict[str, Any]:
+            steps = parse_steps(args)
+            self._stitch_finish_staging(drop=True)
+            self._stitch_require_version(steps[0][1])
+            self._stitch_job = StagingJob(self._stitch_weights(), steps)
+            return {"staging": self._stitch_job.status()}
+
+        return self._stitch_call(request, run)
+
+    def stitch_staged(self, request: str = "{}") -> dict[str, Any]:
+        """``{"ok": true, "state", "staging": {"state": "running" | "ready", ...}}``, or the
+        staging's error (``written`` False: the engine was not touched)."""
+
+        def run(args: dict[str, Any]) -> dict[str, Any]:
+            if self._stitch_job is None:
+                raise EngineStateError("nothing is staged: call stitch_stage first", held=self._stitch_version, phase=self._stitch_phase)
+            return {"staging": self._stitch_job.status()}
+
+        return self._stitch_call(request, run)
+
+    def stitch_commit(self, request: str) -> dict[str, Any]:
+        """Commit the ready staged update ending at ``to_version`` (see
+        :func:`.vllm_staging.commit_staged`); the staged update is used up either way.
+
+        Returns ``{"ok": true, "state", "report"}`` or an error report as
+        :meth:`stitch_apply_patch` does.
+        """
+
+        def run(args: dict[str, Any]) -> dict[str, Any]:
+            end = args.get("to_version")
+            job = self._stitch_job
+            if job is None or job.thread.is_alive() or job.result is None:
+                raise EngineStateError("no staged update is ready: stage it and wait until stitch_staged says ready", held=self._stitch_version, phase=self._stitch_phase)
+            staged = job.result
+            if end != staged.to_version:
+                raise ValueError(f"the staged update ends at version {staged.to_version}, not {end!r}")
+            self._stitch_require_version(staged.from_version)
+            self._stitch_job = None
+            return self._stitch_update(end, lambda: commit_staged(self._stitch_weights(), staged, functools.partial(_fault, version=end)))
+
+        return self._stitch_call(request, run)
+
     def stitch_apply_patch(self, request: str) -> dict[str, Any]:
         """Apply ``paths`` (patch files of one version) taking ``from_version`` to ``to_version``.
 
         Returns ``{"ok": true, "state", "report": {...}}`` (see
-        :func:`.vllm_weights.apply_patch_files`) or an error report: ``written`` False means
+        :func:`.vllm_staging.commit_staged`) or an error report: ``written`` False means
         refused before any write; True with ``restored`` True means the old bits are back.
         """
 
         def run(args: dict[str, Any]) -> dict[str, Any]:
-            paths, start, end = args.get("paths"), args.get("from_version"), args.get("to_version")
-            if not isinstance(paths, list) or not paths or not all(isinstance(p, str) for p in paths):
-                raise ValueError("paths must be a non-empty list of file paths")
-            if type(start) is not int or type(end) is not int or not 0 <= start < end:
-                raise ValueError(f"need integers 0 <= from_version < to_version, got {start!r}, {end!r}")
-            self._stitch_require_idle()
-            if self._stitch_version != start:
-                raise EngineStateError(f"the engine holds version {self._stitch_version}, the patch is from version {start}", held=self._stitch_version, phase=self._stitch_phase)
+            ((paths, start, end),) = parse_steps({"steps": [args]})
+            self._stitch_finish_staging(drop=True)
+            self._stitch_require_version(start)
             io = self._stitch_weights()
-            self._stitch_phase = "applying"
-            try:
-                report = apply_patch_files(io, paths, functools.partial(_fault, version=end))
-            except BaseException as exc:
-                if getattr(exc, "restore_failed", False):
-                    self._stitch_version, self._stitch_phase = None, "failed"
-                else:  # refused, or written and restored: the engine still holds ``start``
-                    self._stitch_phase = "idle"
-                raise
-            self._stitch_version, self._stitch_phase = end, "idle"
-            return {"report": report}
+            return self._stitch_update(end, lambda: apply_patch_files(io, paths, start, end, functools.partial(_fault, version=end)))
 
         return self._stitch_call(request, run)
 
@@ -203,6 +279,7 @@ class StitchWorkerExtension:
                 raise ValueError(f"version must be an integer >= 0, got {version!r}")
             if not isinstance(sums, dict) or not sums or not all(isinstance(v, str) for v in sums.values()):
                 raise ValueError("checksums must map every tensor name to its xxh3_128 hex digest")
+            self._stitch_finish_staging(drop=True)
             io = self._stitch_weights()
             held, phase = self._stitch_version, self._stitch_phase
             self._stitch_phase = "loading"
@@ -226,6 +303,7 @@ class StitchWorkerExtension:
             names = args.get("names")
             if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
                 raise ValueError("names must be a list of checkpoint tensor names")
+            self._stitch_finish_staging(drop=False)
             return {"checksums": self._stitch_weights().checksums(names)}
 
         return self._stitch_call(request, run)

@@ -54,8 +54,11 @@ class FakeEngine:
         calls: adapter calls in order, as (method, args) tuples.
         http_control_calls: control routes the HTTP server received (the sidecar must never forward any).
         aborted: requests whose client went away before they completed.
-        fail_apply: number of next :meth:`apply_patch` calls that corrupt weights then raise.
+        fail_apply: number of next patch writes (:meth:`apply_patch`, :meth:`commit_staged`)
+            that corrupt weights then raise.
         fail_snapshot: number of next :meth:`load_snapshot` calls that raise.
+        refuse_stage: number of next :meth:`stage_patches` calls that raise (nothing written).
+        staged: the steps :meth:`stage_patches` kept for :meth:`commit_staged`.
         fingerprints_seen: fingerprint -> first time it was current.
     """
 
@@ -71,6 +74,8 @@ class FakeEngine:
         self.completed = 0
         self.fail_apply = 0
         self.fail_snapshot = 0
+        self.refuse_stage = 0
+        self.staged: list[tuple[list[str], int, int]] | None = None
         self.prefix_cache_resets = 0
         self._running = threading.Event()
         self._running.set()
@@ -102,22 +107,47 @@ class FakeEngine:
         paths = [handoff_path] if isinstance(handoff_path, str) else list(handoff_path)
         self.calls.append(("apply_patch", (tuple(paths), from_version, to_version)))
         with self._lock:
-            if self.phase != "idle" or self.version != from_version:
-                raise RuntimeError(f"engine holds version {self.version} in phase {self.phase}, the patch is from {from_version}")
-            self.phase = "applying"
-            if self.fail_apply:
-                self.fail_apply -= 1
-                name = sorted(self.weights)[0]
-                self.weights[name].bits[:4] ^= 0x5A5A  # a partial write, then a failure that could not restore
-                self.version, self.phase = None, "failed"
-                raise RuntimeError("injected apply failure")
-            try:
-                written = sum(apply_patch(self.weights, read_patch(Path(p).read_bytes())).elements_written for p in paths)
-            finally:
-                self.phase = "idle"  # the codec refuses before writing, or undoes its writes
-            self.fp = fingerprint(self.weights)
-            self.version, self.phase = to_version, "idle"
-        return {"elements": written}
+            return {"elements": self._apply(paths, from_version, to_version)}
+
+    def stage_patches(self, steps: list[tuple[list[str], int, int]]) -> dict:
+        """Check the first step starts at the held version and keep the steps for :meth:`commit_staged`."""
+        steps = [(list(paths), start, end) for paths, start, end in steps]
+        self.calls.append(("stage_patches", tuple((tuple(paths), start, end) for paths, start, end in steps)))
+        with self._lock:
+            if self.phase != "idle" or self.version != steps[0][1]:
+                raise RuntimeError(f"engine holds version {self.version} in phase {self.phase}, the update is from {steps[0][1]}")
+            if self.refuse_stage:
+                self.refuse_stage -= 1
+                raise RuntimeError("injected staging refusal")
+            self.staged = steps
+        return {"steps": len(steps)}
+
+    def commit_staged(self, to_version: int) -> dict:
+        """Apply the staged steps in order (the real worker writes them at once)."""
+        self.calls.append(("commit_staged", (to_version,)))
+        with self._lock:
+            steps, self.staged = self.staged, None
+            if not steps or steps[-1][2] != to_version:
+                raise RuntimeError(f"nothing staged ends at version {to_version}")
+            return {"elements": sum(self._apply(paths, start, end) for paths, start, end in steps)}
+
+    def _apply(self, paths: list[str], from_version: int, to_version: int) -> int:
+        if self.phase != "idle" or self.version != from_version:
+            raise RuntimeError(f"engine holds version {self.version} in phase {self.phase}, the patch is from {from_version}")
+        self.phase = "applying"
+        if self.fail_apply:
+            self.fail_apply -= 1
+            name = sorted(self.weights)[0]
+            self.weights[name].bits[:4] ^= 0x5A5A  # a partial write, then a failure that could not restore
+            self.version, self.phase = None, "failed"
+            raise RuntimeError("injected apply failure")
+        try:
+            written = sum(apply_patch(self.weights, read_patch(Path(p).read_bytes())).elements_written for p in paths)
+        finally:
+            self.phase = "idle"  # the codec refuses before writing, or undoes its writes
+        self.fp = fingerprint(self.weights)
+        self.version, self.phase = to_version, "idle"
+        return written
 
     def load_snapshot(self, paths: list[str], version: int, checksums: dict[str, str] | None = None) -> dict:
         self.calls.append(("load_snapshot", (tuple(paths), version)))

@@ -50,7 +50,7 @@ def test_boot_version_skips_the_anchor(sc_publisher, sc_start):
     engine = FakeEngine(sc_publisher.views[1])  # booted from version 1's checkpoint
     sidecar = sc_start(engine, boot_version=1)
     assert_at(sidecar, sc_publisher, 2)
-    assert engine.count("load_snapshot") == 0 and engine.count("apply_patch") == 1
+    assert engine.count("load_snapshot") == 0 and engine.count("stage_patches") == engine.count("commit_staged") == 1
 
 
 def test_restarted_sidecar_does_not_reapply(sc_publisher, sc_start):
@@ -97,6 +97,8 @@ class _HeldClient(BulletinClient):
 
 
 def test_versions_published_while_staging_are_coalesced(sc_publisher, sc_start, sc_bulletin):
+    """Versions 1-3 land in one commit, staged in the engine as one update; the empty delta of
+    version 2 changes no bit, so the engine gets two steps: 0 -> 1 and 1 -> 3."""
     sc_publisher.publish(make_view(0))
     client = _HeldClient(sc_bulletin.url, retries=1, backoff_s=0.01)
     sidecar = sc_start(FakeEngine(), client=client)
@@ -105,13 +107,13 @@ def test_versions_published_while_staging_are_coalesced(sc_publisher, sc_start, 
     client.armed = True
     sc_publisher.step(1)
     assert client.entered.wait(10)
-    sc_publisher.step(2)
+    sc_publisher.same()
     sc_publisher.step(3)
     client.release.set()
     assert_at(sidecar, sc_publisher, 3)
     commit = [c for c in sidecar.engine.calls[before:] if c[0] != "health"]
-    assert [m for m, _ in commit] == ["pause", "apply_patch", "apply_patch", "apply_patch", "reset_prefix_cache", "resume"]
-    assert [args[1:] for m, args in commit if m == "apply_patch"] == [(0, 1), (1, 2), (2, 3)]
+    assert [m for m, _ in commit] == ["stage_patches", "pause", "commit_staged", "reset_prefix_cache", "resume"]
+    assert [step[1:] for step in commit[0][1]] == [(0, 1), (1, 3)] and commit[2][1] == (3,)
 
 
 def _corrupt_blob(store: Path, run: str, sha256: str) -> None:
@@ -157,7 +159,7 @@ def test_patch_from_another_base_is_rejected_at_staging(sc_publisher, sc_start, 
     wait_for(lambda: (sidecar.status()["last_error"] or {}).get("type") == "StagingError", what="the lineage error reported")
     assert "base checksum" in sidecar.status()["last_error"]["message"]
     assert sidecar.status()["applied_version"] == 1
-    assert [m for m, _ in sidecar.engine.calls[calls:] if m != "health"] == ["pause", "apply_patch", "reset_prefix_cache", "resume"]  # version 1 only
+    assert [m for m, _ in sidecar.engine.calls[calls:] if m != "health"] == ["stage_patches", "pause", "commit_staged", "reset_prefix_cache", "resume"]  # version 1 only
 
 
 def test_failed_apply_recovers_from_the_anchor_in_the_same_pause(sc_publisher, sc_start):
@@ -169,10 +171,24 @@ def test_failed_apply_recovers_from_the_anchor_in_the_same_pause(sc_publisher, s
     sc_publisher.step(1)
     assert_at(sidecar, sc_publisher, 1)
     commit = [m for m, _ in sidecar.engine.calls[before:] if m != "health"]
-    assert commit == ["pause", "apply_patch", "load_snapshot", "apply_patch", "reset_prefix_cache", "resume"]
+    assert commit == ["stage_patches", "pause", "commit_staged", "load_snapshot", "apply_patch", "reset_prefix_cache", "resume"]
     status = sidecar.status()
     assert status["last_error"]["message"].startswith("applying versions 0->1") and status["last_sync"]["anchor"] is True
     assert 'stitch_sidecar_recoveries_total{outcome="ok"} 1.0' in sidecar.http.get("/metrics").text
+
+
+def test_update_the_engine_refuses_to_stage_recovers_from_the_anchor(sc_publisher, sc_start):
+    """A refusal while staging (nothing written) is handled as a failed apply: anchor, same pause."""
+    sc_publisher.publish(make_view(0))
+    sidecar = sc_start(FakeEngine())
+    assert_at(sidecar, sc_publisher, 0)
+    before = len(sidecar.engine.calls)
+    sidecar.engine.refuse_stage = 1
+    sc_publisher.step(1)
+    assert_at(sidecar, sc_publisher, 1)
+    commit = [m for m, _ in sidecar.engine.calls[before:] if m != "health"]
+    assert commit == ["stage_patches", "pause", "load_snapshot", "apply_patch", "reset_prefix_cache", "resume"]
+    assert "injected staging refusal" in sidecar.status()["last_error"]["message"]
 
 
 def test_failed_recovery_marks_the_sidecar_unhealthy_until_it_succeeds(sc_publisher, sc_start):
@@ -219,4 +235,4 @@ def test_restart_finds_a_paused_engine_and_resumes_it(sc_publisher, sc_start):
     sidecar = sc_start(engine)
     assert_at(sidecar, sc_publisher, 1)
     assert not engine.paused
-    assert [m for m, _ in engine.calls if m != "health"] == ["resume", "pause", "apply_patch", "reset_prefix_cache", "resume"]
+    assert [m for m, _ in engine.calls if m != "health"] == ["resume", "stage_patches", "pause", "commit_staged", "reset_prefix_cache", "resume"]

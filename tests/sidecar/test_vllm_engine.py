@@ -2,15 +2,17 @@
 
 The oracle: after applying a real training step's patch in place, greedy completions with
 logprobs are bitwise equal to those of a fresh vLLM started from the target's full checkpoint.
-Refusals (wrong base, corrupt file, unknown tensor, wrong version) leave the engine serving its
-version bit for bit; a failed target check restores the old bits, packed GEMM copies included.
+Refusals (wrong base or target, corrupt file, unknown tensor, wrong version) leave the engine
+serving its version bit for bit. Updates staged while the engine serves commit bit-exact.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from pathlib import Path
 
+import httpx
 import pytest
 
 from stitchboard.proto.codec import build_patch, encode_tensor
@@ -114,22 +116,65 @@ def test_corrupt_or_unmappable_patch_is_rejected(vllm_adapter, vllm_views, vllm_
     _assert_holds(vllm_adapter, vllm_views, 1)
 
 
-def test_failed_target_check_restores_old_bits(vllm_engine, vllm_adapter, vllm_views, vllm_snapshot, vllm_workdir, vllm_fresh_greedy):
-    """A patch whose target checksum is wrong is written, fails verification, and is undone."""
-    from stitchboard.sidecar.errors import ApplyFailedError
+def test_wrong_target_checksum_is_refused_before_any_write(vllm_engine, vllm_adapter, vllm_views, vllm_snapshot, vllm_workdir, vllm_fresh_greedy):
+    """Staging applies the patch to a host copy and checks the targets there: a wrong target
+    checksum is refused before the first write. (Restoring after a failed verification in the
+    commit, GEMM copies included, is covered by test_vllm_staging.py.)"""
+    from stitchboard.sidecar.errors import ApplyRefusedError
 
     _bring_to(vllm_adapter, vllm_snapshot, 1)
     encoded = []
     for name in FUSED_AND_TIED:
         enc = encode_tensor(name, vllm_views[1][name], vllm_views[2][name])
-        if name == "model.embed_tokens.weight":  # the tied lm_head's packed copy must be restored too
+        if name == "model.embed_tokens.weight":
             enc = dataclasses.replace(enc, entry=dataclasses.replace(enc.entry, target={XXH3_128: "0" * 32}))
         encoded.append(enc)
-    with pytest.raises(ApplyFailedError) as failed:
+    with pytest.raises(ApplyRefusedError) as refused:
         vllm_adapter.apply_patch(_write(vllm_workdir, "bad-target.patch", build_patch(encoded)), 1, 2)
-    assert failed.value.details["restored"] is True and failed.value.details["cause"] == "TargetMismatch"
+    assert refused.value.details["cause"] == "TargetMismatch" and "model.embed_tokens.weight" in str(refused.value)
     _assert_holds(vllm_adapter, vllm_views, 1)
     assert vllm_engine.greedy() == vllm_fresh_greedy(1)
+
+
+def test_chain_staged_while_serving_commits_bit_exact(vllm_engine, vllm_adapter, vllm_views, vllm_snapshot, vllm_workdir):
+    """Versions 0 -> 1 -> 2 are staged as one update while a request generates (nothing written,
+    engine not paused), then committed in a pause with the GEMM copies packed while staging. The
+    answers equal those after loading version 2's snapshot, which re-packs every linear layer from
+    the written weights through vLLM's own dispatch."""
+    from stitchboard.sidecar.errors import EngineStateError
+
+    _bring_to(vllm_adapter, vllm_snapshot, 0)
+    with pytest.raises(EngineStateError, match="no staged update"):
+        vllm_adapter.commit_staged(2)
+    steps = [([_write(vllm_workdir, f"chain-v{v}.patch", diff_views(vllm_views[v - 1], vllm_views[v]).patch)], v - 1, v) for v in (1, 2)]
+    answer: dict[str, httpx.Response] = {}
+    body = {"model": vllm_engine.model, "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+    request = threading.Thread(target=lambda: answer.update(r=httpx.post(f"{vllm_engine.url}/v1/completions", json=body, timeout=600)))
+    request.start()
+    staged = vllm_adapter.stage_patches(steps)
+    assert vllm_adapter.state() == {"version": 0, "phase": "idle"}
+    assert vllm_adapter.checksums(sorted(vllm_views[0])) == view_sums(vllm_views[0]), "staging wrote to the engine"
+    request.join(600)
+    assert answer["r"].status_code == 200 and answer["r"].json()["usage"]["completion_tokens"] == 200
+    touched = set(diff_views(vllm_views[0], vllm_views[1]).changed_tensors) | set(diff_views(vllm_views[1], vllm_views[2]).changed_tensors)
+    assert staged["repacked_modules"] >= 4 * 30 + 1 and staged["tensors"] == len(touched)
+    vllm_adapter.pause()
+    try:
+        report = vllm_adapter.commit_staged(2)
+        vllm_adapter.reset_prefix_cache()
+    finally:
+        vllm_adapter.resume()
+    assert report["rank_elements"] >= diff_views(vllm_views[0], vllm_views[2]).changed_elements
+    _assert_holds(vllm_adapter, vllm_views, 2)
+    committed = vllm_engine.greedy()
+    assert committed != vllm_engine.boot_greedy
+    vllm_adapter.pause()
+    try:
+        vllm_adapter.load_snapshot(vllm_snapshot(2), 2, view_sums(vllm_views[2]))
+        vllm_adapter.reset_prefix_cache()
+    finally:
+        vllm_adapter.resume()
+    assert vllm_engine.greedy() == committed
 
 
 def test_next_step_then_snapshot_back_to_the_anchor(vllm_engine, vllm_adapter, vllm_views, vllm_snapshot, vllm_workdir):
@@ -206,11 +251,12 @@ def test_tensor_parallel_3_patch_is_bit_exact_with_a_fresh_tp3_engine(smollm2_di
         engine.set_version(0)
         assert engine.checksums(sorted(vllm_views[0])) == view_sums(vllm_views[0])
         before = server.greedy()
-        engine.pause()
-        report = engine.apply_patch(_write(vllm_workdir, "tp3.patch", diff_views(vllm_views[0], vllm_views[1]).patch), 0, 1)
+        staged = engine.stage_patches([([_write(vllm_workdir, "tp3.patch", diff_views(vllm_views[0], vllm_views[1]).patch)], 0, 1)])
+        engine.pause()  # staged by each rank in a background thread (gathers on stitchboard's own group)
+        report = engine.commit_staged(1)
         engine.reset_prefix_cache()
         engine.resume()
-        assert 0 < report["rank_elements"] < report["elements"]
+        assert 0 < staged["rank_elements"] == report["rank_elements"] < report["elements"]
         assert engine.state() == {"version": 1, "phase": "idle"}
         assert engine.checksums(sorted(vllm_views[1])) == view_sums(vllm_views[1])
         patched = server.greedy()

@@ -1,0 +1,318 @@
+"""Patches staged while the engine serves, committed in a short pause: bit-exact, all or nothing.
+
+Runs inside the engine's worker process (one call per TP rank, all ranks in step). The engine
+is paused only for :func:`commit_staged`; everything that reads files, decodes, checks or packs
+happens before, in :func:`stage_patches` (the worker extension runs it in a background thread
+while the engine keeps generating):
+
+**stage** (nothing written to the engine; DESIGN.md invariant 5):
+
+1. read and parse every patch file of every step; map each tensor name to its runtime
+   placement (:mod:`.vllm_layout`) and check dtype and shape; decode every position;
+2. per runtime parameter touched: copy this rank's parameter to host memory and apply the steps
+   to the copy in order, checking each tensor's base checksum before each step (``overwrite``: a
+   tensor already at the target is skipped) and its target checksum after the last step;
+3. keep, per tensor, the written positions (the union over steps), their old and new bits
+   (patch-sized), and on vLLM's CPU backend the GEMM copies of the updated parameter, packed
+   from the host copy by vLLM's own CPU GEMM dispatch (oneDNN / sgl ``cpu_linear``; the tied
+   ``lm_head`` included) but not yet installed; the host copy is then dropped.
+
+**commit** (engine paused): write the new bits by indexed assignment into the runtime
+parameters' raw bits (``param.data`` is never reassigned: CUDA graphs keep their pointers),
+install the packed GEMM copies (an attribute swap), then verify every touched tensor's target
+checksum on the parameter the engine holds. Any failure writes the old bits back and reinstalls
+the old GEMM copies, so the engine holds either the base or the target, never a mix.
+
+Why: on the CPU backend re-packing every linear of SmolLM2-135M took ~200 ms, the largest part
+of the pause, and a real RL step touches every linear (``tests/benchmarks/bench_apply.py``).
+Memory while a patch is staged: one host copy of the largest parameter being processed, plus
+the new GEMM copies of every touched linear (about the linear weights' size on CPU; none on GPU).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import types
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from stitchboard.proto.decode import TensorDelta
+from stitchboard.proto.errors import BaseMismatchError, PatchFormatError, TargetMismatchError
+from stitchboard.proto.schema import XXH3_128
+
+from .vllm_layout import BITS_TORCH, Placement
+from .vllm_weights import PhaseHook, WeightIO, placements_for, read_patches
+
+log = logging.getLogger("stitchboard.sidecar.vllm_staging")
+
+#: One step of a staged plan: ``(patch file paths, from_version, to_version)``.
+Step = tuple[Sequence[str], int, int]
+
+
+@dataclass
+class _Write:
+    placement: Placement
+    index: torch.Tensor  # int64 [k], flat into block_bits(), on the parameter's device
+    new: torch.Tensor  # bits [k]
+    old: torch.Tensor  # bits [k]
+    target: str  # xxh3-128 of the full tensor after the write
+
+
+@dataclass
+class StagedPatch:
+    """A validated update of one rank, ready to commit.
+
+    Attributes:
+        from_version, to_version: the versions it takes the engine between.
+        writes: per touched tensor, positions with their old and new bits.
+        packs: ``(module, new cpu_linear)`` per CPU GEMM layer reading a written parameter.
+        report: staging figures (see :func:`stage_patches`).
+    """
+
+    from_version: int
+    to_version: int
+    writes: list[_Write] = field(repr=False)
+    packs: list[tuple[torch.nn.Module, Callable]] = field(repr=False)
+    report: dict
+
+
+#: numpy dtype of each raw-bits torch dtype (:data:`.vllm_layout.BITS_TORCH`).
+_NUMPY_OF = {torch.uint8: np.uint8, torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64}
+
+
+def _apply_step(view: torch.Tensor, delta: TensorDelta, index: np.ndarray, selected: np.ndarray) -> None:
+    """Apply one step's delta to this rank's block ``view`` (host bits, flat) in place."""
+    values = torch.from_numpy(np.ascontiguousarray(delta.values[selected]).view(_NUMPY_OF[view.dtype]))
+    at = torch.from_numpy(index)
+    view[at] = (view[at] ^ values) if delta.encoding == "xor" else values
+
+
+def _union(indices: list[np.ndarray]) -> np.ndarray:
+    """Sorted union of strictly increasing int64 index arrays (one array: itself, no copy)."""
+    if len(indices) == 1:
+        return indices[0]
+    merged = np.sort(np.concatenate(indices))
+    return merged[np.concatenate(([True], merged[1:] != merged[:-1]))]
+
+
+def _pack(placement: Placement, host_param: torch.Tensor) -> list[tuple[torch.nn.Module, Callable]]:
+    """GEMM copies of ``host_param`` (the updated parameter) for every module packing it."""
+    from vllm.model_executor.layers import utils
+
+    packs = []
+    for module in placement.packed_by:
+        shadow = types.SimpleNamespace(weight=host_param, bias=getattr(module, "bias", None))
+        utils.dispatch_cpu_unquantized_gemm(shadow, remove_weight=False)
+        packs.append((module, shadow.cpu_linear))
+    return packs
+
+
+def stage_patches(io: WeightIO, steps: Sequence[Step]) -> StagedPatch:
+    """Validate and prepare consecutive patch steps for :func:`commit_staged`; writes nothing.
+
+    Args:
+        io: the rank's weight reader/writer.
+        steps: ``(paths, from_version, to_version)`` in order, each ``to`` the next ``from``;
+            the paths of one step hold disjoint tensors.
+
+    Returns:
+        The :class:`StagedPatch`, whose ``report`` has ``bytes``, ``tensors`` (written),
+        ``tensors_already_current``, ``elements`` (changed elements over steps, whole tensors),
+        ``rank_elements`` (positions this rank writes), ``repacked_modules`` and seconds
+        ``read_s`` (read + decode), ``check_s`` (base and target checksums), ``build_s``
+        (host copies, step application) and ``pack_s``.
+
+    Raises:
+        PatchFormatError, UnmappedTensorError, TensorSetMismatchError, BaseMismatchError,
+        TargetMismatchError: the update is refused; the engine is untouched.
+        ValueError: the steps are not consecutive.
+    """
+    t0 = time.perf_counter()
+    for (_, _, end), (_, start, _) in zip(steps, steps[1:]):
+        if start != end:
+            raise ValueError(f"steps are not consecutive: one ends at version {end}, the next starts at {start}")
+    chain: list[dict[str, TensorDelta]] = []
+    size = 0
+    for paths, _, _ in steps:
+        patches, step_bytes = read_patches(paths)
+        chain.append({n: d for patch in patches for n, d in patch.deltas().items()})
+        size += step_bytes
+    names = sorted({n for deltas in chain for n in deltas})
+    first = {n: next(d for d in chain if n in d)[n].entry for n in names}
+    places = placements_for(io, {n: (e.dtype, e.shape) for n, e in first.items()})
+    for deltas in chain:
+        for n, d in deltas.items():
+            if (d.entry.dtype, tuple(d.entry.shape)) != (first[n].dtype, tuple(first[n].shape)):
+                raise PatchFormatError(f"tensor {n!r} changes dtype or shape between the steps of one update")
+    timing = {"read_s": time.perf_counter() - t0, "check_s": 0.0, "build_s": 0.0, "pack_s": 0.0}
+    by_param: dict[str, list[str]] = {}
+    for n in names:
+        by_param.setdefault(places[n].runtime_name, []).append(n)
+    writes: list[_Write] = []
+    packs: list[tuple[torch.nn.Module, Callable]] = []
+    current = 0
+    for group in by_param.values():
+        t = time.perf_counter()
+        param = places[group[0]].param
+        host = param.data.detach().to("cpu", copy=True)
+        timing["build_s"] += time.perf_counter() - t
+        written = False
+        for n in group:
+            p, touched = places[n], []
+            block = p.block(host)
+            view = block.reshape(-1).view(BITS_TORCH[block.element_size()])
+            for step, deltas in enumerate(chain):
+                if n not in deltas:
+                    continue
+                delta = deltas[n]
+                t = time.perf_counter()
+                have = io.checksum(p, block)
+                timing["check_s"] += time.perf_counter() - t
+                if have == delta.entry.base[XXH3_128]:
+                    t = time.perf_counter()
+                    selected, index = p.local_indices(delta.positions)
+                    _apply_step(view, delta, index, selected)
+                    touched.append(index)
+                    timing["build_s"] += time.perf_counter() - t
+                elif delta.encoding == "overwrite" and have == delta.entry.target[XXH3_128]:
+                    continue
+                else:
+                    raise BaseMismatchError(f"tensor {n!r} is not the base of step {steps[step][1]}->{steps[step][2]} (xxh3 {have} != {delta.entry.base[XXH3_128]})", name=n)
+            target = [d[n] for d in chain if n in d][-1].entry.target[XXH3_128]
+            if not touched:
+                current += 1
+                continue
+            t = time.perf_counter()
+            if io.checksum(p, block) != target:
+                raise TargetMismatchError(f"tensor {n!r}: applying the steps to the engine's bits does not give the target checksum", name=n)
+            timing["check_s"] += time.perf_counter() - t
+            index = torch.from_numpy(_union(touched))
+            old = p.block_bits()[index.to(param.device)]
+            writes.append(_Write(p, index.to(param.device), view[index].to(param.device), old, target))
+            written = True
+        if written and io.repack:
+            t = time.perf_counter()
+            packs += _pack(places[group[0]], host)
+            timing["pack_s"] += time.perf_counter() - t
+        del host
+    report = {
+        "bytes": size,
+        "tensors": len(writes),
+        "tensors_already_current": current,
+        "elements": int(sum(d.entry.count for deltas in chain for d in deltas.values())),
+        "rank_elements": int(sum(int(w.index.numel()) for w in writes)),
+        "repacked_modules": len(packs),
+        **timing,
+    }
+    return StagedPatch(steps[0][1], steps[-1][2], writes, packs, report)
+
+
+def commit_staged(io: WeightIO, staged: StagedPatch, hook: PhaseHook) -> dict:
+    """Write a staged update into the live parameters, install its GEMM copies, verify; or restore.
+
+    Args:
+        io: the rank's weight reader/writer (the one that staged it).
+        staged: from :func:`stage_patches`, on an engine still holding ``staged.from_version``.
+        hook: called with ``staged`` (nothing written yet), ``half-written`` and
+            ``written-unverified`` (fault injection).
+
+    Returns:
+        ``staged.report`` plus seconds ``write_s``, ``swap_s`` (installing GEMM copies) and
+        ``verify_s``.
+
+    Raises:
+        TargetMismatchError or any error while writing: the old bits and GEMM copies are back,
+        then the error is re-raised with attribute ``written`` True (and ``restore_failed``
+        True if restoring failed too: the engine then holds no verified version).
+    """
+    hook("staged")
+    timing: dict[str, float] = {}
+    old_packs = [(module, module.cpu_linear) for module, _ in staged.packs]
+    try:
+        t = time.perf_counter()
+        for i, w in enumerate(staged.writes):
+            w.placement.block_bits()[w.index] = w.new
+            if i == len(staged.writes) // 2:
+                hook("half-written")
+        timing["write_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        for module, linear in staged.packs:
+            module.cpu_linear = linear
+        timing["swap_s"] = time.perf_counter() - t
+        hook("written-unverified")
+        t = time.perf_counter()
+        for w in staged.writes:
+            if io.checksum(w.placement) != w.target:
+                raise TargetMismatchError(f"tensor {w.placement.name!r} does not match its target checksum after the write", name=w.placement.name)
+        timing["verify_s"] = time.perf_counter() - t
+    except BaseException as exc:
+        exc.written = True  # type: ignore[attr-defined]
+        try:
+            for w in reversed(staged.writes):
+                w.placement.block_bits()[w.index] = w.old
+            for module, linear in old_packs:
+                module.cpu_linear = linear
+        except BaseException:
+            exc.restore_failed = True  # type: ignore[attr-defined]
+            log.exception("restoring the old bits failed: the engine holds no verified version")
+        raise
+    return {**staged.report, **timing}
+
+
+def apply_patch_files(io: WeightIO, paths: Sequence[str], from_version: int, to_version: int, hook: PhaseHook) -> dict:
+    """Stage and commit the patch files of one version in one call (the engine paused throughout).
+
+    Returns the report of :func:`commit_staged`; raises what :func:`stage_patches` (nothing
+    written) and :func:`commit_staged` raise.
+    """
+    return commit_staged(io, stage_patches(io, [(list(paths), from_version, to_version)]), hook)
+
+
+class StagingJob:
+    """One background :func:`stage_patches` on this rank (the thread starts at construction)."""
+
+    def __init__(self, io: WeightIO, steps: list[Step]) -> None:
+        self.steps = steps
+        self.result: StagedPatch | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(io,), name="stitch-staging", daemon=True)
+        self.thread.start()
+
+    def _run(self, io: WeightIO) -> None:
+        try:
+            self.result = stage_patches(io, self.steps)
+        except BaseException as exc:  # noqa: BLE001 - reported by stitch_staged
+            log.warning("stitchboard staging failed: %s: %s", type(exc).__name__, exc)
+            self.error = exc
+
+    def status(self) -> dict[str, Any]:
+        """``{"state", "from_version", "to_version", "report"?}``; re-raises a staging error."""
+        if self.error is not None:
+            raise self.error
+        state = "running" if self.thread.is_alive() else "ready"
+        out: dict[str, Any] = {"state": state, "from_version": self.steps[0][1], "to_version": self.steps[-1][2]}
+        if state == "ready" and self.result is not None:
+            out["report"] = self.result.report
+        return out
+
+
+def parse_steps(args: dict[str, Any]) -> list[Step]:
+    """The ``steps`` of a worker request as :data:`Step` tuples (raises ValueError when malformed)."""
+    steps = args.get("steps")
+    if not isinstance(steps, list) or not steps:
+        raise ValueError("steps must be a non-empty list of {paths, from_version, to_version}")
+    out: list[Step] = []
+    for step in steps:
+        paths, start, end = (step.get(k) for k in ("paths", "from_version", "to_version")) if isinstance(step, dict) else (None, None, None)
+        if not isinstance(paths, list) or not paths or not all(isinstance(p, str) for p in paths):
+            raise ValueError("each step's paths must be a non-empty list of file paths")
+        if type(start) is not int or type(end) is not int or not 0 <= start < end:
+            raise ValueError(f"need integers 0 <= from_version < to_version, got {start!r}, {end!r}")
+        out.append((paths, start, end))
+    return out

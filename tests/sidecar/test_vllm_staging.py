@@ -1,0 +1,146 @@
+"""Staging and committing patches (``stitchboard.sidecar.vllm_staging``) without vLLM.
+
+The runtime layout is the seam: a small layout object places checkpoint tensors in torch
+parameters the way :class:`~stitchboard.sidecar.vllm_layout.RuntimeLayout` does for a live
+model, including two checkpoint tensors fused in one parameter (``q``/``k`` rows of ``qkv``).
+Patches are real codec output. The real engine path (vLLM CPU, packing, TP = 3) is covered by
+``test_vllm_engine.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from stitchboard.proto.container import RawTensor
+from stitchboard.proto.diff import diff_views
+from stitchboard.proto.errors import BaseMismatchError, TargetMismatchError
+from stitchboard.proto.schema import XXH3_128
+from stitchboard.sidecar.vllm_layout import Placement
+from stitchboard.sidecar.vllm_staging import StagedPatch, commit_staged, stage_patches
+from stitchboard.sidecar.vllm_weights import WeightIO
+
+SHAPES = {"q": (8, 16), "k": (4, 16), "norm": (16,)}
+
+
+def _view(seed: int, base: dict[str, RawTensor] | None = None, fraction: float = 0.1) -> dict[str, RawTensor]:
+    """bf16 view; with ``base``, a copy whose bits differ at ~``fraction`` of the positions."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, shape in SHAPES.items():
+        if base is None:
+            bits = torch.randn(shape, generator=torch.Generator().manual_seed(seed + len(name))).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).reshape(-1)
+        else:
+            bits = base[name].bits.copy()
+            hit = rng.random(bits.size) < fraction
+            bits[hit] ^= rng.integers(1, 8, hit.sum(), dtype=np.uint16)
+        out[name] = RawTensor("BF16", shape, np.ascontiguousarray(bits))
+    return out
+
+
+class _Layout:
+    """``q`` and ``k`` fused in one parameter (rows 0-7 and 8-11), ``norm`` alone; one rank."""
+
+    def __init__(self, view: dict[str, RawTensor]) -> None:
+        qk = np.concatenate([view["q"].bits, view["k"].bits]).view(np.int16).reshape(12, 16)
+        self.qkv = torch.nn.Parameter(torch.from_numpy(qk.copy()).view(torch.bfloat16), requires_grad=False)
+        self.norm = torch.nn.Parameter(torch.from_numpy(view["norm"].bits.view(np.int16).copy()).view(torch.bfloat16), requires_grad=False)
+        self.places = {
+            "q": Placement("q", "qkv", "BF16", (8, 16), 0, ((0, 8),), 0, 0, self.qkv, ()),
+            "k": Placement("k", "qkv", "BF16", (4, 16), 0, ((0, 4),), 0, 8, self.qkv, ()),
+            "norm": Placement("norm", "norm", "BF16", (16,), 0, ((0, 16),), 0, 0, self.norm, ()),
+        }
+
+    def place(self, name: str) -> Placement:
+        return self.places[name]
+
+    def held(self) -> dict[str, np.ndarray]:
+        return {n: p.block().contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1).copy() for n, p in self.places.items()}
+
+
+def _files(tmp_path, views: list[dict[str, RawTensor]]) -> list[tuple[list[str], int, int]]:
+    steps = []
+    for v in range(1, len(views)):
+        path = tmp_path / f"v{v}.patch"
+        path.write_bytes(diff_views(views[v - 1], views[v]).patch)
+        steps.append(([str(path)], v - 1, v))
+    return steps
+
+
+def _assert_holds(layout: _Layout, view: dict[str, RawTensor]) -> None:
+    held = layout.held()
+    for name, t in view.items():
+        assert np.array_equal(held[name], t.bits), f"{name} differs"
+
+
+def test_a_chain_of_steps_is_staged_without_writing_then_committed_bit_exact(tmp_path):
+    views = [_view(0)]
+    views += [_view(v, views[-1]) for v in (1, 2, 3)]
+    layout = _Layout(views[0])
+    io = WeightIO(layout, None, repack=False)
+    staged = stage_patches(io, _files(tmp_path, views))
+    _assert_holds(layout, views[0])  # staging writes nothing
+    assert (staged.from_version, staged.to_version, staged.report["tensors"]) == (0, 3, 3)
+    changed = sum(int((views[0][n].bits != views[3][n].bits).sum()) for n in SHAPES)
+    assert staged.report["rank_elements"] >= changed  # union of the steps' positions
+    report = commit_staged(io, staged, lambda phase: None)
+    _assert_holds(layout, views[3])
+    assert report["write_s"] >= 0 and report["verify_s"] >= 0
+
+
+def test_a_step_from_another_base_is_refused_at_staging(tmp_path):
+    views = [_view(0)]
+    views.append(_view(1, views[0]))
+    steps = _files(tmp_path, views)
+    stray = tmp_path / "v0-v2.patch"  # takes version 0, not 1, to some version 2
+    stray.write_bytes(diff_views(views[0], _view(2, views[0])).patch)
+    steps.append(([str(stray)], 1, 2))
+    layout = _Layout(views[0])
+    with pytest.raises(BaseMismatchError, match="step 1->2"):
+        stage_patches(WeightIO(layout, None, repack=False), steps)
+    _assert_holds(layout, views[0])
+
+
+def test_a_wrong_target_checksum_is_refused_at_staging(tmp_path):
+    from stitchboard.proto.codec import build_patch, encode_tensor
+
+    base = _view(0)
+    target = _view(1, base)
+    enc = encode_tensor("k", base["k"], target["k"])
+    enc = dataclasses.replace(enc, entry=dataclasses.replace(enc.entry, target={XXH3_128: "0" * 32}))
+    path = tmp_path / "bad.patch"
+    path.write_bytes(build_patch([enc]))
+    layout = _Layout(base)
+    with pytest.raises(TargetMismatchError, match="'k'"):
+        stage_patches(WeightIO(layout, None, repack=False), [([str(path)], 0, 1)])
+    _assert_holds(layout, base)
+
+
+class _Linear(torch.nn.Module):
+    """A module whose GEMM copy is an attribute, as vLLM's CPU linears hold ``cpu_linear``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cpu_linear = "packed from the base"
+
+
+def test_a_failed_verification_restores_bits_and_gemm_copies(tmp_path):
+    """The commit writes, swaps GEMM copies, verifies; a mismatch puts the old bits and copies back."""
+    views = [_view(0)]
+    views.append(_view(1, views[0]))
+    layout = _Layout(views[0])
+    io = WeightIO(layout, None, repack=False)
+    staged = stage_patches(io, _files(tmp_path, views))
+    linear = _Linear()
+    broken = StagedPatch(staged.from_version, staged.to_version, staged.writes, [(linear, "packed from the target")], staged.report)
+    broken.writes[-1].new = broken.writes[-1].new ^ 1  # the last tensor would not reach its target
+    phases = []
+    with pytest.raises(TargetMismatchError) as failed:
+        commit_staged(io, broken, phases.append)
+    assert failed.value.written is True and not getattr(failed.value, "restore_failed", False)
+    assert phases == ["staged", "half-written", "written-unverified"]
+    _assert_holds(layout, views[0])
+    assert linear.cpu_linear == "packed from the base"
