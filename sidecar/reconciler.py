@@ -58,14 +58,16 @@ IDLE_PHASES = frozenset({None, "idle", "paused"})
 class SyncReport:
     """Figures of the last completed sync (``/v1/stitch/status``).
 
-    Attributes: versions moved, bytes downloaded, seconds staging / paused / applying / in total,
-    whether it was an anchor load, and the wall-clock time it finished (Unix seconds).
+    Attributes: versions moved, bytes downloaded, seconds staging files / staging in the engine
+    (while it serves) / paused / applying / in total, whether it was an anchor load, and the
+    wall-clock time it finished (Unix seconds).
     """
 
     from_version: int | None
     to_version: int
     bytes_fetched: int
     stage_seconds: float
+    engine_stage_seconds: float
     pause_seconds: float
     apply_seconds: float
     total_seconds: float
@@ -293,7 +295,7 @@ class Reconciler:
             await self._io(self.engine.set_version, staged.to_version)
             self._finish(staged, seen, 0.0, 0.0, flipped=True)
             return
-        prepared, refused = await self._stage_in_engine(staged)
+        prepared, refused, engine_stage_s = await self._stage_in_engine(staged)
         self.state = "committing"
         self.gate.set_committing(True)
         paused_at = None
@@ -311,7 +313,7 @@ class Reconciler:
                 self._set_applied(None)
                 await self._recover(staged.to_version, seen, paused_at)
                 return
-            self._finish(staged, seen, time.perf_counter() - paused_at, apply_s, flipped=False)
+            self._finish(staged, seen, time.perf_counter() - paused_at, apply_s, flipped=False, engine_stage_s=engine_stage_s)
         finally:
             try:
                 await self._resume()
@@ -320,22 +322,25 @@ class Reconciler:
                     self.metrics.pause_seconds.observe(time.perf_counter() - paused_at)
                 self.gate.set_committing(False)
 
-    async def _stage_in_engine(self, staged: StagedPlan) -> tuple[bool, Exception | None]:
+    async def _stage_in_engine(self, staged: StagedPlan) -> tuple[bool, Exception | None, float]:
         """Before the pause: have the engine stage a plan of deltas from the applied version
-        (decode, check, pre-pack) while it serves. Returns (staged, the refusal if any); a plan
-        with a snapshot is applied step by step in the pause instead."""
+        (decode, check, pre-pack) while it serves. Returns (staged, the refusal if any, seconds);
+        a plan with a snapshot is applied step by step in the pause instead."""
         deltas = [s for s in staged.steps if not s.empty]
         if not deltas or staged.from_version != self.gate.applied or any(s.kind == "snapshot" for s in staged.steps):
-            return False, None
+            return False, None, 0.0
         # Empty deltas between them change no bit: each delta runs from the previous one's version.
         ends = [staged.from_version] + [s.version for s in deltas[:-1]] + [staged.to_version]
         steps = [([str(p) for p in s.paths], ends[i], ends[i + 1]) for i, s in enumerate(deltas)]
         self.state = "staging"
+        start = time.perf_counter()
         try:
             await self._io(self.engine.stage_patches, steps)
         except Exception as exc:  # noqa: BLE001 - handled in the pause like a failed apply
-            return False, exc
-        return True, None
+            return False, exc, 0.0
+        seconds = time.perf_counter() - start
+        self.metrics.engine_stage_seconds.observe(seconds)
+        return True, None, seconds
 
     async def _apply(self, staged: StagedPlan, prepared: bool = False) -> float:
         # Inside the pause: every step (or the engine's staged update), then verify, clear the
@@ -359,13 +364,13 @@ class Reconciler:
         self.metrics.apply_seconds.observe(seconds)
         return seconds
 
-    def _finish(self, staged: StagedPlan, seen: float, pause_s: float, apply_s: float, *, flipped: bool) -> None:
+    def _finish(self, staged: StagedPlan, seen: float, pause_s: float, apply_s: float, *, flipped: bool, engine_stage_s: float = 0.0) -> None:
         self._set_applied(staged.to_version, staged.steps[-1].manifest if staged.steps else self._manifest)
         self.unhealthy_reason = None
         self._force_anchor = False
         self._publish()
         total = time.perf_counter() - seen
-        self.last_sync = SyncReport(staged.from_version, staged.to_version, staged.bytes_fetched, staged.seconds, pause_s, apply_s, total, staged.from_version is None, time.time())
+        self.last_sync = SyncReport(staged.from_version, staged.to_version, staged.bytes_fetched, staged.seconds, engine_stage_s, pause_s, apply_s, total, staged.from_version is None, time.time())
         self.metrics.commits.labels("flipped" if flipped else "applied").inc()
         self.metrics.sync_seconds.observe(total)
         self.stager.discard()
