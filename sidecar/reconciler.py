@@ -52,6 +52,9 @@ FAULT_EXIT_CODE = 86
 #: Engine phases in which its recorded version is trustworthy; any other (``applying``,
 #: ``loading``, ``failed``) means a commit was interrupted and the weights are of no known version.
 IDLE_PHASES = frozenset({None, "idle", "paused"})
+#: Sidecar states while a commit holds the engine paused (``/v1/stitch/status`` ``state``); in
+#: ``resuming`` the new version is already marked applied and the engine is being resumed.
+COMMIT_STATES = frozenset({"committing", "recovering", "resuming"})
 
 
 @dataclass
@@ -321,6 +324,8 @@ class Reconciler:
                 if paused_at is not None:
                     self.metrics.pause_seconds.observe(time.perf_counter() - paused_at)
                 self.gate.set_committing(False)
+            if self.state == "resuming":
+                self.state = "idle"
 
     async def _stage_in_engine(self, staged: StagedPlan) -> tuple[bool, Exception | None, float]:
         """Before the pause: have the engine stage a plan of deltas from the applied version
@@ -374,7 +379,7 @@ class Reconciler:
         self.metrics.commits.labels("flipped" if flipped else "applied").inc()
         self.metrics.sync_seconds.observe(total)
         self.stager.discard()
-        self.state = "idle"
+        self.state = "idle" if flipped else "resuming"  # idle once the engine is resumed
         log.info("engine at version %d (from %s, %d bytes, %.3f s)", staged.to_version, staged.from_version, staged.bytes_fetched, total)
 
     async def _recover(self, target: int, seen: float, paused_at: float | None) -> None:

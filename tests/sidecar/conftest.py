@@ -25,6 +25,7 @@ from stitchboard.bulletin.app import create_app as create_bulletin  # noqa: E402
 from stitchboard.bulletin.client import BulletinClient  # noqa: E402
 from stitchboard.bulletin.settings import BulletinSettings  # noqa: E402
 from stitchboard.sidecar.app import create_app as create_sidecar  # noqa: E402
+from stitchboard.sidecar.reconciler import COMMIT_STATES  # noqa: E402
 from stitchboard.sidecar.settings import SidecarSettings  # noqa: E402
 
 
@@ -78,9 +79,10 @@ class Sidecar:
     def status(self) -> dict:
         return self.http.get("/v1/stitch/status").json()
 
-    def wait_applied(self, version: int, timeout_s: float = 10.0) -> dict:
-        """Wait until the sidecar reports ``version`` applied; returns the status."""
-        return wait_for(lambda: (s := self.status())["applied_version"] == version and s, timeout_s, f"version {version} applied (status {self.status()})")
+    def wait_applied(self, version: int, timeout_s: float = 60.0) -> dict:
+        """Wait until the sidecar reports ``version`` applied and its commit finished (the engine
+        resumed: the version is marked applied just before the resume); returns the status."""
+        return wait_for(lambda: (s := self.status())["applied_version"] == version and s["state"] not in COMMIT_STATES and s, timeout_s, f"version {version} applied (status {self.status()})")
 
     def stop(self) -> None:
         self.http.close()

@@ -148,6 +148,7 @@ def test_patch_from_another_base_is_rejected_at_staging(sc_publisher, sc_start, 
     assert_at(sidecar, sc_publisher, 0)
     calls = len(sidecar.engine.calls)
     good = sc_publisher.step(1)
+    sidecar.wait_applied(1)  # else the sidecar may plan 0 -> 2 and never apply 1
     wrong_base = make_view(99)
     target = sc_publisher.views[1]
     stray = diff_views(wrong_base, target).patch  # right targets, base checksums of some other view

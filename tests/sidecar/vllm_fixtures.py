@@ -31,6 +31,7 @@ from stitchboard.proto.checkpoint import save_checkpoint  # noqa: E402
 from stitchboard.proto.codec import checksum  # noqa: E402
 from stitchboard.proto.container import RawTensor  # noqa: E402
 from stitchboard.proto.schema import XXH3_128  # noqa: E402
+from stitchboard.sidecar.reconciler import COMMIT_STATES  # noqa: E402
 
 Views = dict[int, dict[str, RawTensor]]
 
@@ -273,8 +274,9 @@ class SidecarProcess:
         raise AssertionError(f"timed out after {timeout_s} s waiting for {what}; status {status}\n{self.proc.log_tail()}")
 
     def wait_applied(self, version: int, timeout_s: float = 300.0) -> dict:
-        """Wait until the sidecar reports ``version`` applied; returns the status."""
-        return self.wait_status(lambda s: s["applied_version"] == version, f"version {version} applied", timeout_s)
+        """Wait until the sidecar reports ``version`` applied and its commit finished (the engine
+        resumed: the version is marked applied just before the resume); returns the status."""
+        return self.wait_status(lambda s: s["applied_version"] == version and s["state"] not in COMMIT_STATES, f"version {version} applied", timeout_s)
 
     def stop(self) -> None:
         """SIGTERM (SIGKILL after 20 s) unless it already exited."""
