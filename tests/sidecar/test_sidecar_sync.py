@@ -11,6 +11,7 @@ import threading
 from pathlib import Path
 
 import numpy as np
+import pytest
 from fake_engine import FakeEngine
 from sidecar_helpers import make_view, mutate, wait_for
 
@@ -163,33 +164,28 @@ def test_patch_from_another_base_is_rejected_at_staging(sc_publisher, sc_start, 
     assert [m for m, _ in sidecar.engine.calls[calls:] if m != "health"] == ["stage_patches", "pause", "commit_staged", "reset_prefix_cache", "resume"]  # version 1 only
 
 
-def test_failed_apply_recovers_from_the_anchor_in_the_same_pause(sc_publisher, sc_start):
+@pytest.mark.parametrize(
+    ("fault", "commit_calls", "error"),
+    [
+        ("fail_apply", ["stage_patches", "pause", "commit_staged", "load_snapshot", "apply_patch", "reset_prefix_cache", "resume"], "injected apply failure"),
+        ("refuse_stage", ["stage_patches", "pause", "load_snapshot", "apply_patch", "reset_prefix_cache", "resume"], "injected staging refusal"),
+    ],
+)
+def test_failed_apply_recovers_from_the_anchor_in_the_same_pause(fault, commit_calls, error, sc_publisher, sc_start):
+    """A commit that fails after writing, or a refusal while staging (nothing written), is
+    recovered from the anchor inside the same pause."""
     sc_publisher.publish(make_view(0))
     sidecar = sc_start(FakeEngine())
     assert_at(sidecar, sc_publisher, 0)
     before = len(sidecar.engine.calls)
-    sidecar.engine.fail_apply = 1
+    setattr(sidecar.engine, fault, 1)
     sc_publisher.step(1)
     assert_at(sidecar, sc_publisher, 1)
-    commit = [m for m, _ in sidecar.engine.calls[before:] if m != "health"]
-    assert commit == ["stage_patches", "pause", "commit_staged", "load_snapshot", "apply_patch", "reset_prefix_cache", "resume"]
+    assert [m for m, _ in sidecar.engine.calls[before:] if m != "health"] == commit_calls
     status = sidecar.status()
-    assert status["last_error"]["message"].startswith("applying versions 0->1") and status["last_sync"]["anchor"] is True
+    assert status["last_error"]["message"].startswith("applying versions 0->1") and error in status["last_error"]["message"]
+    assert status["last_sync"]["anchor"] is True
     assert 'stitch_sidecar_recoveries_total{outcome="ok"} 1.0' in sidecar.http.get("/metrics").text
-
-
-def test_update_the_engine_refuses_to_stage_recovers_from_the_anchor(sc_publisher, sc_start):
-    """A refusal while staging (nothing written) is handled as a failed apply: anchor, same pause."""
-    sc_publisher.publish(make_view(0))
-    sidecar = sc_start(FakeEngine())
-    assert_at(sidecar, sc_publisher, 0)
-    before = len(sidecar.engine.calls)
-    sidecar.engine.refuse_stage = 1
-    sc_publisher.step(1)
-    assert_at(sidecar, sc_publisher, 1)
-    commit = [m for m, _ in sidecar.engine.calls[before:] if m != "health"]
-    assert commit == ["stage_patches", "pause", "load_snapshot", "apply_patch", "reset_prefix_cache", "resume"]
-    assert "injected staging refusal" in sidecar.status()["last_error"]["message"]
 
 
 def test_failed_recovery_marks_the_sidecar_unhealthy_until_it_succeeds(sc_publisher, sc_start):
