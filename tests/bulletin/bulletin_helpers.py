@@ -44,7 +44,7 @@ class ThreadServer:
         self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=1))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while not self.server.started:
             if time.monotonic() > deadline or not self.thread.is_alive():
                 raise RuntimeError("bulletin test server did not start")
@@ -73,7 +73,7 @@ class ProcessServer:
         env["STITCH_BULLETIN_LOG_LEVEL"] = "warning"
         cmd = [sys.executable, "-c", "from stitchboard.proto.cli import main; main()", "bulletin", "serve", "--port", str(self.port)]
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 180  # a loaded machine can take tens of seconds to start the CLI
         while True:
             try:
                 if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:

@@ -54,6 +54,8 @@ class FakeEngine:
         calls: adapter calls in order, as (method, args) tuples.
         http_control_calls: control routes the HTTP server received (the sidecar must never forward any).
         aborted: requests whose client went away before they completed.
+        started: completion requests whose body the server has read (they reached the engine).
+        first_tokens: completion requests that have produced their first token.
         fail_apply: number of next patch writes (:meth:`apply_patch`, :meth:`commit_staged`)
             that corrupt weights then raise.
         fail_snapshot: number of next :meth:`load_snapshot` calls that raise.
@@ -72,6 +74,8 @@ class FakeEngine:
         self.http_control_calls: list[str] = []
         self.aborted = 0
         self.completed = 0
+        self.started = 0
+        self.first_tokens = 0
         self.fail_apply = 0
         self.fail_snapshot = 0
         self.refuse_stage = 0
@@ -190,6 +194,8 @@ class FakeEngine:
         await asyncio.sleep(self.token_delay_s)
         while not self._running.is_set():  # a pause that began while this token was computed
             await asyncio.sleep(0.002)
+        if i == 0:
+            self.first_tokens += 1
         return f" t{i}@{self.fp}"
 
     def app(self) -> FastAPI:
@@ -198,6 +204,7 @@ class FakeEngine:
 
         async def generate(request: Request, chat: bool) -> object:
             body = await request.json()
+            engine.started += 1
             n = int(body.get("max_tokens", 4))
             rid = f"cmpl-{time.monotonic_ns()}"
             obj = "chat.completion" if chat else "text_completion"

@@ -33,7 +33,7 @@ class AppServer:
         self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=0.2, lifespan="on"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while not self.server.started:
             if time.monotonic() > deadline or not self.thread.is_alive():
                 raise RuntimeError("test server did not start")
@@ -44,7 +44,7 @@ class AppServer:
         self.thread.join(10)
 
 
-def wait_for(predicate: Callable[[], object], timeout_s: float = 10.0, what: str = "condition") -> object:
+def wait_for(predicate: Callable[[], object], timeout_s: float = 60.0, what: str = "condition") -> object:
     """Poll ``predicate`` until truthy; return its value, or fail after ``timeout_s`` seconds."""
     deadline = time.monotonic() + timeout_s
     while True:

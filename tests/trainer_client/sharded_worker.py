@@ -1,7 +1,8 @@
 """One rank of the 2-process sharded-publish test (run by test_sharded.py, not collected by pytest).
 
 Usage: ``python sharded_worker.py BULLETIN_URL RUN OUT_DIR STEPS`` with the torch.distributed
-env variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) set. Builds a small model, shards it
+env variables RANK and WORLD_SIZE set; the ranks meet through a file store, ``OUT_DIR/rendezvous``
+(no TCP port to pick, then find taken by another process). Builds a small model, shards it
 with FSDP2 over gloo on the CPU, takes AdamW steps and publishes after each with
 :class:`ShardedPublisher`; rank 0 writes each version's reference served view (gathered from
 the shards) into ``OUT_DIR/ref-{version}`` and the results as JSON lines into ``OUT_DIR/results.jsonl``.
@@ -10,6 +11,7 @@ the shards) into ``OUT_DIR/ref-{version}`` and the results as JSON lines into ``
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -25,7 +27,7 @@ from stitchboard.trainer_client.sharded import ShardedPublisher
 
 
 def main(url: str, run: str, out: Path, steps: int) -> None:
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", init_method=f"file://{out / 'rendezvous'}", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Embedding(64, 32), torch.nn.Linear(32, 48), torch.nn.Linear(48, 32), torch.nn.LayerNorm(32))

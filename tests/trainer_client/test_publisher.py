@@ -190,7 +190,7 @@ def test_publish_async_overlaps_bounds_and_surfaces_errors(bulletin, run):
     gate.set()
 
     def mode(request):
-        gate.wait(10)
+        gate.wait(60)
         return "down" if fail.is_set() and commits(request) else None
 
     client, _ = flaky_client(bulletin, mode, retries=0)
@@ -209,14 +209,15 @@ def test_publish_async_overlaps_bounds_and_surfaces_errors(bulletin, run):
     time.sleep(0.3)
     assert t.is_alive() and not first.done()
     gate.set()
-    t.join(10)
+    t.join(60)
+    assert not t.is_alive(), "the second publish_async call still blocks after the first publish finished"
     pub.flush()
     assert first.result().version == 3 and futures[-1].result().version == 4
     # a failure in the background surfaces on the next call, once
     fail.set()
     failing = pub.publish_async(trainer.model)
     with pytest.raises(UnavailableError):
-        failing.result(10)
+        failing.result(60)
     with pytest.raises(UnavailableError):
         pub.publish_async(trainer.model)
     fail.clear()

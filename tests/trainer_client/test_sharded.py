@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from bulletin_helpers import free_socket
 
 from stitchboard.proto.checkpoint import load_checkpoint
 from stitchboard.trainer_client.resume import rebuild_version
@@ -28,11 +27,8 @@ def test_assign_owners_is_disjoint_and_balanced():
 
 
 def test_two_ranks_publish_one_manifest_per_version(bulletin, run, tmp_path):
-    sock = free_socket()
-    port = sock.getsockname()[1]
-    sock.close()
     steps = 4
-    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}  # the ranks meet through a file store in tmp_path (sharded_worker.py)
     procs = [
         subprocess.Popen([sys.executable, str(WORKER), bulletin.url, run, str(tmp_path), str(steps)], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stderr=subprocess.PIPE)
         for r in range(2)
