@@ -113,7 +113,8 @@ def create_app(settings: SidecarSettings, engine: EngineAdapter | None = None, c
 
     @app.get("/v1/stitch/status", tags=["ops"])
     async def status(request: Request) -> dict[str, Any]:
-        """Applied and target version, lag, state, last error, and the last sync's bytes and seconds."""
+        """Applied and target version, lag, state, last error, the last sync's bytes and seconds, and
+        the requests in flight and held (waiting for their version)."""
         reconciler: Reconciler = request.app.state.reconciler
         gate: Gate = request.app.state.gate
         lag = None if gate.target is None else gate.target - (gate.applied if gate.applied is not None else -1)
@@ -128,6 +129,7 @@ def create_app(settings: SidecarSettings, engine: EngineAdapter | None = None, c
             "last_error": reconciler.last_error,
             "last_sync": asdict(reconciler.last_sync) if reconciler.last_sync else None,
             "requests_in_flight": gate.in_flight,
+            "requests_waiting": gate.waiting,
             "committing": gate.committing,
             "time": time.time(),
         }

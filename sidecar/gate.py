@@ -115,6 +115,7 @@ class Gate:
         target: the newest version the sidecar knows of, or None.
         committing: True while a commit is under way: new requests are held, in-flight ones run on.
         in_flight: admitted requests not yet completed.
+        waiting: requests held now, waiting for their version (or the end of a commit).
     """
 
     def __init__(self) -> None:
@@ -122,6 +123,7 @@ class Gate:
         self.target: int | None = None
         self.committing = False
         self.in_flight = 0
+        self.waiting = 0
         self._changed = asyncio.Event()
 
     def _notify(self) -> None:
@@ -161,26 +163,32 @@ class Gate:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
         held = False
-        while True:
-            changed = self._changed
-            if self.applied is not None and not self.committing:
-                verdict = constraint.verdict(self.applied)
-                if verdict == "ok":
-                    self.in_flight += 1
-                    return self.applied, held
-                if verdict == "passed":
-                    raise WeightVersionPassedError(
-                        f"exact version {constraint.exact_version} has passed: the engine holds version {self.applied}",
-                        applied_version=self.applied, target_version=self.target, **constraint.details(),
-                    )
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                break
-            held = True
-            try:
-                await asyncio.wait_for(changed.wait(), remaining)
-            except TimeoutError:
-                pass
+        try:
+            while True:
+                changed = self._changed
+                if self.applied is not None and not self.committing:
+                    verdict = constraint.verdict(self.applied)
+                    if verdict == "ok":
+                        self.in_flight += 1
+                        return self.applied, held
+                    if verdict == "passed":
+                        raise WeightVersionPassedError(
+                            f"exact version {constraint.exact_version} has passed: the engine holds version {self.applied}",
+                            applied_version=self.applied, target_version=self.target, **constraint.details(),
+                        )
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    break
+                if not held:
+                    held = True
+                    self.waiting += 1
+                try:
+                    await asyncio.wait_for(changed.wait(), remaining)
+                except TimeoutError:
+                    pass
+        finally:
+            if held:
+                self.waiting -= 1
         if self.applied is None or self.committing:
             why = "a commit is under way" if self.committing else "no verified weight version is applied yet"
             raise NotReadyError(f"{why} (held {wait_s:g} s)", applied_version=self.applied, target_version=self.target)

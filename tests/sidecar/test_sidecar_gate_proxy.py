@@ -46,9 +46,8 @@ def _sse_events(text: str) -> list[str]:
 
 def test_min_version_held_then_served_with_stamps(at_v0, sc_publisher):
     t, out = _in_thread(lambda: at_v0.http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers={"X-Stitch-Min-Version": "1", "X-Stitch-Wait-S": "60"}))
-    time.sleep(0.3)
-    assert t.is_alive(), "a request for version 1 must be held while version 0 is applied"
-    assert at_v0.engine.completed == 0
+    wait_for(lambda: at_v0.status()["requests_waiting"] == 1, what="the request for version 1 held while version 0 is applied")
+    assert t.is_alive() and at_v0.engine.completed == 0 and at_v0.status()["requests_in_flight"] == 0
     sc_publisher.step(1)
     t.join(60)
     assert not t.is_alive(), "the held request was not served within 60 s of version 1's publish"
@@ -58,7 +57,7 @@ def test_min_version_held_then_served_with_stamps(at_v0, sc_publisher):
     assert body["weight_version_start"] == body["weight_version_end"] == 1
     assert r.headers["x-stitch-version-start"] == r.headers["x-stitch-version-end"] == "1"
     assert fingerprint(sc_publisher.views[1]) in body["choices"][0]["text"]
-    assert "stitch_sidecar_requests_held_total 1.0" in at_v0.http.get("/metrics").text
+    assert "stitch_sidecar_requests_held_total 1.0" in at_v0.http.get("/metrics").text and at_v0.status()["requests_waiting"] == 0
 
 
 def test_body_constraint_is_stripped_and_honoured(at_v0, sc_publisher):

@@ -69,7 +69,7 @@ def test_held_request_is_served_once_its_version_is_applied(vllm_run_engine, vll
     held: dict[str, httpx.Response] = {}
     waiter = threading.Thread(target=lambda: held.update(r=complete(sidecar.url, vllm_run_engine.model, {"X-Stitch-Min-Version": str(v + 1), "X-Stitch-Wait-S": "300"})))
     waiter.start()
-    waiter.join(1.0)
+    sidecar.wait_status(lambda s: s["requests_waiting"] == 1, "the request for the next version held", 60)
     assert waiter.is_alive() and sidecar.status()["requests_in_flight"] == 0, "the request was not held"
     assert vllm_run.step() == v + 1  # trains for a few seconds, then publishes
     waiter.join(600)
