@@ -353,14 +353,15 @@ class Reconciler:
         start = time.perf_counter()
         if prepared:
             await self._io(self.engine.commit_staged, staged.to_version)
-        for step in [] if prepared else staged.steps:
-            if step.kind == "snapshot":
-                checksums = {t.name: t.checksums[XXH3_128] for t in step.manifest.tensors}
-                await self._io(self.engine.load_snapshot, [str(p) for p in step.paths], step.version, checksums)
-            elif step.empty:
-                await self._io(self.engine.set_version, step.version)
-            else:
-                await self._io(self.engine.apply_patch, [str(p) for p in step.paths], step.version - 1, step.version)
+        else:
+            for step in staged.steps:
+                if step.kind == "snapshot":
+                    checksums = {t.name: t.checksums[XXH3_128] for t in step.manifest.tensors}
+                    await self._io(self.engine.load_snapshot, [str(p) for p in step.paths], step.version, checksums)
+                elif step.empty:
+                    await self._io(self.engine.set_version, step.version)
+                else:
+                    await self._io(self.engine.apply_patch, [str(p) for p in step.paths], step.version - 1, step.version)
         held = (await self._io(self.engine.state)).get("version")
         if held != staged.to_version:
             raise EngineVersionMismatchError(f"after applying, the engine records version {held}, expected {staged.to_version}")

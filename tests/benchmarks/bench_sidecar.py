@@ -30,6 +30,7 @@ from pathlib import Path
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sidecar"))
 
 from bench_bulletin import start_bulletin  # noqa: E402

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import os
-import socket
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -16,46 +14,25 @@ from pathlib import Path
 import boto3
 import httpx
 import pytest
-import uvicorn
 
 from stitchboard.bulletin.app import create_app
 from stitchboard.bulletin.client import BulletinClient
 from stitchboard.bulletin.settings import BulletinSettings
 from stitchboard.proto.schema import FileRef, TensorSpec, VersionManifest, VersionStats
+from support.app_server import AppServer, free_socket
 
 S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
-def free_socket() -> socket.socket:
-    """A listening-ready TCP socket bound to a free loopback port."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    return sock
-
-
-class ThreadServer:
-    """A bulletin app served by uvicorn in a thread of this process, on a free loopback port."""
+class ThreadServer(AppServer):
+    """A bulletin app (``self.app``) served by uvicorn in a thread of this process, on a free loopback port."""
 
     def __init__(self, settings: BulletinSettings) -> None:
         self.app = create_app(settings)
-        sock = free_socket()
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=1))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("bulletin test server did not start")
-            time.sleep(0.01)
+        super().__init__(self.app, graceful_shutdown_s=1)
 
     def client(self, token: str | None = None, **kwargs) -> BulletinClient:
         return BulletinClient(self.url, token, retries=kwargs.pop("retries", 1), backoff_s=kwargs.pop("backoff_s", 0.01), **kwargs)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
 
 
 class ProcessServer:

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import hashlib
-import socket
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-import uvicorn
 
 from stitchboard.bulletin.client import BulletinClient
 from stitchboard.proto.checkpoint import save_checkpoint
@@ -20,28 +17,7 @@ from stitchboard.proto.diff import diff_views
 from stitchboard.proto.schema import FileRef, TensorSpec, VersionManifest, VersionStats
 
 from fake_engine import copy_view
-
-
-class AppServer:
-    """An ASGI app served by uvicorn in a thread of this process, on a free loopback port."""
-
-    def __init__(self, app, log_level: str = "warning") -> None:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=0.2, lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("test server did not start")
-            time.sleep(0.01)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
+from support.app_server import AppServer  # noqa: F401  (re-exported: the sidecar tests serve apps with it)
 
 
 def wait_for(predicate: Callable[[], object], timeout_s: float = 60.0, what: str = "condition") -> object:
