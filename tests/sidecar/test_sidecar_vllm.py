@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from commit_overlap import LongRequests
 from support.vllm_server import VllmServer, require_vllm
 
 from stitchboard.sidecar.engine import VllmEngine
@@ -87,60 +88,42 @@ def test_held_request_is_served_once_its_version_is_applied(vllm_run_engine, vll
 def test_requests_in_flight_across_a_commit_complete_with_both_versions(vllm_run_engine, vllm_run, vllm_sidecars):
     """vLLM's pause (mode=keep) keeps running requests through the commit; they are stamped start v, end v + 1.
 
-    The publish runs while the engine generates (both share the CPU), so how many tokens it
-    overlaps varies: locally ~140 of the 1,000 requested. A try whose requests end before the
-    commit shows nothing either way; it is repeated (with the next version), at most 3 times.
+    The version is encoded and uploaded before the requests start and committed once both
+    generate (:mod:`commit_overlap`), so only the sidecar's sync (staging ~0.5 s, pause ~0.1 s)
+    overlaps their 1,000 tokens. Should they still end first, the try shows nothing either way
+    and is repeated with the next version, at most 3 times.
     """
     sidecar = vllm_sidecars(vllm_run_engine.url)
     tokens = 1000  # the engine's context is 1,024 tokens; the prompt takes 13
     for attempt in range(3):
         v = vllm_run.latest
         sidecar.wait_applied(v)
-        vllm_run.train()  # before the requests start: only the publish and the commit overlap them
-        events, plain, threads = _start_long_requests(sidecar.url, vllm_run_engine.model, tokens)
-        sidecar.wait_status(lambda s: s["requests_in_flight"] == 2 and len(events) > 0, "both requests generating")
-        assert vllm_run.publish() == v + 1
+        vllm_run.train()
+        held = vllm_run.publish_held()
+        held.wait_ready()
+        requests = LongRequests(sidecar.url, vllm_run_engine.model, PROMPT, tokens)
+        requests.wait_generating(lambda: sidecar.status()["requests_in_flight"])
+        assert held.commit() == v + 1
         sidecar.wait_applied(v + 1)
-        overlapped = threads[0].is_alive() and threads[1].is_alive()
-        for t in threads:
-            t.join(600)
+        overlapped = requests.alive()
+        print(f"try {attempt + 1}: version {v + 1} applied after {len(requests.events)} of {tokens} streamed tokens")
+        requests.join()
+        assert not requests.failures, requests.failures
         if overlapped:
             break
-        print(f"try {attempt + 1}: both requests ended before version {v + 1} was applied; trying again")
+        print(f"try {attempt + 1}: the requests ended first; trying again")
     else:
-        pytest.fail("in 3 tries the requests never overlapped a commit: the publish takes longer than 1,000 tokens")
+        pytest.fail("in 3 tries the requests never overlapped a commit: the sidecar's sync takes longer than 1,000 tokens")
+    events = requests.events
     (usage,) = [e["usage"] for e in events if e.get("usage")]
     last = [e for e in events if e.get("choices")][-1]
     assert usage["completion_tokens"] == tokens and last["choices"][0]["finish_reason"] == "length", "the streamed request was cut short"
     assert (events[-1]["weight_version_start"], events[-1]["weight_version_end"]) == (v, v + 1)
-    answer = plain["r"].json()
+    answer = requests.plain.json()
     assert answer["usage"]["completion_tokens"] == tokens and answer["choices"][0]["finish_reason"] == "length"
     assert (answer["weight_version_start"], answer["weight_version_end"]) == (v, v + 1)
     assert sidecar.status()["last_sync"]["to_version"] == v + 1
     assert_verified(vllm_run_engine.url, vllm_run, v + 1)
-
-
-def _start_long_requests(url: str, model: str, tokens: int) -> tuple[list[dict], dict[str, httpx.Response], list[threading.Thread]]:
-    """Start one streamed and one plain greedy completion of exactly ``tokens`` tokens through ``url``.
-
-    Returns the streamed events (filled as they arrive), the plain answer (under ``"r"`` once it
-    is back) and the two started threads.
-    """
-    long = {"max_tokens": tokens, "ignore_eos": True}
-    events: list[dict] = []
-    plain: dict[str, httpx.Response] = {}
-
-    def stream() -> None:
-        body = {"model": model, "prompt": PROMPT, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, **long}
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    events.append(json.loads(line[6:]))
-
-    threads = [threading.Thread(target=stream), threading.Thread(target=lambda: plain.update(r=complete(url, model, **long)))]
-    for t in threads:
-        t.start()
-    return events, plain, threads
 
 
 def test_restarted_sidecar_does_not_reapply(vllm_run_engine, vllm_run, vllm_sidecars):

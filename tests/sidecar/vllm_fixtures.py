@@ -149,18 +149,18 @@ class VllmRun:
     """
 
     def __init__(self, model_dir: Path, folder: Path) -> None:
+        from commit_overlap import LatchedClient
         from sidecar_helpers import AppServer
         from support.training import CpuTrainer
 
         from stitchboard.bulletin.app import create_app as create_bulletin
-        from stitchboard.bulletin.client import BulletinClient
         from stitchboard.bulletin.settings import BulletinSettings
         from stitchboard.trainer_client.publisher import Publisher
 
         self.run = "vllm-sidecar"
         self.store = folder / "store"
         self.bulletin = AppServer(create_bulletin(BulletinSettings(store=f"file://{self.store}", poll_interval_s=0.05)))
-        self.client = BulletinClient(self.bulletin.url, retries=1, backoff_s=0.05)
+        self.client = LatchedClient(self.bulletin.url, retries=1, backoff_s=0.05)
         self.trainer = CpuTrainer(model_dir, batch_size=1, seq_len=32)
         self.publisher = Publisher(self.bulletin.url, self.run, client=self.client, workdir=folder / "publisher")
         self.publisher.publish(self.trainer.model, step=0)
@@ -177,6 +177,13 @@ class VllmRun:
     def publish(self) -> int:
         """Publish the trainer's weights as the next version; returns it."""
         return self.publisher.publish(self.trainer.model, step=self.trainer.steps).version
+
+    def publish_held(self):
+        """Start publishing the trainer's weights in a thread that stops before the commit
+        (a :class:`commit_overlap.HeldPublish`: ``wait_ready()``, then ``commit()``)."""
+        from commit_overlap import HeldPublish
+
+        return HeldPublish(self.client, self.publish)
 
     def step(self) -> int:
         """Train one step and publish it; returns the new version."""
@@ -263,7 +270,7 @@ class SidecarProcess:
         status: dict = {}
         while time.monotonic() < deadline:
             if self.proc.proc.poll() is not None:
-                raise AssertionError(f"sidecar exited ({self.proc.proc.returncode}) waiting for {what}:\n{self.proc.log_tail()}")
+                raise AssertionError(f"sidecar exited ({self.proc.proc.returncode}) waiting for {what}:\n{self.log_tail()}")
             try:
                 status = self.status()
                 if predicate(status):
@@ -271,7 +278,12 @@ class SidecarProcess:
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
-        raise AssertionError(f"timed out after {timeout_s} s waiting for {what}; status {status}\n{self.proc.log_tail()}")
+        raise AssertionError(f"timed out after {timeout_s} s waiting for {what}; status {status}\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 60) -> str:
+        """The log's last ``lines`` lines, without the access lines of status polls (which flood it)."""
+        kept = [line for line in self.proc.log_path.read_text(errors="replace").splitlines() if "/v1/stitch/status" not in line]
+        return "\n".join(kept[-lines:])
 
     def wait_applied(self, version: int, timeout_s: float = 300.0) -> dict:
         """Wait until the sidecar reports ``version`` applied and its commit finished (the engine
