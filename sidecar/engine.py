@@ -61,6 +61,10 @@ class EngineAdapter(Protocol):
     def reset_prefix_cache(self) -> None:
         """Drop KV blocks computed with older weights."""
 
+    def checksums(self, names: Sequence[str]) -> dict[str, str]:
+        """xxh3-128 (hex) of the named checkpoint tensors as the engine holds them; raises
+        ApplyRefusedError for a name the engine has no place for."""
+
 
 def _snapshot_checksums(paths: Sequence[str]) -> dict[str, str]:
     from stitchboard.proto.codec import checksum

@@ -6,6 +6,9 @@ a small thread pool of its own so the proxy keeps serving. The loop:
 1. **boot** (:meth:`Reconciler.boot`): ask the engine what it holds (DESIGN.md invariant 7).
    An engine caught mid-apply or paused (the previous sidecar died) is brought to a verified
    version and resumed; a fresh engine is ``--boot-version`` or gets the nearest anchor loaded.
+   A version the sidecar did not apply itself (recorded by the engine, or ``--boot-version``)
+   is taken only once the engine's checksums match that version's manifest; otherwise (another
+   run's version, weights changed outside stitchboard) the nearest anchor is loaded.
 2. **follow**: long-poll the bulletin for a version newer than the target.
 3. **stage** (:mod:`.staging`): plan from the applied version, download, verify, decode; the
    engine keeps serving. Versions published meanwhile are coalesced into the same plan.
@@ -38,7 +41,7 @@ from stitchboard.proto.errors import StitchError
 from stitchboard.proto.schema import XXH3_128, VersionManifest
 
 from .engine import EngineAdapter
-from .errors import EngineVersionMismatchError, NothingPublishedError
+from .errors import ApplyRefusedError, EngineVersionMismatchError, NothingPublishedError
 from .gate import Gate
 from .metrics import SidecarMetrics
 from .settings import SidecarSettings
@@ -184,9 +187,12 @@ class Reconciler:
             log.warning("engine is in phase %r (paused: %s) holding version %s: an earlier commit was interrupted; recovering", phase, paused, version)
             await self._recover_interrupted(version if phase in IDLE_PHASES else None, paused)
             return
-        if version is None and self.settings.boot_version is not None and not self._force_anchor:
-            await self._io(self.engine.set_version, self.settings.boot_version)
-            version = self.settings.boot_version
+        if version is not None and not await self._holds(version, "the engine records"):
+            version = None
+        elif version is None and self.settings.boot_version is not None and not self._force_anchor:
+            if await self._holds(self.settings.boot_version, "--boot-version says"):
+                await self._io(self.engine.set_version, self.settings.boot_version)
+                version = self.settings.boot_version
         if version is not None:
             self._set_applied(version)
             self.state = "idle"
@@ -203,7 +209,7 @@ class Reconciler:
         self.gate.set_committing(True)
         self._force_anchor = True  # whatever happens, this engine is no longer a fresh boot checkpoint
         try:
-            if version is not None:
+            if version is not None and await self._holds(version, "the paused engine records"):
                 self._force_anchor = False
                 self._set_applied(version)
                 return
@@ -219,6 +225,30 @@ class Reconciler:
             await self._resume()
             self.gate.set_committing(False)
             self.state = "idle" if self.gate.applied is not None else "unhealthy"
+
+    async def _holds(self, version: int, claim: str) -> bool:
+        """Whether the engine's weights are this run's ``version``, bit for bit (one checksum pass
+        over the model, compared with the manifest). Called before a version the sidecar did not
+        apply itself is taken: the engine may hold another run's version of that number, or
+        weights changed outside stitchboard. False: the caller loads the nearest anchor.
+
+        Raises:
+            EngineUnavailableError, BulletinError: the engine or the bulletin does not answer (boot retries).
+        """
+        manifest = await self._base_manifest(version)
+        if manifest is None:
+            log.warning("%s version %d, which run %r does not have: loading the nearest anchor", claim, version, self.run_id)
+            return False
+        want = {t.name: t.checksums[XXH3_128] for t in manifest.tensors}
+        try:
+            held = await self._io(self.engine.checksums, sorted(want))
+        except ApplyRefusedError as exc:  # names the engine does not have: another model
+            log.warning("%s version %d, but the engine cannot read run %r's tensors (%s): loading the nearest anchor", claim, version, self.run_id, exc)
+            return False
+        differ = sorted(n for n in want if held.get(n) != want[n])
+        if differ:
+            log.warning("%s version %d, but %d of %d tensors differ from run %r's (first: %s): loading the nearest anchor", claim, version, len(differ), len(want), self.run_id, differ[0])
+        return not differ
 
     async def _resume(self) -> None:
         # Resume the engine; a failure is kept and retried by the next step (requests would hang).

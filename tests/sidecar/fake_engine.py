@@ -25,6 +25,7 @@ from stitchboard.proto.apply import apply_patch
 from stitchboard.proto.codec import checksum
 from stitchboard.proto.container import RawTensor, read_safetensors
 from stitchboard.proto.decode import read_patch
+from stitchboard.sidecar.errors import ApplyRefusedError
 
 CONTROL_ROUTES = ["/pause", "/resume", "/collective_rpc", "/update_weights", "/start_weight_update", "/reset_prefix_cache", "/sleep", "/wake_up"]
 
@@ -61,7 +62,6 @@ class FakeEngine:
         fail_snapshot: number of next :meth:`load_snapshot` calls that raise.
         refuse_stage: number of next :meth:`stage_patches` calls that raise (nothing written).
         staged: the steps :meth:`stage_patches` kept for :meth:`commit_staged`.
-        fingerprints_seen: fingerprint -> first time it was current.
     """
 
     def __init__(self, weights: dict[str, RawTensor] | None = None, version: int | None = None, *, token_delay_s: float = 0.01) -> None:
@@ -177,6 +177,13 @@ class FakeEngine:
         if self.phase == "failed":
             raise RuntimeError("engine in phase failed: load a snapshot")
         self.version = version
+
+    def checksums(self, names: list[str]) -> dict[str, str]:
+        self.calls.append(("checksums", (tuple(names),)))
+        unknown = sorted(set(names) - set(self.weights))
+        if unknown:
+            raise ApplyRefusedError(f"stitch_checksums refused, nothing written: UnmappedTensorError: {unknown[:3]}")
+        return {n: checksum(self.weights[n]) for n in names}
 
     def reset_prefix_cache(self) -> None:
         self.calls.append(("reset_prefix_cache", ()))

@@ -64,9 +64,24 @@ def test_restarted_sidecar_does_not_reapply(sc_publisher, sc_start):
     calls = list(engine.calls)
     second = sc_start(engine, boot_version=0)  # ignored: the engine records what it holds
     assert_at(second, sc_publisher, 1)
-    assert [c for c in engine.calls[len(calls):] if c[0] != "health"] == []
+    assert [m for m, _ in engine.calls[len(calls):] if m != "health"] == ["checksums"]  # the record is checked, nothing loaded
     sc_publisher.step(2)
     assert_at(second, sc_publisher, 2)
+
+
+@pytest.mark.parametrize("claim", ["recorded", "boot_version", "paused"])
+def test_an_engine_is_taken_at_its_version_only_if_it_holds_that_versions_bits(claim, sc_publisher, sc_start):
+    """The version an engine records (say, left by another run's sidecar; or recorded while paused)
+    or ``--boot-version`` is checked against the manifest's checksums before any request is
+    admitted; weights that differ get the nearest anchor loaded instead."""
+    sc_publisher.publish(make_view(0))
+    sc_publisher.step(1)
+    other = mutate(sc_publisher.views[1], seed=99)  # another run's version 1
+    engine = FakeEngine(other, version=None if claim == "boot_version" else 1)
+    engine.paused = claim == "paused"
+    sidecar = sc_start(engine, boot_version=1)
+    assert_at(sidecar, sc_publisher, 1)
+    assert engine.count("checksums") == 1 and engine.count("load_snapshot") == 1 and not engine.paused
 
 
 def test_empty_delta_flips_the_version_without_touching_the_engine(sc_publisher, sc_start):
@@ -232,4 +247,4 @@ def test_restart_finds_a_paused_engine_and_resumes_it(sc_publisher, sc_start):
     sidecar = sc_start(engine)
     assert_at(sidecar, sc_publisher, 1)
     assert not engine.paused
-    assert [m for m, _ in engine.calls if m != "health"] == ["resume", "stage_patches", "pause", "commit_staged", "reset_prefix_cache", "resume"]
+    assert [m for m, _ in engine.calls if m != "health"] == ["checksums", "resume", "stage_patches", "pause", "commit_staged", "reset_prefix_cache", "resume"]
