@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -192,3 +193,14 @@ def build_manifest(
         ),
         metadata=dict(metadata),
     )
+
+
+def version_metadata(step: int | None, part: EncodedPart, extra: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The manifest's free-form trainer metadata: ``extra``, the trainer ``step``, and
+    ``tensor_set_changed`` when the tensor set or a dtype/shape changed since the base."""
+    meta: dict[str, Any] = dict(extra or {})
+    if step is not None:
+        meta["step"] = int(step)
+    if part.tensor_set_changed:
+        meta["tensor_set_changed"] = True
+    return meta

@@ -48,53 +48,13 @@ from stitchboard.proto.schema import XXH3_128, Encoding, FileRef, VersionManifes
 
 from .assets import Asset, check_same_assets, load_assets
 from .async_publish import BoundedWorker
-from .encode_version import BaseTensor, EncodedPart, build_manifest, bytes_ref, encode_part, file_ref, tensor_specs
-from .errors import PublishError
+from .encode_version import BaseTensor, build_manifest, bytes_ref, encode_part, file_ref, tensor_specs, version_metadata
+from .publish_result import PublishResult, log_result
 from .resume import rebuild_version
 from .served_view import DtypeMap, served_view
+from .uploads import upload_assets, upload_files
 
 log = logging.getLogger("stitchboard.trainer_client")
-
-
-@dataclass(frozen=True)
-class PublishResult:
-    """What one publish did.
-
-    Attributes:
-        version: the committed version number.
-        snapshot: whether it carries a full snapshot (an anchor).
-        changed_elements, total_elements: elements whose bits changed / elements of the view.
-        changed_tensors: tensors with at least one changed element.
-        encoded_bytes: bytes of the patch file(s), the delta.
-        snapshot_bytes: bytes of the snapshot shards (0 for a plain delta).
-        uploaded_bytes: bytes sent to the bulletin (files it already had are skipped).
-        view_bytes: bytes of the whole served view (what a full copy would cost).
-        cast_s: seconds taking the served-view snapshot (on the caller's thread).
-        diff_s: seconds diffing and encoding (xxh3 checksums, change detection, zstd).
-        write_s: seconds writing snapshot shards to the work folder.
-        upload_s: seconds uploading files.
-        commit_s: seconds committing the manifest.
-    """
-
-    version: int
-    snapshot: bool
-    changed_elements: int
-    total_elements: int
-    changed_tensors: int
-    encoded_bytes: int
-    snapshot_bytes: int
-    uploaded_bytes: int
-    view_bytes: int
-    cast_s: float
-    diff_s: float
-    write_s: float
-    upload_s: float
-    commit_s: float
-
-    @property
-    def changed_fraction(self) -> float:
-        """changed_elements / total_elements (0.0 for an empty view)."""
-        return self.changed_elements / self.total_elements if self.total_elements else 0.0
 
 
 @dataclass
@@ -360,7 +320,7 @@ class Publisher:
             assets=self._assets,
             encoding=part.encoding,
             changed_elements=part.changed_elements,
-            metadata=_metadata(step, part, metadata),
+            metadata=version_metadata(step, part, metadata),
         )
         tensors = {n: BaseTensor(view[n].dtype, tuple(view[n].shape), part.checksums[n]) for n in view}
         published = _Published(version, view, tensors, 0 if snapshot else last.since_anchor + 1)
@@ -389,45 +349,3 @@ class Publisher:
         )
         log_result(self.run, result)
         return result
-
-
-def upload_files(client: BulletinClient, run: str, items: list[tuple[FileRef, bytes | Path]]) -> int:
-    """Upload files (bytes or paths) by sha256, skipping those the bulletin has; returns bytes sent."""
-    return sum(ref.size_bytes * client.put_blob(run, ref.sha256, source, ref.size_bytes) for ref, source in items)
-
-
-def upload_assets(client: BulletinClient, run: str, refs: list[FileRef], data: Mapping[str, bytes]) -> int:
-    """Make sure every run asset is stored: upload those given in ``data``, check the others.
-
-    Returns:
-        Bytes sent.
-
-    Raises:
-        PublishError: an asset not in ``data`` is missing from the bulletin.
-    """
-    sent = upload_files(client, run, [(ref, data[ref.path]) for ref in refs if ref.path in data])
-    for ref in refs:
-        if ref.path not in data and client.has_blob(run, ref.sha256) != ref.size_bytes:
-            raise PublishError(f"run asset {ref.path} ({ref.sha256}) is gone from the bulletin; pass assets= to upload it again")
-    return sent
-
-
-def _metadata(step: int | None, part: EncodedPart, extra: Mapping[str, Any] | None) -> dict[str, Any]:
-    meta: dict[str, Any] = dict(extra or {})
-    if step is not None:
-        meta["step"] = int(step)
-    if part.tensor_set_changed:
-        meta["tensor_set_changed"] = True
-    return meta
-
-
-def log_result(run: str, r: PublishResult) -> None:
-    """Log one publish at INFO: changed %, bytes, seconds per stage."""
-    log.info(
-        "run %s: published version %d%s: %.3f %% changed (%d of %d elements, %d tensors), patch %d bytes (%.3f %% of the %d-byte view)%s, "
-        "uploaded %d bytes; cast %.2f s, diff+encode %.2f s, write %.2f s, upload %.2f s, commit %.2f s",
-        run, r.version, " (anchor)" if r.snapshot else "", 100 * r.changed_fraction, r.changed_elements, r.total_elements, r.changed_tensors,
-        r.encoded_bytes, 100 * r.encoded_bytes / max(r.view_bytes, 1), r.view_bytes, f", snapshot {r.snapshot_bytes} bytes" if r.snapshot else "",
-        r.uploaded_bytes, r.cast_s, r.diff_s, r.write_s, r.upload_s, r.commit_s,
-    )
-

@@ -33,9 +33,10 @@ from stitchboard.proto.dtypes import DTYPE_SIZES
 from stitchboard.proto.schema import XXH3_128, Encoding, check_run_id
 
 from .assets import load_assets
-from .encode_version import BaseTensor, build_manifest, bytes_ref, encode_part, file_ref, tensor_specs, write_shards
+from .encode_version import BaseTensor, build_manifest, bytes_ref, encode_part, file_ref, tensor_specs, version_metadata, write_shards
 from .errors import PublishError
-from .publisher import PublishResult, _metadata, log_result, upload_assets, upload_files
+from .publish_result import PublishResult, log_result
+from .uploads import upload_assets, upload_files
 from .resume import rebuild_version
 from .served_view import TORCH_DTYPE_NAMES, DtypeMap, cast_served, checkpoint_state, gather_full, served_dtype
 
@@ -199,7 +200,7 @@ class ShardedPublisher:
         self._raise_any([x[0] for x in second], f"uploading version {version}")
         outcome: list[Any] = [None]
         if self.rank == 0:
-            outcome[0] = self._commit(version, snapshot, second, part.encoding, _metadata(step, part, metadata))
+            outcome[0] = self._commit(version, snapshot, second, part.encoding, version_metadata(step, part, metadata))
         dist.broadcast_object_list(outcome, src=0, group=self.group)
         error, extra_uploaded, snapshot_bytes = outcome[0]
         if error:
