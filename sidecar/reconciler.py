@@ -187,14 +187,16 @@ class Reconciler:
             log.warning("engine is in phase %r (paused: %s) holding version %s: an earlier commit was interrupted; recovering", phase, paused, version)
             await self._recover_interrupted(version if phase in IDLE_PHASES else None, paused)
             return
-        if version is not None and not await self._holds(version, "the engine records"):
-            version = None
-        elif version is None and self.settings.boot_version is not None and not self._force_anchor:
-            if await self._holds(self.settings.boot_version, "--boot-version says"):
-                await self._io(self.engine.set_version, self.settings.boot_version)
-                version = self.settings.boot_version
+        manifest = None
         if version is not None:
-            self._set_applied(version)
+            manifest = await self._verify_claim(version, "the engine records")
+        elif self.settings.boot_version is not None and not self._force_anchor:
+            manifest = await self._verify_claim(self.settings.boot_version, "--boot-version says")
+            if manifest is not None:
+                await self._io(self.engine.set_version, manifest.version)
+        if manifest is not None:
+            self._force_anchor = False
+            self._set_applied(manifest.version, manifest)
             self.state = "idle"
             return
         target = await self._io(self.client.latest, self.run_id, -1, self.settings.poll_wait_s)
@@ -205,50 +207,58 @@ class Reconciler:
         await self.sync(target)
 
     async def _recover_interrupted(self, version: int | None, paused: bool) -> None:
-        # A commit died: the engine is paused at a verified ``version``, or holds no known version.
+        # A commit died: the engine is paused at a recorded ``version``, or holds no known version.
+        # The record is checked first: should the check fail (bulletin down), the engine stays
+        # as it is for the next boot attempt.
+        manifest = await self._verify_claim(version, "the paused engine records") if version is not None else None
         self.gate.set_committing(True)
-        self._force_anchor = True  # whatever happens, this engine is no longer a fresh boot checkpoint
+        self._force_anchor = manifest is None  # unless verified, this engine is no longer a fresh boot checkpoint
         try:
-            if version is not None and await self._holds(version, "the paused engine records"):
-                self._force_anchor = False
-                self._set_applied(version)
-                return
-            self._set_applied(None)
-            if not paused:  # no request may run on weights of no known version
-                await self._io(self.engine.pause)
-            target = await self._io(self.client.latest, self.run_id)
-            if target is None:
-                raise NothingPublishedError(f"run {self.run_id!r} has no version to recover the engine to")
-            self._set_target(target)
-            await self._recover(target, time.perf_counter(), None)
+            try:
+                if manifest is not None:
+                    self._set_applied(manifest.version, manifest)
+                    return
+                self._set_applied(None)
+                if not paused:  # no request may run on weights of no known version
+                    await self._io(self.engine.pause)
+                target = await self._io(self.client.latest, self.run_id)
+                if target is None:
+                    raise NothingPublishedError(f"run {self.run_id!r} has no version to recover the engine to")
+                self._set_target(target)
+                await self._recover(target, time.perf_counter(), None)
+            finally:
+                await self._resume()
         finally:
-            await self._resume()
             self.gate.set_committing(False)
             self.state = "idle" if self.gate.applied is not None else "unhealthy"
 
-    async def _holds(self, version: int, claim: str) -> bool:
-        """Whether the engine's weights are this run's ``version``, bit for bit (one checksum pass
-        over the model, compared with the manifest). Called before a version the sidecar did not
-        apply itself is taken: the engine may hold another run's version of that number, or
-        weights changed outside stitchboard. False: the caller loads the nearest anchor.
+    async def _verify_claim(self, version: int, claim: str) -> VersionManifest | None:
+        """This run's manifest of ``version`` if the engine's weights are that version, bit for bit
+        (one checksum pass over the model, compared with the manifest), else None.
+
+        Called before the sidecar takes a version it did not apply itself: the engine may hold
+        another run's version of that number, or weights changed outside stitchboard. None:
+        the caller loads the nearest anchor.
 
         Raises:
             EngineUnavailableError, BulletinError: the engine or the bulletin does not answer (boot retries).
         """
-        manifest = await self._base_manifest(version)
-        if manifest is None:
+        try:
+            manifest = await self._io(self.client.manifest, self.run_id, version)
+        except NotFoundError:
             log.warning("%s version %d, which run %r does not have: loading the nearest anchor", claim, version, self.run_id)
-            return False
+            return None
         want = {t.name: t.checksums[XXH3_128] for t in manifest.tensors}
         try:
             held = await self._io(self.engine.checksums, sorted(want))
         except ApplyRefusedError as exc:  # names the engine does not have: another model
             log.warning("%s version %d, but the engine cannot read run %r's tensors (%s): loading the nearest anchor", claim, version, self.run_id, exc)
-            return False
+            return None
         differ = sorted(n for n in want if held.get(n) != want[n])
         if differ:
             log.warning("%s version %d, but %d of %d tensors differ from run %r's (first: %s): loading the nearest anchor", claim, version, len(differ), len(want), self.run_id, differ[0])
-        return not differ
+            return None
+        return manifest
 
     async def _resume(self) -> None:
         # Resume the engine; a failure is kept and retried by the next step (requests would hang).

@@ -182,7 +182,7 @@ class FakeEngine:
         self.calls.append(("checksums", (tuple(names),)))
         unknown = sorted(set(names) - set(self.weights))
         if unknown:
-            raise ApplyRefusedError(f"stitch_checksums refused, nothing written: UnmappedTensorError: {unknown[:3]}")
+            raise ApplyRefusedError(f"stitch_checksums refused, nothing written: UnmappedTensor: {unknown[:3]}")
         return {n: checksum(self.weights[n]) for n in names}
 
     def reset_prefix_cache(self) -> None:

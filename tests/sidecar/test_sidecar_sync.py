@@ -16,6 +16,7 @@ from fake_engine import FakeEngine
 from sidecar_helpers import make_view, mutate, wait_for
 
 from stitchboard.bulletin.client import BulletinClient
+from stitchboard.bulletin.errors import UnavailableError
 from stitchboard.proto.diff import diff_views
 from stitchboard.proto.schema import FileRef, VersionManifest
 
@@ -69,19 +70,54 @@ def test_restarted_sidecar_does_not_reapply(sc_publisher, sc_start):
     assert_at(second, sc_publisher, 2)
 
 
-@pytest.mark.parametrize("claim", ["recorded", "boot_version", "paused"])
+@pytest.mark.parametrize("claim", ["recorded", "boot_version", "paused", "another model"])
 def test_an_engine_is_taken_at_its_version_only_if_it_holds_that_versions_bits(claim, sc_publisher, sc_start):
     """The version an engine records (say, left by another run's sidecar; or recorded while paused)
     or ``--boot-version`` is checked against the manifest's checksums before any request is
-    admitted; weights that differ get the nearest anchor loaded instead."""
+    admitted; weights that differ, or tensors the engine has no place for, get the nearest
+    anchor loaded instead."""
     sc_publisher.publish(make_view(0))
     sc_publisher.step(1)
     other = mutate(sc_publisher.views[1], seed=99)  # another run's version 1
+    if claim == "another model":  # the engine has no place for one of the run's tensors
+        other = make_view(5, tensors=3)
     engine = FakeEngine(other, version=None if claim == "boot_version" else 1)
     engine.paused = claim == "paused"
     sidecar = sc_start(engine, boot_version=1)
     assert_at(sidecar, sc_publisher, 1)
     assert engine.count("checksums") == 1 and engine.count("load_snapshot") == 1 and not engine.paused
+
+
+class _DownClient(BulletinClient):
+    """A bulletin client whose first ``failures`` manifest requests fail as if the bulletin were down."""
+
+    def __init__(self, *args, failures: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.failures = failures
+
+    def manifest(self, *args, **kwargs):
+        if self.failures:
+            self.failures -= 1
+            raise UnavailableError("the bulletin is down (test)")
+        return super().manifest(*args, **kwargs)
+
+
+def test_a_paused_engine_stays_paused_until_its_record_can_be_checked(sc_publisher, sc_start, sc_bulletin):
+    """Bulletin down while a restarted sidecar finds the engine paused at a version: the engine is
+    not resumed on weights nobody checked; once the check passes it is, and the next version is
+    an ordinary staged delta (no anchor reload)."""
+    sc_publisher.publish(make_view(0))
+    sc_publisher.step(1)
+    engine = FakeEngine(sc_publisher.views[1], version=1)
+    engine.paused = True
+    engine._running.clear()
+    client = _DownClient(sc_bulletin.url, retries=0, failures=3)
+    sidecar = sc_start(engine, client=client)
+    assert_at(sidecar, sc_publisher, 1)
+    assert client.failures == 0 and [m for m, _ in engine.calls if m != "health"] == ["checksums", "resume"]
+    sc_publisher.step(2)
+    assert_at(sidecar, sc_publisher, 2)
+    assert engine.count("load_snapshot") == 0 and engine.count("commit_staged") == 1
 
 
 def test_empty_delta_flips_the_version_without_touching_the_engine(sc_publisher, sc_start):
