@@ -19,6 +19,7 @@ error body (``{"type": ..., "message": ..., <details>}``, see
     ├── EngineRequestError            ---  the engine answered a control call with an unexpected status/body
     ├── EngineStateError              ---  the engine's recorded version/phase forbids the call (nothing written)
     ├── UnmappedTensorError           ---  a checkpoint name has no runtime place in the engine (nothing written)
+    ├── TpRankError                   ---  another TP rank failed a step this rank passed (all refuse or restore together)
     ├── ApplyRefusedError             ---  apply/snapshot refused before the first write (details: cause)
     └── ApplyFailedError              ---  writing began, then failed (details: cause, restored)
 """
@@ -141,6 +142,15 @@ class UnmappedTensorError(SidecarError):
     """
 
     type = "UnmappedTensor"
+
+
+class TpRankError(SidecarError):
+    """Another tensor-parallel rank of the engine failed a step (reading a file, mapping a name,
+    writing) that this rank passed; every rank then refuses, or restores its old bits, together.
+    Details: ``failed`` (TP rank -> that rank's error).
+    """
+
+    type = "TpRankFailed"
 
 
 class ApplyRefusedError(SidecarError):

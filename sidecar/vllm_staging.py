@@ -113,6 +113,28 @@ def _pack(placement: Placement, host_param: torch.Tensor) -> list[tuple[torch.nn
     return packs
 
 
+def _read_steps(io: WeightIO, steps: Sequence[Step]) -> tuple[list[dict[str, TensorDelta]], list[str], dict[str, Placement], int]:
+    """Read, decode and map every step's files: per step name -> delta, the names in order,
+    their placements, and the files' total bytes (rank-local; see :func:`stage_patches`)."""
+    for (_, _, end), (_, start, _) in zip(steps, steps[1:]):
+        if start != end:
+            raise ValueError(f"steps are not consecutive: one ends at version {end}, the next starts at {start}")
+    chain: list[dict[str, TensorDelta]] = []
+    size = 0
+    for paths, _, _ in steps:
+        patches, step_bytes = read_patches(paths)
+        chain.append({n: d for patch in patches for n, d in patch.deltas().items()})
+        size += step_bytes
+    names = sorted({n for deltas in chain for n in deltas})
+    first = {n: next(d for d in chain if n in d)[n].entry for n in names}
+    places = placements_for(io, {n: (e.dtype, e.shape) for n, e in first.items()})
+    for deltas in chain:
+        for n, d in deltas.items():
+            if (d.entry.dtype, tuple(d.entry.shape)) != (first[n].dtype, tuple(first[n].shape)):
+                raise PatchFormatError(f"tensor {n!r} changes dtype or shape between the steps of one update")
+    return chain, names, places, size
+
+
 def stage_patches(io: WeightIO, steps: Sequence[Step]) -> StagedPatch:
     """Validate and prepare consecutive patch steps for :func:`commit_staged`; writes nothing.
 
@@ -132,24 +154,10 @@ def stage_patches(io: WeightIO, steps: Sequence[Step]) -> StagedPatch:
         PatchFormatError, UnmappedTensorError, TensorSetMismatchError, BaseMismatchError,
         TargetMismatchError: the update is refused; the engine is untouched.
         ValueError: the steps are not consecutive.
+        TpRankError: another TP rank failed to read or map its files (all ranks refuse).
     """
     t0 = time.perf_counter()
-    for (_, _, end), (_, start, _) in zip(steps, steps[1:]):
-        if start != end:
-            raise ValueError(f"steps are not consecutive: one ends at version {end}, the next starts at {start}")
-    chain: list[dict[str, TensorDelta]] = []
-    size = 0
-    for paths, _, _ in steps:
-        patches, step_bytes = read_patches(paths)
-        chain.append({n: d for patch in patches for n, d in patch.deltas().items()})
-        size += step_bytes
-    names = sorted({n for deltas in chain for n in deltas})
-    first = {n: next(d for d in chain if n in d)[n].entry for n in names}
-    places = placements_for(io, {n: (e.dtype, e.shape) for n, e in first.items()})
-    for deltas in chain:
-        for n, d in deltas.items():
-            if (d.entry.dtype, tuple(d.entry.shape)) != (first[n].dtype, tuple(first[n].shape)):
-                raise PatchFormatError(f"tensor {n!r} changes dtype or shape between the steps of one update")
+    chain, names, places, size = io.agreed(lambda: _read_steps(io, steps), "reading the patch files")
     timing = {"read_s": time.perf_counter() - t0, "check_s": 0.0, "build_s": 0.0, "pack_s": 0.0}
     by_param: dict[str, list[str]] = {}
     for n in names:
@@ -213,6 +221,14 @@ def stage_patches(io: WeightIO, steps: Sequence[Step]) -> StagedPatch:
     return StagedPatch(steps[0][1], steps[-1][2], writes, packs, report)
 
 
+def _write(staged: StagedPatch, hook: PhaseHook) -> None:
+    """Write this rank's new bits into the live parameters (``half-written`` hook halfway)."""
+    for i, w in enumerate(staged.writes):
+        w.placement.block_bits()[w.index] = w.new
+        if i == len(staged.writes) // 2:
+            hook("half-written")
+
+
 def commit_staged(io: WeightIO, staged: StagedPatch, hook: PhaseHook) -> dict:
     """Write a staged update into the live parameters, install its GEMM copies, verify; or restore.
 
@@ -227,19 +243,17 @@ def commit_staged(io: WeightIO, staged: StagedPatch, hook: PhaseHook) -> dict:
         ``verify_s``.
 
     Raises:
-        TargetMismatchError or any error while writing: the old bits and GEMM copies are back,
-        then the error is re-raised with attribute ``written`` True (and ``restore_failed``
-        True if restoring failed too: the engine then holds no verified version).
+        TargetMismatchError, TpRankError (another TP rank failed to write) or any error while
+        writing: the old bits and GEMM copies are back, then the error is re-raised with
+        attribute ``written`` True (and ``restore_failed`` True if restoring failed too: the
+        engine then holds no verified version).
     """
     hook("staged")
     timing: dict[str, float] = {}
     old_packs = [(module, module.cpu_linear) for module, _ in staged.packs]
     try:
         t = time.perf_counter()
-        for i, w in enumerate(staged.writes):
-            w.placement.block_bits()[w.index] = w.new
-            if i == len(staged.writes) // 2:
-                hook("half-written")
+        io.agreed(lambda: _write(staged, hook), "writing the update")
         timing["write_s"] = time.perf_counter() - t
         t = time.perf_counter()
         for module, linear in staged.packs:

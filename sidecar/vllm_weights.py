@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -29,7 +30,10 @@ from stitchboard.proto.container import RawTensor, read_safetensors
 from stitchboard.proto.decode import Patch, read_patch
 from stitchboard.proto.errors import PatchFormatError, TargetMismatchError, TensorSetMismatchError
 
+from .errors import TpRankError
 from .vllm_layout import Placement, RuntimeLayout
+
+T = TypeVar("T")
 
 #: Called at named points of an apply (fault injection); gets the phase name.
 PhaseHook = Callable[[str], None]
@@ -98,6 +102,36 @@ class WeightIO:
         raw = _gathered_tensor_bytes(p, block, self.tp_group) if self.tp_group is not None else _block_bytes(block)
         return xxhash.xxh3_128_hexdigest(raw)
 
+    def agreed(self, step: Callable[[], T], what: str) -> T:
+        """Run ``step`` (rank-local work: reading files, mapping names, writing) and tell every TP
+        rank whether any rank failed it, before anyone's next collective; returns its result.
+
+        Without this the other ranks would wait in a gather for a rank that gave up, until the
+        group's timeout (10 min); with it every rank refuses, or restores, at once. At TP = 1
+        it just runs ``step``.
+
+        Raises:
+            what ``step`` raised, on its rank; :class:`TpRankError` on every other rank when any failed.
+        """
+        error: Exception | None = None
+        result = None
+        try:
+            result = step()
+        except Exception as exc:
+            error = exc
+        failed: dict[int, str] = {}
+        if self.tp_group is not None:
+            mine = None if error is None else f"{type(error).__name__}: {error}"
+            everyone: list[str | None] = [None] * torch.distributed.get_world_size(self.tp_group)
+            torch.distributed.all_gather_object(everyone, mine, group=self.tp_group)
+            failed = {rank: message for rank, message in enumerate(everyone) if message is not None}
+        if error is not None:
+            raise error
+        if failed:
+            rank, message = next(iter(failed.items()))
+            raise TpRankError(f"{what}: TP rank {rank} failed ({message}); this rank did not", failed=failed)
+        return result  # type: ignore[return-value]
+
     def checksums(self, names: Sequence[str]) -> dict[str, str]:
         """Checksums of the named checkpoint tensors (raises ``UnmappedTensorError``)."""
         return {name: self.checksum(self.layout.place(name)) for name in names}
@@ -137,26 +171,8 @@ def read_patches(paths: Sequence[str]) -> tuple[list[Patch], int]:
     return patches, size
 
 
-def load_snapshot_files(io: WeightIO, paths: Sequence[str], checksums: dict[str, str], hook: PhaseHook) -> dict:
-    """Load a full snapshot (anchor shards) in place, verified against the manifest's checksums.
-
-    Args:
-        io: the rank's weight reader/writer.
-        paths: safetensors shard files holding every tensor of the served view once.
-        checksums: checkpoint name -> xxh3-128 hex digest (the manifest's tensor list).
-        hook: called with ``staged`` and ``written-unverified``.
-
-    Returns:
-        Report: ``bytes``, ``tensors``, ``repacked_modules``, seconds ``read_s`` (mapping and
-        hashing the files), ``write_s``, ``repack_s``, ``verify_s``.
-
-    Raises:
-        PatchFormatError, TensorSetMismatchError (names differ from ``checksums``, a runtime
-        parameter gets no data, dtype/shape), UnmappedTensorError, TargetMismatchError (a file
-        tensor's checksum differs): refused, nothing written. After the first write, any error
-        is re-raised with attribute ``written`` True and the engine holds no verified version.
-    """
-    t0 = time.perf_counter()
+def _read_snapshot(io: WeightIO, paths: Sequence[str], checksums: dict[str, str]) -> tuple[dict[str, RawTensor], dict[str, Placement], int]:
+    """Read and check a snapshot's shards (see :func:`load_snapshot_files`); returns tensors, placements, bytes."""
     tensors: dict[str, RawTensor] = {}
     size = 0
     for path in paths:
@@ -174,17 +190,47 @@ def load_snapshot_files(io: WeightIO, paths: Sequence[str], checksums: dict[str,
     for name, t in tensors.items():
         if xxhash.xxh3_128_hexdigest(memoryview(t.bits).cast("B")) != checksums[name]:
             raise TargetMismatchError(f"snapshot tensor {name!r} does not match the manifest checksum", name=name)
+    return tensors, places, size
+
+
+def _write_snapshot(io: WeightIO, tensors: dict[str, RawTensor], places: dict[str, Placement]) -> None:
+    """Copy this rank's slice of every snapshot tensor into the live parameters."""
+    for name, p in places.items():
+        start, length = p.local_span
+        full = torch.from_numpy(tensors[name].bits.view(f"i{tensors[name].bits.itemsize}")).reshape(p.shape)
+        p.block().view(full.dtype).copy_(full.narrow(p.split_dim, start, length))
+
+
+def load_snapshot_files(io: WeightIO, paths: Sequence[str], checksums: dict[str, str], hook: PhaseHook) -> dict:
+    """Load a full snapshot (anchor shards) in place, verified against the manifest's checksums.
+
+    Args:
+        io: the rank's weight reader/writer.
+        paths: safetensors shard files holding every tensor of the served view once.
+        checksums: checkpoint name -> xxh3-128 hex digest (the manifest's tensor list).
+        hook: called with ``staged`` and ``written-unverified``.
+
+    Returns:
+        Report: ``bytes``, ``tensors``, ``repacked_modules``, seconds ``read_s`` (mapping and
+        hashing the files), ``write_s``, ``repack_s``, ``verify_s``.
+
+    Raises:
+        PatchFormatError, TensorSetMismatchError (names differ from ``checksums``, a runtime
+        parameter gets no data, dtype/shape), UnmappedTensorError, TargetMismatchError (a file
+        tensor's checksum differs), TpRankError (another TP rank failed one of those): refused,
+        nothing written. After the first write, any error
+        is re-raised with attribute ``written`` True and the engine holds no verified version.
+    """
+    t0 = time.perf_counter()
+    tensors, places, size = io.agreed(lambda: _read_snapshot(io, paths, checksums), "reading the snapshot")
     t_read = time.perf_counter()
     hook("staged")
     timing: dict[str, float] = {}
     try:
-        for name, p in places.items():
-            start, length = p.local_span
-            full = torch.from_numpy(tensors[name].bits.view(f"i{tensors[name].bits.itemsize}")).reshape(p.shape)
-            p.block().view(full.dtype).copy_(full.narrow(p.split_dim, start, length))
+        io.agreed(lambda: _write_snapshot(io, tensors, places), "writing the snapshot")
         timing["write_s"] = time.perf_counter() - t_read
         t = time.perf_counter()
-        repacked = io.repack_all(list(places.values()))
+        repacked = io.agreed(lambda: io.repack_all(list(places.values())), "re-packing GEMM copies")
         timing["repack_s"] = time.perf_counter() - t
         hook("written-unverified")
         t = time.perf_counter()

@@ -23,6 +23,12 @@ JSON dict: ``{"ok": true, "state": {...}, ...}`` or ``{"ok": false, "error": {"t
 * ``stitch_load_snapshot('{"paths": [...], "version": V, "checksums": {name: xxh3}}')``.
 * ``stitch_checksums('{"names": [...]}')``: ``checksums`` {name: xxh3-128 hex} as held now.
 
+TP > 1: the ranks gather tensors on a gloo group of stitchboard's own. A step one rank can fail
+alone (reading a hand-off file, mapping a name, writing) ends with an agreement between the
+ranks (:meth:`.vllm_weights.WeightIO.agreed`), so they all refuse or restore together and the
+others answer ``TpRankFailed``; only a rank that dies or hangs makes the others wait, up to
+:data:`COLLECTIVE_TIMEOUT`.
+
 State (the engine is the source of truth, DESIGN.md invariant 7): ``version`` (int or None:
 a fresh engine holds no known version until told) and ``phase``: ``idle``, ``applying`` /
 ``loading`` (only ever seen by a process that died mid-call: RPCs run one at a time), or
@@ -62,7 +68,7 @@ FAULT_VERSION_ENV = "STITCH_FAULT_VERSION"
 FAULT_PHASES = ("staged", "half-written", "written-unverified")
 #: Exit status of a fault-injected exit.
 FAULT_EXIT_CODE = 86
-#: Timeout of a collective of stitchboard's TP group (a rank that fails alone cannot hang the others longer).
+#: Timeout of a collective of stitchboard's TP group (how long the others wait for a rank that died or hangs).
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 
 
