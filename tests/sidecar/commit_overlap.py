@@ -33,6 +33,8 @@ class LatchedClient(BulletinClient):
             latch.reached.set()
             if not latch.opened.wait(600):
                 raise TimeoutError(f"the held commit of version {manifest.version} was never released")
+            if latch.aborted:
+                raise RuntimeError(f"the held commit of version {manifest.version} was called off by the test")
         return super().publish(manifest)
 
 
@@ -46,7 +48,9 @@ class HeldPublish:
 
     def __init__(self, client: LatchedClient, publish: Callable[[], int]) -> None:
         self.reached, self.opened = threading.Event(), threading.Event()
+        self.aborted = False
         self.outcome: dict[str, object] = {}
+        self.client = client
         client.latch = self
         self.thread = threading.Thread(target=self._run, args=(publish,), name="held-publish", daemon=True)
         self.thread.start()
@@ -56,6 +60,9 @@ class HeldPublish:
             self.outcome["version"] = publish()
         except BaseException as exc:  # reported by wait_ready/commit
             self.outcome["error"] = exc
+        finally:
+            if self.client.latch is self:  # the publish ended before its commit: the next one is not held
+                self.client.latch = None
             self.reached.set()
 
     def _raise(self) -> None:
@@ -66,6 +73,13 @@ class HeldPublish:
         """Wait until the version is encoded and uploaded and only its commit is left."""
         assert self.reached.wait(timeout_s), f"the publish did not reach its commit in {timeout_s} s"
         self._raise()
+        assert "version" not in self.outcome, "the publish ended without a commit"
+
+    def abort(self) -> None:
+        """Call the commit off (nothing is committed) and wait for the publish to end; for cleanup."""
+        self.aborted = True
+        self.opened.set()
+        self.thread.join(60)
 
     def commit(self, timeout_s: float = 300.0) -> int:
         """Let the commit go through; returns the committed version."""
@@ -120,20 +134,24 @@ class LongRequests:
         """Whether both are still running."""
         return all(t.is_alive() for t in self.threads)
 
-    def wait_generating(self, in_flight: Callable[[], int], timeout_s: float = 300.0) -> None:
-        """Wait until the sidecar counts both in flight (``in_flight()``) and the stream's first tokens arrived.
+    def wait_generating(self, status: Callable[[], dict], timeout_s: float = 300.0) -> None:
+        """Wait until the sidecar's ``status()`` counts both in flight and the stream's first tokens arrived.
 
         Fails at once, with what the engine answered, if either ends first.
         """
         deadline = time.monotonic() + timeout_s
+        last: dict | str = "none yet"
         while time.monotonic() < deadline:
             if not self.alive():
-                self.join()
-                raise AssertionError(f"a request ended before both were generating: {self.failures or 'both answered 200'}; {len(self.events)} events streamed")
-            if self.events and in_flight() == 2:
+                raise AssertionError(f"a request ended before both were generating: {self.failures or 'no error so far'}; {len(self.events)} events streamed; sidecar status {last}")
+            try:
+                last = status()
+            except httpx.HTTPError as exc:
+                last = repr(exc)
+            if self.events and isinstance(last, dict) and last["requests_in_flight"] == 2:
                 return
             time.sleep(0.05)
-        raise AssertionError(f"the requests were not both generating after {timeout_s} s ({len(self.events)} events streamed)")
+        raise AssertionError(f"the requests were not both generating after {timeout_s} s: {len(self.events)} events streamed; sidecar status {last}")
 
     def join(self, timeout_s: float = 600.0) -> None:
         """Wait for both answers."""

@@ -100,9 +100,13 @@ def test_requests_in_flight_across_a_commit_complete_with_both_versions(vllm_run
         sidecar.wait_applied(v)
         vllm_run.train()
         held = vllm_run.publish_held()
-        held.wait_ready()
-        requests = LongRequests(sidecar.url, vllm_run_engine.model, PROMPT, tokens)
-        requests.wait_generating(lambda: sidecar.status()["requests_in_flight"])
+        try:
+            held.wait_ready()
+            requests = LongRequests(sidecar.url, vllm_run_engine.model, PROMPT, tokens)
+            requests.wait_generating(sidecar.status)
+        except BaseException:
+            held.abort()  # the module's publisher must not stay blocked for the next tests
+            raise
         assert held.commit() == v + 1
         sidecar.wait_applied(v + 1)
         overlapped = requests.alive()
