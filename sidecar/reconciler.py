@@ -41,7 +41,7 @@ from stitchboard.proto.errors import StitchError
 from stitchboard.proto.schema import XXH3_128, VersionManifest
 
 from .engine import EngineAdapter
-from .errors import ApplyRefusedError, EngineVersionMismatchError, NothingPublishedError
+from .errors import ApplyRefusedError, EngineVersionMismatchError, NothingPublishedError, UnmappedTensorError
 from .gate import Gate
 from .metrics import SidecarMetrics
 from .settings import SidecarSettings
@@ -241,7 +241,9 @@ class Reconciler:
         the caller loads the nearest anchor.
 
         Raises:
-            EngineUnavailableError, BulletinError: the engine or the bulletin does not answer (boot retries).
+            EngineUnavailableError, BulletinError: the engine or the bulletin does not answer;
+            ApplyRefusedError: the engine refused the checksum call for another reason than an
+            unmapped name (boot retries).
         """
         try:
             manifest = await self._io(self.client.manifest, self.run_id, version)
@@ -251,7 +253,10 @@ class Reconciler:
         want = {t.name: t.checksums[XXH3_128] for t in manifest.tensors}
         try:
             held = await self._io(self.engine.checksums, sorted(want))
-        except ApplyRefusedError as exc:  # names the engine does not have: another model
+        except ApplyRefusedError as exc:
+            if exc.details.get("cause") != UnmappedTensorError.type:
+                raise  # the engine could not answer now: boot retries
+            # names the engine has no place for: another model
             log.warning("%s version %d, but the engine cannot read run %r's tensors (%s): loading the nearest anchor", claim, version, self.run_id, exc)
             return None
         differ = sorted(n for n in want if held.get(n) != want[n])

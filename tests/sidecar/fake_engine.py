@@ -61,6 +61,7 @@ class FakeEngine:
             that corrupt weights then raise.
         fail_snapshot: number of next :meth:`load_snapshot` calls that raise.
         refuse_stage: number of next :meth:`stage_patches` calls that raise (nothing written).
+        refuse_checksums: number of next :meth:`checksums` calls refused for another reason than a name.
         staged: the steps :meth:`stage_patches` kept for :meth:`commit_staged`.
     """
 
@@ -79,6 +80,7 @@ class FakeEngine:
         self.fail_apply = 0
         self.fail_snapshot = 0
         self.refuse_stage = 0
+        self.refuse_checksums = 0
         self.staged: list[tuple[list[str], int, int]] | None = None
         self.prefix_cache_resets = 0
         self._running = threading.Event()
@@ -180,9 +182,12 @@ class FakeEngine:
 
     def checksums(self, names: list[str]) -> dict[str, str]:
         self.calls.append(("checksums", (tuple(names),)))
+        if self.refuse_checksums:
+            self.refuse_checksums -= 1
+            raise ApplyRefusedError("stitch_checksums refused, nothing written: EngineStateError: busy (test)", cause="EngineStateError")
         unknown = sorted(set(names) - set(self.weights))
         if unknown:
-            raise ApplyRefusedError(f"stitch_checksums refused, nothing written: UnmappedTensor: {unknown[:3]}")
+            raise ApplyRefusedError(f"stitch_checksums refused, nothing written: UnmappedTensor: {unknown[:3]}", cause="UnmappedTensor", name=unknown[0])
         return {n: checksum(self.weights[n]) for n in names}
 
     def reset_prefix_cache(self) -> None:

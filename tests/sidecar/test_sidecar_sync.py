@@ -88,6 +88,17 @@ def test_an_engine_is_taken_at_its_version_only_if_it_holds_that_versions_bits(c
     assert engine.count("checksums") == 1 and engine.count("load_snapshot") == 1 and not engine.paused
 
 
+def test_a_refused_check_is_retried_not_taken_for_another_model(sc_publisher, sc_start):
+    """Only a name the engine has no place for means another model; any other refusal of the
+    checksum call is retried, and the engine's bits, once checked, are taken without a load."""
+    sc_publisher.publish(make_view(0))
+    sc_publisher.step(1)
+    engine = FakeEngine(sc_publisher.views[1], version=1)
+    engine.refuse_checksums = 1
+    assert_at(sc_start(engine), sc_publisher, 1)
+    assert engine.count("checksums") == 2 and engine.count("load_snapshot") == 0
+
+
 class _DownClient(BulletinClient):
     """A bulletin client whose first ``failures`` manifest requests fail as if the bulletin were down."""
 
