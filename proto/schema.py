@@ -269,6 +269,10 @@ class VersionManifest(_Model):
         """Tensor name -> spec."""
         return {t.name: t for t in self.tensors}
 
+    def checksums(self, algorithm: str = XXH3_128) -> dict[str, str]:
+        """Tensor name -> its target checksum (hex digest) under ``algorithm``; KeyError if a tensor lacks it."""
+        return {t.name: t.checksums[algorithm] for t in self.tensors}
+
     def layout(self) -> frozenset[tuple[str, str, tuple[int, ...]]]:
         """The tensor set as (name, dtype, shape) triples: a delta can only connect equal layouts."""
         return frozenset((t.name, t.dtype, tuple(t.shape)) for t in self.tensors)

@@ -38,7 +38,7 @@ from typing import Any
 from stitchboard.bulletin.client import BulletinClient
 from stitchboard.bulletin.errors import NotFoundError
 from stitchboard.proto.errors import StitchError
-from stitchboard.proto.schema import XXH3_128, VersionManifest
+from stitchboard.proto.schema import VersionManifest
 
 from .engine import EngineAdapter
 from .errors import ApplyRefusedError, EngineVersionMismatchError, NothingPublishedError, UnmappedTensorError
@@ -250,7 +250,7 @@ class Reconciler:
         except NotFoundError:
             log.warning("%s version %d, which run %r does not have: loading the nearest anchor", claim, version, self.run_id)
             return None
-        want = {t.name: t.checksums[XXH3_128] for t in manifest.tensors}
+        want = manifest.checksums()
         try:
             held = await self._io(self.engine.checksums, sorted(want))
         except ApplyRefusedError as exc:
@@ -401,8 +401,7 @@ class Reconciler:
         else:
             for step in staged.steps:
                 if step.kind == "snapshot":
-                    checksums = {t.name: t.checksums[XXH3_128] for t in step.manifest.tensors}
-                    await self._io(self.engine.load_snapshot, [str(p) for p in step.paths], step.version, checksums)
+                    await self._io(self.engine.load_snapshot, [str(p) for p in step.paths], step.version, step.manifest.checksums())
                 elif step.empty:
                     await self._io(self.engine.set_version, step.version)
                 else:

@@ -8,11 +8,11 @@ copies, verify); patches are staged and committed by :mod:`.vllm_staging`.
 Checksums with TP > 1: each rank holds slices, and the patch carries xxh3-128 of whole
 tensors, which does not decompose. Every rank all-gathers the blocks of a tensor over a gloo
 group of the TP ranks (the worker extension creates one for stitchboard, so that staging in a
-background thread never shares a group with vLLM's own collectives), reassembles the full tensor (replicated KV heads and vocab padding
-dropped) and hashes it, so all ranks reach the same verdict. Cost per verified tensor: one
-all-gather of the tensor's size (for a real RL step: the whole model, three times: base and
-target while staging, target after the commit)
-plus a host copy on GPU; with TP = 1 the block is hashed in place, no copy.
+background thread never shares a group with vLLM's own collectives), reassembles the full
+tensor (replicated KV heads and vocab padding dropped) and hashes it, so all ranks reach the
+same verdict. Cost per verified tensor: one all-gather of the tensor's size (for a real RL step:
+the whole model, three times: base and target while staging, target after the commit) plus a
+host copy on GPU; with TP = 1 the block is hashed in place, no copy.
 """
 
 from __future__ import annotations

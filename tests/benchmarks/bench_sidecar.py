@@ -40,7 +40,7 @@ from sidecar_helpers import AppServer, Publisher, make_view, mutate  # noqa: E40
 from stitchboard.bulletin.client import BulletinClient
 from stitchboard.trainer_client.demo.processes import free_port  # noqa: E402
 from stitchboard.proto.checkpoint import checkpoint_files, load_checkpoint  # noqa: E402
-from stitchboard.proto.schema import XXH3_128, VersionManifest  # noqa: E402
+from stitchboard.proto.schema import VersionManifest  # noqa: E402
 from stitchboard.sidecar.app import create_app  # noqa: E402
 from stitchboard.sidecar.engine import VllmEngine  # noqa: E402
 from stitchboard.sidecar.settings import SidecarSettings  # noqa: E402
@@ -56,7 +56,7 @@ def _boot_at_version_0(engine: VllmEngine, checkpoint: str, manifest: VersionMan
     shards = sorted({str(where / f) for f in weight_map.values()}) if weight_map else [str(where)]
     engine.pause()
     try:
-        engine.load_snapshot(shards, 0, {t.name: t.checksums[XXH3_128] for t in manifest.tensors})
+        engine.load_snapshot(shards, 0, manifest.checksums())
         engine.reset_prefix_cache()
     finally:
         engine.resume()

@@ -30,7 +30,6 @@ from support.vllm_server import VllmServer, require_vllm  # noqa: E402
 from stitchboard.proto.checkpoint import save_checkpoint  # noqa: E402
 from stitchboard.proto.codec import checksum  # noqa: E402
 from stitchboard.proto.container import RawTensor  # noqa: E402
-from stitchboard.proto.schema import XXH3_128  # noqa: E402
 from stitchboard.sidecar.reconciler import COMMIT_STATES  # noqa: E402
 
 Views = dict[int, dict[str, RawTensor]]
@@ -192,7 +191,7 @@ class VllmRun:
 
     def sums(self, version: int) -> dict[str, str]:
         """name -> xxh3-128 of every tensor of ``version``, from its manifest."""
-        return {t.name: t.checksums[XXH3_128] for t in self.client.manifest(self.run, version).tensors}
+        return self.client.manifest(self.run, version).checksums()
 
     def close(self) -> None:
         self.publisher.close()
