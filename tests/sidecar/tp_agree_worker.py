@@ -41,3 +41,8 @@ if __name__ == "__main__":
     (out / f"rank-{rank}.json").write_text(json.dumps(results, default=str))
     dist.barrier()  # no rank tears the group down while another still uses it
     dist.destroy_process_group()
+    # Interpreter shutdown after gloo collectives sometimes aborts in a C++ destructor ("terminate
+    # called without an active exception", 2 in 30 runs under load): the work is done, skip it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
