@@ -91,7 +91,9 @@ def create_app(settings: SidecarSettings, engine: EngineAdapter | None = None, c
 
     @app.get("/health", tags=["ops"])
     async def health(request: Request) -> JSONResponse:
-        """200 when a verified version is applied, the engine answers and syncing is healthy; else 503."""
+        """200 when a verified version is applied, the engine is still the instance at that version
+        (checked now, unless a commit is checking it), answers its health check, and syncing is
+        healthy; else 503 with the reason."""
         reconciler: Reconciler = request.app.state.reconciler
         applied = request.app.state.gate.applied
         body: dict[str, Any] = {"applied_version": applied, "state": reconciler.state}
@@ -99,6 +101,10 @@ def create_app(settings: SidecarSettings, engine: EngineAdapter | None = None, c
             return _unhealthy({**body, "status": "unhealthy", "reason": reconciler.unhealthy_reason})
         if applied is None:
             return _unhealthy({**body, "status": "recovering" if reconciler.state == "recovering" else "starting", "reason": "no verified weight version applied"})
+        if not reconciler.engine_busy:  # the engine is still the instance, at the version, verified?
+            dropped = await reconciler.check_engine()
+            if dropped is not None:
+                return _unhealthy({**body, "applied_version": None, "state": reconciler.state, "status": "engine_changed", "reason": dropped})
         try:
             ok = await asyncio.wait_for(asyncio.to_thread(engine.health), settings.engine_call_timeout_s)
             reason = "the engine's health check failed"

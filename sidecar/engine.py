@@ -14,7 +14,8 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
 
 import httpx
 
@@ -27,14 +28,37 @@ from .errors import (
 )
 
 
+#: What an engine records about its weights: ``idle`` (holds ``version``, or no known version),
+#: ``paused`` (idle, and scheduling paused), ``applying`` / ``loading`` (a write died half-way:
+#: no known version), ``failed`` (a write could not be undone: only a snapshot load clears it).
+Phase = Literal["idle", "paused", "applying", "loading", "failed"]
+
+
+@dataclass(frozen=True)
+class EngineState:
+    """What the engine records (DESIGN.md invariant 7).
+
+    Attributes:
+        version: the version it holds, or None (none known: fresh, or a write failed).
+        phase: see :data:`Phase`.
+        instance: an id of the engine's processes, new at every engine start: a changed id means
+            the weights the sidecar verified are gone (the engine restarted), whatever
+            ``version`` says.
+    """
+
+    version: int | None
+    phase: Phase
+    instance: str
+
+
 class EngineAdapter(Protocol):
     """What the sidecar calls on an engine. Every method blocks; errors are ``SidecarError``s."""
 
     def health(self) -> bool:
         """Whether the engine answers its health check."""
 
-    def state(self) -> dict[str, Any]:
-        """``{"version": int | None, "phase": str}`` as the engine records it (``paused`` while paused and idle)."""
+    def state(self) -> EngineState:
+        """What the engine records (phase ``paused`` while paused and idle)."""
 
     def pause(self) -> None:
         """Stop scheduling; in-flight requests are kept and continue after :meth:`resume`."""
@@ -55,8 +79,9 @@ class EngineAdapter(Protocol):
     def load_snapshot(self, paths: Sequence[str], version: int, checksums: dict[str, str] | None = None) -> dict[str, Any]:
         """Load a full snapshot (anchor shards) in place, verified; returns the load report."""
 
-    def set_version(self, version: int) -> None:
-        """Record ``version`` as the one the engine holds (boot checkpoint, empty delta)."""
+    def set_version(self, version: int, base: int | None = None) -> None:
+        """Record ``version`` as the one the engine holds (boot checkpoint, empty delta), only if
+        it records ``base`` now (None: no version); else EngineStateError, nothing recorded."""
 
     def reset_prefix_cache(self) -> None:
         """Drop KV blocks computed with older weights."""
@@ -119,10 +144,13 @@ class VllmEngine:
 
     @staticmethod
     def _one_state(results: list[dict[str, Any]]) -> dict[str, Any]:
-        states = [r.get("state") for r in results]
+        """The ranks' common ``{"version", "phase"}`` (rank order) with ``instance``: the ranks'
+        instance ids joined, so that a restart of any rank changes it."""
+        states = [dict(r.get("state") or {}) for r in results]
+        instances = [str(s.pop("instance", "")) for s in states]
         if any(s != states[0] for s in states):
             raise EngineStateError(f"TP ranks record different states: {states}", held=None, phase="inconsistent")
-        return dict(states[0])
+        return {**states[0], "instance": "/".join(instances)}
 
     def _checked(self, method: str, args: dict[str, Any], timeout: float | None = None) -> list[dict[str, Any]]:
         results = self._rpc(method, args, timeout)
@@ -149,8 +177,8 @@ class VllmEngine:
         except httpx.HTTPError:
             return False
 
-    def state(self) -> dict[str, Any]:
-        """``{"version", "phase"}``; phase ``paused`` when the worker is idle and the engine paused.
+    def state(self) -> EngineState:
+        """What the worker extension records; phase ``paused`` when it is idle and the engine paused.
 
         Raises:
             EngineUnavailableError, EngineRequestError, EngineStateError (ranks disagree).
@@ -158,7 +186,7 @@ class VllmEngine:
         state = self._one_state(self._rpc("stitch_state", {}))
         if state["phase"] == "idle" and self._request("GET", "/is_paused").get("is_paused"):
             state["phase"] = "paused"
-        return state
+        return EngineState(state.get("version"), state["phase"], state["instance"])
 
     def pause(self) -> None:
         """``POST /pause?mode=keep``: requests in flight are frozen and kept (never aborted)."""
@@ -256,9 +284,14 @@ class VllmEngine:
         results = self._checked("stitch_load_snapshot", {"paths": list(paths), "version": version, "checksums": sums}, self.apply_timeout_s)
         return {**results[0]["report"], "rpc_s": time.perf_counter() - t}
 
-    def set_version(self, version: int) -> None:
-        """Record ``version`` in the engine. Raises EngineStateError in phase ``failed``."""
-        self._checked("stitch_set_version", {"version": version})
+    def set_version(self, version: int, base: int | None = None) -> None:
+        """Record ``version`` in the engine if it records ``base`` now (None: no version).
+
+        Raises:
+            EngineStateError: phase ``failed``, or the engine records another version than
+                ``base`` (e.g. it restarted); nothing recorded.
+        """
+        self._checked("stitch_set_version", {"version": version, "base": base})
 
     def checksums(self, names: Sequence[str]) -> dict[str, str]:
         """xxh3-128 of the named checkpoint tensors as the engine holds them (for verification)."""

@@ -15,6 +15,7 @@ error body (``{"type": ..., "message": ..., <details>}``, see
     ├── StagingError                  ---  staged files disagree with their manifests (never sent to the engine)
     ├── NothingPublishedError         ---  the run has no version yet (the sidecar waits)
     ├── EngineVersionMismatchError    ---  after a commit the engine records another version than applied
+    ├── EngineChangedError            ---  the engine restarted or its record changed under the sidecar (it boots again)
     │   (engine adapter and vLLM worker extension:)
     ├── EngineRequestError            ---  the engine answered a control call with an unexpected status/body
     ├── EngineStateError              ---  the engine's recorded version/phase forbids the call (nothing written)
@@ -112,6 +113,15 @@ class EngineVersionMismatchError(SidecarError):
     """After a commit the engine records another version than the one applied (the sidecar recovers from an anchor)."""
 
     type = "EngineVersionMismatch"
+
+
+class EngineChangedError(SidecarError):
+    """The engine is no longer the instance, at the version, that the sidecar verified: it
+    restarted (new instance id), its record changed or vanished, or it does not answer. The
+    sidecar drops its claim at once (no request is admitted or stamped) and boots again, checking
+    the engine's weights against the manifest before it claims any version."""
+
+    type = "EngineChanged"
 
 
 # --- engine adapter and the vLLM worker extension (sidecar/engine.py, sidecar/vllm_*.py) -------

@@ -23,6 +23,7 @@ class SidecarMetrics:
         self.in_flight = Gauge("stitch_sidecar_requests_in_flight", "Admitted requests not yet completed.", registry=r)
         self.bytes_fetched = Counter("stitch_sidecar_bytes_fetched", "Bytes downloaded from the bulletin and verified.", registry=r)
         self.commits = Counter("stitch_sidecar_commits", "Commits by outcome (applied, flipped: empty deltas only, failed).", ["outcome"], registry=r)
+        self.claims_dropped = Counter("stitch_sidecar_claims_dropped", "Times the applied version was withdrawn because the engine restarted, changed its record or stopped answering.", registry=r)
         self.recoveries = Counter("stitch_sidecar_recoveries", "Anchor recoveries by outcome (ok, failed).", ["outcome"], registry=r)
         self.pause_seconds = Histogram("stitch_sidecar_pause_seconds", "Time the engine spent paused per commit, seconds.", buckets=_SECONDS, registry=r)
         self.apply_seconds = Histogram("stitch_sidecar_apply_seconds", "Time the engine spent applying patches or snapshots per commit, seconds.", buckets=_SECONDS, registry=r)

@@ -19,6 +19,15 @@ a small thread pool of its own so the proxy keeps serving. The loop:
    version -> clear the prefix cache -> mark applied -> resume (in a ``finally``) -> admit
    again. A plan of empty deltas only flips the version.
 
+**The claim is watched.** Every ``engine_check_interval_s``, at every ``/health`` and before
+every commit (:meth:`Reconciler.check_engine`), the sidecar compares the engine's state with
+what it verified: the engine's instance id (new at every engine start), its recorded version
+and its phase. An engine that restarted, whose record changed or vanished, or that does not
+answer, loses the claim at once (the gate admits and stamps nothing) and the sidecar boots
+again: the same engine instance back at the version this sidecar verified on it is taken as it
+is; anything else is checked against the manifest (or gets the nearest anchor) before any
+version is claimed. A flip (empty delta) is recorded only on an engine whose record is its base.
+
 A failed apply never leaves a version claimed: the gate drops to "no version", the engine is
 brought back from the nearest anchor inside the same pause, and if that fails too the sidecar
 reports itself unhealthy with the reason (and keeps retrying with backoff).
@@ -40,8 +49,8 @@ from stitchboard.bulletin.errors import NotFoundError
 from stitchboard.proto.errors import StitchError
 from stitchboard.proto.schema import VersionManifest
 
-from .engine import EngineAdapter
-from .errors import ApplyRefusedError, EngineVersionMismatchError, NothingPublishedError, UnmappedTensorError
+from .engine import EngineAdapter, EngineState
+from .errors import ApplyRefusedError, EngineChangedError, EngineVersionMismatchError, NothingPublishedError, UnmappedTensorError
 from .gate import Gate
 from .metrics import SidecarMetrics
 from .settings import SidecarSettings
@@ -109,7 +118,13 @@ class Reconciler:
         self._force_anchor = False
         self._resume_pending = False
         self._manifest: VersionManifest | None = None  # of the applied version, for lineage checks
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="stitch-reconcile")
+        self._instance: str | None = None  # the engine instance this boot found
+        self._trusted: tuple[str, int] | None = None  # (instance, version) this sidecar verified or applied
+        self._reboot = asyncio.Event()  # set when the claim is dropped: the main loop boots again
+        self._engine_lock = asyncio.Lock()  # held while boot or a commit works on the engine
+        # One worker more than the loop uses at once: a long-poll dropped by a reboot keeps its
+        # thread until its wait ends.
+        self._pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix="stitch-reconcile")
 
     # -- plumbing ----------------------------------------------------------------------------
 
@@ -126,6 +141,8 @@ class Reconciler:
 
     def _set_applied(self, version: int | None, manifest: VersionManifest | None = None) -> None:
         self._manifest = manifest if version is not None else None
+        if version is not None and self._instance is not None:
+            self._trusted = (self._instance, version)
         self.gate.set_applied(version)
         self._publish()
 
@@ -147,13 +164,20 @@ class Reconciler:
     # -- main loop ---------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Boot, then follow the bulletin until cancelled. Errors are recorded and retried with backoff."""
-        await self._until_ok(self.boot, "boot", escalate=False)
-        while True:
-            await self._until_ok(self.step, "sync", escalate=True)
+        """Boot, then follow the bulletin until cancelled; boot again whenever the claim is dropped.
+        Errors are recorded and retried with backoff."""
+        watch = asyncio.create_task(self._watch_engine(), name="stitch-engine-watch")
+        try:
+            while True:
+                await self._until_ok(self.boot, "boot", escalate=False)
+                while not self._reboot.is_set():
+                    await self._until_ok(self.step, "sync", escalate=True)
+        finally:
+            watch.cancel()
 
     async def _until_ok(self, fn: Any, during: str, *, escalate: bool) -> None:
-        # Retries ``fn`` with backoff; with ``escalate``, repeated failures switch to the anchor route.
+        # Retries ``fn`` with backoff; with ``escalate``, repeated failures switch to the anchor
+        # route. A dropped claim ends the retries of a sync: the caller boots again.
         delay = self.settings.retry_backoff_s
         while True:
             try:
@@ -163,6 +187,9 @@ class Reconciler:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - any failure is recorded, then retried
+                if isinstance(exc, EngineChangedError) or (escalate and self._reboot.is_set()):
+                    self._error(exc, during)
+                    return
                 self._failures += 1
                 if escalate and self._failures >= self.settings.anchor_after_failures:
                     self._force_anchor = True
@@ -172,39 +199,130 @@ class Reconciler:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.settings.max_backoff_s)
 
+    # -- the claim: is the engine still what the sidecar verified? ----------------------------
+
+    @property
+    def engine_busy(self) -> bool:
+        """True while boot or a commit works on the engine (they check it themselves)."""
+        return self._engine_lock.locked()
+
+    def _claim_broken(self, state: EngineState) -> str | None:
+        # Why ``state`` does not back the applied version, or None when it does.
+        if state.instance != self._instance:
+            return f"the engine restarted (instance {self._instance} -> {state.instance}): the weights verified on it are gone"
+        if self.gate.applied is None:
+            return None
+        if state.version != self.gate.applied:
+            return f"the engine records version {state.version}, not the applied version {self.gate.applied}"
+        if state.phase != "idle":
+            return f"the engine is in phase {state.phase!r} outside a commit"
+        return None
+
+    def _drop_claim(self, reason: str) -> None:
+        # Stop admitting and stamping at once, and have the main loop boot again.
+        log.warning("dropping the claim on version %s: %s; booting again", self.gate.applied, reason)
+        self.last_error = {"type": EngineChangedError.type, "message": reason, "at": time.time()}
+        self.metrics.claims_dropped.inc()
+        self._set_applied(None)
+        self.state = "waiting_for_engine"
+        self._reboot.set()
+
+    async def check_engine(self) -> str | None:
+        """Check that the engine is still the instance, at the version, that the sidecar verified.
+
+        Does nothing (None) while nothing is claimed or while boot or a commit works on the
+        engine (they check it themselves). Otherwise one state call, bounded by
+        ``engine_call_timeout_s``; on a restarted engine, a changed or vanished record, a phase
+        other than idle, or no answer, the claim is dropped at once and the sidecar boots again.
+
+        Returns:
+            None if the claim holds (or there is none to check), else why it was dropped.
+        """
+        if self.gate.applied is None or self.engine_busy:
+            return None
+        async with self._engine_lock:
+            try:
+                state = await asyncio.wait_for(asyncio.to_thread(self.engine.state), self.settings.engine_call_timeout_s)
+            except Exception as exc:  # noqa: BLE001 - an engine that cannot say what it holds backs no claim
+                reason: str | None = f"the engine does not answer its state call: {type(exc).__name__}: {exc}"
+            else:
+                reason = self._claim_broken(state)
+            if reason is not None and self.gate.applied is not None:
+                self._drop_claim(reason)
+            return reason
+
+    async def _watch_engine(self) -> None:
+        # Background task: :meth:`check_engine` every ``engine_check_interval_s``.
+        while True:
+            await asyncio.sleep(self.settings.engine_check_interval_s)
+            try:
+                await self.check_engine()
+            except Exception:  # noqa: BLE001 - the watch must outlive any one failure
+                log.exception("engine check failed")
+
+    async def _require_claim(self, before: str) -> None:
+        """Before ``before`` writes to the engine: raise (dropping the claim) if the engine is
+        not the instance this boot found, or no longer records the applied version.
+
+        Raises:
+            EngineChangedError: the main loop boots again.
+        """
+        reason = self._claim_broken(await self._io(self.engine.state))
+        if reason is not None:
+            self._drop_claim(reason)
+            raise EngineChangedError(f"before {before}: {reason}")
+
+    # -- boot --------------------------------------------------------------------------------
+
     async def boot(self) -> None:
         """Learn what the engine holds; finish an interrupted commit; load an anchor into a fresh engine.
 
         Raises:
             SidecarError, BulletinError, PatchError: on failure (the caller retries).
         """
+        self._reboot.clear()
+        async with self._engine_lock:
+            target = await self._boot()
+        if target is not None:  # a fresh engine, or one that could not be verified
+            await self.sync(target)
+
+    async def _boot(self) -> int | None:
+        # Everything but the anchor load; returns the version to load from the nearest anchor, if any.
         self.state = "waiting_for_engine"
         info = await self._io(self.engine.state)
-        version, phase = info.get("version"), info.get("phase")
+        self._instance = info.instance
+        version, phase = info.version, info.phase
         paused = phase == "paused"
         self.state = "booting"
+        if self._trusted == (info.instance, version) and phase == "idle" and version is not None:
+            # the engine process this sidecar verified, at the version it verified: it was only unreachable
+            manifest = await self._io(self.client.manifest, self.run_id, version)
+            log.info("the engine instance is back at version %d, as this sidecar left it", version)
+            self._set_applied(version, manifest)
+            self.state = "idle"
+            return None
         if phase not in IDLE_PHASES or paused:
             log.warning("engine is in phase %r (paused: %s) holding version %s: an earlier commit was interrupted; recovering", phase, paused, version)
             await self._recover_interrupted(version if phase in IDLE_PHASES else None, paused)
-            return
+            return None
         manifest = None
         if version is not None:
             manifest = await self._verify_claim(version, "the engine records")
         elif self.settings.boot_version is not None and not self._force_anchor:
             manifest = await self._verify_claim(self.settings.boot_version, "--boot-version says")
             if manifest is not None:
-                await self._io(self.engine.set_version, manifest.version)
+                await self._io(self.engine.set_version, manifest.version, None)
         if manifest is not None:
             self._force_anchor = False
             self._set_applied(manifest.version, manifest)
             self.state = "idle"
-            return
+            return None
         target = await self._io(self.client.latest, self.run_id, -1, self.settings.poll_wait_s)
         if target is None:
             raise NothingPublishedError(f"run {self.run_id!r} has no version yet and the engine holds none")
         self._set_target(target)
         self._force_anchor = True
-        await self.sync(target)
+        return target
 
     async def _recover_interrupted(self, version: int | None, paused: bool) -> None:
         # A commit died: the engine is paused at a recorded ``version``, or holds no known version.
@@ -291,9 +409,23 @@ class Reconciler:
                 self._set_target(latest)
                 return
         after = max(v for v in (applied, target, -1) if v is not None)
-        latest = await self._io(self.client.latest, self.run_id, after, self.settings.poll_wait_s)
+        latest = await self._unless_reboot(self._io(self.client.latest, self.run_id, after, self.settings.poll_wait_s))
         if latest is not None and latest > after:
             self._set_target(latest)
+
+    async def _unless_reboot(self, call: Any) -> Any:
+        # Await ``call`` (a long-poll), but give up on it (None) as soon as the claim is dropped;
+        # its thread finishes the wait in the background and its answer is ignored.
+        task = asyncio.ensure_future(call)
+        reboot = asyncio.ensure_future(self._reboot.wait())
+        try:
+            await asyncio.wait({task, reboot}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            reboot.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        return None
 
     # -- sync: stage, coalesce, commit -------------------------------------------------------
 
@@ -337,13 +469,21 @@ class Reconciler:
         """Apply a staged plan to the engine; see the module docstring for the sequence.
 
         Raises:
+            EngineChangedError: the engine is not what the sidecar verified (nothing written).
             SidecarError and engine errors: the apply and the anchor recovery both failed.
         """
+        async with self._engine_lock:
+            await self._commit(staged, seen)
+
+    async def _commit(self, staged: StagedPlan, seen: float) -> None:
+        await self._require_claim(f"committing versions {staged.from_version}->{staged.to_version}")
         if staged.steps and all(s.empty for s in staged.steps) and staged.from_version == self.gate.applied:
-            await self._io(self.engine.set_version, staged.to_version)
+            await self._io(self.engine.set_version, staged.to_version, staged.from_version)
             self._finish(staged, seen, 0.0, 0.0, flipped=True)
             return
         prepared, refused, engine_stage_s = await self._stage_in_engine(staged)
+        if prepared or refused is not None:  # time passed while the engine staged: look again
+            await self._require_claim(f"pausing the engine for versions {staged.from_version}->{staged.to_version}")
         self.state = "committing"
         self.gate.set_committing(True)
         paused_at = None
@@ -403,10 +543,10 @@ class Reconciler:
                 if step.kind == "snapshot":
                     await self._io(self.engine.load_snapshot, [str(p) for p in step.paths], step.version, step.manifest.checksums())
                 elif step.empty:
-                    await self._io(self.engine.set_version, step.version)
+                    await self._io(self.engine.set_version, step.version, step.version - 1)
                 else:
                     await self._io(self.engine.apply_patch, [str(p) for p in step.paths], step.version - 1, step.version)
-        held = (await self._io(self.engine.state)).get("version")
+        held = (await self._io(self.engine.state)).version
         if held != staged.to_version:
             raise EngineVersionMismatchError(f"after applying, the engine records version {held}, expected {staged.to_version}")
         await self._io(self.engine.reset_prefix_cache)

@@ -58,6 +58,7 @@ class SidecarSettings(BaseSettings):
     max_request_wait_s: float = Field(600.0, ge=0, description="Upper bound on a request's X-Stitch-Wait-S, seconds.")
     engine_timeout_s: float = Field(600.0, gt=0, description="Read timeout of a proxied request to the engine, seconds.")
     engine_call_timeout_s: float = Field(5.0, gt=0, description="Timeout of a health or state call to the engine, seconds.")
+    engine_check_interval_s: float = Field(1.0, gt=0, description="How often the sidecar checks that the engine is still the instance, at the version, it verified (also at every /health and before every commit), seconds.")
     retry_after_s: int = Field(2, ge=1, description="Retry-After of 503 answers, seconds.")
 
     log_level: str = Field("info", description="Log level of the sidecar and uvicorn.")

@@ -11,7 +11,8 @@ JSON dict: ``{"ok": true, "state": {...}, ...}`` or ``{"ok": false, "error": {"t
 "written", "restored"}, "state": {...}}``. Methods (all ranks run each call, in step):
 
 * ``stitch_state("{}")``: ``state`` only.
-* ``stitch_set_version('{"version": V}')``: record V (for ``--boot-version`` and empty deltas).
+* ``stitch_set_version('{"version": V, "base": B}')``: record V (for ``--boot-version`` and empty
+  deltas), refused unless the engine records B now (``null``: no version).
 * ``stitch_stage('{"steps": [{"paths": [...], "from_version": F, "to_version": T}, ...]}')``:
   start staging consecutive patch steps from the held version in a background thread (see
   :mod:`.vllm_staging`); the engine keeps serving. Returns at once.
@@ -29,8 +30,10 @@ ranks (:meth:`.vllm_weights.WeightIO.agreed`), so they all refuse or restore tog
 others answer ``TpRankFailed``; only a rank that dies or hangs makes the others wait, up to
 :data:`COLLECTIVE_TIMEOUT`.
 
-State (the engine is the source of truth, DESIGN.md invariant 7): ``version`` (int or None:
-a fresh engine holds no known version until told) and ``phase``: ``idle``, ``applying`` /
+State (the engine is the source of truth, DESIGN.md invariant 7): ``instance`` (a random id
+drawn when the worker process imports this module: a restarted engine has a new one, so the
+sidecar can tell that the weights it verified are gone), ``version`` (int or None: a fresh
+engine holds no known version until told) and ``phase``: ``idle``, ``applying`` /
 ``loading`` (only ever seen by a process that died mid-call: RPCs run one at a time), or
 ``failed`` (a snapshot load died after writing, or a restore failed: no version is held; only a
 snapshot load clears it).
@@ -49,6 +52,7 @@ import functools
 import json
 import logging
 import os
+import uuid
 from datetime import timedelta
 from typing import Any
 
@@ -70,6 +74,9 @@ FAULT_PHASES = ("staged", "half-written", "written-unverified")
 FAULT_EXIT_CODE = 86
 #: Timeout of a collective of stitchboard's TP group (how long the others wait for a rank that died or hangs).
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
+#: This worker process's instance id (``state.instance``): new in every process, so a restarted
+#: engine never looks like the one whose weights the sidecar verified.
+INSTANCE_ID = uuid.uuid4().hex
 
 
 def _keep_cpu_linear_weights() -> None:
@@ -140,7 +147,7 @@ class StitchWorkerExtension:
         return self._stitch_io
 
     def _stitch_state(self) -> dict[str, Any]:
-        return {"version": self._stitch_version, "phase": self._stitch_phase}
+        return {"version": self._stitch_version, "phase": self._stitch_phase, "instance": INSTANCE_ID}
 
     def _stitch_call(self, request: str, run: Any) -> dict[str, Any]:
         """Parse ``request`` (JSON object), run ``run(args)``, wrap the result or the error."""
@@ -194,13 +201,19 @@ class StitchWorkerExtension:
         return self._stitch_call(request, lambda args: None)
 
     def stitch_set_version(self, request: str) -> dict[str, Any]:
-        """Record ``version`` (int >= 0) as held; refused in phase ``failed``."""
+        """Record ``version`` (int >= 0) as held, only if the engine records ``base`` now (int, or
+        None: no version); refused in phase ``failed`` and when the record is not ``base`` (an
+        engine restarted or changed since the caller looked must not be relabelled)."""
 
         def run(args: dict[str, Any]) -> None:
-            version = args.get("version")
+            version, base = args.get("version"), args.get("base")
             if type(version) is not int or version < 0:
                 raise ValueError(f"version must be an integer >= 0, got {version!r}")
+            if base is not None and (type(base) is not int or base < 0):
+                raise ValueError(f"base must be null or an integer >= 0, got {base!r}")
             self._stitch_require_idle()
+            if self._stitch_version != base:
+                raise EngineStateError(f"the engine records version {self._stitch_version}, not {base}: version {version} is not recorded", held=self._stitch_version, phase=self._stitch_phase)
             self._stitch_version = version
 
         return self._stitch_call(request, run)

@@ -50,7 +50,7 @@ RUN = "bench-sidecar"
 
 def _boot_at_version_0(engine: VllmEngine, checkpoint: str, manifest: VersionManifest) -> None:
     """Make a used engine hold ``checkpoint`` as version 0 again (a fresh one records none and is left as it is)."""
-    if engine.state() == {"version": None, "phase": "idle"}:
+    if (engine.state().version, engine.state().phase) == (None, "idle"):
         return
     weight_map, where = checkpoint_files(checkpoint)
     shards = sorted({str(where / f) for f in weight_map.values()}) if weight_map else [str(where)]

@@ -14,6 +14,7 @@ import asyncio
 import json
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +26,8 @@ from stitchboard.proto.apply import apply_patch
 from stitchboard.proto.codec import checksum
 from stitchboard.proto.container import RawTensor, read_safetensors
 from stitchboard.proto.decode import read_patch
-from stitchboard.sidecar.errors import ApplyRefusedError
+from stitchboard.sidecar.engine import EngineState
+from stitchboard.sidecar.errors import ApplyRefusedError, EngineStateError, EngineUnavailableError
 
 CONTROL_ROUTES = ["/pause", "/resume", "/collective_rpc", "/update_weights", "/start_weight_update", "/reset_prefix_cache", "/sleep", "/wake_up"]
 
@@ -49,6 +51,7 @@ class FakeEngine:
 
     Attributes:
         weights: name -> writable tensor.
+        instance: the engine's instance id (new at every :meth:`restart`, as a real engine's).
         version, phase: what :meth:`state` reports (phase ``idle``, ``applying``, ``loading``
             or ``failed`` as the real worker extension; ``paused`` when idle and paused, as the adapter).
         paused: whether the engine is paused (in-flight requests frozen, kept).
@@ -63,11 +66,14 @@ class FakeEngine:
         refuse_stage: number of next :meth:`stage_patches` calls that raise (nothing written).
         refuse_checksums: number of next :meth:`checksums` calls refused for another reason than a name.
         staged: the steps :meth:`stage_patches` kept for :meth:`commit_staged`.
+        unreachable: while True, :meth:`state` and :meth:`health` fail as for an engine that does
+            not answer (the process and its weights are kept).
     """
 
     def __init__(self, weights: dict[str, RawTensor] | None = None, version: int | None = None, *, token_delay_s: float = 0.01) -> None:
         self.weights = copy_view(weights or {})
         self.version = version
+        self.instance = uuid.uuid4().hex
         self.phase = "idle"
         self.paused = False
         self.token_delay_s = token_delay_s
@@ -81,6 +87,7 @@ class FakeEngine:
         self.fail_snapshot = 0
         self.refuse_stage = 0
         self.refuse_checksums = 0
+        self.unreachable = False
         self.staged: list[tuple[list[str], int, int]] | None = None
         self.prefix_cache_resets = 0
         self._running = threading.Event()
@@ -93,10 +100,22 @@ class FakeEngine:
 
     def health(self) -> bool:
         self.calls.append(("health", ()))
-        return True
+        return not self.unreachable
 
-    def state(self) -> dict:
-        return {"version": self.version, "phase": "paused" if self.phase == "idle" and self.paused else self.phase}
+    def state(self) -> EngineState:
+        if self.unreachable:
+            raise EngineUnavailableError("engine at the fake does not answer stitch_state (test)", path="/collective_rpc")
+        return EngineState(self.version, "paused" if self.phase == "idle" and self.paused else self.phase, self.instance)  # type: ignore[arg-type]
+
+    def restart(self, weights: dict[str, RawTensor]) -> None:
+        """What a restarted engine is: a new instance holding ``weights`` (its boot checkpoint),
+        recording no version, idle and not paused, with nothing staged."""
+        with self._lock:
+            self.weights = copy_view(weights)
+            self.fp = fingerprint(self.weights)
+            self.version, self.phase, self.paused, self.staged = None, "idle", False, None
+            self.instance = uuid.uuid4().hex
+            self._running.set()
 
     def pause(self) -> None:
         self.calls.append(("pause", ()))
@@ -174,10 +193,12 @@ class FakeEngine:
             self.version, self.phase = version, "idle"
         return {"tensors": len(loaded)}
 
-    def set_version(self, version: int | None) -> None:
+    def set_version(self, version: int, base: int | None = None) -> None:
         self.calls.append(("set_version", (version,)))
         if self.phase == "failed":
             raise RuntimeError("engine in phase failed: load a snapshot")
+        if self.version != base:
+            raise EngineStateError(f"the engine records version {self.version}, not {base}", held=self.version, phase=self.phase)
         self.version = version
 
     def checksums(self, names: list[str]) -> dict[str, str]:

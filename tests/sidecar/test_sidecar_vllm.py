@@ -11,7 +11,10 @@ checksum of that version's manifest (DESIGN.md invariant 1: never a mix of versi
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +24,7 @@ from commit_overlap import LongRequests
 from support.vllm_server import VllmServer, require_vllm
 
 from stitchboard.sidecar.engine import VllmEngine
+from stitchboard.sidecar.errors import EngineStateError
 from stitchboard.sidecar.reconciler import FAULT_EXIT_CODE as SIDECAR_FAULT_EXIT
 from stitchboard.sidecar.vllm_worker import FAULT_ENV, FAULT_PHASES, FAULT_VERSION_ENV
 
@@ -47,7 +51,8 @@ def assert_verified(engine_url: str, run, version: int) -> None:
     """The engine records ``version``, idle and not paused, and holds exactly its bits."""
     engine = VllmEngine(engine_url, timeout_s=60)
     try:
-        assert engine.state() == {"version": version, "phase": "idle"}
+        state = engine.state()
+        assert (state.version, state.phase) == (version, "idle")
         sums = run.sums(version)
         assert engine.checksums(sorted(sums)) == sums, f"the engine's weights are not version {version}'s"
     finally:
@@ -209,7 +214,7 @@ def test_sidecar_killed_with_the_engine_paused_recovers(vllm_run_engine, vllm_ru
     assert vllm_run.step() == v + 1
     assert first.proc.proc.wait(300) == SIDECAR_FAULT_EXIT
     assert "sidecar exiting at phase paused" in first.proc.log_tail(100_000)
-    assert adapter.state() == {"version": v, "phase": "paused"}
+    assert (adapter.state().version, adapter.state().phase) == (v, "paused")
     second = vllm_sidecars(vllm_run_engine.url)
     status = second.wait_applied(v + 1)
     assert status["healthy"] and status["last_sync"]["from_version"] == v
@@ -243,6 +248,25 @@ class EngineChain:
     def armed_for(self, phase: str, version: int) -> VllmServer:
         """The current engine if it is armed for ``phase`` at ``version``, else a fresh one that is."""
         return self.server if self.armed == (phase, version) else self.start(phase, version)
+
+    def unarmed(self) -> VllmServer:
+        """The current engine if it is not armed to die, else a fresh unarmed one."""
+        if self.server is not None and self.armed is not None and self.armed[0] is None:
+            return self.server
+        return self.start(None, 0)
+
+    def kill_and_restart(self) -> VllmServer:
+        """SIGKILL the current engine's process group, then start the same command on the same
+        port (from its boot checkpoint, version 0): what a crashed and restarted engine is."""
+        assert self.server is not None
+        old = self.server
+        os.killpg(old.proc.pid, signal.SIGKILL)
+        old.proc.wait(60)
+        old.stop()
+        self.server = VllmServer(self.model_dir, self.logs / f"engine-restarted-{old.port}-{time.monotonic_ns()}.log", port=old.port)
+        self.armed = (None, 0)
+        self.server.wait_ready()
+        return self.server
 
     def stop(self) -> None:
         """Stop the current engine, if any."""
@@ -280,3 +304,56 @@ def test_engine_killed_mid_apply_recovers_to_a_verified_version(phase, engine_ch
     assert status["healthy"] and status["target_version"] == v
     assert_verified(engine.url, vllm_run, v)
     assert complete(second.url, engine.model, {"X-Stitch-Exact-Version": str(v)}).status_code == 200
+
+
+def _pinned(url: str, model: str, version: int) -> dict:
+    """A greedy completion with logprobs pinned to exactly ``version`` (held up to 300 s)."""
+    answer = complete(url, model, {"X-Stitch-Exact-Version": str(version), "X-Stitch-Wait-S": "300"}, logprobs=5)
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    assert (body["weight_version_start"], body["weight_version_end"]) == (version, version)
+    return {"text": body["choices"][0]["text"], "logprobs": body["choices"][0]["logprobs"]}
+
+
+def test_engine_restarted_under_a_running_sidecar_is_never_served_under_the_old_version(engine_chain, vllm_run, vllm_sidecars):
+    """Reliability, part A, on a real engine. (1) The engine is killed (-9) and started again on
+    the same port from its boot checkpoint while a sidecar claims version v: a request pinned to v
+    is answered only once the engine holds v again, bit for bit the same answer as before the
+    restart. (2) With the periodic check off, a restart followed by an empty delta (a flip) and a
+    one-tensor delta: the flip is never recorded on the restarted engine (its record is not the
+    flip's base), and the engine ends with every bit of the last version."""
+    engine = engine_chain.unarmed()
+    first = vllm_sidecars(engine.url, boot_version=0)
+    v = vllm_run.step()
+    first.wait_applied(v)
+    before = _pinned(first.url, engine.model, v)
+    engine = engine_chain.kill_and_restart()
+    assert _pinned(first.url, engine.model, v) == before, "answered by other weights than version v's"
+    first.wait_applied(v)
+    assert "stitch_sidecar_claims_dropped_total 1.0" in first.metrics()
+    assert_verified(engine.url, vllm_run, v)
+    first.stop()
+
+    second = vllm_sidecars(engine.url, boot_version=0, engine_check_interval_s=3600)
+    second.wait_applied(v)
+    engine = engine_chain.kill_and_restart()
+    adapter = VllmEngine(engine.url, timeout_s=60)
+    try:
+        with pytest.raises(EngineStateError):
+            adapter.set_version(v + 1, v)  # the restarted engine records no version: no flip onto it
+        assert adapter.state().version is None
+    finally:
+        adapter.close()
+    assert vllm_run.publish() == v + 1  # the same weights again: an empty delta
+    v0, now = vllm_run.sums(0), vllm_run.sums(v)
+    untouched = sorted(n for n in v0 if v0[n] == now[n] and n in dict(vllm_run.trainer.model.named_parameters()))
+    assert untouched, "every tensor changed since version 0"
+    import torch
+
+    with torch.no_grad():
+        param = dict(vllm_run.trainer.model.named_parameters())[untouched[0]]
+        param.view(-1)[0] += max(1.0, float(param.view(-1)[0].abs()))  # one element of one tensor, far past a bf16 step
+    assert vllm_run.publish() == v + 2
+    second.wait_applied(v + 2)
+    assert "stitch_sidecar_claims_dropped_total 1.0" in second.metrics(), "the commit did not notice the restart"
+    assert_verified(engine.url, vllm_run, v + 2)

@@ -43,7 +43,7 @@ def _write(folder: Path, name: str, data: bytes) -> str:
 
 def _bring_to(adapter, snapshot, version: int) -> None:
     """Load ``version``'s snapshot unless the engine already records it."""
-    if adapter.state()["version"] != version:
+    if adapter.state().version != version:
         adapter.pause()
         try:
             adapter.load_snapshot(snapshot(version), version)
@@ -54,15 +54,15 @@ def _bring_to(adapter, snapshot, version: int) -> None:
 
 def _assert_holds(adapter, views, version: int) -> None:
     """The engine records ``version`` and every tensor, read back, has its checksum."""
-    assert adapter.state() == {"version": version, "phase": "idle"}
+    assert (adapter.state().version, adapter.state().phase) == (version, "idle")
     assert adapter.checksums(sorted(views[version])) == view_sums(views[version])
 
 
 def test_engine_reads_back_the_boot_checkpoint(vllm_adapter, vllm_views):
     """A fresh engine records no version until told; its tensors read back as the checkpoint."""
-    if vllm_adapter.state()["version"] is None:
+    if vllm_adapter.state().version is None:
         vllm_adapter.set_version(0)
-    if vllm_adapter.state()["version"] == 0:
+    if vllm_adapter.state().version == 0:
         _assert_holds(vllm_adapter, vllm_views, 0)
     assert vllm_adapter.health()
 
@@ -73,7 +73,7 @@ def test_patch_in_place_is_bit_exact_with_a_fresh_engine(vllm_engine, vllm_adapt
     diff = diff_views(vllm_views[0], vllm_views[1])
     assert set(FUSED_AND_TIED) <= set(diff.changed_tensors)
     vllm_adapter.pause()
-    assert vllm_adapter.state()["phase"] == "paused"
+    assert vllm_adapter.state().phase == "paused"
     report = vllm_adapter.apply_patch(_write(vllm_workdir, "v1.patch", diff.patch), 0, 1)
     vllm_adapter.reset_prefix_cache()
     vllm_adapter.resume()
@@ -152,7 +152,7 @@ def test_chain_staged_while_serving_commits_bit_exact(vllm_engine, vllm_adapter,
     request = threading.Thread(target=lambda: answer.update(r=httpx.post(f"{vllm_engine.url}/v1/completions", json=body, timeout=600)))
     request.start()
     staged = vllm_adapter.stage_patches(steps)
-    assert vllm_adapter.state() == {"version": 0, "phase": "idle"}
+    assert (vllm_adapter.state().version, vllm_adapter.state().phase) == (0, "idle")
     assert vllm_adapter.checksums(sorted(vllm_views[0])) == view_sums(vllm_views[0]), "staging wrote to the engine"
     request.join(600)
     assert answer["r"].status_code == 200 and answer["r"].json()["usage"]["completion_tokens"] == 200
@@ -257,7 +257,7 @@ def test_tensor_parallel_3_patch_is_bit_exact_with_a_fresh_tp3_engine(smollm2_di
         engine.reset_prefix_cache()
         engine.resume()
         assert 0 < staged["rank_elements"] == report["rank_elements"] < report["elements"]
-        assert engine.state() == {"version": 1, "phase": "idle"}
+        assert (engine.state().version, engine.state().phase) == (1, "idle")
         assert engine.checksums(sorted(vllm_views[1])) == view_sums(vllm_views[1])
         patched = server.greedy()
     finally:

@@ -57,14 +57,15 @@ class VllmServer(ManagedProcess):
         extension: load the stitchboard worker extension.
         tp: tensor-parallel size (> 1 uses the ``mp`` executor).
         env: extra environment variables (e.g. ``STITCH_FAULT_PHASE``).
+        port: the TCP port (default: a free one), e.g. a killed server's to start it again.
 
     Attributes:
         url: ``http://127.0.0.1:<port>``.
         model: the served model name (``model_dir`` as a string).
     """
 
-    def __init__(self, model_dir: Path, log_path: Path, *, extension: bool = True, tp: int = 1, env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
+    def __init__(self, model_dir: Path, log_path: Path, *, extension: bool = True, tp: int = 1, env: dict[str, str] | None = None, port: int | None = None) -> None:
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = str(model_dir)
         argv = vllm_command(model_dir, self.port, tensor_parallel_size=tp, extension=extension)

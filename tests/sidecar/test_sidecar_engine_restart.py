@@ -1,0 +1,107 @@
+"""An engine that restarts, changes its record or stops answering under a running sidecar.
+
+The sidecar must never claim (report, admit under, stamp) a version the engine no longer holds
+(DESIGN.md invariant 1): it checks the engine's instance id and record on a timer, at every
+``/health`` and before every commit, drops the claim at once when they changed, and boots again.
+The fake engine's tokens name a fingerprint of the weights that produced them, so an answer
+shows which bits served it.
+"""
+
+from __future__ import annotations
+
+import httpx
+import numpy as np
+from fake_engine import FakeEngine, fingerprint
+from sidecar_helpers import make_view, wait_for
+
+
+def _same_bits(a, b) -> bool:
+    return set(a) == set(b) and all(np.array_equal(a[n].bits, b[n].bits) for n in a)
+
+
+def _at(sidecar, publisher, version: int) -> None:
+    sidecar.wait_applied(version)
+    assert sidecar.engine.version == version
+    assert _same_bits(sidecar.engine.weights, publisher.views[version]), f"engine bits are not version {version}'s"
+
+
+def _complete(sidecar, **headers: str) -> httpx.Response:
+    return httpx.post(f"{sidecar.url}/v1/completions", json={"model": "fake", "prompt": "p", "max_tokens": 2}, headers=headers, timeout=60)
+
+
+def test_engine_restarted_under_a_running_sidecar_is_never_served_under_the_old_version(sc_publisher, sc_start):
+    """The engine restarts from its boot checkpoint (version 0) while the sidecar claims version 3:
+    /health answers 503 at once, a request pinned to 3 is held (never served by version 0's bits),
+    and the sidecar checks the engine's bits against version 0 before it claims anything, then
+    catches up to 3 and serves the request with version 3's bits."""
+    sc_publisher.publish(make_view(0))
+    for seed in (1, 2, 3):
+        sc_publisher.step(seed)
+    engine = FakeEngine(sc_publisher.views[0])
+    sidecar = sc_start(engine, boot_version=0, engine_check_interval_s=3600)  # the timer stays out of it
+    _at(sidecar, sc_publisher, 3)
+    checks = engine.count("checksums")
+    engine.restart(sc_publisher.views[0])
+    health = httpx.get(f"{sidecar.url}/health", timeout=30)
+    assert health.status_code == 503 and health.json()["status"] == "engine_changed" and "restarted" in health.json()["reason"]
+    answer = _complete(sidecar, **{"X-Stitch-Exact-Version": "3", "X-Stitch-Wait-S": "30"})
+    assert answer.status_code == 200, answer.text
+    assert (answer.json()["weight_version_start"], answer.json()["weight_version_end"]) == (3, 3)
+    assert f"@{fingerprint(sc_publisher.views[3])}" in answer.json()["choices"][0]["text"], "served by other bits than version 3's"
+    _at(sidecar, sc_publisher, 3)
+    assert engine.count("checksums") == checks + 1 and engine.count("load_snapshot") == 0  # version 0 checked, then deltas
+    status = sidecar.status()
+    assert status["last_error"]["type"] == "EngineChanged" and "stitch_sidecar_claims_dropped_total 1.0" in httpx.get(f"{sidecar.url}/metrics").text
+
+
+def test_the_timer_notices_a_restart_without_any_request(sc_publisher, sc_start):
+    """With nobody polling /health, the periodic check drops the claim within its interval."""
+    sc_publisher.publish(make_view(0))
+    sc_publisher.step(1)
+    engine = FakeEngine(sc_publisher.views[0])
+    sidecar = sc_start(engine, boot_version=0, engine_check_interval_s=0.05)
+    _at(sidecar, sc_publisher, 1)
+    engine.restart(sc_publisher.views[0])
+    wait_for(lambda: sidecar.status()["applied_version"] != 1 or engine.count("checksums") == 2, 10, "the claim dropped")
+    _at(sidecar, sc_publisher, 1)
+    assert engine.count("checksums") == 2, "the restarted engine's bits were not checked"
+
+
+def test_restart_then_an_empty_delta_then_a_one_tensor_delta_never_relabels_the_engine(sc_publisher, sc_start):
+    """The restarted engine (version 0's bits, no record) must not have an empty delta's version
+    written onto it, nor a one-tensor delta applied on top: the commit's own check sees the new
+    instance (the timer is off here), the sidecar boots again, and the engine ends with every bit
+    of the last version."""
+    v0 = make_view(0)
+    sc_publisher.publish(v0)
+    first = {**v0}
+    name_a, name_b = sorted(v0)[:2]
+    first[name_a] = make_view(7)[name_a]  # version 1 changes tensor A only
+    sc_publisher.publish(first)
+    engine = FakeEngine(v0)
+    sidecar = sc_start(engine, boot_version=0, engine_check_interval_s=3600)
+    _at(sidecar, sc_publisher, 1)
+    engine.restart(v0)
+    sc_publisher.same()  # version 2: no patch file (a flip)
+    third = {**sc_publisher.views[-1], name_b: make_view(8)[name_b]}  # version 3: tensor B, unchanged since version 0
+    sc_publisher.publish(third)
+    _at(sidecar, sc_publisher, 3)
+    assert engine.count("checksums") == 2, "the restarted engine's bits were not checked before a version was recorded"
+
+
+def test_an_engine_that_stops_answering_loses_the_claim_and_gets_it_back_unchanged(sc_publisher, sc_start):
+    """No answer: no claim (503, requests held). The same engine instance back at the version the
+    sidecar verified on it is taken as it is, without another pass over its weights."""
+    sc_publisher.publish(make_view(0))
+    sc_publisher.step(1)
+    engine = FakeEngine(sc_publisher.views[0])
+    sidecar = sc_start(engine, boot_version=0, engine_check_interval_s=0.05)
+    _at(sidecar, sc_publisher, 1)
+    checks = engine.count("checksums")
+    engine.unreachable = True
+    wait_for(lambda: sidecar.status()["applied_version"] is None, 10, "the claim dropped")
+    assert httpx.get(f"{sidecar.url}/health", timeout=30).status_code == 503
+    assert _complete(sidecar, **{"X-Stitch-Wait-S": "0.2"}).json()["type"] == "NotReady"
+    engine.unreachable = False
+    _at(sidecar, sc_publisher, 1)
+    assert engine.count("checksums") == checks and engine.count("load_snapshot") == 0
