@@ -1,7 +1,7 @@
 """The exception tree of the bulletin, shared by the service and its HTTP client.
 
 Each class carries the HTTP status the service answers with and the wire ``type`` of the JSON
-error body (``{"type": ..., "message": ..., <details>}``, see
+error body (``{"type": ..., "message": ..., <details>}`` from :meth:`StitchError.body`, see
 :class:`stitchboard.proto.schema.ErrorBody`). The client maps an error body back to the same
 class with :func:`error_from_body`, so callers catch one tree whether they talk to the
 service or use the store directly::
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from stitchboard.proto.errors import SchemaError, StitchError
+from stitchboard.proto.errors import SchemaError, StitchError, wire_types
 
 
 class BulletinError(StitchError):
@@ -39,10 +39,6 @@ class BulletinError(StitchError):
         super().__init__(message, **details)
         if status is not None:
             self.status = status
-
-    def body(self) -> dict[str, Any]:
-        """The JSON error body: ``{"type", "message", **details}``."""
-        return {"type": self.type, "message": self.message, **self.details}
 
 
 class NotFoundError(BulletinError):
@@ -131,26 +127,8 @@ class UnavailableError(BulletinError):
     status = 503
 
 
-_BY_TYPE: dict[str, type[BulletinError]] = {
-    cls.type: cls
-    for cls in (
-        BulletinError,
-        NotFoundError,
-        ConflictError,
-        VersionConflictError,
-        VersionRewindError,
-        BaseMissingError,
-        InvalidRequestError,
-        BlobMissingError,
-        BlobMismatchError,
-        PayloadTooLargeError,
-        AuthError,
-        UnauthorizedError,
-        ForbiddenError,
-        UnavailableError,
-    )
-}
-_BY_TYPE[SchemaError.type] = InvalidRequestError
+#: Wire type -> class, derived from the tree (a schema error in a body reads as bad input).
+_BY_TYPE: dict[str, type[BulletinError]] = {**wire_types(BulletinError), SchemaError.type: InvalidRequestError}
 
 _BY_STATUS: dict[int, type[BulletinError]] = {
     401: UnauthorizedError,
