@@ -14,7 +14,7 @@ from .app import create_app
 from .ledger import Ledger
 from .retention import collect_garbage
 from .settings import BulletinSettings
-from .store import open_store
+from .stores import open_store
 
 app = typer.Typer(help="The bulletin: where trainers publish versions and rollout engines find them.", no_args_is_help=True)
 

@@ -1,4 +1,4 @@
-"""Versions of runs as objects in a :class:`~stitchboard.bulletin.store.Store`: publish, read, list.
+"""Versions of runs as objects in a :class:`~stitchboard.bulletin.stores.Store`: publish, read, list.
 
 Store layout (all the state there is; DESIGN.md invariants 3, 4 and 9)::
 
@@ -36,7 +36,7 @@ from .errors import (
     VersionConflictError,
     VersionRewindError,
 )
-from .store import ObjectStat, Store
+from .stores import ObjectStat, Store
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _VERSION_NAME = re.compile(r"^(\d{12})\.json$")

@@ -21,6 +21,8 @@ from typing import Literal
 from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from .stores.s3 import S3Settings
+
 GiB = 1 << 30
 MiB = 1 << 20
 
@@ -32,8 +34,12 @@ class TokenGrant(BaseModel):
     runs: list[str] | None = None
 
 
-class BulletinSettings(BaseSettings):
-    """Configuration of one bulletin process (see the module docstring for the env var names)."""
+class BulletinSettings(BaseSettings, S3Settings):
+    """Configuration of one bulletin process (see the module docstring for the env var names).
+
+    The ``s3_*`` fields come from :class:`~stitchboard.bulletin.stores.s3.S3Settings`, so these
+    settings open an S3 store as they are (``open_store(settings.store, settings)``).
+    """
 
     model_config = SettingsConfigDict(env_prefix="STITCH_BULLETIN_", extra="ignore")
 
@@ -55,15 +61,5 @@ class BulletinSettings(BaseSettings):
 
     keep_snapshots: int = Field(2, ge=1, description="Retention: keep the last K snapshot versions and every version after the oldest kept one.")
     gc_grace_s: float = Field(3600.0, ge=0, description="Retention: wait this long before removing dropped versions or unreferenced uploads, seconds.")
-
-    s3_endpoint_url: str | None = Field(None, description="S3 endpoint (MinIO, R2, ...); None: AWS.")
-    s3_region: str | None = Field(None, description="S3 region (None: boto3's default chain).")
-    s3_access_key_id: str | None = Field(None, description="S3 access key (None: boto3's default credential chain).")
-    s3_secret_access_key: str | None = Field(None, description="S3 secret key.")
-    s3_session_token: str | None = Field(None, description="S3 session token.")
-    s3_addressing_style: Literal["auto", "path", "virtual"] = Field("auto", description="S3 bucket addressing style.")
-    s3_multipart_threshold_bytes: int = Field(64 * MiB, gt=0, description="Blobs at least this large go up as multipart uploads, bytes.")
-    s3_multipart_chunk_bytes: int = Field(64 * MiB, ge=5 * MiB, description="Part size of multipart uploads, bytes.")
-    s3_max_concurrency: int = Field(8, gt=0, description="Parallel parts per multipart transfer.")
 
     log_level: str = Field("info", description="uvicorn log level.")

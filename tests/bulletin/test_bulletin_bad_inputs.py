@@ -10,7 +10,7 @@ import pytest
 from bulletin_helpers import make_manifest, sha, upload_version
 
 from stitchboard.bulletin.ledger import version_key
-from stitchboard.bulletin.store import open_store
+from stitchboard.bulletin.stores import open_store
 from stitchboard.proto.schema import FileRef, canonical_json
 
 GOOD = sha(b"x")

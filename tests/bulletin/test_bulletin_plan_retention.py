@@ -14,7 +14,7 @@ from stitchboard.bulletin.errors import InvalidRequestError, NotFoundError
 from stitchboard.bulletin.ledger import Ledger
 from stitchboard.bulletin.planner import make_plan
 from stitchboard.bulletin.retention import GcReport, collect_garbage, collect_run, kept_from
-from stitchboard.bulletin.store import open_store
+from stitchboard.bulletin.stores import open_store
 from stitchboard.proto.schema import FileRef
 
 

@@ -10,7 +10,7 @@ from bulletin_helpers import make_manifest
 
 from stitchboard.bulletin.errors import InvalidRequestError, NotFoundError
 from stitchboard.bulletin.ledger import Ledger, version_key
-from stitchboard.bulletin.store import open_store
+from stitchboard.bulletin.stores import S3Store, open_store
 
 
 @pytest.fixture
@@ -66,13 +66,18 @@ def test_put_file_multipart(store, backend, tmp_path):
     data = os.urandom(6 << 20)
     path.write_bytes(data)
     if backend.name == "s3":
-        from stitchboard.bulletin.s3store import S3Store
-
         settings = backend.settings.model_copy(update={"s3_multipart_threshold_bytes": 5 << 20, "s3_multipart_chunk_bytes": 5 << 20})
         store = S3Store(backend.bucket, "stitch", settings)
     store.put_file("f/big", path)
     assert store.stat("f/big").size_bytes == len(data)
     assert b"".join(store.iter_range("f/big", 0, len(data) - 1)) == data
+
+
+def test_the_old_import_paths_name_the_same_objects():
+    from stitchboard.bulletin import s3store, store, stores
+
+    assert (store.FileStore, store.ObjectStat, store.Store, store.check_key, store.open_store) == (stores.FileStore, stores.ObjectStat, stores.Store, stores.check_key, stores.open_store)
+    assert (s3store.S3Store, s3store.S3Settings) == (stores.S3Store, stores.S3Settings)
 
 
 @pytest.mark.parametrize("key", ["../x", "/abs", "a/../b", "a/.hidden", "a//b", ""])

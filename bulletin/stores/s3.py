@@ -1,0 +1,206 @@
+"""The S3 store: :class:`S3Store` (AWS, MinIO, R2, or any S3 API) and its :class:`S3Settings`.
+
+Create-only writes use ``PutObject`` with ``If-None-Match: *``; compare-and-swap uses
+``If-Match: <etag>``. Both need a store that implements S3 conditional writes (AWS since 2024,
+recent MinIO and R2). Files go up through boto3's transfer manager (multipart above
+``s3_multipart_threshold_bytes``).
+
+Every S3 call, and every read of a streamed body, runs inside :meth:`S3Store._errors`, the one
+place where botocore/boto3 exceptions become the bulletin's typed errors.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import boto3  # type: ignore[import-untyped]
+from boto3.exceptions import S3UploadFailedError  # type: ignore[import-untyped]
+from boto3.s3.transfer import TransferConfig  # type: ignore[import-untyped]
+from botocore.config import Config  # type: ignore[import-untyped]
+from botocore.exceptions import BotoCoreError, ClientError  # type: ignore[import-untyped]
+from botocore.response import StreamingBody  # type: ignore[import-untyped]
+from pydantic import BaseModel, Field
+
+from ..errors import ConflictError, NotFoundError, UnavailableError
+from .base import CHUNK_BYTES, ObjectStat, check_key
+
+MiB = 1 << 20
+
+#: S3 error codes of a conditional write that lost (the object exists, or changed).
+_PRECONDITION = {"PreconditionFailed", "412", "ConditionalRequestConflict", "409"}
+#: S3 error codes of a missing object.
+_MISSING = {"NoSuchKey", "404", "NotFound"}
+
+
+class S3Settings(BaseModel):
+    """Connection and transfer settings of an :class:`S3Store`.
+
+    :class:`stitchboard.bulletin.settings.BulletinSettings` extends this model, so the same
+    fields are the ``STITCH_BULLETIN_S3_*`` environment variables of a bulletin.
+    """
+
+    s3_endpoint_url: str | None = Field(None, description="S3 endpoint (MinIO, R2, ...); None: AWS.")
+    s3_region: str | None = Field(None, description="S3 region (None: boto3's default chain).")
+    s3_access_key_id: str | None = Field(None, description="S3 access key (None: boto3's default credential chain).")
+    s3_secret_access_key: str | None = Field(None, description="S3 secret key.")
+    s3_session_token: str | None = Field(None, description="S3 session token.")
+    s3_addressing_style: Literal["auto", "path", "virtual"] = Field("auto", description="S3 bucket addressing style.")
+    s3_multipart_threshold_bytes: int = Field(64 * MiB, gt=0, description="Blobs at least this large go up as multipart uploads, bytes.")
+    s3_multipart_chunk_bytes: int = Field(64 * MiB, ge=5 * MiB, description="Part size of multipart uploads, bytes.")
+    s3_max_concurrency: int = Field(8, gt=0, description="Parallel parts per multipart transfer.")
+
+
+def _code(exc: ClientError) -> str:
+    return str(exc.response.get("Error", {}).get("Code", ""))
+
+
+class S3Store:
+    """Objects under ``s3://bucket/prefix``.
+
+    Args:
+        bucket: bucket name (must exist).
+        prefix: key prefix inside the bucket ("" for the bucket root).
+        settings: endpoint, region, credentials and transfer sizes (defaults when ``None``).
+    """
+
+    #: Uploads are received in a local temp folder, then sent up (nothing to link to).
+    upload_dir: Path | None = None
+
+    def __init__(self, bucket: str, prefix: str = "", settings: S3Settings | None = None) -> None:
+        s = settings or S3Settings()
+        self.bucket = bucket
+        self.prefix = f"{prefix.strip('/')}/" if prefix.strip("/") else ""
+        self.url = f"s3://{bucket}/{self.prefix}"
+        self._client = boto3.session.Session().client(
+            "s3",
+            endpoint_url=s.s3_endpoint_url,
+            region_name=s.s3_region,
+            aws_access_key_id=s.s3_access_key_id,
+            aws_secret_access_key=s.s3_secret_access_key,
+            aws_session_token=s.s3_session_token,
+            config=Config(
+                s3={"addressing_style": s.s3_addressing_style},
+                retries={"max_attempts": 5, "mode": "standard"},
+                max_pool_connections=max(32, s.s3_max_concurrency * 2),
+            ),
+        )
+        self._transfer = TransferConfig(
+            multipart_threshold=s.s3_multipart_threshold_bytes,
+            multipart_chunksize=s.s3_multipart_chunk_bytes,
+            max_concurrency=s.s3_max_concurrency,
+        )
+
+    def _key(self, key: str) -> str:
+        return self.prefix + check_key(key)
+
+    @contextlib.contextmanager
+    def _errors(self, key: str) -> Iterator[None]:
+        """Map what boto3 raises inside the block (an S3 call or a body read) for ``key``.
+
+        Raises:
+            NotFoundError: S3 has no such object.
+            ConflictError: a conditional write lost (the object exists, or its etag changed).
+            UnavailableError: any other S3 error answer, or S3 could not be reached, or a
+                body stream broke (after boto3's own retries).
+        """
+        try:
+            yield
+        except ClientError as exc:
+            code = _code(exc)
+            if code in _MISSING:
+                raise NotFoundError(f"no object {key!r} in {self.url}", key=key) from None
+            if code in _PRECONDITION:
+                raise ConflictError(f"conditional write of {key!r} in {self.url} refused ({code}): the object exists or changed", key=key) from None
+            raise self._unavailable(key, exc) from exc
+        except (BotoCoreError, S3UploadFailedError) as exc:
+            raise self._unavailable(key, exc) from exc
+
+    def _unavailable(self, key: str, exc: Exception) -> UnavailableError:
+        return UnavailableError(f"S3 request for {key!r} in {self.url} failed: {exc}; check the endpoint and credentials", key=key)
+
+    def stat(self, key: str) -> ObjectStat | None:
+        try:
+            with self._errors(key):
+                r = self._client.head_object(Bucket=self.bucket, Key=self._key(key))
+        except NotFoundError:
+            return None
+        return ObjectStat(key, r["ContentLength"], r["ETag"], r["LastModified"].timestamp())
+
+    def get(self, key: str) -> tuple[bytes, str]:
+        with self._errors(key):
+            r = self._client.get_object(Bucket=self.bucket, Key=self._key(key))
+            return r["Body"].read(), r["ETag"]
+
+    def _put(self, key: str, data: bytes, **condition: str) -> bool:
+        try:
+            with self._errors(key):
+                self._client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, **condition)
+        except ConflictError:
+            return False
+        except NotFoundError:
+            if "IfMatch" in condition:  # the object to replace is gone: the CAS lost
+                return False
+            raise
+        return True
+
+    def put_new(self, key: str, data: bytes) -> bool:
+        return self._put(key, data, IfNoneMatch="*")
+
+    def put_cas(self, key: str, data: bytes, etag: str | None) -> bool:
+        return self._put(key, data, **({"IfMatch": etag} if etag else {"IfNoneMatch": "*"}))
+
+    def put_file(self, key: str, path: Path) -> None:
+        with self._errors(key):
+            self._client.upload_file(str(path), self.bucket, self._key(key), Config=self._transfer)
+
+    def iter_range(self, key: str, start: int, end: int) -> Iterator[bytes]:
+        with self._errors(key):
+            r = self._client.get_object(Bucket=self.bucket, Key=self._key(key), Range=f"bytes={start}-{end}")
+        return self._chunks(key, r["Body"])
+
+    def _chunks(self, key: str, body: StreamingBody) -> Iterator[bytes]:
+        # The body is read lazily, after the answer's headers went out: map its errors here too.
+        with contextlib.closing(body), self._errors(key):
+            yield from body.iter_chunks(CHUNK_BYTES)
+
+    def _pages(self, prefix: str, start_after: str | None = None) -> Iterator[dict[str, Any]]:
+        kwargs = {"Bucket": self.bucket, "Prefix": self.prefix + prefix, "Delimiter": "/"}
+        if start_after:
+            kwargs["StartAfter"] = self.prefix + start_after
+        with self._errors(prefix):
+            yield from self._client.get_paginator("list_objects_v2").paginate(**kwargs)
+
+    def list(self, prefix: str, start_after: str | None = None) -> Iterator[ObjectStat]:
+        if prefix:
+            check_key(prefix)
+        cut = len(self.prefix)
+        for page in self._pages(prefix, start_after):
+            for obj in page.get("Contents", []):
+                yield ObjectStat(obj["Key"][cut:], obj["Size"], obj["ETag"], obj["LastModified"].timestamp())
+
+    def list_dirs(self, prefix: str) -> builtins.list[str]:  # ``list`` is the method here
+        if prefix:
+            check_key(prefix)
+        start = len(self.prefix + prefix)
+        return sorted(p["Prefix"][start:].rstrip("/") for page in self._pages(prefix) for p in page.get("CommonPrefixes", []))
+
+    def delete(self, key: str) -> None:
+        with contextlib.suppress(NotFoundError), self._errors(key):
+            self._client.delete_object(Bucket=self.bucket, Key=self._key(key))
+
+    def presign(self, key: str, method: str, expires_s: int) -> str | None:
+        op = {"GET": "get_object", "PUT": "put_object"}[method]
+        with self._errors(key):
+            url: str = self._client.generate_presigned_url(op, Params={"Bucket": self.bucket, "Key": self._key(key)}, ExpiresIn=expires_s)
+        return url
+
+    def check(self) -> None:
+        try:
+            with self._errors(""):
+                self._client.head_bucket(Bucket=self.bucket)
+        except NotFoundError:
+            raise UnavailableError(f"bucket {self.bucket!r} of {self.url} does not exist: create it, or fix the store URL (STITCH_BULLETIN_STORE)", key="") from None
