@@ -18,10 +18,11 @@ import random
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import httpx
 
+from stitchboard.proto.answers import RunList, UploadUrl, VersionPage
 from stitchboard.proto.schema import Plan, RunInfo, VersionInfo, VersionManifest, canonical_json, parse_manifest
 
 from .errors import BlobMismatchError, BulletinError, UnavailableError, error_from_body
@@ -64,7 +65,7 @@ class BulletinClient:
         """Close the connection pool."""
         self._http.close()
 
-    def __enter__(self) -> BulletinClient:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -135,8 +136,8 @@ class BulletinClient:
         what = f"uploading blob {sha256} of run {run!r}"
         url = None
         if self._presign is not False:
-            answer = self._call("POST", f"/v1/runs/{run}/blobs/{sha256}/upload-url", params={"size_bytes": size}, what=what).json()
-            url = answer.get("url")
+            answer = self._call("POST", f"/v1/runs/{run}/blobs/{sha256}/upload-url", params={"size_bytes": size}, what=what)
+            url = UploadUrl.model_validate_json(answer.content).url
             self._presign = url is not None
 
         def send() -> httpx.Response:
@@ -204,8 +205,7 @@ class BulletinClient:
                         return False
                     raise self._error(r)
                 with open(part, "ab" if r.status_code == 206 else "wb") as f:
-                    for chunk in r.iter_bytes(_CHUNK):
-                        f.write(chunk)
+                    f.writelines(r.iter_bytes(_CHUNK))
         except httpx.TransportError as exc:
             if may_retry:
                 return False
@@ -258,17 +258,18 @@ class BulletinClient:
         out: list[VersionInfo] = []
         while limit is None or len(out) < limit:
             page = 1000 if limit is None else min(1000, limit - len(out))
-            r = self._call("GET", f"/v1/runs/{run}/versions", params={"after": after, "limit": page}, what=f"listing versions of run {run!r}").json()
-            out.extend(VersionInfo.model_validate(v) for v in r["versions"])
-            if r["next_after"] is None:
+            r = self._call("GET", f"/v1/runs/{run}/versions", params={"after": after, "limit": page}, what=f"listing versions of run {run!r}")
+            answer = VersionPage.model_validate_json(r.content)
+            out.extend(answer.versions)
+            if answer.next_after is None:
                 break
-            after = r["next_after"]
+            after = answer.next_after
         return out
 
     def runs(self) -> list[RunInfo]:
         """Every run the token may read, with its latest version."""
-        r = self._call("GET", "/v1/runs", what="listing runs").json()
-        return [RunInfo.model_validate(x) for x in r["runs"]]
+        r = self._call("GET", "/v1/runs", what="listing runs")
+        return RunList.model_validate_json(r.content).runs
 
     def plan(self, run: str, from_version: int | None = None, to_version: int | None = None) -> Plan:
         """The files to fetch, in order, to go from ``from_version`` (None: nothing held) to ``to_version`` (None: latest).

@@ -3,7 +3,8 @@
 Pydantic v2 models with no server or engine imports. A manifest is the client's part of a
 version and is byte-identical on a retried publish: it has no timestamps (the bulletin keeps
 its commit time beside it, in :class:`VersionInfo`). :func:`canonical_json` gives the bytes
-that are hashed and compared.
+that are hashed and compared. The bulletin's listing and blob answers, which wrap these
+records, are in :mod:`.answers`.
 
 Lineage (DESIGN.md, invariant 3): versions of a run are consecutive integers from 0; version 0
 is an anchor (``snapshot=True``, no base); version N > 0 has ``base_version == N - 1`` and
@@ -16,9 +17,10 @@ import json
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .dtypes import DTYPE_SIZES, MAX_NUMEL, numel_of
+from .errors import SchemaError
 
 #: Version of this schema; readers refuse manifests from a newer schema.
 SCHEMA_VERSION = 1
@@ -42,8 +44,6 @@ def check_name(name: str, what: str = "name") -> str:
     Raises:
         SchemaError: with the offending name.
     """
-    from .errors import SchemaError
-
     bad = (
         not name
         or ".." in name
@@ -64,8 +64,6 @@ def check_run_id(run_id: str) -> str:
     Raises:
         SchemaError: with the offending run id.
     """
-    from .errors import SchemaError
-
     if not _RUN_ID.match(run_id) or ".." in run_id:
         raise SchemaError(f"invalid run id {run_id!r}: use 1-128 characters of [A-Za-z0-9._-], starting alphanumeric")
     return run_id
@@ -101,7 +99,7 @@ class TensorSpec(_Model):
     def _name(cls, v: str) -> str:
         try:
             return check_name(v, "tensor name")
-        except Exception as exc:
+        except SchemaError as exc:
             raise _schema_error(exc) from None
 
     @field_validator("dtype")
@@ -162,7 +160,7 @@ class FileRef(_Model):
     def _path(cls, v: str) -> str:
         try:
             return check_name(v, "file path")
-        except Exception as exc:
+        except SchemaError as exc:
             raise _schema_error(exc) from None
 
     @field_validator("sha256")
@@ -219,7 +217,7 @@ class VersionManifest(_Model):
     def _run(cls, v: str) -> str:
         try:
             return check_run_id(v)
-        except Exception as exc:
+        except SchemaError as exc:
             raise _schema_error(exc) from None
 
     @field_validator("schema_version")
@@ -352,10 +350,6 @@ def parse_manifest(data: bytes | str | dict) -> VersionManifest:
         SchemaError: the input is not valid JSON or breaks the schema; the message lists each
             offending field.
     """
-    from pydantic import ValidationError
-
-    from .errors import SchemaError
-
     try:
         if isinstance(data, dict):
             return VersionManifest.model_validate(data)

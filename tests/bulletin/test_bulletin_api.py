@@ -8,7 +8,7 @@ import time
 
 import httpx
 import pytest
-from bulletin_helpers import ThreadServer, make_manifest, sha, upload_version
+from bulletin_helpers import ThreadServer, make_backend, make_manifest, sha, upload_version
 
 from stitchboard.bulletin.errors import NotFoundError, VersionConflictError
 from stitchboard.proto.schema import canonical_json
@@ -42,6 +42,21 @@ def test_republishing_identical_bytes_is_a_noop_and_different_bytes_conflict(cli
     with pytest.raises(VersionConflictError, match="already published with different content"):
         client.publish(other)
     assert backend.keys() == before
+
+
+def test_the_client_follows_version_pages(request, tmp_path, run):
+    backend = make_backend("file", request, tmp_path, versions_page_max=2)
+    srv = ThreadServer(backend.settings)
+    try:
+        with srv.client() as c:
+            for v in range(5):
+                upload_version(c, run, v, snapshot_bytes=10 if v == 0 else 0)
+            page = httpx.get(f"{srv.url}/v1/runs/{run}/versions", params={"after": 0, "limit": 100}).json()
+            assert [i["version"] for i in page["versions"]] == [1, 2] and page["next_after"] == 2 and page["run_id"] == run
+            assert [i.version for i in c.versions(run)] == [0, 1, 2, 3, 4]
+            assert [i.version for i in c.versions(run, after=1, limit=3)] == [2, 3, 4]
+    finally:
+        srv.stop()
 
 
 def test_latest_of_a_run_without_versions_is_not_an_error(client, run):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
 from stitchboard.proto import SchemaError, VersionManifest, canonical_json, check_run_id, parse_manifest
 
@@ -99,5 +100,5 @@ def test_bad_run_ids(run):
 
 def test_manifest_is_immutable():
     m = VersionManifest.model_validate(manifest())
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match="frozen"):
         m.version = 2  # type: ignore[misc]
