@@ -1,7 +1,9 @@
 """The bulletin service: :func:`create_app` builds the FastAPI app (nothing is created at import).
 
 Routes live in :mod:`.routes_versions` (versions, long-poll, plans, runs) and
-:mod:`.routes_blobs` (blob upload/download). Every error answer is JSON
+:mod:`.routes_blobs` (blob upload/download); the state they share and the token checks, in
+:mod:`.deps`. This module adds the ops routes (``/healthz``, ``/readyz``, ``/metrics``) and
+the error handlers. Every error answer is JSON
 ``{"type", "message", ...}`` (:class:`stitchboard.proto.schema.ErrorBody`); the OpenAPI
 document is at ``/openapi.json``.
 """
@@ -12,46 +14,29 @@ import contextlib
 import logging
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 from anyio import to_thread
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .auth import Authorizer, Scope
+from .auth import Authorizer
+from .deps import BulletinState
 from .errors import BulletinError
 from .ledger import Ledger
 from .longpoll import Watcher
 from .metrics import BulletinMetrics, LatencyMiddleware
+from .routes_blobs import router as blobs_router
+from .routes_versions import router as versions_router
 from .settings import BulletinSettings
-from .store import FileStore, Store, open_store
+from .stores import Store, open_store
 
 log = logging.getLogger("stitchboard.bulletin")
-_bearer = HTTPBearer(auto_error=False, description="Token with scope read or publish (STITCH_BULLETIN_TOKENS).")
-
-
-@dataclass
-class BulletinState:
-    """What the routes share: settings, store, ledger, long-poll watcher, auth and metrics."""
-
-    settings: BulletinSettings
-    store: Store
-    ledger: Ledger
-    watcher: Watcher
-    auth: Authorizer
-    metrics: BulletinMetrics
-    upload_dir: Path
-
-
-def state_of(request: Request) -> BulletinState:
-    """The :class:`BulletinState` of the app serving ``request``."""
-    return request.app.state.bulletin
 
 
 def _error(status: int, type_: str, message: str, **details: object) -> JSONResponse:
@@ -98,24 +83,19 @@ def create_app(settings: BulletinSettings | None = None, store: Store | None = N
     Raises:
         InvalidRequestError: the store URL is not understood.
     """
-    from .routes_blobs import router as blobs_router
-    from .routes_versions import router as versions_router
-
     settings = settings or BulletinSettings()
     store = store or open_store(settings.store, settings)
     if settings.upload_tmp_dir:
         upload_dir = Path(settings.upload_tmp_dir)
-    elif isinstance(store, FileStore):
-        upload_dir = store.root / ".uploads"  # same filesystem: a verified upload is linked, not copied
     else:
-        upload_dir = Path(tempfile.gettempdir()) / "stitchboard-uploads"
+        upload_dir = store.upload_dir or Path(tempfile.gettempdir()) / "stitchboard-uploads"
     upload_dir.mkdir(parents=True, exist_ok=True)
     ledger = Ledger(store, max_manifest_bytes=settings.max_manifest_bytes, cache_entries=settings.manifest_cache_entries)
     metrics = BulletinMetrics(store)
     state = BulletinState(settings, store, ledger, Watcher(ledger, settings.poll_interval_s, metrics), Authorizer(settings.tokens), metrics, upload_dir)
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI):
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await to_thread.run_sync(_remove_stale_uploads, upload_dir, settings.gc_grace_s)
         if state.auth.open:
             log.warning("no tokens configured (STITCH_BULLETIN_TOKENS): this bulletin accepts reads and publishes from anyone")
@@ -155,17 +135,3 @@ def create_app(settings: BulletinSettings | None = None, store: Store | None = N
 
     app.add_middleware(LatencyMiddleware, metrics=metrics)
     return app
-
-
-def _access(scope: Scope):
-    async def dependency(request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> BulletinState:
-        state = state_of(request)
-        state.auth.check(request.headers.get("authorization"), scope, request.path_params.get("run"))
-        return state
-
-    return dependency
-
-
-#: Route dependencies: check the bearer token for the ``read`` / ``publish`` scope of the path's run.
-read_access = _access("read")
-publish_access = _access("publish")

@@ -10,16 +10,16 @@ import uuid
 from typing import Annotated
 
 from anyio import to_thread
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
 
-from .app import BulletinState, publish_access, read_access
+from stitchboard.proto.answers import BlobStored, UploadUrl
+
+from .deps import BulletinState, Publish, Read
 from .errors import BlobMismatchError, NotFoundError, PayloadTooLargeError
 from .ledger import blob_key
 
 router = APIRouter(prefix="/v1", tags=["blobs"])
-Read = Annotated[BulletinState, Depends(read_access)]
-Publish = Annotated[BulletinState, Depends(publish_access)]
 SizeQuery = Annotated[int | None, Query(ge=0, description="expected size in bytes; checked while receiving")]
 _RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
 
@@ -32,7 +32,7 @@ def _too_large(run: str, sha256: str, size: int | str, limit: int) -> PayloadToo
     )
 
 
-@router.put("/runs/{run}/blobs/{sha256}", status_code=201, responses={200: {"description": "already stored"}, 413: {}, 422: {}})
+@router.put("/runs/{run}/blobs/{sha256}", response_model=BlobStored, status_code=201, responses={200: {"description": "already stored"}, 413: {}, 422: {}})
 async def put_blob(run: str, sha256: str, request: Request, state: Publish, size_bytes: SizeQuery = None) -> JSONResponse:
     """Upload a blob (raw body, streamed). Its sha256 and size are verified while receiving; nothing is stored on mismatch."""
     key = blob_key(run, sha256)
@@ -44,7 +44,7 @@ async def put_blob(run: str, sha256: str, request: Request, state: Publish, size
     tmp = state.upload_dir / f".{sha256}.{uuid.uuid4().hex}"
     try:
         digest, received = hashlib.sha256(), 0
-        with open(tmp, "wb") as f:
+        with open(tmp, "wb") as f:  # noqa: ASYNC230 - page-cache writes, cheaper than a thread hop per chunk; the fsync runs in a thread
             async for chunk in request.stream():
                 received += len(chunk)
                 if received > limit:
@@ -63,12 +63,12 @@ async def put_blob(run: str, sha256: str, request: Request, state: Publish, size
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
-    body = {"run_id": run, "sha256": sha256, "size_bytes": received, "created": existed is None}
-    return JSONResponse(body, status_code=201 if existed is None else 200)
+    body = BlobStored(run_id=run, sha256=sha256, size_bytes=received, created=existed is None)
+    return JSONResponse(body.model_dump(mode="json"), status_code=201 if existed is None else 200)
 
 
-@router.post("/runs/{run}/blobs/{sha256}/upload-url")
-def upload_url(run: str, sha256: str, state: Publish, size_bytes: SizeQuery = None) -> dict:
+@router.post("/runs/{run}/blobs/{sha256}/upload-url", response_model=UploadUrl)
+def upload_url(run: str, sha256: str, state: Publish, size_bytes: SizeQuery = None) -> UploadUrl:
     """A presigned PUT URL for the blob (S3 with ``presign`` on), else ``{"url": null}``: upload to this bulletin then.
 
     With a presigned upload the bulletin checks only existence and size at publish; every
@@ -78,7 +78,7 @@ def upload_url(run: str, sha256: str, state: Publish, size_bytes: SizeQuery = No
     if size_bytes is not None and size_bytes > state.settings.max_blob_bytes:
         raise _too_large(run, sha256, size_bytes, state.settings.max_blob_bytes)
     url = state.store.presign(key, "PUT", state.settings.presign_expires_s) if state.settings.presign else None
-    return {"url": url, "method": "PUT", "expires_s": state.settings.presign_expires_s}
+    return UploadUrl(url=url, method="PUT", expires_s=state.settings.presign_expires_s)
 
 
 def _parse_range(header: str | None, size: int) -> tuple[int, int] | None:

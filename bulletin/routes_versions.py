@@ -6,35 +6,18 @@ import asyncio
 from typing import Annotated
 
 from anyio import to_thread
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel
 
-from stitchboard.proto.schema import Plan, RunInfo, VersionInfo
+from stitchboard.proto.answers import RunList, VersionPage
+from stitchboard.proto.schema import Plan, VersionInfo, VersionManifest
 
-from .app import BulletinState, publish_access, read_access
+from .deps import Publish, Read
 from .errors import BulletinError, NotFoundError, PayloadTooLargeError
 from .ledger import run_key
 from .planner import make_plan
 
 router = APIRouter(prefix="/v1", tags=["versions"])
-
-
-class VersionPage(BaseModel):
-    """A page of committed versions, ascending; ``next_after`` is the ``after`` of the next page (None: last page)."""
-
-    run_id: str
-    versions: list[VersionInfo]
-    next_after: int | None
-
-
-class RunList(BaseModel):
-    """Runs with their latest version."""
-
-    runs: list[RunInfo]
-
-Read = Annotated[BulletinState, Depends(read_access)]
-Publish = Annotated[BulletinState, Depends(publish_access)]
 
 
 async def _read_limited(request: Request, limit: int, run: str) -> bytes:
@@ -65,8 +48,12 @@ async def publish(run: str, request: Request, state: Publish) -> JSONResponse:
     run_key(run)
     body = await _read_limited(request, state.settings.max_manifest_bytes, run)
     loop = asyncio.get_running_loop()
+
+    def on_commit(committed: VersionInfo) -> None:  # wakes this process's long-polls before the latest pointer moves
+        loop.call_soon_threadsafe(state.watcher.note, committed)
+
     try:
-        info, created = await to_thread.run_sync(state.ledger.publish, run, body, lambda info: loop.call_soon_threadsafe(state.watcher.note, info))
+        info, created = await to_thread.run_sync(state.ledger.publish, run, body, on_commit)
     except BulletinError:
         state.metrics.publishes.labels(run, "rejected").inc()
         raise
@@ -110,24 +97,24 @@ def versions(
     state: Read,
     after: Annotated[int, Query(ge=-1, description="list versions greater than this")] = -1,
     limit: Annotated[int, Query(ge=1, description="page size (capped by versions_page_max)")] = 100,
-) -> dict:
+) -> VersionPage:
     """A page of the run's committed versions (ascending) as VersionInfo; ``next_after`` continues the listing."""
     numbers = state.ledger.version_numbers(run, after)
     page = numbers[: min(limit, state.settings.versions_page_max)]
     items = []
     for v in page:
         try:
-            items.append(state.ledger.committed(run, v).info.model_dump(mode="json"))
+            items.append(state.ledger.committed(run, v).info)
         except NotFoundError:
             continue  # removed by retention between listing and reading
-    return {"run_id": run, "versions": items, "next_after": page[-1] if len(numbers) > len(page) else None}
+    return VersionPage(run_id=run, versions=items, next_after=page[-1] if len(numbers) > len(page) else None)
 
 
 @router.get("/runs", response_model=RunList)
-def runs(request: Request, state: Read) -> dict:
+def runs(request: Request, state: Read) -> RunList:
     """Every run (that the token may read) with its latest version."""
     authorization = request.headers.get("authorization")
-    return {"runs": [r.model_dump() for r in state.ledger.runs() if state.auth.visible(authorization, r.run_id)]}
+    return RunList(runs=[r for r in state.ledger.runs() if state.auth.visible(authorization, r.run_id)])
 
 
 @router.get("/runs/{run}/plan", response_model=Plan)
@@ -144,7 +131,7 @@ def plan(
             raise NotFoundError(f"run {run!r} has no version yet: nothing to plan", run_id=run)
         to_version = info.version
 
-    def lookup(version: int):
+    def lookup(version: int) -> VersionManifest | None:
         try:
             return state.ledger.committed(run, version).manifest
         except NotFoundError:
