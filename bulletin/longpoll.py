@@ -104,7 +104,7 @@ class Watcher:
             for run in list(self._waiters):
                 try:
                     await self._refresh(run)
-                except Exception as exc:  # a store hiccup must not end polling; the next round retries
+                except Exception as exc:  # noqa: BLE001 - a store hiccup must not end polling; the next round retries
                     log.warning("reading the latest version of run %r failed: %s", run, exc)
 
     async def close(self) -> None:

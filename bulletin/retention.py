@@ -44,7 +44,7 @@ def kept_from(snapshots: list[int], keep_snapshots: int) -> int:
 
 
 def _epoch(rfc3339: str | None) -> float:
-    return datetime.fromisoformat(rfc3339.replace("Z", "+00:00")).timestamp() if rfc3339 else 0.0
+    return datetime.fromisoformat(rfc3339).timestamp() if rfc3339 else 0.0
 
 
 def _referenced(ledger: Ledger, run: str, versions: list[int]) -> set[str]:
