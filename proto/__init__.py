@@ -6,6 +6,7 @@ Module tree (module -> what it holds -> which process uses it)::
     ├── schema.py       VersionManifest (TensorSpec, FileRef, VersionStats), VersionInfo,     every process
     │                   RunInfo, Plan/PlanStep, ErrorBody; name checks, canonical_json
     ├── answers.py      bulletin answer bodies: VersionPage, RunList, BlobStored, UploadUrl   bulletin and its client
+    ├── sidecar_wire.py the sidecar's headers, stamps, states and SidecarStatus              sidecar and its clients
     ├── errors.py       StitchError (root of every tree; body()), wire_types, codec errors     every process
     ├── dtypes.py       safetensors dtype names and element sizes                            trainer, codec
     ├── container.py    RawTensor; strict safetensors read/write                             trainer, sidecar/vLLM worker
@@ -19,7 +20,8 @@ Module tree (module -> what it holds -> which process uses it)::
     └── patch_cli.py    `stitchboard patch diff|apply|inspect`                               people debugging weights
 
 Inside the package imports point one way: the codec modules import schema, dtypes and
-errors; schema imports dtypes and errors; answers imports schema.
+errors; schema imports dtypes and errors; answers imports schema; sidecar_wire imports nothing
+of the package.
 """
 
 from .answers import BlobStored, RunList, UploadUrl, VersionPage

@@ -17,24 +17,24 @@ import contextlib
 import logging
 import time
 from contextlib import asynccontextmanager
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
 from stitchboard.bulletin.client import BulletinClient
+from stitchboard.proto.sidecar_wire import SidecarStatus
 
-from .engine import EngineAdapter, VllmEngine
+from .engines import create_adapter
+from .engines.base import EngineAdapter
 from .errors import RouteForbiddenError, SidecarError
+from .fetch import Fetcher
 from .gate import Gate
 from .metrics import SidecarMetrics
 from .proxy import MODEL_ROUTES, Proxy, is_read_route
 from .reconciler import Reconciler
 from .settings import SidecarSettings
-from .staging import Stager
 
 log = logging.getLogger("stitchboard.sidecar")
 _ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
@@ -45,14 +45,14 @@ def create_app(settings: SidecarSettings, engine: EngineAdapter | None = None, c
 
     Args:
         settings: configuration.
-        engine: the engine adapter (default: ``VllmEngine(settings.engine_url)``).
+        engine: the engine adapter (default: :func:`.engines.create_adapter` for ``settings.engine``).
         client: the bulletin client (default: one for ``settings.bulletin``/``token``).
 
     Engines and clients passed in are not closed at shutdown; those created here are.
     """
     owned: list[Any] = []  # what this app created, closed at shutdown
     if engine is None:
-        engine = VllmEngine(settings.engine_url)
+        engine = create_adapter(settings)
         owned.append(engine)
     if client is None:
         client = BulletinClient(settings.bulletin, settings.token, timeout_s=settings.bulletin_timeout_s, retries=settings.bulletin_retries)
@@ -62,8 +62,8 @@ def create_app(settings: SidecarSettings, engine: EngineAdapter | None = None, c
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         gate = Gate()
-        stager = Stager(client, settings.run, Path(settings.handoff_dir) / f"sidecar-{settings.port}", settings.download_concurrency)
-        reconciler = Reconciler(settings, client, engine, gate, metrics, stager)
+        fetcher = Fetcher(client, settings.run, Path(settings.handoff_dir) / f"sidecar-{settings.port}", settings.download_concurrency)
+        reconciler = Reconciler(settings, client, engine, gate, metrics, fetcher)
         proxy = Proxy(settings, gate, metrics)
         app.state.gate, app.state.reconciler, app.state.proxy = gate, reconciler, proxy
         task = asyncio.create_task(reconciler.run(), name="stitch-reconciler")
@@ -76,7 +76,7 @@ def create_app(settings: SidecarSettings, engine: EngineAdapter | None = None, c
                 await task
             await proxy.aclose()
             reconciler.close()
-            stager.close()
+            fetcher.close()
             for resource in owned:
                 resource.close()
 
@@ -118,27 +118,18 @@ def create_app(settings: SidecarSettings, engine: EngineAdapter | None = None, c
         return JSONResponse(body, status_code=503, headers={"Retry-After": str(settings.retry_after_s)})
 
     @app.get("/v1/stitch/status", tags=["ops"])
-    async def status(request: Request) -> dict[str, Any]:
+    async def status(request: Request) -> SidecarStatus:
         """Applied and target version, lag, state, last error, the last sync's bytes and seconds, and
         the requests in flight and held (waiting for their version)."""
         reconciler: Reconciler = request.app.state.reconciler
         gate: Gate = request.app.state.gate
         lag = None if gate.target is None else gate.target - (gate.applied if gate.applied is not None else -1)
-        return {
-            "run_id": settings.run,
-            "applied_version": gate.applied,
-            "target_version": gate.target,
-            "lag_versions": lag,
-            "state": reconciler.state,
-            "healthy": reconciler.unhealthy_reason is None and gate.applied is not None,
-            "unhealthy_reason": reconciler.unhealthy_reason,
-            "last_error": reconciler.last_error,
-            "last_sync": asdict(reconciler.last_sync) if reconciler.last_sync else None,
-            "requests_in_flight": gate.in_flight,
-            "requests_waiting": gate.waiting,
-            "committing": gate.committing,
-            "time": time.time(),
-        }
+        return SidecarStatus(
+            run_id=settings.run, applied_version=gate.applied, target_version=gate.target, lag_versions=lag, state=reconciler.state,
+            healthy=reconciler.unhealthy_reason is None and gate.applied is not None, unhealthy_reason=reconciler.unhealthy_reason,
+            last_error=reconciler.last_error, last_sync=reconciler.last_sync, requests_in_flight=gate.in_flight, requests_waiting=gate.waiting,
+            committing=gate.committing, time=time.time(),
+        )  # fmt: skip
 
     @app.get("/metrics", tags=["ops"])
     def metrics_endpoint() -> Response:

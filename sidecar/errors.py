@@ -27,7 +27,6 @@ error body (``{"type": ..., "message": ..., <details>}``, see
 
 from __future__ import annotations
 
-from typing import Any
 
 from stitchboard.proto.errors import StitchError
 
@@ -38,10 +37,6 @@ class SidecarError(StitchError):
 
     type = "SidecarError"
     status = 500
-
-    def body(self) -> dict[str, Any]:
-        """The JSON error body: ``{"type", "message", **details}``."""
-        return {"type": self.type, "message": self.message, **self.details}
 
 
 class WeightVersionError(SidecarError):
@@ -124,7 +119,7 @@ class EngineChangedError(SidecarError):
     type = "EngineChanged"
 
 
-# --- engine adapter and the vLLM worker extension (sidecar/engine.py, sidecar/vllm_*.py) -------
+# --- engine adapters and the code inside engines (sidecar/engines/) -----------------------------
 # Raised by the adapter from the worker's error reports; the worker raises the same classes in
 # the engine process (and the codec's PatchError tree for bad patch files and checksums).
 class EngineRequestError(SidecarError):
@@ -176,9 +171,19 @@ class ApplyRefusedError(SidecarError):
 class ApplyFailedError(SidecarError):
     """Writing began and then failed (target checksum mismatch, an error while writing).
 
-    Details: ``cause`` (wire type of the underlying error), ``restored`` (True: the old bits were
-    written back and the engine still holds ``held``; False: the engine holds no verified
-    version, ``held`` is None, and it must be reloaded from an anchor).
+    Raised inside the engine (with ``cause`` and ``restored``) and again by the adapter from the
+    engine's report (adding ``held`` and ``phase``). Details: ``cause`` (wire type of the
+    underlying error), ``restored`` (True: the old bits were written back and the engine still
+    holds ``held``; False: the engine holds no verified version, ``held`` is None, and it must
+    be reloaded from an anchor).
     """
 
     type = "ApplyFailed"
+
+    @classmethod
+    def after_write(cls, what: str, exc: BaseException, *, restored: bool) -> ApplyFailedError:
+        """The error for ``exc`` raised while or after ``what`` wrote (``restored``: whether the
+        old bits are back); the cause's details (e.g. ``name``) are kept."""
+        cause = exc.type if isinstance(exc, StitchError) else type(exc).__name__
+        details = exc.details if isinstance(exc, StitchError) else {}
+        return cls(f"{what}: {cause}: {exc}", **{**details, "cause": cause, "restored": restored})

@@ -20,12 +20,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import InvalidVersionConstraintError, NotReadyError, WeightVersionNotReadyError, WeightVersionPassedError
+from stitchboard.proto import sidecar_wire as wire
 
-MIN_HEADER = "x-stitch-min-version"
-EXACT_HEADER = "x-stitch-exact-version"
-WAIT_HEADER = "x-stitch-wait-s"
-BODY_FIELD = "weight_version"
+from .errors import (
+    InvalidVersionConstraintError,
+    NotReadyError,
+    WeightVersionNotReadyError,
+    WeightVersionPassedError,
+)
+
+# Header lookups are case-insensitive; the wire spells them as :mod:`stitchboard.proto.sidecar_wire` does.
+MIN_HEADER = wire.MIN_HEADER.lower()
+EXACT_HEADER = wire.EXACT_HEADER.lower()
+WAIT_HEADER = wire.WAIT_HEADER.lower()
+BODY_FIELD = wire.BODY_FIELD
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,12 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
+from stitchboard.proto.sidecar_wire import (
+    END_FIELD,
+    END_HEADER,
+    START_FIELD,
+    START_HEADER,
+)
 
 from .errors import EngineUnavailableError
 from .gate import BODY_FIELD, Gate, parse_constraint
@@ -46,8 +52,6 @@ MODEL_ROUTES = frozenset({
 })
 #: (method, path) forwarded without gate or stamps; ``/v1/models/<id>`` too.
 READ_ROUTES = frozenset({("GET", "/v1/models"), ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/version"), ("GET", "/ping"), ("GET", "/load")})
-START_HEADER = "X-Stitch-Version-Start"
-END_HEADER = "X-Stitch-Version-End"
 _HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade", "proxy-authorization", "proxy-authenticate", "trailer", "accept-encoding", "content-encoding", "date", "server"}
 _EVENT_END = re.compile(rb"\r?\n\r?\n")
 
@@ -84,7 +88,7 @@ class _SseStamper:
                 shape["choices"] = []
         except (ValueError, TypeError):
             pass
-        event = {**shape, "weight_version_start": self.start, "weight_version_end": self.end()}
+        event = {**shape, START_FIELD: self.start, END_FIELD: self.end()}
         return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
 
     def feed(self, chunk: bytes) -> bytes:
@@ -263,7 +267,7 @@ class Proxy:
                 except ValueError:
                     answer = None
                 if isinstance(answer, dict):
-                    answer["weight_version_start"], answer["weight_version_end"] = start, end
+                    answer[START_FIELD], answer[END_FIELD] = start, end
                     content = json.dumps(answer).encode()
             return Response(content, status_code=response.status_code, headers=headers)
         stamper = _SseStamper(start, lambda: self.gate.applied)

@@ -57,7 +57,8 @@ class SidecarSettings(BaseSettings):
     request_wait_s: float = Field(30.0, ge=0, description="How long a request whose version constraint is unmet is held by default, seconds.")
     max_request_wait_s: float = Field(600.0, ge=0, description="Upper bound on a request's X-Stitch-Wait-S, seconds.")
     engine_timeout_s: float = Field(600.0, gt=0, description="Read timeout of a proxied request to the engine, seconds.")
-    engine_call_timeout_s: float = Field(5.0, gt=0, description="Timeout of a health or state call to the engine, seconds.")
+    engine_call_timeout_s: float = Field(10.0, gt=0, description="Timeout of a control call to the engine (health, state, pause, resume, prefix-cache reset), seconds.")
+    engine_apply_timeout_s: float = Field(900.0, gt=0, description="Timeout of an engine call that reads or writes weights (stage, commit, apply, snapshot load, checksums), seconds.")
     engine_check_interval_s: float = Field(1.0, gt=0, description="How often the sidecar checks that the engine is still the instance, at the version, it verified (also at every /health and before every commit), seconds.")
     retry_after_s: int = Field(2, ge=1, description="Retry-After of 503 answers, seconds.")
 

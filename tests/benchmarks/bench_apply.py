@@ -3,7 +3,7 @@
 Starts one vLLM server (CPU build, SmolLM2-135M, the stitchboard worker extension), takes real
 AdamW steps with :class:`tests.support.training.CpuTrainer`, and for each step measures the time
 the engine is paused (pause -> apply -> reset prefix cache -> resume) three ways through the same
-:class:`~stitchboard.sidecar.engine.VllmEngine` adapter:
+:class:`~stitchboard.sidecar.engines.vllm.adapter.VllmEngine` adapter:
 
 * **staged patch** (what the sidecar does): the step's patch file (``diff_views`` of the served
   views) is staged while the engine serves (decode, base and target checks on a host copy, GEMM
@@ -16,7 +16,7 @@ the engine is paused (pause -> apply -> reset prefix cache -> resume) three ways
 All read their files from the memory-backed hand-off folder and are verified bit-exact by the
 engine. Prints one line per step and the medians with the breakdown (hand-off read, checksums,
 host copy, packing or re-packing the CPU GEMM copies, index writes, verify, prefix-cache reset).
-Needs vLLM in the running interpreter: ``.venv/bin/python tests/benchmarks/bench_apply.py``
+Needs vLLM in the running interpreter: ``.venv/bin/python -m tests.benchmarks.bench_apply``
 (``make venv`` installs it; exits 0 with a note when vLLM is absent). Target on CPU: staged
 patch pause <= 0.5x snapshot pause.
 """
@@ -33,9 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from support.vllm_server import VllmServer, vllm_importable  # noqa: E402
+from tests.support.vllm_server import VllmServer, vllm_importable
 
 
 def _paused(engine, action) -> tuple[dict, float, float]:
@@ -60,14 +58,14 @@ def main() -> int:
         print("bench_apply: vLLM is not importable in this interpreter; run it with .venv/bin/python after `make venv`")
         return 0
     import torch
-    from support.training import CpuTrainer
 
+    from stitchboard.demo.smollm2 import build_smollm2_checkpoint
     from stitchboard.proto.checkpoint import save_checkpoint
     from stitchboard.proto.codec import checksum
     from stitchboard.proto.container import RawTensor
     from stitchboard.proto.diff import diff_views
-    from stitchboard.sidecar.engine import VllmEngine
-    from stitchboard.trainer_client.smollm2 import build_smollm2_checkpoint
+    from stitchboard.sidecar.engines.vllm.adapter import VllmEngine
+    from tests.support.training import CpuTrainer
 
     def raw(view: dict) -> dict[str, RawTensor]:
         return {n: RawTensor("BF16", tuple(t.shape), t.contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1)) for n, t in view.items()}

@@ -8,7 +8,7 @@ uploads the patch, then times from the publish call (the manifest commit) until
 * **applied**: the sidecar's gate reports the version (polled every 1 ms), and
 * **served**: a request sent before the publish with ``X-Stitch-Min-Version: v`` is answered.
 
-Run: ``python tests/benchmarks/bench_sidecar.py [--steps 20] [--tensors 32] [--numel 262144]``.
+Run: ``python -m tests.benchmarks.bench_sidecar [--steps 20] [--tensors 32] [--numel 262144]``.
 Target: applied p50 <= 1 s.
 
 With a real engine: start vLLM on ``--checkpoint DIR`` (a bf16 safetensors checkpoint) with the
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -30,20 +29,16 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sidecar"))
-
-from bench_bulletin import start_bulletin  # noqa: E402
-from fake_engine import FakeEngine, copy_view  # noqa: E402
-from sidecar_helpers import AppServer, Publisher, make_view, mutate  # noqa: E402
-
 from stitchboard.bulletin.client import BulletinClient
-from stitchboard.trainer_client.demo.processes import free_port  # noqa: E402
-from stitchboard.proto.checkpoint import checkpoint_files, load_checkpoint  # noqa: E402
-from stitchboard.proto.schema import VersionManifest  # noqa: E402
-from stitchboard.sidecar.app import create_app  # noqa: E402
-from stitchboard.sidecar.engine import VllmEngine  # noqa: E402
-from stitchboard.sidecar.settings import SidecarSettings  # noqa: E402
+from stitchboard.demo.processes import free_port
+from stitchboard.proto.checkpoint import checkpoint_files, load_checkpoint
+from stitchboard.proto.schema import VersionManifest
+from stitchboard.sidecar.app import create_app
+from stitchboard.sidecar.engines.vllm.adapter import VllmEngine
+from stitchboard.sidecar.settings import SidecarSettings
+from tests.benchmarks.bench_bulletin import start_bulletin
+from tests.sidecar.fake_engine import FakeEngine, copy_view
+from tests.sidecar.sidecar_helpers import AppServer, Publisher, make_view, mutate
 
 RUN = "bench-sidecar"
 

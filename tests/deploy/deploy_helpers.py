@@ -43,7 +43,7 @@ K8S_MANIFESTS = sorted(p for p in K8S_DIR.glob("*.yaml") if p.name != "kustomiza
 #: Values of the .env secrets the compose file requires (generated: nothing real is stored).
 SECRET_KEYS = ("MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD", "S3_ACCESS_KEY_ID", "S3_SECRET_ACCESS_KEY", "TRAINER_TOKEN", "ROLLOUT_TOKEN")
 
-from stitchboard.sidecar.vllm_launch import WORKER_EXTENSION  # noqa: E402  (the product constant)
+from stitchboard.sidecar.engines.vllm.launch import WORKER_EXTENSION  # noqa: E402  (the product constant)
 
 
 def missing_tool(what: str) -> None:

@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable
 
 import httpx
-
 from stitchboard.bulletin.client import BulletinClient
 from stitchboard.proto.schema import VersionInfo, VersionManifest
 

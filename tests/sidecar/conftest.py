@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -16,17 +15,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from fake_engine import FakeEngine  # noqa: E402
-from sidecar_helpers import AppServer, Publisher, wait_for  # noqa: E402
-
-from stitchboard.bulletin.app import create_app as create_bulletin  # noqa: E402
-from stitchboard.bulletin.client import BulletinClient  # noqa: E402
-from stitchboard.bulletin.settings import BulletinSettings  # noqa: E402
-from stitchboard.sidecar.app import create_app as create_sidecar  # noqa: E402
-from stitchboard.sidecar.reconciler import COMMIT_STATES  # noqa: E402
-from stitchboard.sidecar.settings import SidecarSettings  # noqa: E402
+from stitchboard.bulletin.app import create_app as create_bulletin
+from stitchboard.bulletin.client import BulletinClient
+from stitchboard.bulletin.settings import BulletinSettings
+from stitchboard.proto.sidecar_wire import COMMIT_STATES
+from stitchboard.sidecar.app import create_app as create_sidecar
+from stitchboard.sidecar.settings import SidecarSettings
+from tests.sidecar.fake_engine import FakeEngine
+from tests.sidecar.sidecar_helpers import AppServer, Publisher, wait_for
 
 
 class _DropShutdownCancels(logging.Filter):
@@ -125,4 +121,14 @@ def sc_start(sc_bulletin: AppServer, sc_publisher: Publisher, tmp_path: Path) ->
 
 
 # --- real vLLM (test_vllm_engine.py, test_sidecar_vllm.py): one server per session, see vllm_fixtures.py
-from vllm_fixtures import vllm_adapter, vllm_engine, vllm_fresh_greedy, vllm_run, vllm_run_engine, vllm_sidecars, vllm_snapshot, vllm_views, vllm_workdir  # noqa: E402, F401
+from tests.sidecar.vllm_fixtures import (  # noqa: E402, F401
+    vllm_adapter,
+    vllm_engine,
+    vllm_fresh_greedy,
+    vllm_run,
+    vllm_run_engine,
+    vllm_sidecars,
+    vllm_snapshot,
+    vllm_views,
+    vllm_workdir,
+)

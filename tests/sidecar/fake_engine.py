@@ -21,13 +21,16 @@ import numpy as np
 import xxhash
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-
 from stitchboard.proto.apply import apply_patch
 from stitchboard.proto.codec import checksum
 from stitchboard.proto.container import RawTensor, read_safetensors
 from stitchboard.proto.decode import read_patch
-from stitchboard.sidecar.engine import EngineState
-from stitchboard.sidecar.errors import ApplyRefusedError, EngineStateError, EngineUnavailableError
+from stitchboard.sidecar.engines.base import EngineState
+from stitchboard.sidecar.errors import (
+    ApplyRefusedError,
+    EngineStateError,
+    EngineUnavailableError,
+)
 
 CONTROL_ROUTES = ["/pause", "/resume", "/collective_rpc", "/update_weights", "/start_weight_update", "/reset_prefix_cache", "/sleep", "/wake_up"]
 

@@ -15,9 +15,8 @@ from stitchboard.proto.codec import checksum
 from stitchboard.proto.container import RawTensor
 from stitchboard.proto.diff import diff_views
 from stitchboard.proto.schema import FileRef, TensorSpec, VersionManifest, VersionStats
-
-from fake_engine import copy_view
-from support.app_server import AppServer  # noqa: F401  (re-exported: the sidecar tests serve apps with it)
+from tests.sidecar.fake_engine import copy_view
+from tests.support.app_server import AppServer  # noqa: F401  (re-exported: the sidecar tests serve apps with it)
 
 
 def wait_for(predicate: Callable[[], object], timeout_s: float = 60.0, what: str = "condition") -> object:

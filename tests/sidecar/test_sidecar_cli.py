@@ -9,9 +9,8 @@ import sys
 import time
 
 import httpx
-from typer.testing import CliRunner
-
 from stitchboard.sidecar.cli import app
+from typer.testing import CliRunner
 
 
 def test_missing_settings_exit_2_with_the_names(monkeypatch):

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import httpx
 import numpy as np
-from fake_engine import FakeEngine, fingerprint
-from sidecar_helpers import make_view, wait_for
+
+from tests.sidecar.fake_engine import FakeEngine, fingerprint
+from tests.sidecar.sidecar_helpers import make_view, wait_for
 
 
 def _same_bits(a, b) -> bool:

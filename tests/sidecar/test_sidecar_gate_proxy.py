@@ -13,8 +13,9 @@ import time
 
 import httpx
 import pytest
-from fake_engine import CONTROL_ROUTES, FakeEngine, fingerprint
-from sidecar_helpers import make_view, wait_for
+
+from tests.sidecar.fake_engine import CONTROL_ROUTES, FakeEngine, fingerprint
+from tests.sidecar.sidecar_helpers import make_view, wait_for
 
 
 @pytest.fixture

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fake_engine import FakeEngine
-from sidecar_helpers import make_view, mutate, wait_for
 
 from stitchboard.bulletin.client import BulletinClient
 from stitchboard.bulletin.errors import UnavailableError
 from stitchboard.proto.diff import diff_views
 from stitchboard.proto.schema import FileRef, VersionManifest
+from tests.sidecar.fake_engine import FakeEngine
+from tests.sidecar.sidecar_helpers import make_view, mutate, wait_for
 
 
 def same_bits(a, b) -> bool:
@@ -42,7 +42,7 @@ def test_fresh_engine_gets_the_anchor_then_deltas(sc_publisher, sc_start):
     status = sidecar.status()
     assert status["last_sync"]["from_version"] == 1 and status["last_sync"]["bytes_fetched"] == sc_publisher.manifests[2].stats.encoded_bytes
     assert status["lag_versions"] == 0 and status["state"] == "idle"
-    assert not any(Path(sidecar.app.state.reconciler.stager.root).iterdir()), "staged files are removed after a commit"
+    assert not any(Path(sidecar.app.state.reconciler.fetcher.root).iterdir()), "staged files are removed after a commit"
 
 
 def test_boot_version_skips_the_anchor(sc_publisher, sc_start):

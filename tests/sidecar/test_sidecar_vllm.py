@@ -20,13 +20,17 @@ from pathlib import Path
 
 import httpx
 import pytest
-from commit_overlap import LongRequests
-from support.vllm_server import VllmServer, require_vllm
 
-from stitchboard.sidecar.engine import VllmEngine
+from stitchboard.sidecar.engines.vllm.adapter import VllmEngine
+from stitchboard.sidecar.engines.vllm.worker import (
+    FAULT_ENV,
+    FAULT_PHASES,
+    FAULT_VERSION_ENV,
+)
 from stitchboard.sidecar.errors import EngineStateError
 from stitchboard.sidecar.reconciler import FAULT_EXIT_CODE as SIDECAR_FAULT_EXIT
-from stitchboard.sidecar.vllm_worker import FAULT_ENV, FAULT_PHASES, FAULT_VERSION_ENV
+from tests.sidecar.commit_overlap import LongRequests
+from tests.support.vllm_server import VllmServer, require_vllm
 
 pytestmark = pytest.mark.slow
 

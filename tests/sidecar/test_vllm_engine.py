@@ -18,8 +18,7 @@ import pytest
 from stitchboard.proto.codec import build_patch, encode_tensor
 from stitchboard.proto.diff import diff_views
 from stitchboard.proto.schema import XXH3_128
-
-from vllm_fixtures import view_sums
+from tests.sidecar.vllm_fixtures import view_sums
 
 pytestmark = pytest.mark.slow
 
@@ -211,11 +210,10 @@ def test_snapshot_with_a_wrong_checksum_is_refused(vllm_adapter, vllm_views, vll
 @pytest.mark.parametrize("phase", ["half-written"])
 def test_fault_injection_kills_the_engine_mid_apply(phase, smollm2_dir, vllm_views, vllm_workdir):
     """``STITCH_FAULT_PHASE`` makes the engine process exit at that phase of an apply (crash tests)."""
-    from support.vllm_server import VllmServer
-
-    from stitchboard.sidecar.engine import VllmEngine
+    from stitchboard.sidecar.engines.vllm.adapter import VllmEngine
+    from stitchboard.sidecar.engines.vllm.worker import FAULT_ENV
     from stitchboard.sidecar.errors import EngineRequestError, EngineUnavailableError
-    from stitchboard.sidecar.vllm_worker import FAULT_ENV
+    from tests.support.vllm_server import VllmServer
 
     server = VllmServer(smollm2_dir, vllm_workdir / f"fault-{phase}.log", env={FAULT_ENV: phase})
     try:
@@ -235,11 +233,10 @@ def test_fault_injection_kills_the_engine_mid_apply(phase, smollm2_dir, vllm_vie
 def test_tensor_parallel_3_patch_is_bit_exact_with_a_fresh_tp3_engine(smollm2_dir, vllm_views, vllm_workdir):
     """TP = 3 (3 KV heads: one per rank; vocab rows split in three): apply in place on every rank,
     verify by gathered whole-tensor checksums, and match a fresh TP = 3 engine of the target."""
-    from support.vllm_server import VllmServer
-    from vllm_fixtures import copy_model_files
-
     from stitchboard.proto.checkpoint import save_checkpoint
-    from stitchboard.sidecar.engine import VllmEngine
+    from stitchboard.sidecar.engines.vllm.adapter import VllmEngine
+    from tests.sidecar.vllm_fixtures import copy_model_files
+    from tests.support.vllm_server import VllmServer
 
     folder = vllm_workdir / "checkpoint-v1-tp3"
     save_checkpoint(folder, vllm_views[1])

@@ -1,7 +1,7 @@
-"""Staging and committing patches (``stitchboard.sidecar.vllm_staging``) without vLLM.
+"""Staging and committing patches (``stitchboard.sidecar.engines.vllm.update``) without vLLM.
 
 The runtime layout is the seam: a small layout object places checkpoint tensors in torch
-parameters the way :class:`~stitchboard.sidecar.vllm_layout.RuntimeLayout` does for a live
+parameters the way :class:`~stitchboard.sidecar.engines.vllm.layout.RuntimeLayout` does for a live
 model, including two checkpoint tensors fused in one parameter (``q``/``k`` rows of ``qkv``).
 Patches are real codec output. The real engine path (vLLM CPU, packing, TP = 3) is covered by
 ``test_vllm_engine.py``.
@@ -14,14 +14,18 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-
 from stitchboard.proto.container import RawTensor
 from stitchboard.proto.diff import diff_views
 from stitchboard.proto.errors import BaseMismatchError, TargetMismatchError
 from stitchboard.proto.schema import XXH3_128
-from stitchboard.sidecar.vllm_layout import Placement
-from stitchboard.sidecar.vllm_staging import StagedPatch, commit_staged, stage_patches
-from stitchboard.sidecar.vllm_weights import WeightIO
+from stitchboard.sidecar.engines.vllm.layout import Placement
+from stitchboard.sidecar.engines.vllm.update import (
+    StagedPatch,
+    commit_staged,
+    stage_patches,
+)
+from stitchboard.sidecar.engines.vllm.weights import WeightIO
+from stitchboard.sidecar.errors import ApplyFailedError
 
 SHAPES = {"q": (8, 16), "k": (4, 16), "norm": (16,)}
 
@@ -138,9 +142,10 @@ def test_a_failed_verification_restores_bits_and_gemm_copies(tmp_path):
     broken = StagedPatch(staged.from_version, staged.to_version, staged.writes, [(linear, "packed from the target")], staged.report)
     broken.writes[-1].new = broken.writes[-1].new ^ 1  # the last tensor would not reach its target
     phases = []
-    with pytest.raises(TargetMismatchError) as failed:
+    with pytest.raises(ApplyFailedError) as failed:
         commit_staged(io, broken, phases.append)
-    assert failed.value.written is True and not getattr(failed.value, "restore_failed", False)
+    assert failed.value.details["cause"] == TargetMismatchError.type and failed.value.details["restored"] is True
+    assert isinstance(failed.value.__cause__, TargetMismatchError)
     assert phases == ["staged", "half-written", "written-unverified"]
     _assert_holds(layout, views[0])
     assert linear.cpu_linear == "packed from the base"

@@ -16,9 +16,8 @@ import time
 from pathlib import Path
 
 import torch.distributed as dist
-
 from stitchboard.proto.errors import StitchError
-from stitchboard.sidecar.vllm_weights import WeightIO
+from stitchboard.sidecar.engines.vllm.weights import WeightIO
 
 
 def outcome(step, what: str) -> dict:

@@ -13,7 +13,6 @@ the trainer SDK publishes from real AdamW steps, and ``stitchboard sidecar run``
 from __future__ import annotations
 
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -23,14 +22,11 @@ import httpx
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from support.vllm_server import VllmServer, require_vllm  # noqa: E402
-
-from stitchboard.proto.checkpoint import save_checkpoint  # noqa: E402
-from stitchboard.proto.codec import checksum  # noqa: E402
-from stitchboard.proto.container import RawTensor  # noqa: E402
-from stitchboard.sidecar.reconciler import COMMIT_STATES  # noqa: E402
+from stitchboard.proto.checkpoint import save_checkpoint
+from stitchboard.proto.codec import checksum
+from stitchboard.proto.container import RawTensor
+from stitchboard.proto.sidecar_wire import COMMIT_STATES
+from tests.support.vllm_server import VllmServer, require_vllm
 
 Views = dict[int, dict[str, RawTensor]]
 
@@ -52,7 +48,8 @@ def vllm_views(smollm2_dir: Path) -> Views:
     """Served views of versions 0, 1, 2: the checkpoint, then after each of two real AdamW steps."""
     require_vllm()
     import torch
-    from support.training import CpuTrainer
+
+    from tests.support.training import CpuTrainer
 
     def raw(view: dict) -> dict[str, RawTensor]:
         return {n: RawTensor("BF16", tuple(t.shape), t.contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1)) for n, t in view.items()}
@@ -90,7 +87,7 @@ def vllm_engine(smollm2_dir: Path, vllm_workdir: Path) -> Iterator[VllmServer]:
 @pytest.fixture
 def vllm_adapter(vllm_engine: VllmServer):
     """A :class:`VllmEngine` adapter on the session engine."""
-    from stitchboard.sidecar.engine import VllmEngine
+    from stitchboard.sidecar.engines.vllm.adapter import VllmEngine
 
     engine = VllmEngine(vllm_engine.url, timeout_s=30)
     yield engine
@@ -148,13 +145,12 @@ class VllmRun:
     """
 
     def __init__(self, model_dir: Path, folder: Path) -> None:
-        from commit_overlap import LatchedClient
-        from sidecar_helpers import AppServer
-        from support.training import CpuTrainer
-
         from stitchboard.bulletin.app import create_app as create_bulletin
         from stitchboard.bulletin.settings import BulletinSettings
         from stitchboard.trainer_client.publisher import Publisher
+        from tests.sidecar.commit_overlap import LatchedClient
+        from tests.sidecar.sidecar_helpers import AppServer
+        from tests.support.training import CpuTrainer
 
         self.run = "vllm-sidecar"
         self.store = folder / "store"
@@ -180,7 +176,7 @@ class VllmRun:
     def publish_held(self):
         """Start publishing the trainer's weights in a thread that stops before the commit
         (a :class:`commit_overlap.HeldPublish`: ``wait_ready()``, then ``commit()``)."""
-        from commit_overlap import HeldPublish
+        from tests.sidecar.commit_overlap import HeldPublish
 
         return HeldPublish(self.client, self.publish)
 
@@ -201,7 +197,7 @@ class VllmRun:
 
 def load_checkpoint_as_version_0(engine_url: str, model_dir: Path, sums: dict[str, str]) -> None:
     """Make an engine hold the SmolLM2 checkpoint as version 0 (whatever it held), resumed."""
-    from stitchboard.sidecar.engine import VllmEngine
+    from stitchboard.sidecar.engines.vllm.adapter import VllmEngine
 
     engine = VllmEngine(engine_url, timeout_s=60)
     try:
@@ -243,8 +239,8 @@ class SidecarProcess:
     """
 
     def __init__(self, run: VllmRun, engine_url: str, folder: Path, env: dict[str, str]) -> None:
-        from stitchboard.trainer_client.demo.engines import stitchboard_cli
-        from stitchboard.trainer_client.demo.processes import ManagedProcess, free_port
+        from stitchboard.demo.engines import stitchboard_cli
+        from stitchboard.demo.processes import ManagedProcess, free_port
 
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"

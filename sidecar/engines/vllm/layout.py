@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .errors import UnmappedTensorError
+from ...errors import UnmappedTensorError
 
 #: torch dtype -> safetensors dtype name (the codec's names, see proto/dtypes.py).
 TORCH_DTYPE_NAMES: dict[torch.dtype, str] = {
@@ -198,7 +198,9 @@ class RuntimeLayout:
             QKVParallelLinear,
             RowParallelLinear,
         )
-        from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+        from vllm.model_executor.layers.vocab_parallel_embedding import (
+            VocabParallelEmbedding,
+        )
 
         runtime, shard = self._runtime_name(name)
         param = self.params.get(runtime)

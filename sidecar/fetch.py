@@ -1,4 +1,5 @@
-"""Staging: download a plan's files into the handoff folder, verify and decode them, engine untouched.
+"""Fetching (runs in the sidecar): download a plan's files into the hand-off folder, verify and
+decode them; the engine is untouched. (Staging *inside* the engine is :mod:`.engines.vllm.update`.)
 
 Files land at ``<folder>/<run>/v<version>-<kind>/<path>`` (a memory-backed folder the engine
 reads; ``kind`` is ``delta`` or ``snapshot``, so a step's folder holds its files only). Downloads run concurrently (``concurrency`` at once) through
@@ -37,7 +38,7 @@ _CHUNK = 1 << 20
 
 
 @dataclass(frozen=True)
-class StagedStep:
+class FetchedStep:
     """One verified step, ready for the engine.
 
     Attributes:
@@ -61,7 +62,7 @@ class StagedStep:
 
 
 @dataclass
-class StagedPlan:
+class FetchedPlan:
     """A plan whose files are all staged and verified.
 
     Attributes:
@@ -74,7 +75,7 @@ class StagedPlan:
 
     from_version: int | None
     to_version: int
-    steps: list[StagedStep] = field(default_factory=list)
+    steps: list[FetchedStep] = field(default_factory=list)
     bytes_fetched: int = 0
     seconds: float = 0.0
 
@@ -87,7 +88,7 @@ def _sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-class Stager:
+class Fetcher:
     """Stages plans of one run into ``folder/<run>`` (blocking; call from a worker thread).
 
     Args:
@@ -120,7 +121,7 @@ class Stager:
         self.client.download_blob(self.run, ref.sha256, dest, ref.size_bytes)
         return ref.size_bytes
 
-    def stage(self, plan: Plan, base: VersionManifest | None) -> StagedPlan:
+    def fetch(self, plan: Plan, base: VersionManifest | None) -> FetchedPlan:
         """Download and verify every file of ``plan``; the engine is not touched.
 
         Args:
@@ -128,7 +129,7 @@ class Stager:
             base: manifest of ``plan.from_version`` (checks the first delta's base checksums), or None.
 
         Returns:
-            The :class:`StagedPlan`.
+            The :class:`FetchedPlan`.
 
         Raises:
             BulletinError: a manifest or file cannot be fetched (``BlobMismatchError``: wrong bytes).
@@ -139,7 +140,7 @@ class Stager:
         manifests = list(self._pool.map(lambda s: self.client.manifest(self.run, s.version), plan.steps))
         wanted = [(s.version, s.kind, f) for s in plan.steps for f in s.files if f.role != "asset"]
         fetched = sum(self._pool.map(lambda args: self._fetch(*args), wanted))
-        staged = StagedPlan(plan.from_version, plan.to_version, bytes_fetched=fetched)
+        staged = FetchedPlan(plan.from_version, plan.to_version, bytes_fetched=fetched)
         previous = base
         for step, manifest in zip(plan.steps, manifests, strict=True):
             if manifest.version != step.version:
@@ -151,7 +152,7 @@ class Stager:
             else:
                 paths = [folder / f.path for f in manifest.files_of("patch")]
                 self._check_delta(manifest, paths, previous)
-            staged.steps.append(StagedStep(step.version, step.kind, folder, paths, manifest))
+            staged.steps.append(FetchedStep(step.version, step.kind, folder, paths, manifest))
             previous = manifest
         staged.seconds = time.perf_counter() - start
         return staged

@@ -8,7 +8,7 @@ while the engine keeps generating):
 **stage** (nothing written to the engine; DESIGN.md invariant 5):
 
 1. read and parse every patch file of every step; map each tensor name to its runtime
-   placement (:mod:`.vllm_layout`) and check dtype and shape; decode every position;
+   placement (:mod:`.layout`) and check dtype and shape; decode every position;
 2. per runtime parameter touched: copy this rank's parameter to host memory and apply the steps
    to the copy in order, checking each tensor's base checksum before each step (``overwrite``: a
    tensor already at the target is skipped) and its target checksum after the last step;
@@ -41,15 +41,19 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from stitchboard.proto.decode import TensorDelta
-from stitchboard.proto.errors import BaseMismatchError, PatchFormatError, TargetMismatchError
+from stitchboard.proto.errors import (
+    BaseMismatchError,
+    PatchFormatError,
+    TargetMismatchError,
+)
 from stitchboard.proto.schema import XXH3_128
 
-from .vllm_layout import BITS_TORCH, Placement
-from .vllm_weights import PhaseHook, WeightIO, placements_for, read_patches
+from ...errors import ApplyFailedError
+from .layout import BITS_TORCH, Placement
+from .weights import PhaseHook, WeightIO, placements_for, read_patches
 
-log = logging.getLogger("stitchboard.sidecar.vllm_staging")
+log = logging.getLogger("stitchboard.sidecar.engines.vllm.update")
 
 #: One step of a staged plan: ``(patch file paths, from_version, to_version)``.
 Step = tuple[Sequence[str], int, int]
@@ -82,7 +86,7 @@ class StagedPatch:
     report: dict
 
 
-#: numpy dtype of each raw-bits torch dtype (:data:`.vllm_layout.BITS_TORCH`).
+#: numpy dtype of each raw-bits torch dtype (:data:`.layout.BITS_TORCH`).
 _NUMPY_OF = {torch.uint8: np.uint8, torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64}
 
 
@@ -243,10 +247,10 @@ def commit_staged(io: WeightIO, staged: StagedPatch, hook: PhaseHook) -> dict:
         ``verify_s``.
 
     Raises:
-        TargetMismatchError, TpRankError (another TP rank failed to write) or any error while
-        writing: the old bits and GEMM copies are back, then the error is re-raised with
-        attribute ``written`` True (and ``restore_failed`` True if restoring failed too: the
-        engine then holds no verified version).
+        ApplyFailedError: the target checksum did not match, another TP rank failed to write,
+            or any error while writing (``cause``); the old bits and GEMM copies were written
+            back (``restored`` True), or restoring failed too (``restored`` False: the engine
+            holds no verified version).
     """
     hook("staged")
     timing: dict[str, float] = {}
@@ -265,17 +269,17 @@ def commit_staged(io: WeightIO, staged: StagedPatch, hook: PhaseHook) -> dict:
             if io.checksum(w.placement) != w.target:
                 raise TargetMismatchError(f"tensor {w.placement.name!r} does not match its target checksum after the write", name=w.placement.name)
         timing["verify_s"] = time.perf_counter() - t
-    except BaseException as exc:
-        exc.written = True  # type: ignore[attr-defined]
+    except Exception as exc:
+        restored = True
         try:
             for w in reversed(staged.writes):
                 w.placement.block_bits()[w.index] = w.old
             for module, linear in old_packs:
                 module.cpu_linear = linear
-        except BaseException:
-            exc.restore_failed = True  # type: ignore[attr-defined]
+        except Exception:
+            restored = False
             log.exception("restoring the old bits failed: the engine holds no verified version")
-        raise
+        raise ApplyFailedError.after_write(f"writing versions {staged.from_version}->{staged.to_version}", exc, restored=restored) from exc
     return {**staged.report, **timing}
 
 

@@ -1,12 +1,12 @@
-"""The engine adapter seam: what the sidecar needs from an inference engine, and vLLM's version.
+"""The vLLM engine adapter: drives a vLLM server's HTTP dev/RL endpoints (runs in the sidecar).
 
-:class:`EngineAdapter` is the whole contract (blocking calls; the reconciler runs them in a
-thread pool). :class:`VllmEngine` drives a vLLM server started with ``VLLM_SERVER_DEV_MODE=1``
-and ``--worker-extension-cls stitchboard.sidecar.vllm_worker.StitchWorkerExtension`` over its
-HTTP dev/RL endpoints: ``/pause?mode=keep`` (in-flight requests are frozen, never aborted),
-``/resume``, ``/is_paused``, ``/reset_prefix_cache`` and ``/collective_rpc`` into the worker
-extension (one JSON-string argument per call; results are small dicts, one per TP rank).
-Patches and snapshots travel as files under the hand-off folder, never as bytes over HTTP.
+:class:`VllmEngine` implements :class:`~stitchboard.sidecar.engines.base.EngineAdapter` for a
+vLLM server started with ``VLLM_SERVER_DEV_MODE=1`` and ``--worker-extension-cls
+stitchboard.sidecar.vllm_worker.StitchWorkerExtension`` (:mod:`.worker`): ``/pause?mode=keep``
+(in-flight requests are frozen, never aborted), ``/resume``, ``/is_paused``,
+``/reset_prefix_cache`` and ``/collective_rpc`` into the worker extension (one JSON-string
+argument per call; results are small dicts, one per TP rank). Patches and snapshots travel as
+files under the hand-off folder, never as bytes over HTTP.
 """
 
 from __future__ import annotations
@@ -14,81 +14,18 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any
 
 import httpx
 
-from .errors import (
+from ...errors import (
     ApplyFailedError,
     ApplyRefusedError,
     EngineRequestError,
     EngineStateError,
     EngineUnavailableError,
 )
-
-
-#: What an engine records about its weights: ``idle`` (holds ``version``, or no known version),
-#: ``paused`` (idle, and scheduling paused), ``applying`` / ``loading`` (a write died half-way:
-#: no known version), ``failed`` (a write could not be undone: only a snapshot load clears it).
-Phase = Literal["idle", "paused", "applying", "loading", "failed"]
-
-
-@dataclass(frozen=True)
-class EngineState:
-    """What the engine records (DESIGN.md invariant 7).
-
-    Attributes:
-        version: the version it holds, or None (none known: fresh, or a write failed).
-        phase: see :data:`Phase`.
-        instance: an id of the engine's processes, new at every engine start: a changed id means
-            the weights the sidecar verified are gone (the engine restarted), whatever
-            ``version`` says.
-    """
-
-    version: int | None
-    phase: Phase
-    instance: str
-
-
-class EngineAdapter(Protocol):
-    """What the sidecar calls on an engine. Every method blocks; errors are ``SidecarError``s."""
-
-    def health(self) -> bool:
-        """Whether the engine answers its health check."""
-
-    def state(self) -> EngineState:
-        """What the engine records (phase ``paused`` while paused and idle)."""
-
-    def pause(self) -> None:
-        """Stop scheduling; in-flight requests are kept and continue after :meth:`resume`."""
-
-    def resume(self) -> None:
-        """Resume scheduling."""
-
-    def apply_patch(self, handoff_path: str | Sequence[str], from_version: int, to_version: int) -> dict[str, Any]:
-        """Apply the hand-off patch file(s) of one version in place; returns the apply report."""
-
-    def stage_patches(self, steps: Sequence[tuple[Sequence[str], int, int]]) -> dict[str, Any]:
-        """Validate and prepare ``(paths, from_version, to_version)`` steps while the engine serves
-        (nothing written); returns the staging report. :meth:`commit_staged` writes them."""
-
-    def commit_staged(self, to_version: int) -> dict[str, Any]:
-        """Write the staged update (engine paused), verified; returns the commit report."""
-
-    def load_snapshot(self, paths: Sequence[str], version: int, checksums: dict[str, str] | None = None) -> dict[str, Any]:
-        """Load a full snapshot (anchor shards) in place, verified; returns the load report."""
-
-    def set_version(self, version: int, base: int | None = None) -> None:
-        """Record ``version`` as the one the engine holds (boot checkpoint, empty delta), only if
-        it records ``base`` now (None: no version); else EngineStateError, nothing recorded."""
-
-    def reset_prefix_cache(self) -> None:
-        """Drop KV blocks computed with older weights."""
-
-    def checksums(self, names: Sequence[str]) -> dict[str, str]:
-        """xxh3-128 (hex) of the named checkpoint tensors as the engine holds them; raises
-        ApplyRefusedError for a name the engine has no place for."""
+from ..base import EngineState
 
 
 def _snapshot_checksums(paths: Sequence[str]) -> dict[str, str]:
@@ -159,14 +96,15 @@ class VllmEngine:
         if not failed:
             return results
         err = failed[0]["error"]
-        cause, message = err.get("type", "Error"), err.get("message", "")
-        details = {k: v for k, v in err.items() if k not in ("type", "message", "written", "restored")}
-        details.update(cause=cause, held=state.get("version"), phase=state.get("phase"))
-        if err.get("written"):
-            raise ApplyFailedError(f"{method}: {cause}: {message}", restored=bool(err.get("restored")), **details)
-        if cause == EngineStateError.type:
+        kind, message = err.get("type", "Error"), err.get("message", "")
+        details = {k: v for k, v in err.items() if k not in ("type", "message")}
+        details.update(held=state.get("version"), phase=state.get("phase"))
+        if kind == ApplyFailedError.type:  # writing began: the worker says what it restored
+            raise ApplyFailedError(f"{method}: {message}", **{**details, "restored": bool(details.get("restored"))})
+        details["cause"] = kind
+        if kind == EngineStateError.type:
             raise EngineStateError(f"{method}: {message}", **{k: v for k, v in details.items() if k != "cause"})
-        raise ApplyRefusedError(f"{method} refused, nothing written: {cause}: {message}", **details)
+        raise ApplyRefusedError(f"{method} refused, nothing written: {kind}: {message}", **details)
 
     # -- EngineAdapter ---------------------------------------------------------------------------
 
@@ -227,7 +165,7 @@ class VllmEngine:
             steps: ``(hand-off paths, from_version, to_version)`` in order from the held version.
 
         Returns:
-            The worker's staging report (rank 0; see :func:`.vllm_staging.stage_patches`) plus
+            The worker's staging report (rank 0; see :func:`.update.stage_patches`) plus
             ``rpc_s`` (start to ready, HTTP included).
 
         Raises:

@@ -1,0 +1,109 @@
+"""The sidecar's wire: request headers and body field, response stamps, states and the status body.
+
+What a client of a sidecar sends and reads; the sidecar (:mod:`stitchboard.sidecar`) and its
+clients (the demo, :class:`stitchboard.sidecar.client.SidecarClient`, tests) share these names.
+No server or engine imports.
+
+Requests may constrain the weight version (headers, or the body field :data:`BODY_FIELD`, which
+the sidecar strips before forwarding)::
+
+    X-Stitch-Min-Version: 12        body: {"weight_version": {"min_version": 12}}
+    X-Stitch-Exact-Version: 12      body: {"weight_version": {"exact_version": 12}}
+    X-Stitch-Wait-S: 5.0            body: {"weight_version": {"wait_s": 5.0}}
+
+Every answer is stamped (DESIGN.md invariant 8): JSON fields :data:`START_FIELD` and
+:data:`END_FIELD` plus headers :data:`START_HEADER` / :data:`END_HEADER`; a stream gets the
+start header and one last event carrying both fields before ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+MIN_HEADER = "X-Stitch-Min-Version"
+EXACT_HEADER = "X-Stitch-Exact-Version"
+WAIT_HEADER = "X-Stitch-Wait-S"
+BODY_FIELD = "weight_version"
+START_HEADER = "X-Stitch-Version-Start"
+END_HEADER = "X-Stitch-Version-End"
+START_FIELD = "weight_version_start"
+END_FIELD = "weight_version_end"
+
+#: What the sidecar is doing (``/v1/stitch/status`` ``state``): ``starting``; ``waiting_for_engine``
+#: (booting, or the claim was dropped: the engine restarted, changed or does not answer);
+#: ``booting``; ``idle``; ``staging`` (fetching files, or the engine staging while it serves);
+#: ``committing`` / ``recovering`` / ``resuming`` (the engine is paused: :data:`COMMIT_STATES`);
+#: ``retrying`` (the last attempt failed; backing off); ``unhealthy`` (a recovery failed).
+SidecarState = Literal["starting", "waiting_for_engine", "booting", "idle", "staging", "committing", "recovering", "resuming", "retrying", "unhealthy"]
+#: States while a commit holds the engine paused; in ``resuming`` the new version is already
+#: marked applied and the engine is being resumed.
+COMMIT_STATES: frozenset[SidecarState] = frozenset({"committing", "recovering", "resuming"})
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SyncReport(_Model):
+    """Figures of the last completed sync.
+
+    Attributes:
+        from_version: the version it started from (None: an anchor load into an engine of no
+            known version).
+        to_version: the version it applied.
+        bytes_fetched: bytes downloaded and verified.
+        stage_seconds: fetching and checking the files, seconds.
+        engine_stage_seconds: the engine staging the update while serving, seconds.
+        pause_seconds: the engine paused, seconds.
+        apply_seconds: writing and verifying inside the pause, seconds.
+        total_seconds: from seeing the version to having it applied, seconds.
+        anchor: whether it loaded an anchor's snapshot.
+        finished_at: when it finished, Unix seconds.
+    """
+
+    from_version: int | None
+    to_version: int
+    bytes_fetched: int
+    stage_seconds: float
+    engine_stage_seconds: float
+    pause_seconds: float
+    apply_seconds: float
+    total_seconds: float
+    anchor: bool
+    finished_at: float
+
+
+class SidecarStatus(_Model):
+    """``GET /v1/stitch/status``.
+
+    Attributes:
+        run_id: the run followed.
+        applied_version: the verified version the engine holds (None: none claimed).
+        target_version: the newest version known at the bulletin.
+        lag_versions: target minus applied (target + 1 while nothing is applied; None: no target).
+        state: see :data:`SidecarState`.
+        healthy: a version is applied and the last sync left the sidecar healthy.
+        unhealthy_reason: why not, after a failed recovery.
+        last_error: ``{"type", "message", "at"}`` of the last failure, if any.
+        last_sync: the last completed sync.
+        requests_in_flight: admitted requests not yet completed.
+        requests_waiting: requests held for their version (or the end of a commit).
+        committing: whether admission is closed for a commit.
+        time: the sidecar's clock, Unix seconds.
+    """
+
+    run_id: str
+    applied_version: int | None
+    target_version: int | None
+    lag_versions: int | None
+    state: SidecarState
+    healthy: bool
+    unhealthy_reason: str | None
+    last_error: dict[str, Any] | None
+    last_sync: SyncReport | None
+    requests_in_flight: int
+    requests_waiting: int
+    committing: bool
+    time: float

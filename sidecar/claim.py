@@ -1,0 +1,320 @@
+"""The sidecar's claim on the engine: boot, and the checks that keep the claim true (sidecar process).
+
+:class:`ClaimKeeper` is the base of :class:`~.reconciler.Reconciler`: the state both share, the
+boot (:meth:`ClaimKeeper.boot`: ask the engine what it holds, DESIGN.md invariant 7) and the
+watch on the claim (invariant 1).
+
+Boot: an engine caught mid-apply or paused (the previous sidecar died) is brought to a verified
+version and resumed; a fresh engine is ``--boot-version`` or gets the nearest anchor loaded. A
+version the sidecar did not apply itself (recorded by the engine, or ``--boot-version``) is
+taken only once the engine's checksums match that version's manifest; otherwise (another run's
+version, weights changed outside stitchboard) the nearest anchor is loaded.
+
+The watch: every ``engine_check_interval_s``, at every ``/health`` and before every commit
+(:meth:`ClaimKeeper.check_engine`), the engine's state is compared with what was verified: its
+instance id (new at every engine start), its recorded version and its phase. An engine that
+restarted, whose record changed or vanished, or that does not answer, loses the claim at once
+(the gate admits and stamps nothing) and the sidecar boots again: the same engine instance back
+at the version this sidecar verified on it is taken as it is; anything else is checked against
+the manifest (or gets the nearest anchor) before any version is claimed.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import functools
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from stitchboard.bulletin.client import BulletinClient
+from stitchboard.bulletin.errors import NotFoundError
+from stitchboard.proto.errors import StitchError
+from stitchboard.proto.schema import VersionManifest
+from stitchboard.proto.sidecar_wire import SidecarState, SyncReport
+
+from .engines.base import EngineAdapter, EngineState
+from .errors import (
+    ApplyRefusedError,
+    EngineChangedError,
+    NothingPublishedError,
+    UnmappedTensorError,
+)
+from .fetch import Fetcher
+from .gate import Gate
+from .metrics import SidecarMetrics
+from .settings import SidecarSettings
+
+log = logging.getLogger("stitchboard.sidecar")
+
+#: Engine phases in which its recorded version is trustworthy; any other (``applying``,
+#: ``loading``, ``failed``) means a commit was interrupted and the weights are of no known version.
+IDLE_PHASES = frozenset({None, "idle", "paused"})
+
+
+class ClaimKeeper(abc.ABC):
+    """Boot and the claim's watch, for one run and one engine (base of the reconciler).
+
+    Args:
+        settings: sidecar settings (run, waits, backoff, engine checks).
+        client: bulletin client.
+        engine: the engine adapter (blocking methods).
+        gate: the request gate of the app (updated from the event loop).
+        metrics: where figures go.
+        fetcher: fetches plans into the hand-off folder.
+    """
+
+    def __init__(self, settings: SidecarSettings, client: BulletinClient, engine: EngineAdapter, gate: Gate, metrics: SidecarMetrics, fetcher: Fetcher) -> None:
+        self.settings = settings
+        self.run_id = settings.run
+        self.client = client
+        self.engine = engine
+        self.gate = gate
+        self.metrics = metrics
+        self.fetcher = fetcher
+        self.state: SidecarState = "starting"
+        self.last_error: dict[str, Any] | None = None
+        self.unhealthy_reason: str | None = None
+        self.last_sync: SyncReport | None = None
+        self._failures = 0
+        self._force_anchor = False
+        self._resume_pending = False
+        self._manifest: VersionManifest | None = None  # of the applied version, for lineage checks
+        self._instance: str | None = None  # the engine instance this boot found
+        self._trusted: tuple[str, int] | None = None  # (instance, version) this sidecar verified or applied
+        self._reboot = asyncio.Event()  # set when the claim is dropped: the main loop boots again
+        self._engine_lock = asyncio.Lock()  # held while boot or a commit works on the engine
+        # One worker more than the loop uses at once: a long-poll dropped by a reboot keeps its
+        # thread until its wait ends.
+        self._pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix="stitch-reconcile")
+
+    # -- plumbing ----------------------------------------------------------------------------
+
+    async def _io(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+
+    def _publish(self) -> None:
+        self.metrics.versions(self.gate.applied, self.gate.target)
+        self.metrics.healthy.set(0 if self.unhealthy_reason else 1)
+
+    def _set_target(self, version: int) -> None:
+        self.gate.set_target(version)
+        self._publish()
+
+    def _set_applied(self, version: int | None, manifest: VersionManifest | None = None) -> None:
+        self._manifest = manifest if version is not None else None
+        if version is not None and self._instance is not None:
+            self._trusted = (self._instance, version)
+        self.gate.set_applied(version)
+        self._publish()
+
+    def _error(self, exc: BaseException, during: str) -> None:
+        kind = exc.type if isinstance(exc, StitchError) else type(exc).__name__
+        self.last_error = {"type": kind, "message": f"{during}: {exc}", "at": time.time()}
+        log.warning("%s failed: %s: %s", during, kind, exc)
+
+    def close(self) -> None:
+        """Release the worker threads (a running blocking call finishes in the background)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- the claim: is the engine still what the sidecar verified? ----------------------------
+
+    @property
+    def engine_busy(self) -> bool:
+        """True while boot or a commit works on the engine (they check it themselves)."""
+        return self._engine_lock.locked()
+
+    def _claim_broken(self, state: EngineState) -> str | None:
+        # Why ``state`` does not back the applied version, or None when it does.
+        if state.instance != self._instance:
+            return f"the engine restarted (instance {self._instance} -> {state.instance}): the weights verified on it are gone"
+        if self.gate.applied is None:
+            return None
+        if state.version != self.gate.applied:
+            return f"the engine records version {state.version}, not the applied version {self.gate.applied}"
+        if state.phase != "idle":
+            return f"the engine is in phase {state.phase!r} outside a commit"
+        return None
+
+    def _drop_claim(self, reason: str) -> None:
+        # Stop admitting and stamping at once, and have the main loop boot again.
+        log.warning("dropping the claim on version %s: %s; booting again", self.gate.applied, reason)
+        self.last_error = {"type": EngineChangedError.type, "message": reason, "at": time.time()}
+        self.metrics.claims_dropped.inc()
+        self._set_applied(None)
+        self.state = "waiting_for_engine"
+        self._reboot.set()
+
+    async def check_engine(self) -> str | None:
+        """Check that the engine is still the instance, at the version, that the sidecar verified.
+
+        Does nothing (None) while nothing is claimed or while boot or a commit works on the
+        engine (they check it themselves). Otherwise one state call, bounded by
+        ``engine_call_timeout_s``; on a restarted engine, a changed or vanished record, a phase
+        other than idle, or no answer, the claim is dropped at once and the sidecar boots again.
+
+        Returns:
+            None if the claim holds (or there is none to check), else why it was dropped.
+        """
+        if self.gate.applied is None or self.engine_busy:
+            return None
+        async with self._engine_lock:
+            try:
+                state = await asyncio.wait_for(asyncio.to_thread(self.engine.state), self.settings.engine_call_timeout_s)
+            except Exception as exc:  # noqa: BLE001 - an engine that cannot say what it holds backs no claim
+                reason: str | None = f"the engine does not answer its state call: {type(exc).__name__}: {exc}"
+            else:
+                reason = self._claim_broken(state)
+            if reason is not None and self.gate.applied is not None:
+                self._drop_claim(reason)
+            return reason
+
+    async def _watch_engine(self) -> None:
+        # Background task: :meth:`check_engine` every ``engine_check_interval_s``.
+        while True:
+            await asyncio.sleep(self.settings.engine_check_interval_s)
+            try:
+                await self.check_engine()
+            except Exception:  # noqa: BLE001 - the watch must outlive any one failure
+                log.exception("engine check failed")
+
+    async def _require_claim(self, before: str) -> None:
+        """Before ``before`` writes to the engine: raise (dropping the claim) if the engine is
+        not the instance this boot found, or no longer records the applied version.
+
+        Raises:
+            EngineChangedError: the main loop boots again.
+        """
+        reason = self._claim_broken(await self._io(self.engine.state))
+        if reason is not None:
+            self._drop_claim(reason)
+            raise EngineChangedError(f"before {before}: {reason}")
+
+    # -- boot --------------------------------------------------------------------------------
+
+    async def boot(self) -> None:
+        """Learn what the engine holds; finish an interrupted commit; load an anchor into a fresh engine.
+
+        Raises:
+            SidecarError, BulletinError, PatchError: on failure (the caller retries).
+        """
+        self._reboot.clear()
+        async with self._engine_lock:
+            target = await self._boot()
+        if target is not None:  # a fresh engine, or one that could not be verified
+            await self.sync(target)
+
+    async def _boot(self) -> int | None:
+        # Everything but the anchor load; returns the version to load from the nearest anchor, if any.
+        self.state = "waiting_for_engine"
+        info = await self._io(self.engine.state)
+        self._instance = info.instance
+        version, phase = info.version, info.phase
+        paused = phase == "paused"
+        self.state = "booting"
+        if self._trusted == (info.instance, version) and phase == "idle" and version is not None:
+            # the engine process this sidecar verified, at the version it verified: it was only unreachable
+            manifest = await self._io(self.client.manifest, self.run_id, version)
+            log.info("the engine instance is back at version %d, as this sidecar left it", version)
+            self._set_applied(version, manifest)
+            self.state = "idle"
+            return None
+        if phase not in IDLE_PHASES or paused:
+            log.warning("engine is in phase %r (paused: %s) holding version %s: an earlier commit was interrupted; recovering", phase, paused, version)
+            await self._recover_interrupted(version if phase in IDLE_PHASES else None, paused)
+            return None
+        manifest = None
+        if version is not None:
+            manifest = await self._verify_claim(version, "the engine records")
+        elif self.settings.boot_version is not None and not self._force_anchor:
+            manifest = await self._verify_claim(self.settings.boot_version, "--boot-version says")
+            if manifest is not None:
+                await self._io(self.engine.set_version, manifest.version, None)
+        if manifest is not None:
+            self._force_anchor = False
+            self._set_applied(manifest.version, manifest)
+            self.state = "idle"
+            return None
+        target = await self._io(self.client.latest, self.run_id, -1, self.settings.poll_wait_s)
+        if target is None:
+            raise NothingPublishedError(f"run {self.run_id!r} has no version yet and the engine holds none")
+        self._set_target(target)
+        self._force_anchor = True
+        return target
+
+    async def _recover_interrupted(self, version: int | None, paused: bool) -> None:
+        # A commit died: the engine is paused at a recorded ``version``, or holds no known version.
+        # The record is checked first: should the check fail (bulletin down), the engine stays
+        # as it is for the next boot attempt.
+        manifest = await self._verify_claim(version, "the paused engine records") if version is not None else None
+        self.gate.set_committing(True)
+        self._force_anchor = manifest is None  # unless verified, this engine is no longer a fresh boot checkpoint
+        try:
+            try:
+                if manifest is not None:
+                    self._set_applied(manifest.version, manifest)
+                    return
+                self._set_applied(None)
+                if not paused:  # no request may run on weights of no known version
+                    await self._io(self.engine.pause)
+                target = await self._io(self.client.latest, self.run_id)
+                if target is None:
+                    raise NothingPublishedError(f"run {self.run_id!r} has no version to recover the engine to")
+                self._set_target(target)
+                await self._recover(target, time.perf_counter(), None)
+            finally:
+                await self._resume()
+        finally:
+            self.gate.set_committing(False)
+            self.state = "idle" if self.gate.applied is not None else "unhealthy"
+
+    async def _verify_claim(self, version: int, claim: str) -> VersionManifest | None:
+        """This run's manifest of ``version`` if the engine's weights are that version, bit for bit
+        (one checksum pass over the model, compared with the manifest), else None.
+
+        Called before the sidecar takes a version it did not apply itself: the engine may hold
+        another run's version of that number, or weights changed outside stitchboard. None:
+        the caller loads the nearest anchor.
+
+        Raises:
+            EngineUnavailableError, BulletinError: the engine or the bulletin does not answer;
+            ApplyRefusedError: the engine refused the checksum call for another reason than an
+            unmapped name (boot retries).
+        """
+        try:
+            manifest = await self._io(self.client.manifest, self.run_id, version)
+        except NotFoundError:
+            log.warning("%s version %d, which run %r does not have: loading the nearest anchor", claim, version, self.run_id)
+            return None
+        want = manifest.checksums()
+        try:
+            held = await self._io(self.engine.checksums, sorted(want))
+        except ApplyRefusedError as exc:
+            if exc.details.get("cause") != UnmappedTensorError.type:
+                raise  # the engine could not answer now: boot retries
+            # names the engine has no place for: another model
+            log.warning("%s version %d, but the engine cannot read run %r's tensors (%s): loading the nearest anchor", claim, version, self.run_id, exc)
+            return None
+        differ = sorted(n for n in want if held.get(n) != want[n])
+        if differ:
+            log.warning("%s version %d, but %d of %d tensors differ from run %r's (first: %s): loading the nearest anchor", claim, version, len(differ), len(want), self.run_id, differ[0])
+            return None
+        return manifest
+
+    async def _resume(self) -> None:
+        # Resume the engine; a failure is kept and retried by the next step (requests would hang).
+        self._resume_pending = True
+        await self._io(self.engine.resume)
+        self._resume_pending = False
+
+    # -- what the reconciler provides ----------------------------------------------------------
+
+    @abc.abstractmethod
+    async def sync(self, target: int) -> None:
+        """Fetch and commit the plan to ``target`` (boot's anchor load goes through it)."""
+
+    @abc.abstractmethod
+    async def _recover(self, target: int, seen: float, paused_at: float | None) -> None:
+        """Load the nearest anchor and the deltas to ``target`` into the paused engine."""

@@ -1,0 +1,37 @@
+"""Engine adapters (run in the sidecar) and the code each engine runs inside its own processes.
+
+::
+
+    engines/
+    ├── base.py       EngineAdapter protocol, EngineState        sidecar process
+    └── vllm/         one engine kind
+        ├── adapter.py  VllmEngine: the adapter over vLLM's HTTP   sidecar process
+        ├── launch.py   the vLLM command line and environment    demo, tests, benchmarks
+        ├── worker.py   StitchWorkerExtension (collective_rpc)   vLLM worker processes
+        ├── layout.py   checkpoint names -> runtime placements   vLLM worker processes
+        ├── weights.py  hashing, snapshot loads, TP agreement    vLLM worker processes
+        └── update.py   patches staged while serving, committed  vLLM worker processes
+
+Nothing here is imported at package import: the worker processes import only what they run.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..settings import SidecarSettings
+    from .base import EngineAdapter
+
+
+def create_adapter(settings: SidecarSettings) -> EngineAdapter:
+    """The adapter for ``settings.engine`` at ``settings.engine_url``, with the settings' timeouts.
+
+    Raises:
+        ValueError: an engine kind this sidecar has no adapter for.
+    """
+    if settings.engine == "vllm":
+        from .vllm.adapter import VllmEngine
+
+        return VllmEngine(settings.engine_url, timeout_s=settings.engine_call_timeout_s, apply_timeout_s=settings.engine_apply_timeout_s)
+    raise ValueError(f"no engine adapter for engine {settings.engine!r}: use one of 'vllm'")
