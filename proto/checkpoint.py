@@ -79,25 +79,64 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, RawTensor]:
     return out
 
 
-def plan_shards(tensors: Mapping[str, RawTensor], max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> dict[str, str]:
-    """Assign tensors (in name order) to shard files of at most ``max_shard_bytes`` each.
+def shard_name(index: int, total: int) -> str:
+    """File name of shard ``index`` (from 0) of ``total``: ``model.safetensors`` alone, else
+    ``model-0000i-of-0000n.safetensors`` (numbered from 1), as ``save_pretrained`` names them."""
+    return SINGLE_NAME if total == 1 else f"model-{index + 1:05d}-of-{total:05d}.safetensors"
 
-    A tensor larger than the bound gets a shard of its own. One shard is named
-    ``model.safetensors``; several are ``model-0000i-of-0000n.safetensors``.
+
+def shard_groups(tensors: Mapping[str, RawTensor], max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[list[str]]:
+    """Split tensor names (in name order) into shards of at most ``max_shard_bytes`` each.
+
+    A tensor larger than the bound gets a shard of its own; no tensors give no shard.
     """
-    groups: list[list[str]] = [[]]
+    groups: list[list[str]] = []
     size = 0
     for name in sorted(tensors):
         n = tensors[name].nbytes
-        if groups[-1] and size + n > max_shard_bytes:
+        if not groups or size + n > max_shard_bytes:
             groups.append([])
             size = 0
         groups[-1].append(name)
         size += n
-    if len(groups) == 1:
-        return {name: SINGLE_NAME for name in groups[0]}
-    total = len(groups)
-    return {name: f"model-{i + 1:05d}-of-{total:05d}.safetensors" for i, g in enumerate(groups) for name in g}
+    return groups
+
+
+def plan_shards(tensors: Mapping[str, RawTensor], max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> dict[str, str]:
+    """Tensor name -> shard file name: :func:`shard_groups` named by :func:`shard_name`."""
+    groups = shard_groups(tensors, max_shard_bytes)
+    return {name: shard_name(i, len(groups)) for i, group in enumerate(groups) for name in group}
+
+
+def write_shards(folder: str | os.PathLike[str], tensors: Mapping[str, RawTensor], weight_map: Mapping[str, str]) -> list[Path]:
+    """Write the shards ``weight_map`` names (tensor name -> shard file name), in name order,
+    into ``folder`` (created if needed), each with the ``{"format": "pt"}`` metadata
+    transformers expects. A sharded publisher writes its own shards of one checkpoint with it.
+
+    Returns:
+        The shard files written, sorted by name.
+
+    Raises:
+        KeyError: ``weight_map`` names a tensor ``tensors`` lacks.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for shard in sorted(set(weight_map.values())):
+        write_safetensors(folder / shard, {n: tensors[n] for n in sorted(weight_map) if weight_map[n] == shard}, {"format": "pt"})
+        written.append(folder / shard)
+    return written
+
+
+def index_json(weight_map: Mapping[str, str], total_size: int) -> bytes:
+    """The bytes of ``model.safetensors.index.json`` for a sharded checkpoint.
+
+    Args:
+        weight_map: tensor name -> shard file name, every tensor of the checkpoint.
+        total_size: bytes of all its tensors.
+    """
+    index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+    return (json.dumps(index, indent=2) + "\n").encode()
 
 
 def save_checkpoint(
@@ -114,19 +153,16 @@ def save_checkpoint(
 
     Returns:
         The files written (shards, then the index when there are several shards).
+
+    Raises:
+        ValueError: ``weight_map`` does not name exactly the tensors.
     """
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     weight_map = dict(weight_map) if weight_map else plan_shards(tensors, max_shard_bytes)
     if set(weight_map) != set(tensors):
         raise ValueError("weight_map must name exactly the tensors to save")
-    written = []
-    for shard in sorted(set(weight_map.values())):
-        part = {n: tensors[n] for n in sorted(weight_map) if weight_map[n] == shard}
-        write_safetensors(folder / shard, part, {"format": "pt"})
-        written.append(folder / shard)
+    written = write_shards(folder, tensors, weight_map)
     if len(written) > 1:
-        index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": dict(sorted(weight_map.items()))}
-        (folder / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        (folder / INDEX_NAME).write_bytes(index_json(weight_map, sum(t.nbytes for t in tensors.values())))
         written.append(folder / INDEX_NAME)
     return written
