@@ -7,6 +7,11 @@
 * A failure is kept and raised by the next :meth:`admit`, :meth:`flush` or :meth:`close`
   (exactly once); publishes still queued behind it are not run (their futures fail with
   :class:`PublishError`), since they would meet the same failure.
+* ``lockstep`` (the ranks of a sharded publisher, one worker each): a failure is raised by
+  :meth:`BoundedWorker.admit` only once it is settled, i.e. once every rank must know it too:
+  job ``n - max_pending`` or an earlier one failed when job ``n`` is admitted (the slot taken
+  proves it ended, and the ranks agree on every outcome). A rank never raises where another
+  goes on into a collective.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
-from .errors import PublishError, PublisherClosedError
+from .errors import PublisherClosedError, PublishError
 
 T = TypeVar("T")
 
@@ -27,27 +32,40 @@ class BoundedWorker:
     Args:
         max_pending: jobs admitted and not finished, >= 1.
         name: thread name prefix (shows in stack dumps).
+        lockstep: :meth:`admit` raises only settled failures (see the module docstring).
 
     Raises:
         ValueError: ``max_pending < 1``.
     """
 
-    def __init__(self, max_pending: int = 2, name: str = "stitchboard-publish") -> None:
+    def __init__(self, max_pending: int = 2, name: str = "stitchboard-publish", lockstep: bool = False) -> None:
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
+        self._max_pending = max_pending
+        self._lockstep = lockstep
         self._slots = threading.BoundedSemaphore(max_pending)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
         self._lock = threading.Lock()
         self._futures: list[Future] = []
+        self._submitted = 0
         self._error: BaseException | None = None
+        self._failed_job: int | None = None  # the index of the job that failed with self._error
         self._closed = False
 
     def raise_error(self) -> None:
         """Raise (once) the error of a failed background job, if any."""
         with self._lock:
-            error, self._error = self._error, None
+            error, self._error, self._failed_job = self._error, None, None
         if error is not None:
             raise error
+
+    def _raise_settled_error(self) -> None:
+        """Lockstep: once a slot is taken for job ``n``, raise the failure of job ``n - max_pending``
+        or earlier, after the jobs queued behind it were skipped (as on every other rank)."""
+        with self._lock:
+            settled = self._failed_job is not None and self._failed_job <= self._submitted - self._max_pending
+        if settled:
+            self.flush()
 
     def admit(self) -> None:
         """Take a slot for one job, blocking while ``max_pending`` are in flight.
@@ -58,10 +76,14 @@ class BoundedWorker:
         """
         if self._closed:
             raise PublisherClosedError("the publisher is closed")
-        self.raise_error()
+        if not self._lockstep:
+            self.raise_error()
         self._slots.acquire()
         try:
-            self.raise_error()  # a job may have failed while we waited
+            if self._lockstep:
+                self._raise_settled_error()
+            else:
+                self.raise_error()  # a job may have failed while we waited
         except BaseException:
             self._slots.release()
             raise
@@ -73,6 +95,8 @@ class BoundedWorker:
     def submit(self, job: Callable[[], T]) -> Future[T]:
         """Run ``job`` on the worker thread, in order; call after :meth:`admit` (the slot is
         released when the job ends)."""
+        with self._lock:
+            index, self._submitted = self._submitted, self._submitted + 1
 
         def run() -> T:
             try:
@@ -83,7 +107,8 @@ class BoundedWorker:
                     return job()
                 except BaseException as exc:
                     with self._lock:
-                        self._error = self._error or exc
+                        if self._error is None:
+                            self._error, self._failed_job = exc, index
                     raise
             finally:
                 self._slots.release()
