@@ -11,18 +11,24 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 
-from stitchboard.proto.codec import build_patch, checksum, encode_tensor
-from stitchboard.proto.container import RawTensor, write_safetensors
+from stitchboard.proto.codec import EncodedTensor, build_patch, checksum, encode_tensor
+from stitchboard.proto.container import RawTensor
 from stitchboard.proto.diff import diff_views
 from stitchboard.proto.schema import XXH3_128, Encoding, FileRef, TensorSpec, VersionManifest, VersionStats
+
+A = TypeVar("A")
+B = TypeVar("B")
+
+#: The role of a file in a manifest (see :class:`~stitchboard.proto.schema.FileRef`).
+FileRole = Literal["patch", "snapshot", "asset"]
 
 
 @dataclass(frozen=True)
@@ -58,7 +64,7 @@ class EncodedPart:
     tensor_set_changed: bool
 
 
-def _pool_map(fn, items):
+def _pool_map(fn: Callable[[A], B], items: Iterable[A]) -> list[B]:
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
         return list(pool.map(fn, items))
 
@@ -106,7 +112,7 @@ def encode_part(
         return EncodedPart(diff.patch, encoding, dict(sorted(sums.items())), diff.changed_elements, total, diff.changed_tensors, changed_set)
     sums.update(checksums_of({n: view[n] for n in common}))
 
-    def whole(name: str):
+    def whole(name: str) -> EncodedTensor | None:
         t = view[name]
         if sums[name] == base[name].checksum:
             return None
@@ -134,25 +140,14 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def file_ref(path: Path, role: str, name: str | None = None) -> FileRef:
+def file_ref(path: Path, role: FileRole, name: str | None = None) -> FileRef:
     """The manifest entry of a file on disk (sha256 and size measured)."""
     return FileRef(path=name or path.name, sha256=sha256_file(path), size_bytes=path.stat().st_size, role=role)
 
 
-def bytes_ref(name: str, data: bytes, role: str) -> FileRef:
+def bytes_ref(name: str, data: bytes, role: FileRole) -> FileRef:
     """The manifest entry of in-memory file bytes."""
     return FileRef(path=name, sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data), role=role)
-
-
-def write_shards(folder: Path, view: Mapping[str, RawTensor], weight_map: Mapping[str, str]) -> list[Path]:
-    """Write ``view`` as the safetensors shards ``weight_map`` names (name -> shard file), in
-    folder; each with the ``{"format": "pt"}`` metadata transformers expects."""
-    folder.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for shard in sorted(set(weight_map.values())):
-        write_safetensors(folder / shard, {n: view[n] for n in sorted(weight_map) if weight_map[n] == shard}, {"format": "pt"})
-        paths.append(folder / shard)
-    return paths
 
 
 def tensor_specs(view: Mapping[str, RawTensor], checksums: Mapping[str, str]) -> list[TensorSpec]:
@@ -195,12 +190,12 @@ def build_manifest(
     )
 
 
-def version_metadata(step: int | None, part: EncodedPart, extra: Mapping[str, Any] | None) -> dict[str, Any]:
+def version_metadata(step: int | None, tensor_set_changed: bool, extra: Mapping[str, Any] | None) -> dict[str, Any]:
     """The manifest's free-form trainer metadata: ``extra``, the trainer ``step``, and
     ``tensor_set_changed`` when the tensor set or a dtype/shape changed since the base."""
     meta: dict[str, Any] = dict(extra or {})
     if step is not None:
         meta["step"] = int(step)
-    if part.tensor_set_changed:
+    if tensor_set_changed:
         meta["tensor_set_changed"] = True
     return meta

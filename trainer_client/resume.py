@@ -1,8 +1,7 @@
 """Rebuilding a published version from the bulletin alone: plan -> anchor + deltas -> verify.
 
-Used by a restarted :class:`~stitchboard.trainer_client.publisher.Publisher` (to continue a
-run from its last published view) and by ``stitchboard pull`` (to materialize any version as a
-plain checkpoint). The result is checked against the target manifest's checksums, tensor by
+Used by a restarted publisher (:func:`resume_publisher`, to continue a run from its last
+published view) and by ``stitchboard pull`` (to materialize any version as a plain checkpoint). The result is checked against the target manifest's checksums, tensor by
 tensor, before it is returned.
 """
 
@@ -21,7 +20,10 @@ from stitchboard.proto.container import RawTensor
 from stitchboard.proto.decode import read_patch
 from stitchboard.proto.schema import XXH3_128, FileRef, VersionManifest
 
+from .assets import Asset, check_same_assets
+from .encode_version import BaseTensor
 from .errors import ResumeError
+from .version_parts import PublishedVersion
 
 
 @dataclass
@@ -125,3 +127,42 @@ def pull_version(client: BulletinClient, run: str, out: str | os.PathLike[str], 
     for ref in rebuilt.assets:
         _download(client, run, ref, out)
     return rebuilt
+
+
+def resume_publisher(
+    client: BulletinClient, run: str, mode: str, given: list[Asset] | None, workdir: str | os.PathLike[str] | None = None
+) -> tuple[PublishedVersion | None, list[FileRef]]:
+    """Where a publisher starting on ``run`` goes on from: (its last version, the run's asset refs).
+
+    Args:
+        mode: for a run with versions, ``"rebuild"`` rebuilds the latest one and verifies it
+            (:func:`rebuild_version`); ``"anchor"`` reads only its manifest (the view is None,
+            so the next version is an anchor).
+        given: the assets the publisher was given (None: none, or not on this rank); checked
+            against the run's, or the refs of a new run.
+
+    Returns:
+        (None, refs of ``given``) for a run without versions.
+
+    Raises:
+        ValueError: ``mode`` is neither, for a run with versions.
+        AssetsError: ``given`` differ from the assets the run carries.
+        the errors of :func:`rebuild_version`.
+    """
+    latest = client.latest(run)
+    if latest is None:
+        return None, [a.ref for a in given or []]
+    if mode == "rebuild":
+        rebuilt = rebuild_version(client, run, latest, workdir=workdir)
+        view: dict[str, RawTensor] | None = rebuilt.view
+        manifest, assets = rebuilt.manifest, rebuilt.assets
+        since = latest - client.plan(run, None, latest).steps[0].version
+    elif mode == "anchor":
+        manifest, view, since = client.manifest(run, latest), None, 0
+        assets = [f for f in client.plan(run, None, latest).steps[0].files if f.role == "asset"]
+    else:
+        raise ValueError(f"resume must be 'rebuild' or 'anchor', got {mode!r}")
+    if given is not None:
+        check_same_assets(assets, given)
+    tensors = {t.name: BaseTensor(t.dtype, tuple(t.shape), t.checksums[XXH3_128]) for t in manifest.tensors}
+    return PublishedVersion(latest, view, tensors, since), assets

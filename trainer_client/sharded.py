@@ -8,37 +8,40 @@ so the kept memory is divided by the world size.
 
 Then each rank diffs and uploads its part: ``patch-v{N}-r{rank}.safetensors`` and, in an
 anchor, its snapshot shards (``model-0000i-of-0000n.safetensors``, numbered across ranks, with
-one ``model.safetensors.index.json`` written by rank 0). The ranks exchange their file lists,
-checksums and counts (two ``all_gather_object`` calls), and rank 0 commits one manifest after
-every rank's files are in; the outcome is broadcast, so every rank returns the same result or
-raises. Every rank must call :meth:`ShardedPublisher.publish` with the same arguments.
+one ``model.safetensors.index.json`` uploaded by rank 0). The ranks exchange what they encoded
+and what they uploaded (two ``all_gather_object`` calls), and rank 0 commits one manifest
+after every rank's files are in; the outcome is broadcast, so every rank returns the same
+result or raises the same error. Everything else (resume, the snapshot rule, the recovery of
+a lost commit answer, ``publish_async``) is :class:`~.publisher_core.PublisherCore`'s, as for
+:class:`~.publisher.Publisher`.
+
+The exchanges run over a gloo group of the publishing ranks of their own (not the training's),
+so a background publish (``publish_async``) never interleaves its collectives with the
+training's. A closed publisher leaves its group to the next publisher over the same ranks
+(:class:`_ControlGroups`).
 """
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
-import time
-from collections.abc import Mapping
-from pathlib import Path
-from typing import Any
+import pickle
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar, Unpack
 
 import torch
 import torch.distributed as dist
 
-from stitchboard.bulletin.client import BulletinClient
-from stitchboard.proto.checkpoint import DEFAULT_SHARD_BYTES, INDEX_NAME, plan_shards
+from stitchboard.proto.container import RawTensor
 from stitchboard.proto.dtypes import DTYPE_SIZES
-from stitchboard.proto.schema import XXH3_128, Encoding, check_run_id
+from stitchboard.proto.schema import FileRef
 
-from .assets import load_assets
-from .encode_version import BaseTensor, build_manifest, bytes_ref, encode_part, file_ref, tensor_specs, version_metadata, write_shards
 from .errors import PublishError
-from .publish_result import PublishResult, log_result
-from .uploads import upload_assets, upload_files
-from .resume import rebuild_version
-from .served_view import TORCH_DTYPE_NAMES, DtypeMap, cast_served, checkpoint_state, gather_full, served_dtype
+from .publisher_core import AssetsArg, PublisherCore, PublisherOptions
+from .served_view import TORCH_DTYPE_NAMES, cast_served, checkpoint_state, gather_full, served_dtype
+from .version_parts import PublishedVersion, ViewPart
+
+T = TypeVar("T")
+K = TypeVar("K")
+S = TypeVar("S")
 
 
 def assign_owners(sizes: Mapping[str, int], world: int) -> dict[str, int]:
@@ -52,212 +55,169 @@ def assign_owners(sizes: Mapping[str, int], world: int) -> dict[str, int]:
     return owners
 
 
-class ShardedPublisher:
+class _ControlGroups:
+    """Gloo groups for the publishers' exchanges, kept for reuse instead of destroyed.
+
+    Groups are made with ``use_local_synchronization`` (only the publishing ranks take part),
+    whose name torch derives from the ranks and the number of live groups: after a destroy, the
+    next group over the same ranks gets the name again and can hang in its rendezvous on the
+    keys the old one left in the store. So a closed publisher's group waits here for the next
+    publisher over the same ranks (every rank makes and closes its publishers in the same order,
+    so every rank takes the same group); groups end with the default process group.
+    """
+
+    def __init__(self) -> None:
+        self._idle: dict[tuple[object, tuple[int, ...]], list[dist.ProcessGroup]] = {}
+
+    def take(self, ranks: list[int]) -> dist.ProcessGroup:
+        idle = self._idle.get((dist.group.WORLD, tuple(ranks)))
+        return idle.pop() if idle else dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+
+    def give_back(self, ranks: list[int], group: dist.ProcessGroup) -> None:
+        self._idle.setdefault((dist.group.WORLD, tuple(ranks)), []).append(group)
+
+
+_CONTROL_GROUPS = _ControlGroups()
+
+
+def _portable(exc: Exception, rank: int) -> Exception:
+    """``exc`` if it survives pickling (to be raised on the other ranks), else a PublishError naming it."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:  # noqa: BLE001 - any error that does not pickle is sent as its repr
+        return PublishError(f"rank {rank} failed: {exc!r}", rank=rank)
+    return exc
+
+
+class ShardedPublisher(PublisherCore):
     """Publishes one version from all ranks of a process group; rank 0 commits.
 
-    Args:
-        url, run, token, encoding, snapshot_every, dtypes, default_dtype, assets,
-            max_shard_bytes, retries, backoff_s, timeout_s, workdir, client: as
-            :class:`~stitchboard.trainer_client.publisher.Publisher` (``assets`` are read on
-            rank 0 only).
-        group: the process group (default: the world); must be initialized.
+    Every rank must make the publisher, call each method (:meth:`publish`, :meth:`publish_view`,
+    :meth:`publish_async`, :meth:`flush`, :meth:`close`) in the same order with the same
+    arguments, and gets the same versions, results and errors. :meth:`publish_view` takes the
+    whole view on every rank (each keeps its own tensors).
 
-    A run that already has versions is resumed: every rank rebuilds the last version from the
-    bulletin (verified against its manifest) and keeps its own tensors at the first publish.
+    Args:
+        url, run, token: as :class:`~stitchboard.trainer_client.publisher.Publisher`.
+        group: the process group (default: the world); must be initialized. Its ranks make a
+            gloo group of their own for the publisher's exchanges (only they take part).
+        options: the keyword arguments of ``Publisher`` (``encoding``, ``snapshot_every``,
+            ``resume``, ``max_pending``...), with the same meaning; ``assets`` are read on rank
+            0 only, and with ``resume="rebuild"`` every rank rebuilds the last version and keeps
+            its own tensors of it at the first publish.
 
     Raises:
         PublishError: ``torch.distributed`` is not initialized.
-        the errors of ``Publisher`` construction.
+        the errors of ``Publisher`` construction, on every rank when one rank fails (e.g.
+            ``AssetsError`` from rank 0).
     """
 
-    def __init__(
-        self,
-        url: str,
-        run: str,
-        token: str | None = None,
-        *,
-        group: dist.ProcessGroup | None = None,
-        encoding: Encoding = "xor",
-        snapshot_every: int = 10,
-        dtypes: DtypeMap | None = None,
-        default_dtype: torch.dtype = torch.bfloat16,
-        assets: str | os.PathLike[str] | Mapping[str, bytes] | None = None,
-        max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-        retries: int = 5,
-        backoff_s: float = 0.5,
-        timeout_s: float = 60.0,
-        workdir: str | os.PathLike[str] | None = None,
-        client: BulletinClient | None = None,
-    ) -> None:
+    _lockstep = True
+
+    def __init__(self, url: str, run: str, token: str | None = None, *, group: dist.ProcessGroup | None = None, **options: Unpack[PublisherOptions]) -> None:
         if not dist.is_initialized():
             raise PublishError("ShardedPublisher needs torch.distributed initialized (init_process_group)")
-        self.run = check_run_id(run)
         self.group = group
-        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        self.encoding: Encoding = encoding
-        self.snapshot_every = snapshot_every
-        self.dtypes, self.default_dtype = dtypes, default_dtype
-        self.max_shard_bytes, self.workdir = max_shard_bytes, workdir
-        if workdir is not None:
-            Path(workdir).mkdir(parents=True, exist_ok=True)
-        self._owns_client = client is None
-        self.client = client or BulletinClient(url, token, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s)
-        given = load_assets(assets) if assets is not None and self.rank == 0 else []
-        self._asset_data = {a.path: a.data for a in given}
-        self._assets = [a.ref for a in given]
-        self._version: int | None = None
-        self._since_anchor = 0
-        self._view: dict = {}
-        self._tensors: dict[str, BaseTensor] = {}
-        latest = self.client.latest(self.run)
-        if latest is not None:
-            rebuilt = rebuild_version(self.client, self.run, latest, workdir=workdir)
-            self._version, self._view, self._assets = latest, rebuilt.view, rebuilt.assets
-            self._tensors = {t.name: BaseTensor(t.dtype, tuple(t.shape), t.checksums[XXH3_128]) for t in rebuilt.manifest.tensors}
-            self._since_anchor = latest - self.client.plan(self.run, None, latest).steps[0].version
+        self._ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+        self._control = _CONTROL_GROUPS.take(self._ranks)
+        self.rank, self.world = dist.get_rank(self._control), dist.get_world_size(self._control)
+        self._group_returned = False
+        try:
+            super().__init__(url, run, token, **options)
+        except BaseException:
+            _CONTROL_GROUPS.give_back(self._ranks, self._control)  # every rank failed here (the ranks agree)
+            raise
 
     def close(self) -> None:
-        """Close the bulletin client (if this publisher made it)."""
-        if self._owns_client:
-            self.client.close()
+        """Flush, stop the worker, close the bulletin client (if this publisher made it) and
+        leave the publisher's gloo group to the next one. Idempotent."""
+        try:
+            super().close()
+        finally:
+            if not self._group_returned:
+                self._group_returned = True
+                _CONTROL_GROUPS.give_back(self._ranks, self._control)
 
-    def _all(self, obj: Any) -> list[Any]:
-        out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+    # -- the view: whole tensors per rank ----------------------------------------------------
 
-    def _raise_any(self, errors: list[str | None], what: str) -> None:
-        failed = [(r, e) for r, e in enumerate(errors) if e]
-        if failed:
-            raise PublishError(f"{what} failed on rank(s) {[r for r, _ in failed]}: {failed[0][1]}", ranks=[r for r, _ in failed])
-
-    def publish(
-        self,
-        model_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor],
-        step: int | None = None,
-        anchor: bool | None = None,
-        metadata: Mapping[str, Any] | None = None,
-    ) -> PublishResult:
-        """Publish this rank's part of the served view; collective, returns the same result on every rank.
-
-        Raises:
-            PublishError: a rank failed to encode, upload or commit (naming the ranks);
-                nothing is committed unless every rank's files are in.
-        """
-        t0 = time.perf_counter()
+    def _take_view(self, model_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor]) -> ViewPart:
         state = checkpoint_state(model_or_state_dict)
         sizes = {}
         for n, t in state.items():
             dtype = TORCH_DTYPE_NAMES.get(served_dtype(n, t, self.dtypes, self.default_dtype), "U8")
             sizes[n] = t.numel() * DTYPE_SIZES[dtype]
         owners = assign_owners(sizes, self.world)
-        view, error, part = {}, None, None
+        view: dict[str, RawTensor] = {}
+        error: Exception | None = None
         for name in sorted(state):
             full = gather_full(state[name])  # collective for a DTensor: every rank joins, in order
             if owners[name] == self.rank and error is None:
                 try:
                     view[name] = cast_served(name, full, self.dtypes, self.default_dtype)
-                except Exception as exc:
-                    error = repr(exc)
+                except Exception as exc:  # noqa: BLE001 - raised on every rank once the ranks compare
+                    error = exc
             del full
-        cast_s = time.perf_counter() - t0
-        version = 0 if self._version is None else self._version + 1
+        return ViewPart(view, frozenset(state), error)
+
+    def _own_view(self, view: Mapping[str, RawTensor]) -> ViewPart:
+        owners = assign_owners({n: t.nbytes for n, t in view.items()}, self.world)
+        return ViewPart({n: view[n] for n in sorted(view) if owners[n] == self.rank}, frozenset(view))
+
+    # -- the collectives ---------------------------------------------------------------------
+
+    def _gather(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj, group=self._control)
+        return out
+
+    def _exchange(self, what: str, work: Callable[[], tuple[K, S]]) -> tuple[K, list[S]]:
+        """Every rank runs ``work``; if one fails, every rank raises a PublishError naming the ranks."""
+        cause: Exception | None = None
         try:
-            if error is not None:
-                raise PublishError(error)
-            base = None if self._version is None else {n: self._tensors[n] for n in view if n in self._tensors}
-            set_changed = self._version is not None and set(self._tensors) != set(state)
-            meta = {"run": self.run, "version": str(version), "base_version": str(version - 1), "rank": str(self.rank)}
-            part = encode_part(view, base, self._view if base is not None else None, self.encoding, meta)
-            set_changed = set_changed or part.tensor_set_changed
-            groups = sorted(set(plan_shards(view, self.max_shard_bytes).values())) if view else []
-        except Exception as exc:
-            error, set_changed, groups = repr(exc), False, []
-        t1 = time.perf_counter()
-        first = self._all((error, set_changed, len(groups)))
-        self._raise_any([e for e, _, _ in first], f"encoding version {version}")
-        snapshot = version == 0 or bool(anchor) or any(c for _, c, _ in first) or self._since_anchor + 1 >= self.snapshot_every
-        total_shards = sum(k for _, _, k in first)
-        offset = sum(k for _, _, k in first[: self.rank])
-        with tempfile.TemporaryDirectory(prefix="stitchboard-publish-", dir=self.workdir) as tmp:
-            error, files, weight_map, uploaded = None, [], {}, 0
-            try:
-                patches = [bytes_ref(f"patch-v{version}-r{self.rank}.safetensors", part.patch, "patch")] if part.patch is not None else []
-                items = [(ref, part.patch) for ref in patches]
-                if snapshot and view:
-                    local = plan_shards(view, self.max_shard_bytes)
-                    rename = {g: _shard_name(offset + i, total_shards) for i, g in enumerate(groups)}
-                    weight_map = {n: rename[g] for n, g in local.items()}
-                    paths = write_shards(Path(tmp), view, weight_map)
-                    items += [(file_ref(p, "snapshot"), p) for p in paths]
-                uploaded = upload_files(self.client, self.run, items)
-                files = [ref for ref, _ in items]
-            except Exception as exc:
-                error = repr(exc)
-        t2 = time.perf_counter()
-        specs = tensor_specs(view, part.checksums) if part else []
-        second = self._all((error, files, weight_map, specs, part.changed_elements if part else 0, len(part.changed_tensors) if part else 0, uploaded))
-        self._raise_any([x[0] for x in second], f"uploading version {version}")
+            kept, shared = work()
+        except Exception as exc:  # noqa: BLE001 - every rank must learn of it before raising
+            cause = exc
+            gathered = self._gather((repr(exc), None))
+        else:
+            gathered = self._gather((None, shared))
+        failed = [r for r, (error, _) in enumerate(gathered) if error is not None]
+        if failed:
+            raise PublishError(
+                f"{what} of run {self.run!r} failed on rank(s) {failed}: {gathered[failed[0]][0]}; nothing was committed, publish again once it is fixed",
+                ranks=failed,
+            ) from cause
+        return kept, [s for _, s in gathered]
+
+    def _on_committer(self, work: Callable[[], T]) -> T:
+        """Rank 0 runs ``work``; every rank returns its value or raises its error (the same type)."""
         outcome: list[Any] = [None]
+        failure: Exception | None = None
         if self.rank == 0:
-            outcome[0] = self._commit(version, snapshot, second, part.encoding, version_metadata(step, part, metadata))
-        dist.broadcast_object_list(outcome, src=0, group=self.group)
-        error, extra_uploaded, snapshot_bytes = outcome[0]
-        if error:
-            raise PublishError(f"committing version {version} of run {self.run!r} failed: {error}")
-        self._version, self._view = version, view
-        self._tensors = {s.name: BaseTensor(s.dtype, tuple(s.shape), s.checksums[XXH3_128]) for x in second for s in x[3]}
-        self._since_anchor = 0 if snapshot else self._since_anchor + 1
-        t3 = time.perf_counter()
-        result = PublishResult(
-            version=version,
-            snapshot=snapshot,
-            changed_elements=sum(x[4] for x in second),
-            total_elements=sum(s.numel for x in second for s in x[3]),
-            changed_tensors=sum(x[5] for x in second),
-            encoded_bytes=sum(f.size_bytes for x in second for f in x[1] if f.role == "patch"),
-            snapshot_bytes=snapshot_bytes,
-            uploaded_bytes=sum(x[6] for x in second) + extra_uploaded,
-            view_bytes=sum(s.size_bytes for x in second for s in x[3]),
-            cast_s=cast_s,
-            diff_s=t1 - t0 - cast_s,
-            write_s=0.0,
-            upload_s=t2 - t1,
-            commit_s=t3 - t2,
-        )
-        if self.rank == 0:
-            log_result(self.run, result)
-        return result
+            try:
+                outcome[0] = (work(), None)
+            except Exception as exc:  # noqa: BLE001 - sent to every rank, then raised
+                failure = exc
+                outcome[0] = (None, _portable(exc, 0))
+        dist.broadcast_object_list(outcome, group=self._control, group_src=0)
+        if failure is not None:
+            raise failure
+        value, error = outcome[0]
+        if error is not None:
+            raise error
+        return value
 
-    def _commit(self, version: int, snapshot: bool, parts: list[tuple], encoding: Encoding, metadata: dict) -> tuple[str | None, int, int]:
-        """Rank 0: write the index, upload it and the assets, commit; returns (error, bytes sent, snapshot bytes)."""
+    def _start(self, mode: str, assets: AssetsArg) -> tuple[PublishedVersion | None, list[FileRef], dict[str, bytes]]:
+        """Resume on every rank; a rank's failure is raised on all; every rank takes rank 0's asset refs."""
         try:
-            files = [f for x in parts for f in x[1]]
-            sent = 0
-            if snapshot:
-                weight_map = {n: s for x in parts for n, s in x[2].items()}
-                if len(set(weight_map.values())) > 1:
-                    index = json.dumps({"metadata": {"total_size": sum(s.size_bytes for x in parts for s in x[3])}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n"
-                    ref = bytes_ref(INDEX_NAME, index.encode(), "snapshot")
-                    sent += upload_files(self.client, self.run, [(ref, index.encode())])
-                    files.append(ref)
-                sent += upload_assets(self.client, self.run, self._assets, self._asset_data)
-            manifest = build_manifest(
-                self.run,
-                version,
-                tensors=[s for x in parts for s in x[3]],
-                patches=[f for f in files if f.role == "patch"],
-                snapshots=[f for f in files if f.role == "snapshot"],
-                assets=self._assets,
-                encoding=encoding,
-                changed_elements=sum(x[4] for x in parts),
-                metadata=metadata,
-            )
-            self.client.publish(manifest)
-            return None, sent, sum(f.size_bytes for f in files if f.role == "snapshot")
+            published, refs, data = super()._start(mode, assets)
         except Exception as exc:
-            return repr(exc), 0, 0
+            self._gather((_portable(exc, self.rank), None))
+            raise
+        gathered = self._gather((None, refs))
+        failure = next((error for error, _ in gathered if error is not None), None)
+        if failure is not None:
+            raise failure
+        return published, gathered[0][1], data
 
-
-def _shard_name(index: int, total: int) -> str:
-    return "model.safetensors" if total == 1 else f"model-{index + 1:05d}-of-{total:05d}.safetensors"
+    def _patch_metadata(self, version: int) -> dict[str, str]:
+        return {**super()._patch_metadata(version), "rank": str(self.rank)}
