@@ -19,6 +19,7 @@ Module tree (module -> what it holds -> which process uses it)::
     ├── client.py           BulletinClient over HTTP (httpx only)      trainer, sidecar, CLIs
     ├── cli.py              `stitchboard bulletin serve|gc`
     ├── versions_cli.py     `stitchboard versions latest|list|show|plan` (client only)
+    ├── cli_options.py      --bulletin/--token/--run of every client CLI (STITCH_CLIENT_* env vars)
     ├── store.py            old import path of stores (FileStore, Store, open_store)
     └── s3store.py          old import path of stores.s3 (S3Store)
 

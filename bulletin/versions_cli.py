@@ -12,14 +12,12 @@ from rich.table import Table
 
 from stitchboard.proto.schema import VersionInfo, canonical_json
 
+from .cli_options import Bulletin, Run, Token
 from .client import BulletinClient
 from .errors import BulletinError
 
 app = typer.Typer(help="Query versions of runs on a bulletin.", no_args_is_help=True)
 
-Bulletin = Annotated[str, typer.Option("--bulletin", envvar="STITCH_BULLETIN_URL", help="bulletin base URL, e.g. http://host:8700")]
-Run = Annotated[str, typer.Option("--run", help="run id")]
-Token = Annotated[str | None, typer.Option("--token", envvar="STITCH_TOKEN", help="bearer token")]
 AsJson = Annotated[bool, typer.Option("--json", help="machine-readable JSON output")]
 
 

@@ -17,11 +17,12 @@ Module tree (module -> what it holds -> which process uses it)::
     ├── diff.py         diff whole views in a thread pool                                    trainer
     ├── checkpoint.py   HF-style (sharded) safetensors checkpoints: anchors                  trainer, sidecar
     ├── cli.py          the `stitchboard` command (subcommands from entry points)            every CLI
+    ├── env.py          renamed env variables: RENAMED_ENV, env_setting                      every process
     └── patch_cli.py    `stitchboard patch diff|apply|inspect`                               people debugging weights
 
 Inside the package imports point one way: the codec modules import schema, dtypes and
-errors; schema imports dtypes and errors; answers imports schema; sidecar_wire imports nothing
-of the package.
+errors; schema imports dtypes and errors; answers imports schema; sidecar_wire and env import
+nothing of the package.
 """
 
 from .answers import BlobStored, RunList, UploadUrl, VersionPage

@@ -17,9 +17,7 @@ from typing import Annotated
 
 import typer
 
-Bulletin = Annotated[str, typer.Option("--bulletin", envvar="STITCH_BULLETIN_URL", help="bulletin base URL, e.g. http://host:8700")]
-Run = Annotated[str, typer.Option("--run", help="run id")]
-Token = Annotated[str | None, typer.Option("--token", envvar="STITCH_TOKEN", help="bearer token (publish scope to publish)")]
+from stitchboard.bulletin.cli_options import Bulletin, Run, Token
 
 
 def _fail(exc: Exception) -> typer.Exit:

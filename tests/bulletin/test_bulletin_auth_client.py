@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 
 import httpx
 import pytest
+import typer
 from bulletin_helpers import ThreadServer, make_backend, make_manifest, sha, upload_version
 from typer.testing import CliRunner
 
@@ -14,6 +16,8 @@ from stitchboard.bulletin.client import BulletinClient
 from stitchboard.bulletin.errors import ForbiddenError, NotFoundError, UnauthorizedError, UnavailableError, VersionConflictError
 from stitchboard.bulletin.settings import TokenGrant
 from stitchboard.bulletin.versions_cli import app as versions_cli
+from stitchboard.proto.cli import build_app
+from stitchboard.proto.env import LegacyEnvWarning
 
 TOKENS = {
     "pub": TokenGrant(scopes=["publish"]),
@@ -86,6 +90,35 @@ def test_versions_cli(server, client, run):
     assert out.exit_code == 3
     out = cli.invoke(versions_cli, ["show", *common, "--version", "5"])
     assert out.exit_code == 1 and "NotFound" in out.output
+
+
+def test_client_clis_read_the_client_variables_and_their_legacy_names(secured):
+    """--bulletin/--token come from STITCH_CLIENT_*; the legacy STITCH_BULLETIN_URL/STITCH_TOKEN still work, with a warning; new names and flags win."""
+    with secured.client("pub") as pub:
+        upload_version(pub, "env-run", 0, snapshot_bytes=10)
+    cli = CliRunner()
+    args = ["latest", "--run", "env-run", "--json"]
+    unset = dict.fromkeys(("STITCH_CLIENT_BULLETIN", "STITCH_CLIENT_TOKEN", "STITCH_BULLETIN_URL", "STITCH_TOKEN"))
+    with pytest.warns(LegacyEnvWarning) as caught:
+        out = cli.invoke(versions_cli, args, env={**unset, "STITCH_BULLETIN_URL": secured.url, "STITCH_TOKEN": "reader"})
+    assert out.exit_code == 0 and json.loads(out.output)["version"] == 0, out.output
+    assert sorted(str(w.message).split()[0] for w in caught) == ["STITCH_BULLETIN_URL", "STITCH_TOKEN"]
+    legacy_wrong = {"STITCH_BULLETIN_URL": "http://127.0.0.1:9", "STITCH_TOKEN": "nope"}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = cli.invoke(versions_cli, args, env={**unset, **legacy_wrong, "STITCH_CLIENT_BULLETIN": secured.url, "STITCH_CLIENT_TOKEN": "reader"})
+        assert out.exit_code == 0 and json.loads(out.output)["version"] == 0, out.output
+        out = cli.invoke(versions_cli, [*args, "--bulletin", secured.url, "--token", "reader"], env={**unset, **legacy_wrong})
+        assert out.exit_code == 0 and json.loads(out.output)["version"] == 0, out.output
+    assert not [w for w in caught if issubclass(w.category, LegacyEnvWarning)]
+    # One declaration of both options, in every client command.
+    root = typer.main.get_command(build_app())
+    for path in (["versions", "latest"], ["versions", "plan"], ["publish"], ["pull"]):
+        cmd = root
+        for part in path:
+            cmd = cmd.commands[part]
+        envvars = {p.name: p.envvar for p in cmd.params if p.name in ("bulletin", "token")}
+        assert envvars == {"bulletin": ["STITCH_CLIENT_BULLETIN", "STITCH_BULLETIN_URL"], "token": ["STITCH_CLIENT_TOKEN", "STITCH_TOKEN"]}, path
 
 
 def _scripted(answers: list[httpx.Response | Exception]):
