@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import tempfile
 import time
 from collections.abc import AsyncIterator
@@ -25,6 +26,8 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from stitchboard.proto.env import RENAMED_ENV
+
 from .auth import Authorizer
 from .deps import BulletinState
 from .errors import BulletinError
@@ -33,7 +36,7 @@ from .longpoll import Watcher
 from .metrics import BulletinMetrics, LatencyMiddleware
 from .routes_blobs import router as blobs_router
 from .routes_versions import router as versions_router
-from .settings import BulletinSettings
+from .settings import BulletinSettings, ignored_env_names
 from .stores import Store, open_store
 
 log = logging.getLogger("stitchboard.bulletin")
@@ -73,6 +76,15 @@ def _remove_stale_uploads(folder: Path, older_than_s: float) -> None:
                 path.unlink()
 
 
+def _warn_ignored_env() -> None:
+    """Log a warning for every ``STITCH_BULLETIN_*`` variable of this process that no setting reads."""
+    renamed_from = {legacy: new for new, legacy in RENAMED_ENV.items()}
+    for name in ignored_env_names(os.environ):
+        new = renamed_from.get(name.upper())
+        hint = f": it is the legacy name of a client's {new}, not a bulletin setting" if new else ": no bulletin setting has this name"
+        log.warning("ignoring %s%s", name, hint)
+
+
 def create_app(settings: BulletinSettings | None = None, store: Store | None = None) -> FastAPI:
     """Build a bulletin app.
 
@@ -99,6 +111,7 @@ def create_app(settings: BulletinSettings | None = None, store: Store | None = N
         await to_thread.run_sync(_remove_stale_uploads, upload_dir, settings.gc_grace_s)
         if state.auth.open:
             log.warning("no tokens configured (STITCH_BULLETIN_TOKENS): this bulletin accepts reads and publishes from anyone")
+        _warn_ignored_env()
         log.info("bulletin serving store %s", store.url)
         yield
         await state.watcher.close()

@@ -11,11 +11,14 @@ Tokens example::
                              "sidecar-secret": {"scopes": ["read"]}}'
 
 ``publish`` implies ``read``; ``runs`` limits a token to those run ids (absent: every run).
-With no tokens the bulletin is open and warns at start-up.
+With no tokens the bulletin is open and warns at start-up. It also warns at start-up about
+every ``STITCH_BULLETIN_*`` variable that is not one of these fields (:func:`ignored_env_names`),
+such as ``STITCH_BULLETIN_URL``, the clients' legacy name for ``STITCH_CLIENT_BULLETIN``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Literal
 
 from pydantic import BaseModel, Field
@@ -63,3 +66,13 @@ class BulletinSettings(BaseSettings, S3Settings):
     gc_grace_s: float = Field(3600.0, ge=0, description="Retention: wait this long before removing dropped versions or unreferenced uploads, seconds.")
 
     log_level: str = Field("info", description="uvicorn log level.")
+
+
+def ignored_env_names(environ: Mapping[str, str]) -> list[str]:
+    """The ``STITCH_BULLETIN_*`` names in ``environ`` that are no field of :class:`BulletinSettings`, sorted.
+
+    Matched case-insensitively, as the settings read them. A bulletin ignores these variables.
+    """
+    prefix = BulletinSettings.model_config["env_prefix"]
+    fields = {(prefix + name).upper() for name in BulletinSettings.model_fields}
+    return sorted(k for k in environ if k.upper().startswith(prefix) and k.upper() not in fields)
