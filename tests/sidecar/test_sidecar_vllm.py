@@ -230,7 +230,7 @@ def test_sidecar_killed_with_the_engine_paused_recovers(vllm_run_engine, vllm_ru
 class EngineChain:
     """Fresh engines from the checkpoint (version 0) for the engine-crash tests, one at a time.
 
-    An engine is armed (``STITCH_FAULT_PHASE`` and ``STITCH_FAULT_VERSION``) to die at one
+    An engine is armed (``STITCH_ENGINE_FAULT_PHASE`` and ``STITCH_ENGINE_FAULT_VERSION``) to die at one
     phase of the apply of one version; the engine started to recover from that crash is
     already armed for the next test's phase and version.
     """

@@ -209,7 +209,7 @@ def test_snapshot_with_a_wrong_checksum_is_refused(vllm_adapter, vllm_views, vll
 
 @pytest.mark.parametrize("phase", ["half-written"])
 def test_fault_injection_kills_the_engine_mid_apply(phase, smollm2_dir, vllm_views, vllm_workdir):
-    """``STITCH_FAULT_PHASE`` makes the engine process exit at that phase of an apply (crash tests)."""
+    """``STITCH_ENGINE_FAULT_PHASE`` makes the engine process exit at that phase of an apply (crash tests)."""
     from stitchboard.sidecar.engines.vllm.adapter import VllmEngine
     from stitchboard.sidecar.engines.vllm.worker import FAULT_ENV
     from stitchboard.sidecar.errors import EngineRequestError, EngineUnavailableError

@@ -56,7 +56,7 @@ class VllmServer(ManagedProcess):
         log_path: file receiving the server's stdout and stderr.
         extension: load the stitchboard worker extension.
         tp: tensor-parallel size (> 1 uses the ``mp`` executor).
-        env: extra environment variables (e.g. ``STITCH_FAULT_PHASE``).
+        env: extra environment variables (e.g. ``STITCH_ENGINE_FAULT_PHASE``).
         port: the TCP port (default: a free one), e.g. a killed server's to start it again.
 
     Attributes:

@@ -43,9 +43,9 @@ snapshot load clears it).
 Importing this module (vLLM does it in every worker before the model loads) makes vLLM's CPU
 GEMM dispatch keep each linear layer's weight (``remove_weight=False``) so that the weights
 can be written in place and re-packed; it costs one extra copy of the linear weights in host
-memory. Set ``STITCH_FAULT_PHASE`` to ``staged``, ``half-written`` or ``written-unverified`` to
+memory. Set ``STITCH_ENGINE_FAULT_PHASE`` to ``staged``, ``half-written`` or ``written-unverified`` to
 make the process exit (``os._exit(86)``) at that point of an apply or load (crash tests); with
-``STITCH_FAULT_VERSION=V`` too, only an apply or load to version V exits (the others run).
+``STITCH_ENGINE_FAULT_VERSION=V`` too, only an apply or load to version V exits (the others run).
 """
 
 from __future__ import annotations
@@ -68,9 +68,9 @@ from .weights import WeightIO, load_snapshot_files
 log = logging.getLogger("stitchboard.sidecar.engines.vllm.worker")
 
 #: Environment variable naming the phase at which to kill the process (crash tests).
-FAULT_ENV = "STITCH_FAULT_PHASE"
+FAULT_ENV = "STITCH_ENGINE_FAULT_PHASE"
 #: Environment variable restricting the fault to an apply or load to this version (crash tests).
-FAULT_VERSION_ENV = "STITCH_FAULT_VERSION"
+FAULT_VERSION_ENV = "STITCH_ENGINE_FAULT_VERSION"
 FAULT_PHASES = ("staged", "half-written", "written-unverified")
 #: Exit status of a fault-injected exit.
 FAULT_EXIT_CODE = 86
@@ -108,8 +108,8 @@ _keep_cpu_linear_weights()
 
 
 def _fault(phase: str, version: int) -> None:
-    """Exit the process at once when ``STITCH_FAULT_PHASE`` names ``phase`` and
-    ``STITCH_FAULT_VERSION`` is unset or names ``version`` (the one being applied or loaded)."""
+    """Exit the process at once when ``STITCH_ENGINE_FAULT_PHASE`` names ``phase`` and
+    ``STITCH_ENGINE_FAULT_VERSION`` is unset or names ``version`` (the one being applied or loaded)."""
     only = os.environ.get(FAULT_VERSION_ENV)
     if os.environ.get(FAULT_ENV) == phase and (only is None or only == str(version)):
         log.error("stitchboard fault injection: exiting at phase %s of version %d", phase, version)
