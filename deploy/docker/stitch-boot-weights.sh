@@ -20,10 +20,10 @@ dir="${STITCH_BOOT_DIR:-/models}"
 mode="${STITCH_BOOT_FROM:-run}"
 bulletin="${STITCH_SIDECAR_BULLETIN:?STITCH_SIDECAR_BULLETIN is not set}"
 run="${STITCH_SIDECAR_RUN:?STITCH_SIDECAR_RUN is not set}"
-# `stitchboard versions` and `stitchboard pull` read the token from STITCH_TOKEN (kept out of argv).
+# `stitchboard versions` and `stitchboard pull` read the token from STITCH_CLIENT_TOKEN (kept out of argv).
 if [ -n "${STITCH_SIDECAR_TOKEN:-}" ]; then
-    STITCH_TOKEN="$STITCH_SIDECAR_TOKEN"
-    export STITCH_TOKEN
+    STITCH_CLIENT_TOKEN="$STITCH_SIDECAR_TOKEN"
+    export STITCH_CLIENT_TOKEN
 fi
 
 case "$mode" in

@@ -10,8 +10,8 @@ takes about 2 s on two cores. A real trainer adds the same three lines to its ow
     ...
     publisher.publish(model, step=step)
 
-Usage (the bulletin URL and token also come from STITCH_BULLETIN_URL / STITCH_TOKEN, the
-variables ``stitchboard publish`` reads)::
+Usage (the bulletin URL and token also come from STITCH_CLIENT_BULLETIN / STITCH_CLIENT_TOKEN,
+the variables ``stitchboard publish`` reads, legacy names included)::
 
     python trainer_example.py --run demo --steps 20
 """
@@ -19,8 +19,9 @@ variables ``stitchboard publish`` reads)::
 from __future__ import annotations
 
 import argparse
-import os
 import time
+
+from stitchboard.proto.env import env_setting
 
 TEXT = (
     "The lighthouse stood at the end of a long spit of sand, and for most of the year the keeper "
@@ -33,8 +34,8 @@ TEXT = (
 def build_parser() -> argparse.ArgumentParser:
     """The command-line options (kept importable without torch, for the deploy tests)."""
     p = argparse.ArgumentParser(description="Train SmolLM2-135M on the CPU and publish every step to a bulletin.")
-    p.add_argument("--bulletin", default=os.environ.get("STITCH_BULLETIN_URL", "http://127.0.0.1:8700"), help="bulletin base URL [env STITCH_BULLETIN_URL]")
-    p.add_argument("--token", default=os.environ.get("STITCH_TOKEN") or None, help="bearer token with the publish scope [env STITCH_TOKEN]")
+    p.add_argument("--bulletin", default=env_setting("STITCH_CLIENT_BULLETIN") or "http://127.0.0.1:8700", help="bulletin base URL [env STITCH_CLIENT_BULLETIN]")
+    p.add_argument("--token", default=env_setting("STITCH_CLIENT_TOKEN"), help="bearer token with the publish scope [env STITCH_CLIENT_TOKEN]")
     p.add_argument("--run", required=True, help="run id")
     p.add_argument("--steps", type=int, default=20, help="optimizer steps to take and publish (default 20)")
     p.add_argument("--lr", type=float, default=3e-6, help="AdamW learning rate (default 3e-6)")
