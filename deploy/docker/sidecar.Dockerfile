@@ -17,6 +17,7 @@ COPY proto proto
 COPY bulletin bulletin
 COPY trainer_client trainer_client
 COPY sidecar sidecar
+COPY demo demo
 RUN pip wheel --no-cache-dir --wheel-dir /wheels '.[sidecar]'
 
 FROM python:${PYTHON_VERSION}-slim-bookworm

@@ -16,6 +16,7 @@ COPY proto proto
 COPY bulletin bulletin
 COPY trainer_client trainer_client
 COPY sidecar sidecar
+COPY demo demo
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 FROM python:${PYTHON_VERSION}-slim-bookworm

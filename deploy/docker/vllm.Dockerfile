@@ -15,6 +15,7 @@ COPY proto proto
 COPY bulletin bulletin
 COPY trainer_client trainer_client
 COPY sidecar sidecar
+COPY demo demo
 RUN python3 -m pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 FROM ${VLLM_IMAGE}

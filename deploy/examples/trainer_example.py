@@ -48,8 +48,8 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from stitchboard.demo.smollm2 import build_smollm2_checkpoint
     from stitchboard.trainer_client.publisher import Publisher
-    from stitchboard.trainer_client.smollm2 import build_smollm2_checkpoint
 
     torch.manual_seed(0)
     folder = build_smollm2_checkpoint()

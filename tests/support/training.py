@@ -1,7 +1,7 @@
 """Real training steps on the CPU, for tests and benchmarks that need genuine weight updates.
 
 :class:`CpuTrainer` loads the SmolLM2-135M-Instruct checkpoint built by
-:func:`stitchboard.trainer_client.smollm2.build_smollm2_checkpoint` as float32 master weights,
+:func:`stitchboard.demo.smollm2.build_smollm2_checkpoint` as float32 master weights,
 trains it with AdamW on one fixed batch of real English text (:data:`TRAINING_TEXT`), and
 exposes what a trainer would publish: the bf16 cast of every parameter under its checkpoint
 name (:meth:`CpuTrainer.served_view`).

@@ -7,6 +7,7 @@ imported when a build actually runs.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
@@ -18,11 +19,7 @@ app = typer.Typer(help="Build the SmolLM2-135M-Instruct bf16 checkpoint used by 
 
 @app.command("build-smollm2")
 def build_smollm2(
-    cache_dir: Path | None = typer.Option(
-        None,
-        "--cache-dir",
-        help="Checkpoint folder to create (default: $STITCHBOARD_CACHE/models/smollm2-135m-instruct-bf16).",
-    ),
+    cache_dir: Annotated[Path | None, typer.Option("--cache-dir", help="Checkpoint folder to create (default: $STITCHBOARD_CACHE/models/smollm2-135m-instruct-bf16).")] = None,
 ) -> None:
     """Build the checkpoint once (about 25 s, 270 MB) and print its folder; exit 1 on failure."""
     try:

@@ -14,6 +14,7 @@ from rich.live import Live
 from rich.table import Table
 
 from stitchboard.proto.errors import StitchError
+
 from .loop import DemoConfig, DemoResult, StepRow, run_demo
 
 COLUMNS = ("step", "version", "% changed", "patch / full", "publish s", "pause s", "mean reward", "versions seen")

@@ -1,4 +1,4 @@
-"""Child processes of the demo (bulletin, engines, sidecars): start, wait for health, stop.
+"""Child processes of the demo (bulletin, engines, sidecars): free ports, start, wait for health, stop.
 
 Every process runs in its own session with its output in a log file under the work dir;
 :class:`ProcessGroup` stops them all (SIGTERM to the process group, SIGKILL after a grace
@@ -16,14 +16,25 @@ from pathlib import Path
 
 import httpx
 
-from ..errors import DemoError
+from .errors import DemoError
+
+
+def free_socket() -> socket.socket:
+    """A TCP socket bound to a free port on 127.0.0.1 (``SO_REUSEADDR`` set, not yet listening).
+
+    Hand it to a server in this process (no one else can take the port meanwhile), or close it
+    and start a server on its port (:func:`free_port`).
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
 
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on 127.0.0.1 right now, for a server about to start (another process could take it first)."""
+    with free_socket() as sock:
+        return sock.getsockname()[1]
 
 
 class ManagedProcess:

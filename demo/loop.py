@@ -25,13 +25,13 @@ from pathlib import Path
 import torch
 
 from stitchboard.bulletin.client import BulletinClient
+from stitchboard.trainer_client.publisher import Publisher
+from stitchboard.trainer_client.resume import pull_version
 
-from ..publisher import Publisher
-from ..resume import pull_version
-from ..smollm2 import build_smollm2_checkpoint
 from .engines import greedy, sample, start_engine, start_rollout, stitchboard_cli, wait_applied
 from .grpo import Sample, policy_gradient_step
 from .processes import ProcessGroup, free_port
+from .smollm2 import build_smollm2_checkpoint
 from .task import prompts_for_step, reward
 
 
@@ -191,7 +191,7 @@ def _check(result: DemoResult, before: list[dict], after: list[list[dict]], refe
             result.reasons.append(name)
     if not result.checks["engine == fresh engine from the pulled checkpoint (bitwise)"]:
         for i, a in enumerate(after):
-            for p, (x, y) in enumerate(zip(a, reference)):
+            for p, (x, y) in enumerate(zip(a, reference, strict=False)):
                 if x != y:
                     result.reasons.append(f"engine {i}, oracle prompt {p}: {x['tokens']} {x['token_logprobs']} != fresh {y['tokens']} {y['token_logprobs']}")
                     break

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import httpx
 
-from stitchboard.sidecar.vllm_launch import vllm_command, vllm_env
+from stitchboard.sidecar.engines.vllm.launch import vllm_command, vllm_env
 
-from ..errors import DemoError
+from .errors import DemoError
 from .processes import ManagedProcess, ProcessGroup, free_port
 
 #: Name the engines serve the model under.

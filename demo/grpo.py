@@ -54,7 +54,7 @@ def policy_gradient_step(model: torch.nn.Module, tokenizer, optimizer: torch.opt
     ids = torch.full((len(samples), width), pad, dtype=torch.long)
     mask = torch.zeros((len(samples), width), dtype=torch.long)
     weight = torch.zeros((len(samples), width - 1), dtype=torch.float32)
-    for i, (p, f) in enumerate(zip(prompts, fulls)):
+    for i, (p, f) in enumerate(zip(prompts, fulls, strict=True)):
         ids[i, : len(f)] = torch.tensor(f)
         mask[i, : len(f)] = 1
         weight[i, len(p) - 1 : len(f) - 1] = advantages[i]  # predicts completion tokens only

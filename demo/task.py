@@ -39,7 +39,7 @@ def reward(prompt: Prompt, completion: str) -> float:
     """Graded credit in [-0.2, 1]: correct prefix of 1..n over n, minus 0.2 for anything extra."""
     numbers = re.findall(r"-?\d+", completion)
     prefix = 0
-    for got, want in zip(numbers, range(1, prompt.n + 1)):
+    for got, want in zip(numbers, range(1, prompt.n + 1), strict=False):
         if got != str(want):
             break
         prefix += 1
