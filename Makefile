@@ -33,8 +33,8 @@ demo: venv
 	$(VENV)/bin/stitchboard demo --workdir stitchboard-demo
 
 bench: venv
-	$(PY) tests/benchmarks/bench_codec.py
-	for b in tests/benchmarks/bench_*.py; do [ "$$b" = tests/benchmarks/bench_codec.py ] || $(PY) "$$b" || exit 1; done
+	$(PY) -m tests.benchmarks.bench_codec
+	for b in tests/benchmarks/bench_*.py; do m=$$(basename "$$b" .py); [ "$$m" = bench_codec ] || $(PY) -m "tests.benchmarks.$$m" || exit 1; done
 
 clean:
 	rm -rf $(VENV) build *.egg-info proto/*.so

@@ -4,7 +4,7 @@
    sending the publish until each client has its answer (p50/p99/max), over several rounds.
 2. Manifest GETs per second (a 300-tensor manifest, keep-alive connections).
 
-Run: ``python tests/benchmarks/bench_bulletin.py [--clients 1000] [--rounds 5]``. Target: 1,000
+Run: ``python -m tests.benchmarks.bench_bulletin [--clients 1000] [--rounds 5]``. Target: 1,000
 clients notified with p99 <= 200 ms. The bulletin runs as a subprocess (``stitchboard bulletin
 serve`` over a local-folder store); the clients are raw asyncio HTTP/1.1 connections so the
 client side costs little next to the server.
@@ -27,7 +27,7 @@ import time
 import httpx
 
 from stitchboard.bulletin.client import BulletinClient
-from stitchboard.trainer_client.demo.processes import free_port
+from stitchboard.demo.processes import free_port
 from stitchboard.proto.schema import FileRef, TensorSpec, VersionManifest, VersionStats, canonical_json
 
 RUN = "bench"

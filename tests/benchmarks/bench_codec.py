@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -25,15 +23,12 @@ import zstandard
 from rich.console import Console
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from support.training import CpuTrainer  # noqa: E402
-
-from stitchboard.proto.apply import apply_patch  # noqa: E402
-from stitchboard.proto.container import RawTensor  # noqa: E402
-from stitchboard.proto.decode import read_patch  # noqa: E402
-from stitchboard.proto.diff import diff_views  # noqa: E402
-from stitchboard.trainer_client.smollm2 import build_smollm2_checkpoint  # noqa: E402
+from stitchboard.demo.smollm2 import build_smollm2_checkpoint
+from stitchboard.proto.apply import apply_patch
+from stitchboard.proto.container import RawTensor
+from stitchboard.proto.decode import read_patch
+from stitchboard.proto.diff import diff_views
+from tests.support.training import CpuTrainer
 
 
 def raw_view(view: dict[str, torch.Tensor]) -> dict[str, RawTensor]:

@@ -1,6 +1,6 @@
 """Publishing cost on real training steps of SmolLM2-135M (CPU, fp32 master, AdamW lr 3e-6).
 
-Run: ``python tests/benchmarks/bench_publish.py [--off N] [--on N]`` (from the repo root, in .venv).
+Run: ``python -m tests.benchmarks.bench_publish [--off N] [--on N]`` (from the repo root, in .venv).
 
 In one run and one process: version 0 (the anchor) is published, then ``--off`` training steps
 are timed without publishing, then ``--on`` steps each followed by ``Publisher.publish_async``
@@ -15,23 +15,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bulletin"))
-
-from bulletin_helpers import ProcessServer  # noqa: E402
-from support.training import CpuTrainer  # noqa: E402
-
-from stitchboard.bulletin.settings import BulletinSettings  # noqa: E402
-from stitchboard.trainer_client.publisher import Publisher  # noqa: E402
-from stitchboard.trainer_client.smollm2 import build_smollm2_checkpoint  # noqa: E402
+from stitchboard.bulletin.settings import BulletinSettings
+from stitchboard.demo.smollm2 import build_smollm2_checkpoint
+from stitchboard.trainer_client.publisher import Publisher
+from tests.bulletin.bulletin_helpers import ProcessServer
+from tests.support.training import CpuTrainer
 
 
 def main() -> None:

@@ -18,12 +18,13 @@ from urllib.parse import urlparse
 import boto3
 import httpx
 import pytest
-from support.app_server import AppServer, free_socket
 
 from stitchboard.bulletin.app import create_app
 from stitchboard.bulletin.client import BulletinClient
 from stitchboard.bulletin.settings import BulletinSettings
+from stitchboard.demo.processes import free_socket
 from stitchboard.proto.schema import FileRef, TensorSpec, VersionManifest, VersionStats
+from tests.support.app_server import AppServer
 
 S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 

@@ -6,8 +6,9 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-from bulletin_helpers import S3_ENV, Backend, ThreadServer, free_socket, make_backend
 from moto.server import ThreadedMotoServer
+
+from tests.bulletin.bulletin_helpers import S3_ENV, Backend, ThreadServer, free_socket, make_backend
 
 
 @pytest.fixture(scope="session")

@@ -8,10 +8,10 @@ import time
 
 import httpx
 import pytest
-from bulletin_helpers import ThreadServer, make_backend, make_manifest, sha, upload_version
 
 from stitchboard.bulletin.errors import NotFoundError, VersionConflictError
 from stitchboard.proto.schema import canonical_json
+from tests.bulletin.bulletin_helpers import ThreadServer, make_backend, make_manifest, sha, upload_version
 
 
 def test_publish_then_read_everything_back(client, run):

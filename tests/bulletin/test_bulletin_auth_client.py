@@ -9,7 +9,6 @@ import warnings
 import httpx
 import pytest
 import typer
-from bulletin_helpers import ThreadServer, make_backend, make_manifest, sha, upload_version
 from typer.testing import CliRunner
 
 from stitchboard.bulletin.client import BulletinClient
@@ -18,6 +17,7 @@ from stitchboard.bulletin.settings import TokenGrant
 from stitchboard.bulletin.versions_cli import app as versions_cli
 from stitchboard.proto.cli import build_app
 from stitchboard.proto.env import LegacyEnvWarning
+from tests.bulletin.bulletin_helpers import ThreadServer, make_backend, make_manifest, sha, upload_version
 
 TOKENS = {
     "pub": TokenGrant(scopes=["publish"]),
@@ -157,7 +157,7 @@ def test_client_retries_5xx_and_transport_errors_but_never_4xx():
 
 
 def test_client_reports_an_unreachable_bulletin():
-    from bulletin_helpers import free_socket
+    from tests.bulletin.bulletin_helpers import free_socket
 
     sock = free_socket()
     port = sock.getsockname()[1]

@@ -7,11 +7,11 @@ import os
 
 import httpx
 import pytest
-from bulletin_helpers import make_manifest, sha, upload_version
 
 from stitchboard.bulletin.ledger import version_key
 from stitchboard.bulletin.stores import open_store
 from stitchboard.proto.schema import FileRef, canonical_json
+from tests.bulletin.bulletin_helpers import make_manifest, sha, upload_version
 
 GOOD = sha(b"x")
 

@@ -6,7 +6,6 @@ import json
 import time
 
 import pytest
-from bulletin_helpers import make_manifest, sha, upload_version
 from typer.testing import CliRunner
 
 from stitchboard.bulletin.cli import app as bulletin_cli
@@ -16,6 +15,7 @@ from stitchboard.bulletin.planner import make_plan
 from stitchboard.bulletin.retention import GcReport, collect_garbage, collect_run, kept_from
 from stitchboard.bulletin.stores import open_store
 from stitchboard.proto.schema import FileRef
+from tests.bulletin.bulletin_helpers import make_manifest, sha, upload_version
 
 
 def _f(role: str, size: int, tag: str) -> FileRef:

@@ -6,10 +6,10 @@ import threading
 
 import httpx
 import pytest
-from bulletin_helpers import ProcessServer, make_manifest, upload_version
 
 from stitchboard.bulletin.client import BulletinClient
 from stitchboard.proto.schema import canonical_json
+from tests.bulletin.bulletin_helpers import ProcessServer, make_manifest, upload_version
 
 
 def _race(urls: list[str], run: str, bodies: list[bytes]) -> list[httpx.Response]:

@@ -7,10 +7,10 @@ import uuid
 
 import httpx
 import pytest
-from bulletin_helpers import CuttingProxy, ThreadServer, make_backend
 
 from stitchboard.bulletin.errors import UnavailableError
 from stitchboard.bulletin.stores import S3Store, open_store
+from tests.bulletin.bulletin_helpers import CuttingProxy, ThreadServer, make_backend
 
 
 def test_a_body_cut_mid_stream_raises_unavailable_naming_the_key(request, tmp_path):

@@ -6,11 +6,11 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from bulletin_helpers import make_manifest
 
 from stitchboard.bulletin.errors import InvalidRequestError, NotFoundError
 from stitchboard.bulletin.ledger import Ledger, version_key
 from stitchboard.bulletin.stores import S3Store, open_store
+from tests.bulletin.bulletin_helpers import make_manifest
 
 
 @pytest.fixture

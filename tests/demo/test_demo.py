@@ -10,9 +10,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from support.vllm_server import require_vllm  # noqa: E402
+from tests.support.vllm_server import require_vllm
 
 
 @pytest.mark.slow

@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 import yaml
-from deploy_helpers import COMPOSE_FILE, ENV_EXAMPLE, SECRET_KEYS, WORKER_EXTENSION, run_compose, secret_env_file
+
+from tests.deploy.deploy_helpers import COMPOSE_FILE, ENV_EXAMPLE, SECRET_KEYS, WORKER_EXTENSION, run_compose, secret_env_file
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import re
 import subprocess
 import tomllib
 
-from deploy_helpers import DOCKER_DIR, DOCKERFILES, REPO, find_tool
+from tests.deploy.deploy_helpers import DOCKER_DIR, DOCKERFILES, REPO, find_tool
 
 #: Pinning apt/pip versions does not apply: gcc comes from the pinned base image's release, and
 #: pip installs the wheel built in the same Dockerfile.

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from deploy_helpers import (
+
+from tests.deploy.deploy_helpers import (
     DOCKER_DIR,
     DOCKERFILES,
     ENV_EXAMPLE,

@@ -6,7 +6,8 @@ import copy
 
 import pytest
 import yaml
-from deploy_helpers import K8S_DIR, K8S_MANIFESTS, WORKER_EXTENSION, k8s_docs, k8s_object, missing_tool, pod_containers
+
+from tests.deploy.deploy_helpers import K8S_DIR, K8S_MANIFESTS, WORKER_EXTENSION, k8s_docs, k8s_object, missing_tool, pod_containers
 
 #: 1.29: the first release with native sidecar containers on by default; and the newest schemas.
 K8S_VERSIONS = ("1.29.0", "latest")

@@ -7,7 +7,6 @@ import json
 import os
 import select
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,16 +15,12 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from deploy_helpers import SCRIPTS
 from safetensors.numpy import load_file, save_file
 
+from stitchboard.demo.processes import free_port
+from tests.deploy.deploy_helpers import SCRIPTS
+
 BIN = Path(sys.executable).parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -38,7 +33,7 @@ def _env(**extra: str) -> dict[str, str]:
 @pytest.fixture
 def bulletin(tmp_path):
     """A real `stitchboard bulletin serve` process over a file store, with a publish and a read token."""
-    port = _free_port()
+    port = free_port()
     tokens = {"trainer-tok": {"scopes": ["publish"]}, "rollout-tok": {"scopes": ["read"]}}
     env = _env(STITCH_BULLETIN_TOKENS=json.dumps(tokens))
     proc = subprocess.Popen(

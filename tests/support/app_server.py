@@ -1,24 +1,18 @@
 """An ASGI app served by uvicorn in a thread of the test process, on a free loopback port.
 
-Shared by the bulletin and sidecar tests and the benchmarks (``from support.app_server import
-AppServer``); ``tests/`` must be on ``sys.path``, as pytest puts it for ``tests/conftest.py``.
+Shared by the bulletin and sidecar tests and the benchmarks (``from tests.support.app_server
+import AppServer``). The port comes from :func:`stitchboard.demo.processes.free_socket`, held
+bound until uvicorn listens on it.
 """
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
 import uvicorn
 
-
-def free_socket() -> socket.socket:
-    """A TCP socket bound to a free loopback port (ready to listen)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    return sock
+from stitchboard.demo.processes import free_socket
 
 
 class AppServer:

@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bulletin"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bulletin_helpers import ThreadServer  # noqa: E402
-
-from stitchboard.bulletin.settings import BulletinSettings  # noqa: E402
+from stitchboard.bulletin.settings import BulletinSettings
+from tests.bulletin.bulletin_helpers import ThreadServer
 
 
 @pytest.fixture(scope="session")

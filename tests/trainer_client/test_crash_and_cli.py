@@ -7,9 +7,7 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
-from toy import ToyTrainer, assert_same_view, view_of
 from typer.testing import CliRunner
 
 from stitchboard.bulletin.retention import collect_garbage
@@ -17,13 +15,12 @@ from stitchboard.proto.checkpoint import load_checkpoint, save_checkpoint
 from stitchboard.proto.cli import build_app
 from stitchboard.trainer_client.publisher import Publisher
 from stitchboard.trainer_client.resume import rebuild_version
-
-TESTS = Path(__file__).resolve().parent
+from tests.support.pythonpath import repo_on_pythonpath
+from tests.trainer_client.toy import ToyTrainer, assert_same_view, view_of
 
 KILLED_TRAINER = """
-import os, signal, sys
-sys.path.insert(0, {tests!r})
-from toy import ToyTrainer
+import os, signal
+from tests.trainer_client.toy import ToyTrainer
 from stitchboard.bulletin.client import BulletinClient
 from stitchboard.trainer_client.publisher import Publisher
 trainer = ToyTrainer()
@@ -44,8 +41,8 @@ def _referenced(client, run) -> set[str]:
 
 
 def test_killed_after_upload_before_commit(bulletin, run):
-    code = KILLED_TRAINER.format(tests=str(TESTS), url=bulletin.url, run=run)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120)
+    code = KILLED_TRAINER.format(url=bulletin.url, run=run)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120, env=repo_on_pythonpath())  # it imports tests.trainer_client.toy
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
     with bulletin.client() as client:
         assert [i.version for i in client.versions(run)] == [0]  # version 1 does not exist

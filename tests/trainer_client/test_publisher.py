@@ -9,7 +9,6 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from toy import ToyTrainer, assert_same_view, view_of
 
 from stitchboard.bulletin.client import BulletinClient
 from stitchboard.bulletin.errors import AuthError, UnavailableError
@@ -19,6 +18,7 @@ from stitchboard.trainer_client.errors import AssetsError, PublishError
 from stitchboard.trainer_client.publisher import Publisher
 from stitchboard.trainer_client.resume import rebuild_version
 from stitchboard.trainer_client.served_view import served_view
+from tests.trainer_client.toy import ToyTrainer, assert_same_view, view_of
 
 ASSETS = {"config.json": b'{"model_type": "toy"}', "tokenizer.json": b"{}"}
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.training import CpuTrainer
-from toy import assert_same_view
 
 from stitchboard.proto.checkpoint import load_checkpoint
 from stitchboard.trainer_client.publisher import Publisher
 from stitchboard.trainer_client.resume import pull_version, rebuild_version
 from stitchboard.trainer_client.served_view import served_view, to_raw
+from tests.support.training import CpuTrainer
+from tests.trainer_client.toy import assert_same_view
 
 pytestmark = pytest.mark.slow
 STEPS = 4
