@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
+from stitchboard.demo.processes import free_port
 from stitchboard.sidecar.cli import app
 from typer.testing import CliRunner
 
@@ -22,9 +22,7 @@ def test_missing_settings_exit_2_with_the_names(monkeypatch):
 
 
 def test_process_serves_status_while_the_engine_is_down(sc_bulletin, sc_publisher, tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {
         **os.environ, "STITCH_SIDECAR_BULLETIN": sc_bulletin.url, "STITCH_SIDECAR_ENGINE_URL": "http://127.0.0.1:9",
         "STITCH_SIDECAR_HANDOFF_DIR": str(tmp_path / "handoff"), "STITCH_SIDECAR_LOG_LEVEL": "warning", "STITCH_SIDECAR_RETRY_BACKOFF_S": "0.1",
