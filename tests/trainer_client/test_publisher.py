@@ -2,60 +2,38 @@
 
 from __future__ import annotations
 
-import threading
-import time
+from collections.abc import Callable
+from pathlib import Path
 
 import httpx
-import numpy as np
 import pytest
 import torch
 
 from stitchboard.bulletin.client import BulletinClient
 from stitchboard.bulletin.errors import AuthError, UnavailableError
-from stitchboard.proto.apply import apply_patch
-from stitchboard.proto.decode import read_patch
-from stitchboard.trainer_client.errors import AssetsError, PublishError
+from stitchboard.proto.checkpoint import INDEX_NAME, save_checkpoint
+from stitchboard.trainer_client.encode_version import sha256_file
 from stitchboard.trainer_client.publisher import Publisher
 from stitchboard.trainer_client.resume import rebuild_version
 from stitchboard.trainer_client.served_view import served_view
+from tests.trainer_client.publisher_scenarios import ASSETS, ONE_PROCESS, FlakyTransport, Side, commits, flaky_client, lost_commit, publish_async, resume
+from tests.trainer_client.ranks import run_ranks
 from tests.trainer_client.toy import ToyTrainer, assert_same_view, view_of
 
-ASSETS = {"config.json": b'{"model_type": "toy"}', "tokenizer.json": b"{}"}
+#: The publishers the shared scenarios run against: ``Publisher`` here, ``ShardedPublisher`` on 2 ranks.
+SIDES = ["publisher", "sharded"]
 
 
-class FlakyTransport(httpx.BaseTransport):
-    """Real HTTP, except requests for which ``mode(request)`` says "down" (connection refused)
-    or "lose" (the request reaches the bulletin, the answer is lost)."""
-
-    def __init__(self, mode) -> None:
-        self.inner = httpx.HTTPTransport()
-        self.mode = mode
-        self.calls: list[tuple[str, str, str | None]] = []
-
-    def handle_request(self, request: httpx.Request) -> httpx.Response:
-        mode = self.mode(request)
-        self.calls.append((request.method, request.url.path, mode))
-        if mode == "down":
-            raise httpx.ConnectError("connection refused (test)", request=request)
-        response = self.inner.handle_request(request)
-        if mode == "lose":
-            response.read()
-            response.close()
-            raise httpx.ReadError("connection reset (test)", request=request)
-        return response
+def play(side: str, scenario: Callable[[Side, str, str, Path], None], url: str, run: str, tmp_path: Path) -> None:
+    """Run a scenario of publisher_scenarios.py in this process, or on every rank of a 2-process sharded job."""
+    if side == "publisher":
+        scenario(ONE_PROCESS, url, run, tmp_path)
+    else:
+        run_ranks([scenario.__name__, url, run, str(tmp_path)], tmp_path)
 
 
 def served_f32(t: torch.Tensor):
     return served_view({"w": t}, dtypes={"w": torch.float32})["w"]
-
-
-def commits(request: httpx.Request) -> bool:
-    return request.method == "POST" and request.url.path.endswith("/versions")
-
-
-def flaky_client(bulletin, mode, retries: int = 2) -> tuple[BulletinClient, FlakyTransport]:
-    transport = FlakyTransport(mode)
-    return BulletinClient(bulletin.url, retries=retries, backoff_s=0.01, transport=transport), transport
 
 
 def test_versions_anchors_and_bit_exact_rebuild(bulletin, run):
@@ -80,6 +58,17 @@ def test_versions_anchors_and_bit_exact_rebuild(bulletin, run):
             assert roles == (["asset", "patch", "snapshot"] if r.snapshot and r.version else ["asset", "snapshot"] if r.snapshot else ["patch"])
         plan = client.plan(run, 2, 6)
         assert [s.version for s in plan.steps] in ([3, 4, 5, 6], [5, 6])
+
+
+def test_an_anchor_is_the_checkpoint_save_checkpoint_writes(bulletin, run, tmp_path):
+    """One shard/index writer: an anchor's snapshot files are byte for byte those of save_checkpoint."""
+    trainer = ToyTrainer()
+    with Publisher(bulletin.url, run, max_shard_bytes=4096, backoff_s=0.01) as pub:
+        pub.publish(trainer.model)
+        snapshot = {f.path: f.sha256 for f in pub.client.manifest(run, 0).files_of("snapshot")}
+    written = save_checkpoint(tmp_path / "checkpoint", view_of(trainer.model), max_shard_bytes=4096)
+    assert INDEX_NAME in snapshot and len(snapshot) > 2
+    assert snapshot == {p.name: sha256_file(p) for p in written}
 
 
 def test_tensor_set_change_forces_an_anchor(bulletin, run):
@@ -115,7 +104,7 @@ def test_bulletin_down_then_back_no_torn_or_duplicate_version(bulletin, run):
             return "down"
         return None
 
-    client, transport = flaky_client(bulletin, mode)
+    client, transport = flaky_client(bulletin.url, mode)
     with Publisher(bulletin.url, run, client=client) as pub:
         pub.publish(trainer.model)
         trainer.step()
@@ -134,38 +123,9 @@ def test_bulletin_down_then_back_no_torn_or_duplicate_version(bulletin, run):
     client.close()
 
 
-def test_lost_commit_answer_is_the_same_version_not_a_duplicate(bulletin, run):
-    trainer = ToyTrainer()
-    lose = {"left": 0}
-
-    def mode(request):
-        if lose["left"] and commits(request):
-            lose["left"] -= 1
-            return "lose"
-        return None
-
-    client, _ = flaky_client(bulletin, mode, retries=0)
-    with Publisher(bulletin.url, run, client=client) as pub:
-        pub.publish(trainer.model)
-        trainer.step()
-        lose["left"] = 1
-        with pytest.raises(UnavailableError):
-            pub.publish(trainer.model)  # committed, but the trainer does not know
-        v1 = pub.client.manifest(run, 1)
-        # retrying the same weights: same version, same bytes (a no-op for the bulletin)
-        assert pub.publish(trainer.model).version == 1
-        assert pub.client.manifest(run, 1) == v1
-        trainer.step()
-        assert pub.publish(trainer.model).version == 2
-        lose["left"] = 1
-        trainer.step()
-        with pytest.raises(UnavailableError):
-            pub.publish(trainer.model)
-        trainer.step()  # different weights next: the publisher learns version 3 exists and goes on
-        assert pub.publish(trainer.model).version == 4
-        assert [i.version for i in pub.client.versions(run)] == [0, 1, 2, 3, 4]
-        assert_same_view(rebuild_version(pub.client, run, 4).view, view_of(trainer.model))
-    client.close()
+@pytest.mark.parametrize("side", SIDES)
+def test_lost_commit_answer_is_the_same_version_not_a_duplicate(bulletin, run, tmp_path, side):
+    play(side, lost_commit, bulletin.url, run, tmp_path)
 
 
 def test_4xx_is_not_retried(bulletin, run):
@@ -173,7 +133,6 @@ def test_4xx_is_not_retried(bulletin, run):
 
     def mode(request):
         calls.append(request.url.path)
-        return None
 
     transport = FlakyTransport(mode)
     transport.inner = httpx.MockTransport(lambda r: httpx.Response(403, json={"type": "Forbidden", "message": "no publish scope"}))
@@ -184,81 +143,11 @@ def test_4xx_is_not_retried(bulletin, run):
     client.close()
 
 
-def test_publish_async_overlaps_bounds_and_surfaces_errors(bulletin, run):
-    trainer = ToyTrainer()
-    gate, fail = threading.Event(), threading.Event()
-    gate.set()
-
-    def mode(request):
-        gate.wait(60)
-        return "down" if fail.is_set() and commits(request) else None
-
-    client, _ = flaky_client(bulletin, mode, retries=0)
-    pub = Publisher(bulletin.url, run, client=client, max_pending=1)
-    futures = []
-    for _ in range(3):
-        futures.append(pub.publish_async(trainer.model))
-        trainer.step()  # mutates weights at once: the snapshot was taken
-    pub.flush()
-    assert [f.result().version for f in futures] == [0, 1, 2]
-    # backpressure: with the bulletin stalled, a second call blocks until the first is done
-    gate.clear()
-    first = pub.publish_async(trainer.model)
-    t = threading.Thread(target=lambda: futures.append(pub.publish_async(trainer.model)))
-    t.start()
-    time.sleep(0.3)
-    assert t.is_alive() and not first.done()
-    gate.set()
-    t.join(60)
-    assert not t.is_alive(), "the second publish_async call still blocks after the first publish finished"
-    pub.flush()
-    assert first.result().version == 3 and futures[-1].result().version == 4
-    # a failure in the background surfaces on the next call, once
-    fail.set()
-    failing = pub.publish_async(trainer.model)
-    with pytest.raises(UnavailableError):
-        failing.result(60)
-    with pytest.raises(UnavailableError):
-        pub.publish_async(trainer.model)
-    fail.clear()
-    assert pub.publish(trainer.model).version == 5
-    pub.close()
-    with pytest.raises(PublishError, match="closed"):
-        pub.publish_async(trainer.model)
-    client.close()
+@pytest.mark.parametrize("side", SIDES)
+def test_publish_async_overlaps_bounds_and_surfaces_errors(bulletin, run, tmp_path, side):
+    play(side, publish_async, bulletin.url, run, tmp_path)
 
 
-def test_resume_rebuilds_or_starts_an_anchor(bulletin, run, tmp_path):
-    trainer = ToyTrainer()
-    with Publisher(bulletin.url, run, assets=ASSETS, snapshot_every=4) as pub:
-        for _ in range(3):
-            pub.publish(trainer.model)
-            trainer.step()
-    # a restarted trainer: rebuilds version 2 (verified), goes on with small deltas
-    with Publisher(bulletin.url, run, assets=ASSETS, snapshot_every=4) as pub:
-        assert pub.last_version == 2
-        r = pub.publish(trainer.model)
-        assert (r.version, r.snapshot) == (3, False)
-        trainer.step()
-        r = pub.publish(trainer.model)
-        assert (r.version, r.snapshot) == (4, True)  # 4 versions after the anchor at 0
-    with pytest.raises(AssetsError, match="immutable"):
-        Publisher(bulletin.url, run, assets={"config.json": b"{}"})
-    # asked for a fresh anchor: no download; changed tensors are sent whole (overwrite)
-    trainer.step()
-    with Publisher(bulletin.url, run, resume="anchor") as pub:
-        r = pub.publish(trainer.model)
-        assert (r.version, r.snapshot) == (5, True)
-        m = pub.client.manifest(run, 5)
-        assert m.encoding == "overwrite" and {f.path for f in m.files_of("asset")} == set(ASSETS)
-        trainer.step()
-        assert pub.publish(trainer.model).version == 6
-    # a holder of version 4 can still take the delta of 5
-    with bulletin.client() as client:
-        held = rebuild_version(client, run, 4).view
-        before = held["1.weight"].bits.copy()
-        ref = m.files_of("patch")[0]
-        path = client.download_blob(run, ref.sha256, tmp_path / "patch", expected_size=ref.size_bytes)
-        apply_patch(held, read_patch(path.read_bytes(), ref.size_bytes))
-        assert_same_view(held, rebuild_version(client, run, 5).view)
-        assert not np.array_equal(held["1.weight"].bits, before)
+@pytest.mark.parametrize("side", SIDES)
+def test_resume_rebuilds_or_starts_an_anchor(bulletin, run, tmp_path, side):
+    play(side, resume, bulletin.url, run, tmp_path)

@@ -3,18 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 
 from stitchboard.proto.checkpoint import load_checkpoint
 from stitchboard.trainer_client.resume import rebuild_version
 from stitchboard.trainer_client.sharded import assign_owners
-
-WORKER = Path(__file__).with_name("sharded_worker.py")
+from tests.trainer_client.ranks import run_ranks
 
 
 def test_assign_owners_is_disjoint_and_balanced():
@@ -28,13 +23,7 @@ def test_assign_owners_is_disjoint_and_balanced():
 
 def test_two_ranks_publish_one_manifest_per_version(bulletin, run, tmp_path):
     steps = 4
-    env = {**os.environ, "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}  # the ranks meet through a file store in tmp_path (sharded_worker.py)
-    procs = [
-        subprocess.Popen([sys.executable, str(WORKER), bulletin.url, run, str(tmp_path), str(steps)], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stderr=subprocess.PIPE)
-        for r in range(2)
-    ]
-    errors = [p.communicate(timeout=180)[1].decode() for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], errors
+    run_ranks(["steps", bulletin.url, run, str(tmp_path), str(steps)], tmp_path)  # the ranks meet through a file store in tmp_path
 
     results = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert [r["version"] for r in results] == list(range(steps))
@@ -54,3 +43,7 @@ def test_two_ranks_publish_one_manifest_per_version(bulletin, run, tmp_path):
             assert set(rebuilt.view) == set(reference) == {t.name for t in manifest.tensors}
             for name, t in reference.items():
                 assert np.array_equal(rebuilt.view[name].bits, t.bits), (version, name)
+
+
+def test_a_rank_that_cannot_upload_fails_every_rank_and_commits_nothing(bulletin, run, tmp_path):
+    run_ranks(["rank_failure", bulletin.url, run, str(tmp_path)], tmp_path)  # the assertions run on both ranks (sharded_worker.py)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -16,10 +18,13 @@ def toy_model(seed: int = 0) -> torch.nn.Module:
 
 
 class ToyTrainer:
-    """AdamW steps of :func:`toy_model` on a fixed batch."""
+    """AdamW steps of :func:`toy_model` on a fixed batch; ``wrap`` shards the model in place
+    (e.g. FSDP2's ``fully_shard``) before the optimizer takes its parameters."""
 
-    def __init__(self, seed: int = 0, lr: float = 1e-3) -> None:
+    def __init__(self, seed: int = 0, lr: float = 1e-3, wrap: Callable[[torch.nn.Module], None] | None = None) -> None:
         self.model = toy_model(seed)
+        if wrap is not None:
+            wrap(self.model)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr)
         self.tokens = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(seed))
 
