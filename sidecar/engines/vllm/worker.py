@@ -58,6 +58,7 @@ import uuid
 from datetime import timedelta
 from typing import Any
 
+from stitchboard.proto.env import env_setting
 from stitchboard.proto.errors import StitchError
 
 from ...errors import ApplyFailedError, EngineStateError
@@ -110,8 +111,8 @@ _keep_cpu_linear_weights()
 def _fault(phase: str, version: int) -> None:
     """Exit the process at once when ``STITCH_ENGINE_FAULT_PHASE`` names ``phase`` and
     ``STITCH_ENGINE_FAULT_VERSION`` is unset or names ``version`` (the one being applied or loaded)."""
-    only = os.environ.get(FAULT_VERSION_ENV)
-    if os.environ.get(FAULT_ENV) == phase and (only is None or only == str(version)):
+    only = env_setting(FAULT_VERSION_ENV)
+    if env_setting(FAULT_ENV) == phase and (only is None or only == str(version)):
         log.error("stitchboard fault injection: exiting at phase %s of version %d", phase, version)
         os._exit(FAULT_EXIT_CODE)
 
