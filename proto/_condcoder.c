@@ -1,0 +1,706 @@
+/*
+ * The entropy coder of the `cond` patch encoding (see proto/cond_codec.py for the byte format).
+ *
+ * encode(base, target, itemsize, class_shift, class_bits, sign_magnitude) -> (count, stream)
+ * decode(base, stream, positions_out, values_out, itemsize, class_shift, class_bits, sign_magnitude)
+ *
+ * Both run without the GIL. Every element's class is a bit field of its base bits (the exponent
+ * of a float). Changed positions are coded as gaps within their class's subsequence, values as
+ * the signed step between base and target in the monotone integer order of the bit patterns,
+ * all with one adaptive binary range coder (the carry-propagating coder of LZMA, Igor Pavlov,
+ * public domain) whose probabilities are 16-bit and count-adaptive (a KT-like estimate whose
+ * window grows to ADAPT_LIMIT observations).
+ *
+ * decode validates while it decodes: the class counts must add up to `count`, every gap must
+ * land inside its class and the stream must end on its last byte; any violation raises
+ * ValueError before the caller writes anything. Work is linear in numel + stream length for
+ * any input.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <pthread.h>
+
+#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "stitchboard's cond coder assumes a little-endian machine"
+#endif
+
+#define MAX_CLASSES 256 /* class_bits <= 8 */
+#define END UINT64_MAX  /* "no further change in this class" */
+#define ADAPT_LIMIT 126 /* observations after which a probability adapts at a fixed rate (62-1022 give the same sizes) */
+#define PROB_ONE 65536u
+#define PROB_MIN 32u
+#define TOP (1u << 24)
+
+/*
+ * ---- adaptive bit model ----
+ * P(bit == 0) = (q ^ 0x8000) / 65536, so an all-zero model means p = 1/2 with no observations
+ * (a model needs no initialisation beyond zeroed memory); n counts observations up to
+ * ADAPT_LIMIT and sets the update rate 1 / (n + 2).
+ */
+typedef struct {
+    uint16_t q, n;
+} bit_t;
+
+static uint32_t adapt_rate[ADAPT_LIMIT + 1]; /* 65536 / (n + 2) */
+
+static inline uint32_t prob(const bit_t *m) { return (uint32_t)(m->q ^ 0x8000u); }
+
+static inline void update(bit_t *m, unsigned bit) {
+    const uint32_t r = adapt_rate[m->n], p = prob(m);
+    uint32_t q = bit ? p - ((p * r) >> 16) : p + (((PROB_ONE - p) * r) >> 16);
+    q = q < PROB_MIN ? PROB_MIN : q > PROB_ONE - PROB_MIN ? PROB_ONE - PROB_MIN : q;
+    m->q = (uint16_t)(q ^ 0x8000u);
+    m->n = (uint16_t)(m->n + (m->n < ADAPT_LIMIT));
+}
+
+/*
+ * The model of one tensor, in blocks. Per tensor: cnt_unary and cnt_mant code each class's
+ * number of changes n as the bucket (bit length of n + 1, minus one) in unary and the first
+ * bit under its leading one, with context "the previous class had changes". Per position class
+ * c (gap_model_t): unary, "u > i" of a gap's bucket u (bit length of g + 1, minus one); mant,
+ * the two bits under the leading one of g + 1 per u. Per value context v = 2c + top bit of
+ * the base element (val_model_t): the step's sign, and per sign s the unary code of the
+ * magnitude's bucket ("bucket > i"). Per (v, s, bucket b >= 2) a magnitude block (mag_of):
+ * the first min(b - 1, TREE_BITS) bits under the leading one as a bit tree (node 1 ..), then
+ * POS_BITS models, one per further bit position; deeper bits are coded flat.
+ *
+ * Each thread keeps one model and reuses it tensor after tensor: a block is zeroed when first
+ * used under a new generation `gen`, so a tensor costs only the blocks it uses, and the memory
+ * (calloc'd, mostly never touched) is not faulted in again per tensor.
+ */
+#define TREE_BITS 8
+#define POS_BITS 16
+#define GAP_BUCKETS 63 /* g + 1 <= numel < 2^62 */
+typedef struct {
+    uint32_t stamp;
+    bit_t unary[GAP_BUCKETS];
+    bit_t mant[GAP_BUCKETS][3];
+} gap_model_t;
+
+typedef struct {
+    uint32_t stamp;
+    bit_t sign;
+    bit_t unary[2][65];
+} val_model_t;
+
+typedef struct {
+    uint32_t gen;
+    bit_t cnt_unary[2][GAP_BUCKETS], cnt_mant[2][GAP_BUCKETS][3];
+    gap_model_t gap[MAX_CLASSES];
+    val_model_t val[2 * MAX_CLASSES];
+    bit_t mag[]; /* per bucket b, 4 * MAX_CLASSES blocks of mag_words[b] words: a stamp, then the models */
+} model_t;
+
+static size_t mag_at[66], mag_words[65], model_bytes;
+
+static void init_layout(void) {
+    size_t at = 0;
+    for (unsigned b = 2; b <= 64; b++) {
+        mag_words[b] = 1 + (1u << (b - 1 < TREE_BITS ? b - 1 : TREE_BITS)) + POS_BITS;
+        mag_at[b] = at;
+        at += 4 * MAX_CLASSES * mag_words[b];
+    }
+    model_bytes = sizeof(model_t) + at * sizeof(bit_t);
+}
+
+/* The changed elements of a tensor, in position order: rank within its class, old and new bits. */
+typedef struct {
+    uint64_t *rank, *old, *new_;
+    size_t len, cap;
+} changes_t;
+
+/* Per thread, reused tensor after tensor: the model and the encoder's change arrays. */
+typedef struct {
+    model_t *model;
+    changes_t ch;
+} workspace_t;
+
+static pthread_key_t workspace_key;
+
+static void workspace_free(void *p) {
+    workspace_t *w = p;
+    free(w->model);
+    free(w->ch.rank);
+    free(w->ch.old);
+    free(w->ch.new_);
+    free(w);
+}
+
+/* This thread's workspace, its model at a fresh generation and no changes; NULL when out of memory. */
+static workspace_t *workspace_get(void) {
+    workspace_t *w = pthread_getspecific(workspace_key);
+    if (!w) {
+        if (!(w = calloc(1, sizeof *w)) || !(w->model = calloc(1, model_bytes)) || pthread_setspecific(workspace_key, w)) {
+            if (w) workspace_free(w);
+            return NULL;
+        }
+    }
+    model_t *m = w->model;
+    if (++m->gen == 0) { /* stamps wrapped after 2^32 tensors */
+        memset(m, 0, model_bytes);
+        m->gen = 1;
+    }
+    memset(m->cnt_unary, 0, sizeof m->cnt_unary);
+    memset(m->cnt_mant, 0, sizeof m->cnt_mant);
+    w->ch.len = 0;
+    return w;
+}
+
+static inline gap_model_t *gap_of(model_t *m, unsigned c) {
+    gap_model_t *g = &m->gap[c];
+    if (g->stamp != m->gen) {
+        memset(g, 0, sizeof *g);
+        g->stamp = m->gen;
+    }
+    return g;
+}
+
+static inline val_model_t *val_of(model_t *m, unsigned v) {
+    val_model_t *g = &m->val[v];
+    if (g->stamp != m->gen) {
+        memset(g, 0, sizeof *g);
+        g->stamp = m->gen;
+    }
+    return g;
+}
+
+static inline bit_t *mag_of(model_t *m, unsigned v, unsigned s, unsigned b) {
+    bit_t *blk = m->mag + mag_at[b] + (2 * v + s) * mag_words[b];
+    uint32_t stamp;
+    memcpy(&stamp, blk, sizeof stamp);
+    if (stamp != m->gen) {
+        memset(blk, 0, mag_words[b] * sizeof(bit_t));
+        memcpy(blk, &m->gen, sizeof stamp);
+    }
+    return blk + 1;
+}
+
+static inline unsigned bit_length(uint64_t x) { return x ? 64u - (unsigned)__builtin_clzll(x) : 0u; }
+
+/* ---- range encoder ---- */
+typedef struct {
+    unsigned char *data;
+    size_t len, cap;
+    uint64_t low;
+    uint32_t range;
+    unsigned char cache;
+    uint64_t cache_size;
+    int started; /* the first byte the LZMA coder emits is always 0: it is not stored */
+    int oom;
+} enc_t;
+
+static void put_byte(enc_t *e, unsigned char b) {
+    if (!e->started) {
+        e->started = 1;
+        return;
+    }
+    if (e->len == e->cap) {
+        size_t cap = e->cap ? 2 * e->cap : 4096;
+        unsigned char *p = realloc(e->data, cap);
+        if (!p) {
+            e->oom = 1;
+            return;
+        }
+        e->data = p;
+        e->cap = cap;
+    }
+    e->data[e->len++] = b;
+}
+
+static void shift_low(enc_t *e) {
+    if ((uint32_t)e->low < 0xFF000000u || (e->low >> 32) != 0) {
+        const unsigned char carry = (unsigned char)(e->low >> 32);
+        unsigned char temp = e->cache;
+        do {
+            put_byte(e, (unsigned char)(temp + carry));
+            temp = 0xFF;
+        } while (--e->cache_size != 0);
+        e->cache = (unsigned char)(e->low >> 24);
+    }
+    e->cache_size++;
+    e->low = (e->low & 0x00FFFFFFu) << 8;
+}
+
+static inline void enc_bit(enc_t *e, bit_t *m, unsigned bit) {
+    const uint32_t bound = (e->range >> 16) * prob(m);
+    e->low += bound & (0u - bit);
+    e->range = bit ? e->range - bound : bound;
+    update(m, bit);
+    while (e->range < TOP) {
+        e->range <<= 8;
+        shift_low(e);
+    }
+}
+
+static inline void enc_direct(enc_t *e, uint64_t value, unsigned nbits) {
+    while (nbits--) {
+        e->range >>= 1;
+        if ((value >> nbits) & 1) e->low += e->range;
+        while (e->range < TOP) {
+            e->range <<= 8;
+            shift_low(e);
+        }
+    }
+}
+
+static void enc_flush(enc_t *e) {
+    for (int i = 0; i < 5; i++) shift_low(e);
+}
+
+/* ---- range decoder: bytes past the end read as 0 and are counted, so a short stream fails the length check ---- */
+typedef struct {
+    const unsigned char *p, *end;
+    size_t overrun;
+    uint32_t range, code;
+} dec_t;
+
+static inline unsigned char next_byte(dec_t *d) {
+    if (d->p < d->end) return *d->p++;
+    d->overrun++;
+    return 0;
+}
+
+static void dec_init(dec_t *d, const unsigned char *data, size_t len) {
+    d->p = data;
+    d->end = data + len;
+    d->overrun = 0;
+    d->range = 0xFFFFFFFFu;
+    d->code = 0;
+    for (int i = 0; i < 4; i++) d->code = (d->code << 8) | next_byte(d);
+}
+
+static inline unsigned dec_bit(dec_t *d, bit_t *m) {
+    const uint32_t bound = (d->range >> 16) * prob(m);
+    const unsigned bit = d->code >= bound;
+    d->code -= bound & (0u - bit);
+    d->range = bit ? d->range - bound : bound;
+    update(m, bit);
+    while (d->range < TOP) {
+        d->range <<= 8;
+        d->code = (d->code << 8) | next_byte(d);
+    }
+    return bit;
+}
+
+static inline uint64_t dec_direct(dec_t *d, unsigned nbits) {
+    uint64_t v = 0;
+    while (nbits--) {
+        d->range >>= 1;
+        unsigned bit = d->code >= d->range;
+        if (bit) d->code -= d->range;
+        v = (v << 1) | bit;
+        while (d->range < TOP) {
+            d->range <<= 8;
+            d->code = (d->code << 8) | next_byte(d);
+        }
+    }
+    return v;
+}
+
+/*
+ * ---- gaps and counts: x >= 0 as the bucket u = bitlen(x + 1) - 1 in unary, then the bits of
+ * x + 1 under its leading one: the first with mant[u][0], the second with mant[u][1 + first],
+ * the rest flat ----
+ */
+static void enc_number(enc_t *e, bit_t *unary, bit_t (*mant)[3], uint64_t x) {
+    const unsigned u = bit_length(x + 1) - 1;
+    for (unsigned i = 0; i < GAP_BUCKETS - 1; i++) {
+        enc_bit(e, &unary[i], u > i);
+        if (u == i) break;
+    }
+    if (u == 0) return;
+    const uint64_t rest = (x + 1) - ((uint64_t)1 << u);
+    const unsigned b1 = (unsigned)(rest >> (u - 1)) & 1;
+    enc_bit(e, &mant[u][0], b1);
+    if (u == 1) return;
+    enc_bit(e, &mant[u][1 + b1], (unsigned)(rest >> (u - 2)) & 1);
+    enc_direct(e, rest, u - 2);
+}
+
+static uint64_t dec_number(dec_t *d, bit_t *unary, bit_t (*mant)[3]) {
+    unsigned u = 0;
+    while (u < GAP_BUCKETS - 1 && dec_bit(d, &unary[u])) u++;
+    if (u == 0) return 0;
+    const unsigned b1 = dec_bit(d, &mant[u][0]);
+    uint64_t rest = b1;
+    if (u >= 2) {
+        rest = (rest << 1) | dec_bit(d, &mant[u][1 + b1]);
+        rest = (rest << (u - 2)) | dec_direct(d, u - 2);
+    }
+    return ((uint64_t)1 << u) + rest - 1;
+}
+
+/* ---- values: the signed step d (mod 2^width, d != 0) in the monotone order of the bit patterns ---- */
+static inline uint64_t order_key(uint64_t bits, unsigned width, int sign_magnitude) {
+    if (!sign_magnitude) return bits;
+    const uint64_t mask = width == 64 ? UINT64_MAX : (((uint64_t)1 << width) - 1);
+    const uint64_t sign = (uint64_t)1 << (width - 1);
+    return (bits & sign) ? (~bits & mask) : (bits | sign);
+}
+
+static inline uint64_t from_key(uint64_t key, unsigned width, int sign_magnitude) {
+    if (!sign_magnitude) return key;
+    const uint64_t mask = width == 64 ? UINT64_MAX : (((uint64_t)1 << width) - 1);
+    const uint64_t sign = (uint64_t)1 << (width - 1);
+    return (key & sign) ? (key ^ sign) : (~key & mask);
+}
+
+static void enc_value(enc_t *e, model_t *m, unsigned v, uint64_t old, uint64_t new_, unsigned width, int sm) {
+    const uint64_t mask = width == 64 ? UINT64_MAX : (((uint64_t)1 << width) - 1);
+    const uint64_t half = (uint64_t)1 << (width - 1);
+    const uint64_t step = (order_key(new_, width, sm) - order_key(old, width, sm)) & mask;
+    const unsigned negative = step > half;
+    const uint64_t mag = negative ? ((0 - step) & mask) : step; /* 1 .. 2^(width-1) */
+    const unsigned bucket = bit_length(mag);                    /* 1 .. width */
+    val_model_t *vm = val_of(m, v);
+    enc_bit(e, &vm->sign, negative);
+    for (unsigned i = 1; i < width; i++) {
+        enc_bit(e, &vm->unary[negative][i], bucket > i);
+        if (bucket == i) break;
+    }
+    if (bucket < 2) return;
+    bit_t *blk = mag_of(m, v, negative, bucket);
+    const unsigned in_tree = bucket - 1 < TREE_BITS ? bucket - 1 : TREE_BITS;
+    unsigned node = 1;
+    for (unsigned j = 0; j + 1 < bucket; j++) {
+        const unsigned b = (unsigned)(mag >> (bucket - 2 - j)) & 1;
+        if (j < in_tree) {
+            enc_bit(e, &blk[node], b);
+            node = 2 * node + b;
+        } else if (j < in_tree + POS_BITS) {
+            enc_bit(e, &blk[(1u << in_tree) + j - in_tree], b);
+        } else {
+            enc_direct(e, b, 1);
+        }
+    }
+}
+
+static uint64_t dec_value(dec_t *d, model_t *m, unsigned v, uint64_t old, unsigned width, int sm, const char **err) {
+    const uint64_t mask = width == 64 ? UINT64_MAX : (((uint64_t)1 << width) - 1);
+    const uint64_t half = (uint64_t)1 << (width - 1);
+    val_model_t *vm = val_of(m, v);
+    const unsigned negative = dec_bit(d, &vm->sign);
+    unsigned bucket = 1;
+    while (bucket < width && dec_bit(d, &vm->unary[negative][bucket])) bucket++;
+    uint64_t mag = 1;
+    if (bucket >= 2) {
+        bit_t *blk = mag_of(m, v, negative, bucket);
+        const unsigned in_tree = bucket - 1 < TREE_BITS ? bucket - 1 : TREE_BITS;
+        unsigned node = 1;
+        for (unsigned j = 0; j + 1 < bucket; j++) {
+            unsigned b;
+            if (j < in_tree) {
+                b = dec_bit(d, &blk[node]);
+                node = 2 * node + b;
+            } else if (j < in_tree + POS_BITS) {
+                b = dec_bit(d, &blk[(1u << in_tree) + j - in_tree]);
+            } else {
+                b = (unsigned)dec_direct(d, 1);
+            }
+            mag = (mag << 1) | b;
+        }
+    }
+    if (mag > half || (negative && mag == half)) *err = "a step is larger than half the value range";
+    const uint64_t step = negative ? ((0 - mag) & mask) : mag;
+    return from_key((order_key(old, width, sm) + step) & mask, width, sm);
+}
+
+typedef struct {
+    unsigned itemsize, width, shift, sm;
+    uint64_t cmask;
+    unsigned kernel;
+} layout_t;
+
+static inline unsigned cls(const layout_t *L, uint64_t bits) { return (unsigned)((bits >> L->shift) & L->cmask); }
+static inline unsigned vctx(const layout_t *L, uint64_t bits) { return 2 * cls(L, bits) + (unsigned)(bits >> (L->width - 1)); }
+
+/* Grow the arrays (doubling); returns -1 when out of memory. */
+static int reserve(changes_t *ch) {
+    const size_t cap = ch->cap ? 2 * ch->cap : 4096;
+    uint64_t *r = realloc(ch->rank, cap * sizeof(uint64_t));
+    if (r) ch->rank = r;
+    uint64_t *o = realloc(ch->old, cap * sizeof(uint64_t));
+    if (o) ch->old = o;
+    uint64_t *w = realloc(ch->new_, cap * sizeof(uint64_t));
+    if (w) ch->new_ = w;
+    if (!r || !o || !w) return -1;
+    ch->cap = cap;
+    return 0;
+}
+
+/* The walk's step at element I (bits OLD, class C): a change when its rank is the class's next. */
+#define WALK_ONE(I, OLD, C)                                                                                        \
+    do {                                                                                                           \
+        const unsigned c_ = (C);                                                                                   \
+        const uint64_t r_ = seen[c_]++;                                                                            \
+        if (__builtin_expect(r_ == next[c_], 0)) {                                                                 \
+            pos[k] = (I);                                                                                          \
+            vals[k] = (__typeof__(vals[0]))dec_value(d, m, 2 * c_ + (unsigned)((OLD) >> (W - 1)), (OLD), W, sm, err); \
+            if (++k == count || *err) return k;                                                                    \
+            next[c_] = --left[c_] ? r_ + 1 + dec_number(d, m->gap[c_].unary, m->gap[c_].mant) : END;               \
+        }                                                                                                          \
+    } while (0)
+
+/*
+ * Per element type T: scan (the encoder: every changed element and its rank in its class) and
+ * walk (the decoder: find each change by its rank, decode its value, then its class's next
+ * gap). Both read 8-byte words of PER elements. The scan counts ranks in PER interleaved
+ * tables (consecutive elements of one class then do not wait on each other's counter) and
+ * sums them only in words with a change.
+ */
+#define DEFINE_LOOPS(SUFFIX, T, SHIFT, CMASK)                                                                                  \
+    static int scan_##SUFFIX(const void *va, const void *vb, Py_ssize_t n, uint64_t *seen, changes_t *ch) {        \
+        const T *a = va, *b = vb;                                                                                  \
+        enum { PER = 8 / sizeof(T), W = 8 * sizeof(T) };                                                           \
+        uint64_t lane[PER][MAX_CLASSES];                                                                           \
+        memset(lane, 0, sizeof lane);                                                                              \
+        const unsigned shift = SHIFT;                                                                              \
+        const uint64_t cmask = CMASK;                                                                              \
+        Py_ssize_t i = 0;                                                                                          \
+        size_t at = ch->len, cap = ch->cap;                                                                        \
+        uint64_t *restrict rank = ch->rank, *restrict old = ch->old, *restrict new_ = ch->new_;                    \
+        for (; i < n; i += PER) {                                                                                  \
+            const unsigned here = n - i < PER ? (unsigned)(n - i) : PER;                                           \
+            uint64_t wa = 0, wb = 0;                                                                               \
+            if (__builtin_expect(here == PER, 1)) {                                                                \
+                memcpy(&wa, a + i, 8);                                                                             \
+                memcpy(&wb, b + i, 8);                                                                             \
+            } else {                                                                                               \
+                memcpy(&wa, a + i, here * sizeof(T));                                                              \
+                memcpy(&wb, b + i, here * sizeof(T));                                                              \
+            }                                                                                                      \
+            unsigned c[PER];                                                                                       \
+            for (unsigned j = 0; j < PER; j++) c[j] = (unsigned)((wa >> (j * W + shift)) & cmask);                 \
+            if (__builtin_expect(wa != wb, 0)) {                                                                   \
+                if (cap - at < PER) {                                                                              \
+                    ch->len = at;                                                                                  \
+                    if (reserve(ch)) return -1;                                                                    \
+                    cap = ch->cap, rank = ch->rank, old = ch->old, new_ = ch->new_;                                \
+                }                                                                                                  \
+                for (unsigned j = 0; j < PER; j++) { /* branch-free: write every element, keep the changed ones */  \
+                    uint64_t r = 0;                                                                                \
+                    for (unsigned l = 0; l < PER; l++) r += lane[l][c[j]] + (l < j && c[l] == c[j]);               \
+                    rank[at] = r;                                                                                  \
+                    old[at] = (T)(wa >> (j * W));                                                                  \
+                    new_[at] = (T)(wb >> (j * W));                                                                 \
+                    at += (T)(wa >> (j * W)) != (T)(wb >> (j * W));                                                \
+                }                                                                                                  \
+            }                                                                                                      \
+            for (unsigned j = 0; j < here; j++) lane[j][c[j]]++;                                                   \
+        }                                                                                                          \
+        ch->len = at;                                                                                              \
+        for (unsigned c = 0; c < MAX_CLASSES; c++) {                                                               \
+            seen[c] = 0;                                                                                           \
+            for (unsigned l = 0; l < PER; l++) seen[c] += lane[l][c];                                              \
+        }                                                                                                          \
+        return 0;                                                                                                  \
+    }                                                                                                              \
+    static Py_ssize_t walk_##SUFFIX(const void *va, Py_ssize_t n, int sm, uint64_t *next, uint64_t *left, dec_t *d, model_t *m, int64_t *pos, \
+                                    void *vvals, Py_ssize_t count, const char **err) {                             \
+        enum { PER = 8 / sizeof(T), W = 8 * sizeof(T) };                                                           \
+        const T *a = va;                                                                                           \
+        T *vals = vvals;                                                                                           \
+        uint64_t seen[MAX_CLASSES] = {0};                                                                          \
+        Py_ssize_t k = 0, i = 0;                                                                                   \
+        for (; i + PER <= n; i += PER) {                                                                           \
+            uint64_t w;                                                                                            \
+            memcpy(&w, a + i, 8);                                                                                  \
+            _Pragma("GCC unroll 8") for (unsigned j = 0; j < PER; j++) {                                           \
+                const T old = (T)(w >> (j * W));                                                                   \
+                WALK_ONE(i + j, old, (unsigned)((old >> (SHIFT)) & (CMASK)));                                      \
+            }                                                                                                      \
+        }                                                                                                          \
+        for (; i < n; i++) WALK_ONE(i, a[i], (unsigned)((a[i] >> (SHIFT)) & (CMASK)));                             \
+        return k;                                                                                                  \
+    }
+
+typedef int (*scan_fn)(const void *, const void *, Py_ssize_t, uint64_t *, changes_t *);
+typedef Py_ssize_t (*walk_fn)(const void *, Py_ssize_t, int, uint64_t *, uint64_t *, dec_t *, model_t *, int64_t *, void *, Py_ssize_t, const char **);
+
+/* One pair of loops per class field in use (cond_codec.LAYOUTS), so shifts and masks are constants. */
+#define KERNEL(SUFFIX, T, SHIFT, BITS) DEFINE_LOOPS(SUFFIX, T, SHIFT, ((1u << BITS) - 1))
+KERNEL(u8, uint8_t, 0, 0)
+KERNEL(e8m0, uint8_t, 0, 8)
+KERNEL(e4m3, uint8_t, 3, 4)
+KERNEL(e5m2, uint8_t, 2, 5)
+KERNEL(u16, uint16_t, 0, 0)
+KERNEL(f16, uint16_t, 10, 5)
+KERNEL(bf16, uint16_t, 7, 8)
+KERNEL(u32, uint32_t, 0, 0)
+KERNEL(f32, uint32_t, 23, 8)
+KERNEL(u64, uint64_t, 0, 0)
+KERNEL(f64, uint64_t, 52, 8)
+
+static const struct {
+    unsigned itemsize, shift, bits;
+    scan_fn scan;
+    walk_fn walk;
+} kernels[] = {
+    {1, 0, 0, scan_u8, walk_u8},       {1, 0, 8, scan_e8m0, walk_e8m0}, {1, 3, 4, scan_e4m3, walk_e4m3},
+    {1, 2, 5, scan_e5m2, walk_e5m2},   {2, 0, 0, scan_u16, walk_u16},   {2, 10, 5, scan_f16, walk_f16},
+    {2, 7, 8, scan_bf16, walk_bf16},   {4, 0, 0, scan_u32, walk_u32},   {4, 23, 8, scan_f32, walk_f32},
+    {8, 0, 0, scan_u64, walk_u64},     {8, 52, 8, scan_f64, walk_f64},
+};
+
+static int parse_layout(layout_t *L, Py_ssize_t itemsize, int shift, int class_bits, int sm) {
+    for (unsigned i = 0; i < sizeof kernels / sizeof kernels[0]; i++) {
+        if (kernels[i].itemsize == (unsigned)itemsize && kernels[i].shift == (unsigned)shift && kernels[i].bits == (unsigned)class_bits) {
+            L->itemsize = (unsigned)itemsize;
+            L->width = 8u * (unsigned)itemsize;
+            L->shift = (unsigned)shift;
+            L->cmask = ((uint64_t)1 << class_bits) - 1;
+            L->sm = sm != 0;
+            L->kernel = i;
+            return 0;
+        }
+    }
+    PyErr_SetString(PyExc_ValueError, "condcoder: no kernel for this element size and class field");
+    return -1;
+}
+
+static int encode_tensor(const void *a, const void *b, Py_ssize_t n, const layout_t *L, enc_t *e, Py_ssize_t *count_out) {
+    uint64_t seen[MAX_CLASSES] = {0}, first[MAX_CLASSES], changes[MAX_CLASSES] = {0};
+    workspace_t *w = workspace_get();
+    if (!w || kernels[L->kernel].scan(a, b, n, seen, &w->ch)) return -1;
+    model_t *m = w->model;
+    const changes_t *ch = &w->ch;
+    const Py_ssize_t k = (Py_ssize_t)ch->len;
+    /* Backwards: each change's rank becomes the gap to its class's next change (END for its last). */
+    for (unsigned c = 0; c < MAX_CLASSES; c++) first[c] = END;
+    for (Py_ssize_t j = k - 1; j >= 0; j--) {
+        const unsigned c = cls(L, ch->old[j]);
+        const uint64_t r = ch->rank[j];
+        ch->rank[j] = first[c] == END ? END : first[c] - r - 1;
+        first[c] = r;
+        changes[c]++;
+    }
+    *count_out = k;
+    e->range = 0xFFFFFFFFu;
+    e->cache_size = 1;
+    if (k > 0) {
+        unsigned had = 0;
+        for (unsigned c = 0; c <= L->cmask; c++) {
+            enc_number(e, m->cnt_unary[had], m->cnt_mant[had], changes[c]);
+            if (changes[c]) enc_number(e, gap_of(m, c)->unary, m->gap[c].mant, first[c]);
+            had = changes[c] != 0;
+        }
+        for (Py_ssize_t j = 0; j < k; j++) {
+            const uint64_t old = ch->old[j];
+            enc_value(e, m, vctx(L, old), old, ch->new_[j], L->width, (int)L->sm);
+            if (ch->rank[j] != END) enc_number(e, m->gap[cls(L, old)].unary, m->gap[cls(L, old)].mant, ch->rank[j]);
+        }
+        enc_flush(e);
+    }
+    return e->oom ? -1 : 0;
+}
+
+static const char *decode_tensor(const void *a, Py_ssize_t n, const unsigned char *data, size_t len, const layout_t *L, int64_t *pos,
+                                 void *vals, Py_ssize_t count, int *oom) {
+    uint64_t next[MAX_CLASSES];
+    const char *err = NULL;
+    workspace_t *w = workspace_get();
+    if (!w) {
+        *oom = 1;
+        return "out of memory";
+    }
+    model_t *m = w->model;
+    dec_t d;
+    dec_init(&d, data, len);
+    uint64_t left[MAX_CLASSES] = {0}, total = 0;
+    unsigned had = 0;
+    for (unsigned c = 0; c < MAX_CLASSES; c++) next[c] = END;
+    for (unsigned c = 0; c <= L->cmask && !err; c++) {
+        left[c] = dec_number(&d, m->cnt_unary[had], m->cnt_mant[had]);
+        if (left[c] > (uint64_t)count - total) err = "the class counts add up to more than the index's count";
+        else if (left[c]) next[c] = dec_number(&d, gap_of(m, c)->unary, m->gap[c].mant);
+        total += left[c];
+        had = left[c] != 0;
+    }
+    if (!err && total != (uint64_t)count) err = "the class counts add up to less than the index's count";
+    const Py_ssize_t k = err ? 0 : kernels[L->kernel].walk(a, n, (int)L->sm, next, left, &d, m, pos, vals, count, &err);
+    if (err) return err;
+    if (k < count) return "a gap runs past the end of its class";
+    /* The encoder flushes the low end of its final interval, so a canonical stream leaves code 0. */
+    if (d.overrun || d.p != d.end || d.code != 0) return "the coded stream does not end exactly after its last change";
+    return NULL;
+}
+
+static PyObject *condcoder_encode(PyObject *self, PyObject *args) {
+    Py_buffer a, b;
+    Py_ssize_t itemsize;
+    int shift, class_bits, sm;
+    if (!PyArg_ParseTuple(args, "y*y*niip", &a, &b, &itemsize, &shift, &class_bits, &sm)) return NULL;
+    layout_t L;
+    PyObject *result = NULL;
+    if (parse_layout(&L, itemsize, shift, class_bits, sm) < 0) goto done;
+    if (a.len != b.len || a.len % itemsize != 0 || ((uintptr_t)a.buf | (uintptr_t)b.buf) % (uintptr_t)itemsize != 0) {
+        PyErr_SetString(PyExc_ValueError, "condcoder.encode: buffers must have equal size, a multiple of itemsize, aligned to it");
+        goto done;
+    }
+    enc_t e = {0};
+    Py_ssize_t count = 0;
+    int failed;
+    Py_BEGIN_ALLOW_THREADS
+    failed = encode_tensor(a.buf, b.buf, a.len / itemsize, &L, &e, &count);
+    Py_END_ALLOW_THREADS
+    if (failed) PyErr_NoMemory();
+    else result = Py_BuildValue("ny#", count, e.data ? (char *)e.data : "", (Py_ssize_t)e.len);
+    free(e.data);
+done:
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&b);
+    return result;
+}
+
+static PyObject *condcoder_decode(PyObject *self, PyObject *args) {
+    Py_buffer a, s, pos, vals;
+    Py_ssize_t itemsize;
+    int shift, class_bits, sm;
+    if (!PyArg_ParseTuple(args, "y*y*w*w*niip", &a, &s, &pos, &vals, &itemsize, &shift, &class_bits, &sm)) return NULL;
+    layout_t L;
+    const char *err = NULL;
+    int oom = 0, bad_args = parse_layout(&L, itemsize, shift, class_bits, sm) < 0;
+    const Py_ssize_t count = pos.len / 8;
+    if (!bad_args && (a.len % itemsize != 0 || ((uintptr_t)a.buf | (uintptr_t)vals.buf) % (uintptr_t)itemsize != 0 || pos.len % 8 != 0 ||
+                      ((uintptr_t)pos.buf) % 8 != 0 || vals.len != count * itemsize || count > a.len / itemsize)) {
+        PyErr_SetString(PyExc_ValueError, "condcoder.decode: misaligned or mis-sized buffers");
+        bad_args = 1;
+    }
+    if (!bad_args && count > 0) {
+        Py_BEGIN_ALLOW_THREADS
+        err = decode_tensor(a.buf, a.len / itemsize, s.buf, (size_t)s.len, &L, pos.buf, vals.buf, count, &oom);
+        Py_END_ALLOW_THREADS
+    } else if (!bad_args && s.len != 0) {
+        err = "a tensor without changes has a coded stream";
+    }
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&s);
+    PyBuffer_Release(&pos);
+    PyBuffer_Release(&vals);
+    if (bad_args) return NULL;
+    if (oom) return PyErr_NoMemory();
+    if (err) {
+        PyErr_SetString(PyExc_ValueError, err);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"encode", condcoder_encode, METH_VARARGS, "encode(base, target, itemsize, class_shift, class_bits, sign_magnitude) -> (count, stream)"},
+    {"decode", condcoder_decode, METH_VARARGS,
+     "decode(base, stream, positions_out_int64, values_out, itemsize, class_shift, class_bits, sign_magnitude): decode and validate"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_condcoder", "Base-conditioned range coding of patch positions and values.", -1, methods};
+
+PyMODINIT_FUNC PyInit__condcoder(void) {
+    for (unsigned n = 0; n <= ADAPT_LIMIT; n++) adapt_rate[n] = PROB_ONE / (n + 2);
+    init_layout();
+    if (pthread_key_create(&workspace_key, workspace_free)) return PyErr_NoMemory();
+    return PyModule_Create(&module);
+}
