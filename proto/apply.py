@@ -4,9 +4,11 @@ The sequence keeps DESIGN.md invariants 1 and 5 at the codec level:
 
 1. every touched tensor exists with the patch's dtype and shape, every frame decodes and every
    position is valid (:meth:`Patch.deltas`);
-2. every touched tensor's current bits match the patch's base checksum (``xor``), or the base
-   or the target checksum (``overwrite``: a tensor already at the target is left alone);
-3. only then are bits written (``xor``: ``old ^ value``; ``overwrite``: ``value``);
+2. every touched tensor's current bits match the patch's base checksum (``xor``, ``cond``), or
+   the base or the target checksum (``overwrite``: a tensor already at the target is left
+   alone); ``cond`` checks this first, since it decodes against the base, and then checks its
+   decoded bits against the target checksum too;
+3. only then are bits written (``xor``: ``old ^ value``; ``overwrite``, ``cond``: ``value``);
 4. every touched tensor is checked against its target checksum; on any mismatch all written
    elements are restored and :class:`TargetMismatchError` is raised.
 """
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .codec import checksum
+from .codec import PatchEntry, checksum
 from .container import RawTensor
 from .decode import Patch, TensorDelta
 from .errors import BaseMismatchError, TargetMismatchError, TensorSetMismatchError
@@ -40,30 +42,35 @@ class ApplyResult:
     tensors_already_current: int
 
 
+def _is_base(name: str, entry: PatchEntry, view: Mapping[str, RawTensor], encoding: str) -> bool:
+    """Whether ``view[name]`` is the entry's base (write it); False for an ``overwrite`` tensor
+    already at its target (leave it).
+
+    Raises:
+        BaseMismatchError: it is neither.
+    """
+    current = checksum(view[name])
+    if current == entry.base[XXH3_128]:
+        return True
+    if encoding == "overwrite" and current == entry.target[XXH3_128]:
+        return False
+    hint = f" ({encoding} patches are valid only on their exact base, not on their own result)" if current == entry.target[XXH3_128] else ""
+    raise BaseMismatchError(f"tensor {name!r} is not the patch's base (xxh3 {current} != {entry.base[XXH3_128]}){hint}: fetch the base version or an anchor and apply again")
+
+
 def _plan_writes(view: Mapping[str, RawTensor], patch: Patch) -> list[TensorDelta]:
     for name, entry in patch.entries.items():
         have = view.get(name)
         if have is None:
             raise TensorSetMismatchError(f"patch touches tensor {name!r}, which the view does not have: apply it to its base version")
         if have.dtype != entry.dtype or tuple(have.shape) != entry.shape:
-            raise TensorSetMismatchError(
-                f"tensor {name!r} is {have.dtype}{list(have.shape)} but the patch is for {entry.dtype}{list(entry.shape)}"
-            )
+            raise TensorSetMismatchError(f"tensor {name!r} is {have.dtype}{list(have.shape)} but the patch is for {entry.dtype}{list(entry.shape)}")
+    if patch.encoding == "cond":
+        for name, entry in patch.entries.items():
+            _is_base(name, entry, view, patch.encoding)
+        return list(patch.deltas(view, bases_verified=True).values())
     deltas = patch.deltas()
-    writes = []
-    for name, delta in deltas.items():
-        current = checksum(view[name])
-        if current == delta.entry.base[XXH3_128]:
-            writes.append(delta)
-        elif patch.encoding == "overwrite" and current == delta.entry.target[XXH3_128]:
-            continue
-        else:
-            hint = " (an xor patch is valid only on its exact base, not on its own result)" if current == delta.entry.target[XXH3_128] else ""
-            raise BaseMismatchError(
-                f"tensor {name!r} is not the patch's base (xxh3 {current} != {delta.entry.base[XXH3_128]}){hint}: "
-                "fetch the base version or an anchor and apply again"
-            )
-    return writes
+    return [delta for name, delta in deltas.items() if _is_base(name, delta.entry, view, patch.encoding)]
 
 
 def apply_patch(view: Mapping[str, RawTensor], patch: Patch) -> ApplyResult:
@@ -74,7 +81,7 @@ def apply_patch(view: Mapping[str, RawTensor], patch: Patch) -> ApplyResult:
 
     Raises:
         TensorSetMismatchError: a touched tensor is missing or has another dtype/shape.
-        PatchFormatError: a frame or its positions are invalid.
+        PatchFormatError: a frame, its positions or a ``cond`` stream are invalid.
         BaseMismatchError: a touched tensor is not the patch's base.
         TargetMismatchError: after writing, a tensor's bits differ from the target (undone).
         ValueError: a touched tensor's bits are read-only.

@@ -25,6 +25,10 @@ tensors, ``__index__`` (a zstd frame of the JSON list of :class:`PatchEntry`) an
 ``__payload__`` (the frame above); its ``__metadata__`` has one key, ``stitchboard.patch``,
 with JSON ``format_version``, ``encoding`` and ``metadata`` (free strings: run id, versions).
 Tensors not listed are unchanged.
+
+The ``cond`` encoding (:mod:`stitchboard.proto.cond_codec`) keeps this container and index but
+codes each tensor's positions and values in one range-coded stream conditioned on the base's
+bits; ``__payload__`` is then the uncompressed concatenation of those streams.
 """
 
 from __future__ import annotations
@@ -32,16 +36,17 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import xxhash
 import zstandard
 
-from . import _bitdiff
+from . import _bitdiff, cond_codec
 from .container import RawTensor, serialize_safetensors
 from .dtypes import DTYPE_SIZES, numel_of
 from .errors import TensorSetMismatchError
-from .schema import XXH3_128, Encoding
+from .schema import XXH3_128
 
 FORMAT = "stitchboard.patch"
 FORMAT_VERSION = "1"
@@ -51,12 +56,36 @@ PAYLOAD_KEY = "__payload__"
 DEFAULT_LEVEL = 1
 #: zstd level of the index (small; names and shapes compress well).
 INDEX_LEVEL = 9
-ENCODINGS: tuple[str, ...] = ("xor", "overwrite")
+#: The value encodings a patch can use: ``xor`` and ``overwrite`` (this module's format) and
+#: ``cond`` (:mod:`stitchboard.proto.cond_codec`).
+PatchEncoding = Literal["xor", "overwrite", "cond"]
+ENCODINGS: tuple[str, ...] = ("xor", "overwrite", "cond")
 
 
 def checksum(t: RawTensor) -> str:
     """xxh3-128 hex digest (32 lowercase hex digits) of a tensor's raw little-endian bits."""
-    return xxhash.xxh3_128_hexdigest(memoryview(t.bits).cast("B") if t.bits.size else b"")
+    return xxhash.xxh3_128_hexdigest(t.bits.data.cast("B") if t.bits.size else b"")
+
+
+def patched_checksum(t: RawTensor, positions: np.ndarray, values: np.ndarray, chunk: int = 1 << 20) -> str:
+    """:func:`checksum` of ``t`` with ``values`` written at ``positions``, without writing ``t``.
+
+    Args:
+        t: the tensor (not modified).
+        positions: int64 [k], strictly increasing flat indices < ``t.numel``.
+        values: ``t.bits.dtype`` [k], the new bits.
+        chunk: elements copied and hashed at a time.
+    """
+    hasher = xxhash.xxh3_128()
+    bits = t.bits
+    buf = np.empty(min(chunk, bits.size), dtype=bits.dtype)
+    cuts = np.searchsorted(positions, np.arange(0, bits.size + chunk, chunk)).tolist()
+    for k, lo in enumerate(range(0, bits.size, chunk)):
+        part = buf[: min(chunk, bits.size - lo)]
+        part[:] = bits[lo : lo + part.size]
+        part[positions[cuts[k] : cuts[k + 1]] - lo] = values[cuts[k] : cuts[k + 1]]
+        hasher.update(part.data.cast("B"))
+    return hasher.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -67,7 +96,8 @@ class PatchEntry:
         name: checkpoint name of the tensor.
         dtype, shape: of the tensor (unchanged by the patch).
         count: number of changed elements (>= 1).
-        gap_bytes: length of the tensor's varint gap stream in the payload.
+        gap_bytes: length in the payload of the tensor's varint gap stream (``xor``,
+            ``overwrite``) or of its whole coded stream (``cond``).
         base, target: algorithm -> hex digest of the tensor's bits before and after.
     """
 
@@ -104,11 +134,19 @@ class PatchEntry:
 
 @dataclass(frozen=True)
 class EncodedTensor:
-    """One tensor's delta before compression: its entry, varint gaps and raw values."""
+    """One tensor's delta before compression: its entry, varint gaps and raw values (``cond``:
+    ``gaps`` is the tensor's coded stream and ``values`` is empty)."""
 
     entry: PatchEntry
     gaps: bytes
     values: bytes
+
+
+def payload_size(entries: list[PatchEntry], encoding: str) -> int:
+    """Bytes of the (decompressed) payload the entries imply."""
+    if encoding == "cond":
+        return sum(e.gap_bytes for e in entries)
+    return sum(e.gap_bytes + e.count * e.itemsize for e in entries)
 
 
 def payload_layout(entries: list[PatchEntry]) -> list[tuple[int, list[int]]]:
@@ -124,7 +162,7 @@ def payload_layout(entries: list[PatchEntry]) -> list[tuple[int, list[int]]]:
         layout.append((offset, []))
         offset += e.gap_bytes
     for k in range(max((e.itemsize for e in entries), default=0)):
-        for e, (_, planes) in zip(entries, layout):
+        for e, (_, planes) in zip(entries, layout, strict=True):
             if e.itemsize > k:
                 planes.append(offset)
                 offset += e.count
@@ -138,17 +176,14 @@ def check_compatible(name: str, base: RawTensor, target: RawTensor) -> None:
         TensorSetMismatchError: naming the tensor; publish an anchor instead.
     """
     if base.dtype != target.dtype or tuple(base.shape) != tuple(target.shape):
-        raise TensorSetMismatchError(
-            f"tensor {name!r} changed from {base.dtype}{list(base.shape)} to {target.dtype}{list(target.shape)}: "
-            "a delta cannot express that; publish an anchor (full snapshot)"
-        )
+        raise TensorSetMismatchError(f"tensor {name!r} changed from {base.dtype}{list(base.shape)} to {target.dtype}{list(target.shape)}: a delta cannot express that; publish an anchor (full snapshot)")
 
 
 def encode_tensor(
     name: str,
     base: RawTensor,
     target: RawTensor,
-    encoding: Encoding = "xor",
+    encoding: PatchEncoding = "xor",
     *,
     base_checksum: str | None = None,
     target_checksum: str | None = None,
@@ -158,7 +193,7 @@ def encode_tensor(
     Args:
         name: checkpoint name.
         base, target: same dtype and shape; ``bits`` aligned to the element size.
-        encoding: ``xor`` or ``overwrite``.
+        encoding: ``xor``, ``overwrite`` or ``cond``.
         base_checksum, target_checksum: xxh3-128 hex digests if already known (else computed).
 
     Returns:
@@ -171,7 +206,11 @@ def encode_tensor(
     if encoding not in ENCODINGS:
         raise ValueError(f"unknown encoding {encoding!r}; use one of {ENCODINGS}")
     check_compatible(name, base, target)
-    count, gaps, values = _bitdiff.diff(base.bits, target.bits, DTYPE_SIZES[base.dtype], encoding == "xor")
+    if encoding == "cond":
+        count, gaps = cond_codec.encode(base, target)
+        values = b""
+    else:
+        count, gaps, values = _bitdiff.diff(base.bits, target.bits, DTYPE_SIZES[base.dtype], encoding == "xor")
     if count == 0:
         return None
     entry = PatchEntry(
@@ -186,29 +225,28 @@ def encode_tensor(
     return EncodedTensor(entry, gaps, values)
 
 
-def build_patch(
-    encoded: list[EncodedTensor], encoding: Encoding = "xor", metadata: Mapping[str, str] | None = None, level: int = DEFAULT_LEVEL
-) -> bytes:
+def build_patch(encoded: list[EncodedTensor], encoding: PatchEncoding = "xor", metadata: Mapping[str, str] | None = None, level: int = DEFAULT_LEVEL) -> bytes:
     """Assemble tensor deltas into patch-file bytes (deterministic for equal input).
 
     Args:
         encoded: deltas from :func:`encode_tensor` (any order; stored in name order).
         encoding: the encoding they were made with.
         metadata: free string entries (e.g. run id, base and target version).
-        level: zstd level of the payload.
+        level: zstd level of the payload (not used by ``cond``).
     """
     encoded = sorted(encoded, key=lambda e: e.entry.name)
     entries = [e.entry for e in encoded]
-    layout = payload_layout(entries)
-    size = sum(e.gap_bytes + e.count * e.itemsize for e in entries)
-    payload = np.empty(size, dtype=np.uint8)
-    for enc, (gap_at, plane_at) in zip(encoded, layout):
-        e = enc.entry
-        payload[gap_at : gap_at + e.gap_bytes] = np.frombuffer(enc.gaps, dtype=np.uint8)
-        values = np.frombuffer(enc.values, dtype=np.uint8).reshape(e.count, e.itemsize)
-        for k, at in enumerate(plane_at):
-            payload[at : at + e.count] = values[:, k]
-    frame = zstandard.ZstdCompressor(level=level, write_content_size=True).compress(payload)
+    if encoding == "cond":
+        frame = b"".join(e.gaps for e in encoded)
+    else:
+        payload = np.empty(payload_size(entries, encoding), dtype=np.uint8)
+        for enc, (gap_at, plane_at) in zip(encoded, payload_layout(entries), strict=True):
+            e = enc.entry
+            payload[gap_at : gap_at + e.gap_bytes] = np.frombuffer(enc.gaps, dtype=np.uint8)
+            values = np.frombuffer(enc.values, dtype=np.uint8).reshape(e.count, e.itemsize)
+            for k, at in enumerate(plane_at):
+                payload[at : at + e.count] = values[:, k]
+        frame = zstandard.ZstdCompressor(level=level, write_content_size=True).compress(payload.data)
     listing = json.dumps([e.to_json() for e in entries], separators=(",", ":"), sort_keys=True).encode()
     index = zstandard.ZstdCompressor(level=INDEX_LEVEL, write_content_size=True).compress(listing)
     # One metadata key: safetensors writes __metadata__ from a hash map in arbitrary order,

@@ -5,21 +5,30 @@ decompressed only after checking that it declares exactly the size the index imp
 claiming a huge content size is refused before any allocation). :meth:`Patch.deltas` then
 decodes and checks every tensor's positions (in range, strictly increasing). Every failure
 raises :class:`PatchFormatError` naming the tensor.
+
+A ``cond`` patch (:mod:`stitchboard.proto.cond_codec`) decodes only against its base: its
+deltas take the base tensors, whose checksums must match, and come out as the new bits, already
+checked against the target checksums (so even a corrupt stream that decodes is refused before
+any write).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 import zstandard
 
-from . import _bitdiff
-from .codec import ENCODINGS, FORMAT, FORMAT_VERSION, INDEX_KEY, PAYLOAD_KEY, PatchEntry, payload_layout
-from .container import parse_safetensors
+from . import _bitdiff, cond_codec
+from .codec import ENCODINGS, FORMAT, FORMAT_VERSION, INDEX_KEY, PAYLOAD_KEY, PatchEntry, checksum, patched_checksum, payload_layout, payload_size
+from .container import RawTensor, parse_safetensors
 from .dtypes import DTYPE_SIZES, MAX_NUMEL, bits_type, numel_of
-from .errors import PatchFormatError
+from .errors import BaseMismatchError, PatchFormatError, SchemaError, TargetMismatchError, TensorSetMismatchError
 from .schema import XXH3_128, check_name
 
 #: Largest decompressed index accepted (about 100 k tensors).
@@ -32,9 +41,10 @@ class TensorDelta:
 
     Attributes:
         entry: its :class:`~stitchboard.proto.codec.PatchEntry`.
-        encoding: ``xor`` or ``overwrite``.
+        encoding: ``xor``, ``overwrite`` or ``cond``.
         positions: int64 [count], strictly increasing flat element indices < numel.
-        values: ``bits_type(dtype)`` [count]: XOR bits or new bits per position.
+        values: ``bits_type(dtype)`` [count]: XOR bits (``xor``) or new bits (``overwrite``,
+            ``cond``) per position.
     """
 
     entry: PatchEntry
@@ -47,7 +57,7 @@ class Patch:
     """A parsed patch file: index validated, payload frame checked but not yet decompressed.
 
     Attributes:
-        encoding: ``xor`` or ``overwrite``.
+        encoding: ``xor``, ``overwrite`` or ``cond``.
         entries: tensor name -> :class:`PatchEntry`, in name order.
         metadata: the free metadata strings (run id, versions...).
         size_bytes: size of the patch file in bytes.
@@ -60,8 +70,10 @@ class Patch:
         self.size_bytes = size_bytes
         self._frame = frame
         self._what = what
-        self._layout = dict(zip(self.entries, payload_layout(entries)))
-        self._payload_bytes = sum(e.gap_bytes + e.count * e.itemsize for e in entries)
+        self._layout = dict(zip(self.entries, payload_layout(entries), strict=True))
+        # cond: where each tensor's stream starts (the last running sum, the payload size, pairs with no entry)
+        self._stream_at = dict(zip(self.entries, itertools.accumulate([0] + [e.gap_bytes for e in entries]), strict=False))
+        self._payload_bytes = payload_size(entries, encoding)
         self._payload: np.ndarray | None = None
 
     @property
@@ -71,18 +83,34 @@ class Patch:
 
     def _decompressed(self) -> np.ndarray:
         if self._payload is None:
-            raw = _decompress_exact(self._frame, self._payload_bytes, f"{self._what}: {PAYLOAD_KEY}")
-            self._payload = np.frombuffer(raw, dtype=np.uint8)
+            if self.encoding == "cond":  # stored uncompressed; read_patch checked its size
+                self._payload = np.frombuffer(self._frame, dtype=np.uint8)
+            else:
+                raw = _decompress_exact(self._frame, self._payload_bytes, f"{self._what}: {PAYLOAD_KEY}")
+                self._payload = np.frombuffer(raw, dtype=np.uint8)
         return self._payload
 
-    def delta(self, name: str) -> TensorDelta:
+    def delta(self, name: str, base: RawTensor | None = None, *, base_verified: bool = False) -> TensorDelta:
         """Decode and validate one tensor's delta (decompresses the payload on first use).
+
+        Args:
+            name: a tensor the patch touches.
+            base: the tensor's current bits; required by ``cond``, ignored by the others.
+            base_verified: the caller has already matched ``base``'s xxh3-128 to the entry's
+                base checksum (``cond`` then skips hashing it again).
 
         Raises:
             KeyError: the patch does not touch ``name``.
-            PatchFormatError: the payload frame or the tensor's positions are invalid.
+            ValueError: a ``cond`` patch without ``base``.
+            TensorSetMismatchError: ``base`` has another dtype or shape than the entry.
+            BaseMismatchError: ``base`` is not the patch's base (``cond``).
+            PatchFormatError: the payload frame or the tensor's positions or values are invalid.
+            TargetMismatchError: a ``cond`` stream decodes to bits without the target checksum
+                (the decoded bits are checked before anything can be written).
         """
         entry = self.entries[name]
+        if self.encoding == "cond":
+            return self._cond_delta(entry, base, base_verified)
         payload = self._decompressed()
         gap_at, plane_at = self._layout[name]
         positions = np.empty(entry.count, dtype=np.int64)
@@ -95,9 +123,41 @@ class Patch:
             planes[:, k] = payload[at : at + entry.count]
         return TensorDelta(entry, self.encoding, positions, planes.view(bits_type(entry.dtype)).reshape(entry.count))
 
-    def deltas(self) -> dict[str, TensorDelta]:
-        """Decode and validate every tensor's delta (all of them, before any use)."""
-        return {name: self.delta(name) for name in self.entries}
+    def _cond_delta(self, entry: PatchEntry, base: RawTensor | None, base_verified: bool) -> TensorDelta:
+        name = entry.name
+        if base is None:
+            raise ValueError(f"{self._what}: a cond patch decodes against its base: pass tensor {name!r}'s current bits")
+        if base.dtype != entry.dtype or tuple(base.shape) != entry.shape:
+            raise TensorSetMismatchError(f"tensor {name!r} is {base.dtype}{list(base.shape)} but the patch is for {entry.dtype}{list(entry.shape)}")
+        if not base_verified and checksum(base) != entry.base[XXH3_128]:
+            raise BaseMismatchError(f"tensor {name!r} is not the base of {self._what}: a cond patch decodes only against its exact base")
+        at = self._stream_at[name]
+        stream = self._decompressed()[at : at + entry.gap_bytes]
+        positions, values = cond_codec.decode(stream, base, entry.count, f"{self._what}: tensor {name!r}")
+        if patched_checksum(base, positions, values) != entry.target[XXH3_128]:
+            raise TargetMismatchError(f"tensor {name!r} of {self._what} decodes to bits that do not match its target checksum (a corrupt stream); nothing was written")
+        return TensorDelta(entry, self.encoding, positions, values)
+
+    def deltas(self, bases: Mapping[str, RawTensor] | None = None, *, bases_verified: bool = False, threads: int | None = None) -> dict[str, TensorDelta]:
+        """Decode and validate every tensor's delta (all of them, before any use).
+
+        Args:
+            bases: name -> current bits of every touched tensor; required by ``cond``.
+            bases_verified: as ``base_verified`` of :meth:`delta`, for every tensor.
+            threads: decoding threads for ``cond`` (default: CPU count, at most 8); the range
+                decoder releases the GIL, so tensors decode in parallel.
+
+        Raises:
+            the errors of :meth:`delta` (``KeyError`` when ``bases`` lacks a touched tensor).
+        """
+        if self.encoding != "cond":
+            return {name: self.delta(name) for name in self.entries}
+        if bases is None:
+            raise ValueError(f"{self._what}: a cond patch decodes against its base: pass the current bits of its tensors")
+        order = sorted(self.entries, key=lambda n: -self.entries[n].numel)
+        with ThreadPoolExecutor(max_workers=threads or min(8, os.cpu_count() or 1)) as pool:
+            decoded = dict(zip(order, pool.map(lambda n: self.delta(n, bases[n], base_verified=bases_verified), order), strict=True))
+        return {name: decoded[name] for name in self.entries}
 
 
 def _declared_size(frame: memoryview | bytes) -> int:
@@ -127,7 +187,7 @@ def _decompress_exact(frame: memoryview | bytes, want: int, what: str) -> bytes:
     return raw
 
 
-def _entry_from_json(obj: object, what: str) -> PatchEntry:
+def _entry_from_json(obj: object, encoding: str, what: str) -> PatchEntry:
     if not isinstance(obj, dict):
         raise PatchFormatError(f"{what}: tensor entry is not an object")
     want = {"name", "dtype", "shape", "count", "gap_bytes", "base", "target"}
@@ -136,7 +196,7 @@ def _entry_from_json(obj: object, what: str) -> PatchEntry:
     name = obj["name"]
     try:
         check_name(name if isinstance(name, str) else "", "tensor name")
-    except Exception as exc:
+    except SchemaError as exc:
         raise PatchFormatError(f"{what}: {exc}") from None
     dtype, shape, count, gap_bytes = obj["dtype"], obj["shape"], obj["count"], obj["gap_bytes"]
     if dtype not in DTYPE_SIZES:
@@ -148,7 +208,9 @@ def _entry_from_json(obj: object, what: str) -> PatchEntry:
         raise PatchFormatError(f"{what}: tensor {name!r} shape {shape} overflows")
     if not 1 <= count <= numel:
         raise PatchFormatError(f"{what}: tensor {name!r} claims {count} changed elements of {numel}")
-    if not count <= gap_bytes <= 10 * count:
+    if encoding == "cond" and gap_bytes < cond_codec.MIN_STREAM_BYTES:
+        raise PatchFormatError(f"{what}: tensor {name!r} has a {gap_bytes}-byte coded stream; one with changes has at least {cond_codec.MIN_STREAM_BYTES}")
+    if encoding != "cond" and not count <= gap_bytes <= 10 * count:
         raise PatchFormatError(f"{what}: tensor {name!r} has {gap_bytes} gap bytes for {count} varints")
     for key in ("base", "target"):
         sums = obj[key]
@@ -168,8 +230,8 @@ def read_patch(data: bytes | bytearray | memoryview, expected_size: int | None =
     Raises:
         PatchFormatError: size differs from ``expected_size``; not safetensors; not a stitchboard
             patch or an unknown format version or encoding; index or payload missing, not
-            ``U8``, declaring another size than the entries imply, or not valid; an entry is
-            invalid or listed twice.
+            ``U8``, declaring (``cond``: holding) another size than the entries imply, or not
+            valid; an entry is invalid or listed twice.
     """
     if expected_size is not None and len(data) != expected_size:
         raise PatchFormatError(f"{what}: {len(data)} bytes, the manifest says {expected_size}")
@@ -192,7 +254,7 @@ def read_patch(data: bytes | bytearray | memoryview, expected_size: int | None =
     if set(tensors) != {INDEX_KEY, PAYLOAD_KEY} or any(t.dtype != "U8" for t in tensors.values()):
         found = {k: t.dtype for k, t in tensors.items()}
         raise PatchFormatError(f"{what}: expected U8 tensors {INDEX_KEY!r} and {PAYLOAD_KEY!r}, found {found}")
-    index = memoryview(tensors[INDEX_KEY].bits)
+    index = tensors[INDEX_KEY].bits.data
     declared = _declared_size(index)
     if not 0 <= declared <= MAX_INDEX_BYTES:
         raise PatchFormatError(f"{what}: {INDEX_KEY} declares {declared} bytes (limit {MAX_INDEX_BYTES}); refusing to decompress")
@@ -202,12 +264,14 @@ def read_patch(data: bytes | bytearray | memoryview, expected_size: int | None =
         raise PatchFormatError(f"{what}: {INDEX_KEY} is not JSON ({exc})") from None
     if not isinstance(items, list):
         raise PatchFormatError(f"{what}: {INDEX_KEY} is not a list")
-    entries = [_entry_from_json(obj, what) for obj in items]
+    entries = [_entry_from_json(obj, encoding, what) for obj in items]
     names = [e.name for e in entries]
     if names != sorted(set(names)):
         raise PatchFormatError(f"{what}: {INDEX_KEY} entries must be unique and in name order")
-    frame = memoryview(tensors[PAYLOAD_KEY].bits)
-    want = sum(e.gap_bytes + e.count * e.itemsize for e in entries)
-    if _declared_size(frame) != want:
+    frame = tensors[PAYLOAD_KEY].bits.data
+    want = payload_size(entries, encoding)
+    if encoding == "cond" and len(frame) != want:
+        raise PatchFormatError(f"{what}: {PAYLOAD_KEY} holds {len(frame)} bytes, the index implies {want}")
+    if encoding != "cond" and _declared_size(frame) != want:
         raise PatchFormatError(f"{what}: {PAYLOAD_KEY} declares {_declared_size(frame)} bytes, the index implies {want}; refusing to decompress")
     return Patch(encoding, entries, dict(extra), len(data), frame, what)

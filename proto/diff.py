@@ -1,7 +1,7 @@
 """Diffing whole views: the publisher's and the ``patch diff`` command's entry point.
 
-Tensors are diffed in a thread pool: the change-detection kernel, zstd and xxhash release the
-GIL, so on an N-core host up to N tensors are encoded at once.
+Tensors are diffed in a thread pool: the change-detection kernel, the ``cond`` range coder, zstd
+and xxhash release the GIL, so on an N-core host up to N tensors are encoded at once.
 """
 
 from __future__ import annotations
@@ -11,10 +11,9 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from .codec import DEFAULT_LEVEL, EncodedTensor, build_patch, checksum, encode_tensor
+from .codec import DEFAULT_LEVEL, EncodedTensor, PatchEncoding, build_patch, checksum, encode_tensor
 from .container import RawTensor
 from .errors import TensorSetMismatchError
-from .schema import Encoding
 
 
 @dataclass(frozen=True)
@@ -45,16 +44,13 @@ def check_same_tensor_set(base: Mapping[str, RawTensor], target: Mapping[str, Ra
     added, removed = sorted(set(target) - set(base)), sorted(set(base) - set(target))
     changed = sorted(n for n in set(base) & set(target) if (base[n].dtype, tuple(base[n].shape)) != (target[n].dtype, tuple(target[n].shape)))
     if added or removed or changed:
-        raise TensorSetMismatchError(
-            f"tensor set changed (added {added[:3]}, removed {removed[:3]}, dtype/shape changed {changed[:3]}): "
-            "a delta cannot express that; publish an anchor (full snapshot)"
-        )
+        raise TensorSetMismatchError(f"tensor set changed (added {added[:3]}, removed {removed[:3]}, dtype/shape changed {changed[:3]}): a delta cannot express that; publish an anchor (full snapshot)")
 
 
 def diff_views(
     base: Mapping[str, RawTensor],
     target: Mapping[str, RawTensor],
-    encoding: Encoding = "xor",
+    encoding: PatchEncoding = "xor",
     *,
     base_checksums: Mapping[str, str] | None = None,
     metadata: Mapping[str, str] | None = None,
@@ -65,7 +61,9 @@ def diff_views(
 
     Args:
         base, target: name -> :class:`RawTensor`; same names, dtypes and shapes.
-        encoding: ``xor`` (default) or ``overwrite``.
+        encoding: ``xor`` (default; the fastest), ``overwrite`` (idempotent) or ``cond``
+            (the smallest: ~2-4x smaller than ``xor`` on RL steps; decodes only against its
+            base, see :mod:`stitchboard.proto.cond_codec`).
         base_checksums: xxh3-128 digests of ``base`` if known (the previous version's target
             checksums), saving one read of each changed base tensor.
         metadata: extra patch ``__metadata__`` strings.
