@@ -37,7 +37,7 @@ def diff(
     base: Annotated[Path, typer.Argument(help="base checkpoint (.safetensors, index json or folder)")],
     target: Annotated[Path, typer.Argument(help="target checkpoint with the same tensors")],
     output: Annotated[Path, typer.Option("-o", "--output", help="patch file to write")],
-    encoding: Annotated[str, typer.Option(help="xor (smallest; valid only on its base) or overwrite (idempotent)")] = "xor",
+    encoding: Annotated[str, typer.Option(help="cond (smallest; valid only on its base), xor (fastest; valid only on its base) or overwrite (idempotent)")] = "cond",
 ) -> None:
     """Write the patch taking BASE to TARGET and print changed elements and bytes per change."""
     try:
@@ -90,7 +90,7 @@ def inspect(file: Annotated[Path, typer.Argument(help="a patch file or a checkpo
     console.print(f"[bold]{file}[/bold]: stitchboard patch, encoding {p.encoding}, {len(data):,} bytes")
     for k, v in p.metadata.items():
         console.print(f"  {k}: {v}")
-    table = Table("tensor", "dtype", "shape", "changed", "%", "gap bytes (raw)")
+    table = Table("tensor", "dtype", "shape", "changed", "%", "stream bytes (raw)")
     for e in p.entries.values():
         table.add_row(e.name, e.dtype, json.dumps(list(e.shape)), f"{e.count:,}", f"{100 * e.count / max(e.numel, 1):.3f}", f"{e.gap_bytes:,}")
     console.print(table)

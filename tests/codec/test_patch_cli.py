@@ -18,7 +18,7 @@ CLI = [sys.executable, "-c", "from stitchboard.proto.cli import main; main()"]
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, timeout=120)
+    return subprocess.run([*CLI, *map(str, args)], check=False, capture_output=True, text=True, timeout=120)
 
 
 def views():
@@ -34,19 +34,20 @@ def views():
     return base, target
 
 
-@pytest.mark.parametrize("encoding", ["xor", "overwrite"])
-def test_diff_apply_single_file(tmp_path: Path, encoding: str):
+@pytest.mark.parametrize("encoding", ["cond", "xor", "overwrite", None])
+def test_diff_apply_single_file(tmp_path: Path, encoding: str | None):
     base, target = views()
     save_checkpoint(tmp_path / "base", base)
     save_checkpoint(tmp_path / "target", target)
-    r = run("patch", "diff", tmp_path / "base/model.safetensors", tmp_path / "target/model.safetensors", "-o", tmp_path / "p.safetensors", "--encoding", encoding)
+    chosen = ["--encoding", encoding] if encoding else []
+    r = run("patch", "diff", tmp_path / "base/model.safetensors", tmp_path / "target/model.safetensors", "-o", tmp_path / "p.safetensors", *chosen)
     assert r.returncode == 0, r.stderr + r.stdout
     assert "4 of 1,552 elements changed" in r.stdout and "bytes per changed element" in r.stdout
     r = run("patch", "apply", tmp_path / "base/model.safetensors", tmp_path / "p.safetensors", "-o", tmp_path / "out.safetensors")
     assert r.returncode == 0, r.stderr + r.stdout
     assert same_bits(load_checkpoint(tmp_path / "out.safetensors"), target)
     r = run("patch", "inspect", tmp_path / "p.safetensors")
-    assert r.returncode == 0 and "model.embed_tokens.weight" in r.stdout and encoding in r.stdout
+    assert r.returncode == 0 and "model.embed_tokens.weight" in r.stdout and f"encoding {encoding or 'cond'}" in r.stdout
 
 
 def test_diff_apply_sharded_checkpoint(tmp_path: Path):
@@ -80,8 +81,14 @@ def test_patch_cli_on_smollm2(tmp_path: Path, smollm2_dir: Path):
     base = load_checkpoint(smollm2_dir)
     target = copy_view(base)
     rng = np.random.default_rng(0)
-    for name in ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.v_proj.weight",
-                 "model.layers.3.mlp.gate_proj.weight", "model.layers.3.mlp.up_proj.weight", "model.embed_tokens.weight"]:
+    for name in [
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.0.self_attn.v_proj.weight",
+        "model.layers.3.mlp.gate_proj.weight",
+        "model.layers.3.mlp.up_proj.weight",
+        "model.embed_tokens.weight",
+    ]:
         bits = target[name].bits
         idx = rng.choice(bits.size, size=bits.size // 100, replace=False)
         bits[idx] += 1
