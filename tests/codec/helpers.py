@@ -6,7 +6,6 @@ import json
 import struct
 
 import numpy as np
-
 import zstandard
 
 from stitchboard.proto.codec import FORMAT, FORMAT_VERSION, INDEX_KEY, PAYLOAD_KEY
@@ -26,9 +25,7 @@ def copy_view(view: dict[str, RawTensor]) -> dict[str, RawTensor]:
 
 def same_bits(a: dict[str, RawTensor], b: dict[str, RawTensor]) -> bool:
     """Bitwise equality of two views (names, dtypes, shapes, bits)."""
-    return a.keys() == b.keys() and all(
-        a[k].dtype == b[k].dtype and tuple(a[k].shape) == tuple(b[k].shape) and np.array_equal(a[k].bits, b[k].bits) for k in a
-    )
+    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and tuple(a[k].shape) == tuple(b[k].shape) and np.array_equal(a[k].bits, b[k].bits) for k in a)
 
 
 def varints(values: list[int]) -> bytes:

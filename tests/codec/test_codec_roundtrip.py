@@ -1,4 +1,5 @@
-"""Round-trip properties of the patch codec over random shapes, dtypes and change masks."""
+"""Round-trip properties of the patch codec over random shapes, dtypes and change masks, for
+every encoding (``xor``, ``overwrite``, ``cond``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 
 from stitchboard.proto.apply import apply_patch, apply_to_copy
+from stitchboard.proto.codec import ENCODINGS
 from stitchboard.proto.decode import read_patch
 from stitchboard.proto.diff import diff_views
 from stitchboard.proto.dtypes import bits_type
@@ -66,8 +68,8 @@ def view_pair(draw):
     return base, target
 
 
-@settings(max_examples=150, deadline=None)
-@given(pair=view_pair(), encoding=st.sampled_from(["xor", "overwrite"]))
+@settings(max_examples=200, deadline=None)
+@given(pair=view_pair(), encoding=st.sampled_from(ENCODINGS))
 def test_apply_of_diff_is_target_bitwise(pair, encoding):
     base, target = pair
     result = diff_views(base, target, encoding)
@@ -79,10 +81,10 @@ def test_apply_of_diff_is_target_bitwise(pair, encoding):
 
 
 @settings(max_examples=60, deadline=None)
-@given(pair=view_pair())
-def test_xor_is_refused_on_wrong_base_and_on_its_own_result(pair):
+@given(pair=view_pair(), encoding=st.sampled_from(["xor", "cond"]))
+def test_base_only_encodings_are_refused_on_wrong_base_and_on_their_own_result(pair, encoding):
     base, target = pair
-    patch = read_patch(diff_views(base, target, "xor").patch)
+    patch = read_patch(diff_views(base, target, encoding).patch)
     if not patch.entries:
         return
     applied = copy_view(base)

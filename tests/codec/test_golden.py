@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from stitchboard.proto.apply import apply_to_copy
+from stitchboard.proto.codec import ENCODINGS
 from stitchboard.proto.container import RawTensor
 from stitchboard.proto.decode import read_patch
 from stitchboard.proto.diff import diff_views
@@ -41,13 +42,13 @@ def encode(encoding: str) -> bytes:
 
 
 def test_encoding_matches_golden_bytes():
-    for encoding in ("xor", "overwrite"):
+    for encoding in ENCODINGS:
         assert encode(encoding) == (GOLDEN / f"patch-v1-{encoding}.safetensors").read_bytes(), encoding
 
 
 def test_golden_decodes_to_target():
     base, target = fixed_views()
-    for encoding in ("xor", "overwrite"):
+    for encoding in ENCODINGS:
         patch = read_patch((GOLDEN / f"patch-v1-{encoding}.safetensors").read_bytes())
         assert patch.changed_elements == 7 and patch.metadata == {"run_id": "golden", "version": "1"}
         out = apply_to_copy(base, patch)
@@ -55,5 +56,5 @@ def test_golden_decodes_to_target():
 
 
 if __name__ == "__main__" and "--regenerate" in sys.argv:
-    for enc in ("xor", "overwrite"):
+    for enc in ENCODINGS:
         (GOLDEN / f"patch-v1-{enc}.safetensors").write_bytes(encode(enc))

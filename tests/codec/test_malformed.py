@@ -29,8 +29,7 @@ def good_patch() -> bytes:
 
 def entry(count=1, gap_bytes=None, name="model.w", dtype="BF16", shape=(4, 8)) -> dict:
     z = "0" * 32
-    return {"name": name, "dtype": dtype, "shape": list(shape), "count": count, "gap_bytes": count if gap_bytes is None else gap_bytes,
-            "base": {"xxh3_128": z}, "target": {"xxh3_128": z}}
+    return {"name": name, "dtype": dtype, "shape": list(shape), "count": count, "gap_bytes": count if gap_bytes is None else gap_bytes, "base": {"xxh3_128": z}, "target": {"xxh3_128": z}}
 
 
 def one(gaps: list[int], values: list[int], gap_stream: bytes | None = None, **kw) -> bytes:
