@@ -9,8 +9,9 @@ The sequence keeps DESIGN.md invariants 1 and 5 at the codec level:
    alone); ``cond`` checks this first, since it decodes against the base, and then checks its
    decoded bits against the target checksum too;
 3. only then are bits written (``xor``: ``old ^ value``; ``overwrite``, ``cond``: ``value``);
-4. every touched tensor is checked against its target checksum; on any mismatch all written
-   elements are restored and :class:`TargetMismatchError` is raised.
+4. every touched tensor is checked against its target checksum (``cond``: already done in 2,
+   on the very bits written); on any mismatch all written elements are restored and
+   :class:`TargetMismatchError` is raised.
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ def apply_patch(view: Mapping[str, RawTensor], patch: Patch) -> ApplyResult:
         TensorSetMismatchError: a touched tensor is missing or has another dtype/shape.
         PatchFormatError: a frame, its positions or a ``cond`` stream are invalid.
         BaseMismatchError: a touched tensor is not the patch's base.
-        TargetMismatchError: after writing, a tensor's bits differ from the target (undone).
+        TargetMismatchError: a tensor's new bits differ from the target (``cond``: found before
+            writing; else after, and undone).
         ValueError: a touched tensor's bits are read-only.
     """
     writes = _plan_writes(view, patch)
@@ -97,7 +99,8 @@ def apply_patch(view: Mapping[str, RawTensor], patch: Patch) -> ApplyResult:
             old = bits[delta.positions]
             undo.append((bits, delta.positions, old))
             bits[delta.positions] = (old ^ delta.values) if patch.encoding == "xor" else delta.values
-        for delta in writes:
+        checked = [] if patch.encoding == "cond" else writes  # cond deltas were checked against their targets before writing
+        for delta in checked:
             got = checksum(view[delta.entry.name])
             if got != delta.entry.target[XXH3_128]:
                 raise TargetMismatchError(f"tensor {delta.entry.name!r} does not match its target checksum after apply; the write was undone")

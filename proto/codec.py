@@ -67,7 +67,7 @@ def checksum(t: RawTensor) -> str:
     return xxhash.xxh3_128_hexdigest(t.bits.data.cast("B") if t.bits.size else b"")
 
 
-def patched_checksum(t: RawTensor, positions: np.ndarray, values: np.ndarray, chunk: int = 1 << 20) -> str:
+def patched_checksum(t: RawTensor, positions: np.ndarray, values: np.ndarray, chunk: int = 1 << 18) -> str:
     """:func:`checksum` of ``t`` with ``values`` written at ``positions``, without writing ``t``.
 
     Args:
