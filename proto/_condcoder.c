@@ -1,5 +1,5 @@
 /*
- * The entropy coder of the `cond` patch encoding (see proto/cond_codec.py for the byte format).
+ * The `cond` patch encoding's C extension (byte format: proto/cond_codec.py):
  *
  * encode(base, target, itemsize, class_shift, class_bits, sign_magnitude) -> (count, stream)
  * decode(base, stream, positions_out, values_out, itemsize, class_shift, class_bits, sign_magnitude)
@@ -7,331 +7,28 @@
  * Both run without the GIL. Every element's class is a bit field of its base bits (the exponent
  * of a float). Changed positions are coded as gaps within their class's subsequence, values as
  * the signed step between base and target in the monotone integer order of the bit patterns,
- * all with one adaptive binary range coder (the carry-propagating coder of LZMA, Igor Pavlov,
- * public domain) whose probabilities are 16-bit and count-adaptive (a KT-like estimate whose
- * window grows to ADAPT_LIMIT observations).
+ * with the range coder of _rangecoder.h and the context model of _condmodel.h. This file holds
+ * the value coding, the per-dtype loops over the elements and the Python entry points.
  *
  * decode validates while it decodes: the class counts must add up to `count`, every gap must
- * land inside its class and the stream must end on its last byte; any violation raises
- * ValueError before the caller writes anything. Work is linear in numel + stream length for
- * any input.
+ * land inside its class and the stream must end exactly after its last change; any violation
+ * raises ValueError before the caller writes anything. Work is linear in numel + stream length
+ * for any input.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <pthread.h>
 
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "stitchboard's cond coder assumes a little-endian machine"
 #endif
 
-#define MAX_CLASSES 256 /* class_bits <= 8 */
-#define END UINT64_MAX  /* "no further change in this class" */
-#define ADAPT_LIMIT 126 /* observations after which a probability adapts at a fixed rate (62-1022 give the same sizes) */
-#define PROB_ONE 65536u
-#define PROB_MIN 32u
-#define TOP (1u << 24)
+#include "_rangecoder.h"
+#include "_condmodel.h"
 
-/*
- * ---- adaptive bit model ----
- * P(bit == 0) = (q ^ 0x8000) / 65536, so an all-zero model means p = 1/2 with no observations
- * (a model needs no initialisation beyond zeroed memory); n counts observations up to
- * ADAPT_LIMIT and sets the update rate 1 / (n + 2).
- */
-typedef struct {
-    uint16_t q, n;
-} bit_t;
-
-static uint32_t adapt_rate[ADAPT_LIMIT + 1]; /* 65536 / (n + 2) */
-
-static inline uint32_t prob(const bit_t *m) { return (uint32_t)(m->q ^ 0x8000u); }
-
-static inline void update(bit_t *m, unsigned bit) {
-    const uint32_t r = adapt_rate[m->n], p = prob(m);
-    uint32_t q = bit ? p - ((p * r) >> 16) : p + (((PROB_ONE - p) * r) >> 16);
-    q = q < PROB_MIN ? PROB_MIN : q > PROB_ONE - PROB_MIN ? PROB_ONE - PROB_MIN : q;
-    m->q = (uint16_t)(q ^ 0x8000u);
-    m->n = (uint16_t)(m->n + (m->n < ADAPT_LIMIT));
-}
-
-/*
- * The model of one tensor, in blocks. Per tensor: cnt_unary and cnt_mant code each class's
- * number of changes n as the bucket (bit length of n + 1, minus one) in unary and the first
- * bit under its leading one, with context "the previous class had changes". Per position class
- * c (gap_model_t): unary, "u > i" of a gap's bucket u (bit length of g + 1, minus one); mant,
- * the two bits under the leading one of g + 1 per u. Per value context v = 2c + top bit of
- * the base element (val_model_t): the step's sign, and per sign s the unary code of the
- * magnitude's bucket ("bucket > i"). Per (v, s, bucket b >= 2) a magnitude block (mag_of):
- * the first min(b - 1, TREE_BITS) bits under the leading one as a bit tree (node 1 ..), then
- * POS_BITS models, one per further bit position; deeper bits are coded flat.
- *
- * Each thread keeps one model and reuses it tensor after tensor: a block is zeroed when first
- * used under a new generation `gen`, so a tensor costs only the blocks it uses, and the memory
- * (calloc'd, mostly never touched) is not faulted in again per tensor.
- */
-#define TREE_BITS 8
-#define POS_BITS 16
-#define GAP_BUCKETS 63 /* g + 1 <= numel < 2^62 */
-typedef struct {
-    uint32_t stamp;
-    bit_t unary[GAP_BUCKETS];
-    bit_t mant[GAP_BUCKETS][3];
-} gap_model_t;
-
-typedef struct {
-    uint32_t stamp;
-    bit_t sign;
-    bit_t unary[2][65];
-} val_model_t;
-
-typedef struct {
-    uint32_t gen;
-    bit_t cnt_unary[2][GAP_BUCKETS], cnt_mant[2][GAP_BUCKETS][3];
-    gap_model_t gap[MAX_CLASSES];
-    val_model_t val[2 * MAX_CLASSES];
-    bit_t mag[]; /* per bucket b, 4 * MAX_CLASSES blocks of mag_words[b] words: a stamp, then the models */
-} model_t;
-
-static size_t mag_at[66], mag_words[65], model_bytes;
-
-static void init_layout(void) {
-    size_t at = 0;
-    for (unsigned b = 2; b <= 64; b++) {
-        mag_words[b] = 1 + (1u << (b - 1 < TREE_BITS ? b - 1 : TREE_BITS)) + POS_BITS;
-        mag_at[b] = at;
-        at += 4 * MAX_CLASSES * mag_words[b];
-    }
-    model_bytes = sizeof(model_t) + at * sizeof(bit_t);
-}
-
-/* The changed elements of a tensor, in position order: rank within its class, old and new bits. */
-typedef struct {
-    uint64_t *rank, *old, *new_;
-    size_t len, cap;
-} changes_t;
-
-/* Per thread, reused tensor after tensor: the model and the encoder's change arrays. */
-typedef struct {
-    model_t *model;
-    changes_t ch;
-} workspace_t;
-
-static pthread_key_t workspace_key;
-
-static void workspace_free(void *p) {
-    workspace_t *w = p;
-    free(w->model);
-    free(w->ch.rank);
-    free(w->ch.old);
-    free(w->ch.new_);
-    free(w);
-}
-
-/* This thread's workspace, its model at a fresh generation and no changes; NULL when out of memory. */
-static workspace_t *workspace_get(void) {
-    workspace_t *w = pthread_getspecific(workspace_key);
-    if (!w) {
-        if (!(w = calloc(1, sizeof *w)) || !(w->model = calloc(1, model_bytes)) || pthread_setspecific(workspace_key, w)) {
-            if (w) workspace_free(w);
-            return NULL;
-        }
-    }
-    model_t *m = w->model;
-    if (++m->gen == 0) { /* stamps wrapped after 2^32 tensors */
-        memset(m, 0, model_bytes);
-        m->gen = 1;
-    }
-    memset(m->cnt_unary, 0, sizeof m->cnt_unary);
-    memset(m->cnt_mant, 0, sizeof m->cnt_mant);
-    w->ch.len = 0;
-    return w;
-}
-
-static inline gap_model_t *gap_of(model_t *m, unsigned c) {
-    gap_model_t *g = &m->gap[c];
-    if (g->stamp != m->gen) {
-        memset(g, 0, sizeof *g);
-        g->stamp = m->gen;
-    }
-    return g;
-}
-
-static inline val_model_t *val_of(model_t *m, unsigned v) {
-    val_model_t *g = &m->val[v];
-    if (g->stamp != m->gen) {
-        memset(g, 0, sizeof *g);
-        g->stamp = m->gen;
-    }
-    return g;
-}
-
-static inline bit_t *mag_of(model_t *m, unsigned v, unsigned s, unsigned b) {
-    bit_t *blk = m->mag + mag_at[b] + (2 * v + s) * mag_words[b];
-    uint32_t stamp;
-    memcpy(&stamp, blk, sizeof stamp);
-    if (stamp != m->gen) {
-        memset(blk, 0, mag_words[b] * sizeof(bit_t));
-        memcpy(blk, &m->gen, sizeof stamp);
-    }
-    return blk + 1;
-}
-
-static inline unsigned bit_length(uint64_t x) { return x ? 64u - (unsigned)__builtin_clzll(x) : 0u; }
-
-/* ---- range encoder ---- */
-typedef struct {
-    unsigned char *data;
-    size_t len, cap;
-    uint64_t low;
-    uint32_t range;
-    unsigned char cache;
-    uint64_t cache_size;
-    int started; /* the first byte the LZMA coder emits is always 0: it is not stored */
-    int oom;
-} enc_t;
-
-static void put_byte(enc_t *e, unsigned char b) {
-    if (!e->started) {
-        e->started = 1;
-        return;
-    }
-    if (e->len == e->cap) {
-        size_t cap = e->cap ? 2 * e->cap : 4096;
-        unsigned char *p = realloc(e->data, cap);
-        if (!p) {
-            e->oom = 1;
-            return;
-        }
-        e->data = p;
-        e->cap = cap;
-    }
-    e->data[e->len++] = b;
-}
-
-static void shift_low(enc_t *e) {
-    if ((uint32_t)e->low < 0xFF000000u || (e->low >> 32) != 0) {
-        const unsigned char carry = (unsigned char)(e->low >> 32);
-        unsigned char temp = e->cache;
-        do {
-            put_byte(e, (unsigned char)(temp + carry));
-            temp = 0xFF;
-        } while (--e->cache_size != 0);
-        e->cache = (unsigned char)(e->low >> 24);
-    }
-    e->cache_size++;
-    e->low = (e->low & 0x00FFFFFFu) << 8;
-}
-
-static inline void enc_bit(enc_t *e, bit_t *m, unsigned bit) {
-    const uint32_t bound = (e->range >> 16) * prob(m);
-    e->low += bound & (0u - bit);
-    e->range = bit ? e->range - bound : bound;
-    update(m, bit);
-    while (e->range < TOP) {
-        e->range <<= 8;
-        shift_low(e);
-    }
-}
-
-static inline void enc_direct(enc_t *e, uint64_t value, unsigned nbits) {
-    while (nbits--) {
-        e->range >>= 1;
-        if ((value >> nbits) & 1) e->low += e->range;
-        while (e->range < TOP) {
-            e->range <<= 8;
-            shift_low(e);
-        }
-    }
-}
-
-static void enc_flush(enc_t *e) {
-    for (int i = 0; i < 5; i++) shift_low(e);
-}
-
-/* ---- range decoder: bytes past the end read as 0 and are counted, so a short stream fails the length check ---- */
-typedef struct {
-    const unsigned char *p, *end;
-    size_t overrun;
-    uint32_t range, code;
-} dec_t;
-
-static inline unsigned char next_byte(dec_t *d) {
-    if (d->p < d->end) return *d->p++;
-    d->overrun++;
-    return 0;
-}
-
-static void dec_init(dec_t *d, const unsigned char *data, size_t len) {
-    d->p = data;
-    d->end = data + len;
-    d->overrun = 0;
-    d->range = 0xFFFFFFFFu;
-    d->code = 0;
-    for (int i = 0; i < 4; i++) d->code = (d->code << 8) | next_byte(d);
-}
-
-static inline unsigned dec_bit(dec_t *d, bit_t *m) {
-    const uint32_t bound = (d->range >> 16) * prob(m);
-    const unsigned bit = d->code >= bound;
-    d->code -= bound & (0u - bit);
-    d->range = bit ? d->range - bound : bound;
-    update(m, bit);
-    while (d->range < TOP) {
-        d->range <<= 8;
-        d->code = (d->code << 8) | next_byte(d);
-    }
-    return bit;
-}
-
-static inline uint64_t dec_direct(dec_t *d, unsigned nbits) {
-    uint64_t v = 0;
-    while (nbits--) {
-        d->range >>= 1;
-        unsigned bit = d->code >= d->range;
-        if (bit) d->code -= d->range;
-        v = (v << 1) | bit;
-        while (d->range < TOP) {
-            d->range <<= 8;
-            d->code = (d->code << 8) | next_byte(d);
-        }
-    }
-    return v;
-}
-
-/*
- * ---- gaps and counts: x >= 0 as the bucket u = bitlen(x + 1) - 1 in unary, then the bits of
- * x + 1 under its leading one: the first with mant[u][0], the second with mant[u][1 + first],
- * the rest flat ----
- */
-static void enc_number(enc_t *e, bit_t *unary, bit_t (*mant)[3], uint64_t x) {
-    const unsigned u = bit_length(x + 1) - 1;
-    for (unsigned i = 0; i < GAP_BUCKETS - 1; i++) {
-        enc_bit(e, &unary[i], u > i);
-        if (u == i) break;
-    }
-    if (u == 0) return;
-    const uint64_t rest = (x + 1) - ((uint64_t)1 << u);
-    const unsigned b1 = (unsigned)(rest >> (u - 1)) & 1;
-    enc_bit(e, &mant[u][0], b1);
-    if (u == 1) return;
-    enc_bit(e, &mant[u][1 + b1], (unsigned)(rest >> (u - 2)) & 1);
-    enc_direct(e, rest, u - 2);
-}
-
-static uint64_t dec_number(dec_t *d, bit_t *unary, bit_t (*mant)[3]) {
-    unsigned u = 0;
-    while (u < GAP_BUCKETS - 1 && dec_bit(d, &unary[u])) u++;
-    if (u == 0) return 0;
-    const unsigned b1 = dec_bit(d, &mant[u][0]);
-    uint64_t rest = b1;
-    if (u >= 2) {
-        rest = (rest << 1) | dec_bit(d, &mant[u][1 + b1]);
-        rest = (rest << (u - 2)) | dec_direct(d, u - 2);
-    }
-    return ((uint64_t)1 << u) + rest - 1;
-}
+#define END UINT64_MAX /* "no further change in this class" */
 
 /* ---- values: the signed step d (mod 2^width, d != 0) in the monotone order of the bit patterns ---- */
 static inline uint64_t order_key(uint64_t bits, unsigned width, int sign_magnitude) {
@@ -699,7 +396,7 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_condcoder", "Base-conditioned range coding of patch positions and values.", -1, methods};
 
 PyMODINIT_FUNC PyInit__condcoder(void) {
-    for (unsigned n = 0; n <= ADAPT_LIMIT; n++) adapt_rate[n] = PROB_ONE / (n + 2);
+    rc_init();
     init_layout();
     if (pthread_key_create(&workspace_key, workspace_free)) return PyErr_NoMemory();
     return PyModule_Create(&module);
