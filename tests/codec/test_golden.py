@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from stitchboard.proto.apply import apply_to_copy
-from stitchboard.proto.codec import ENCODINGS
+from stitchboard.proto.codec import ENCODINGS, PatchEncoding
 from stitchboard.proto.container import RawTensor
 from stitchboard.proto.decode import read_patch
 from stitchboard.proto.diff import diff_views
@@ -36,7 +36,7 @@ def fixed_views() -> tuple[dict[str, RawTensor], dict[str, RawTensor]]:
     return base, target
 
 
-def encode(encoding: str) -> bytes:
+def encode(encoding: PatchEncoding) -> bytes:
     base, target = fixed_views()
     return diff_views(base, target, encoding, metadata={"run_id": "golden", "version": "1"}).patch
 

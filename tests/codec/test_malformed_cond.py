@@ -21,7 +21,7 @@ from stitchboard.proto.codec import PAYLOAD_KEY, checksum
 from stitchboard.proto.container import RawTensor, parse_safetensors
 from stitchboard.proto.decode import read_patch
 from stitchboard.proto.diff import diff_views
-from stitchboard.proto.errors import BaseMismatchError, PatchError, PatchFormatError
+from stitchboard.proto.errors import BaseMismatchError, PatchError, PatchFormatError, TensorSetMismatchError
 
 from .helpers import copy_view, patch_file, raw, same_bits
 
@@ -80,6 +80,20 @@ def test_truncated_and_extended_streams():
     assert_refused(rebuilt(short, payload[: at + size - 1]), match="end exactly|past the end|add up")
     long = [entries[0], {**entries[1], "gap_bytes": size + 1}]
     assert_refused(rebuilt(long, payload[: at + size] + b"\x00"), match="end exactly")
+
+
+def test_truncated_file():
+    for cut in (0, 8, 40, len(GOOD) // 2, len(GOOD) - 1):
+        with pytest.raises(PatchFormatError):
+            read_patch(GOOD[:cut])
+
+
+def test_index_entry_out_of_bounds():
+    entries, payload = parts(GOOD)
+    numel = 64 * 64
+    assert_refused(rebuilt([entries[0], {**entries[1], "count": numel + 1}], payload), match="changed elements")
+    assert_refused(rebuilt([entries[0], {**entries[1], "dtype": "F16"}], payload), error=TensorSetMismatchError, match="F16")
+    assert_refused(rebuilt([entries[0], {**entries[1], "shape": [32, 128]}], payload), error=TensorSetMismatchError)
 
 
 def test_payload_size_disagrees_with_index():

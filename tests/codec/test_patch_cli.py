@@ -17,7 +17,7 @@ from .helpers import copy_view, raw, same_bits
 CLI = [sys.executable, "-c", "from stitchboard.proto.cli import main; main()"]
 
 
-def run(*args: str) -> subprocess.CompletedProcess:
+def run(*args: str | Path) -> subprocess.CompletedProcess:
     return subprocess.run([*CLI, *map(str, args)], check=False, capture_output=True, text=True, timeout=120)
 
 
