@@ -188,7 +188,11 @@ class BulletinClient:
                 size += len(chunk)
         if digest.hexdigest() != sha256 or (expected_size is not None and size != expected_size):
             part.unlink()
-            raise BlobMismatchError(f"{what}: got {size} bytes hashing to {digest.hexdigest()}, expected {expected_size if expected_size is not None else '?'} bytes with sha256 {sha256}; the partial file was removed, retry", run_id=run, sha256=sha256)
+            raise BlobMismatchError(
+                f"{what}: got {size} bytes hashing to {digest.hexdigest()}, expected {expected_size if expected_size is not None else '?'} bytes with sha256 {sha256}; the partial file was removed, retry",
+                run_id=run,
+                sha256=sha256,
+            )
         os.replace(part, dest)
         return dest
 

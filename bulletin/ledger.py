@@ -232,17 +232,24 @@ class Ledger:
             raise BaseMissingError(f"run {run!r} is at version {top}; publish version {top + 1} before {version}", run_id=run, version=version, latest_version=top)
         if version > 0 and not manifest.snapshot and self.committed(run, version - 1).manifest.layout() != manifest.layout():
             raise InvalidRequestError(
-                f"version {version} of run {run!r} changes the tensor set (names, dtypes or shapes) of version {version - 1}: "
-                "a delta cannot express that; publish it as an anchor (snapshot=true)",
+                f"version {version} of run {run!r} changes the tensor set (names, dtypes or shapes) of version {version - 1}: a delta cannot express that; publish it as an anchor (snapshot=true)",
                 run_id=run,
                 version=version,
             )
         for f in manifest.files:
             stat = self.stat_blob(run, f.sha256)
             if stat is None:
-                raise BlobMissingError(f"version {version} of run {run!r} references {f.path!r} (sha256 {f.sha256}) which was never uploaded: PUT it to /v1/runs/{run}/blobs/{f.sha256} first", run_id=run, version=version, path=f.path, sha256=f.sha256)
+                raise BlobMissingError(
+                    f"version {version} of run {run!r} references {f.path!r} (sha256 {f.sha256}) which was never uploaded: PUT it to /v1/runs/{run}/blobs/{f.sha256} first",
+                    run_id=run,
+                    version=version,
+                    path=f.path,
+                    sha256=f.sha256,
+                )
             if stat.size_bytes != f.size_bytes:
-                raise BlobMismatchError(f"version {version} of run {run!r}: {f.path!r} (sha256 {f.sha256}) is stored with {stat.size_bytes} bytes, the manifest says {f.size_bytes}", run_id=run, version=version, path=f.path, sha256=f.sha256)
+                raise BlobMismatchError(
+                    f"version {version} of run {run!r}: {f.path!r} (sha256 {f.sha256}) is stored with {stat.size_bytes} bytes, the manifest says {f.size_bytes}", run_id=run, version=version, path=f.path, sha256=f.sha256
+                )
         info = VersionInfo(
             run_id=run,
             version=version,

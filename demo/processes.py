@@ -13,6 +13,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Self
 
 import httpx
 
@@ -53,7 +54,7 @@ class ManagedProcess:
         self.argv = argv
         self.log_path = log_path
         self.health_url = health_url
-        self._log = open(log_path, "ab")
+        self._log = open(log_path, "ab")  # noqa: SIM115 - the child writes to it until stop() closes it
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, start_new_session=True)
 
     def log_tail(self, chars: int = 3000) -> str:
@@ -111,7 +112,7 @@ class ProcessGroup:
         proc.stop()
         self.processes.remove(proc)
 
-    def __enter__(self) -> ProcessGroup:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -134,8 +134,7 @@ def build_smollm2_checkpoint(cache_dir: Path | None = None) -> Path:
             return folder
         if folder.exists():
             raise ModelBuildError(
-                f"{folder} exists but is not a built SmolLM2 checkpoint (no model.safetensors/config.json); "
-                "remove it and build again",
+                f"{folder} exists but is not a built SmolLM2 checkpoint (no model.safetensors/config.json); remove it and build again",
                 path=str(folder),
             )
         staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.building-", dir=folder.parent))
@@ -169,6 +168,6 @@ def _convert_gguf(gguf_path: Path, out: Path) -> None:
         quantization_config=GgufConfig(dequantize=True),
         dtype=torch.float32,
     )
-    model.to(torch.bfloat16)
+    model.to(torch.bfloat16)  # type: ignore[arg-type]  # transformers types PreTrainedModel.to as a wrapped method
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

@@ -120,7 +120,7 @@ def parse_safetensors(buf: bytes | bytearray | memoryview | mmap.mmap, what: str
     for name, entry in header.items():
         try:
             check_name(name, "tensor name")
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any refusal of the name is this file's format error
             raise PatchFormatError(f"{what}: {exc}") from None
         if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
             raise PatchFormatError(f"{what}: tensor {name!r} entry must have exactly dtype, shape, data_offsets")
@@ -149,7 +149,7 @@ def parse_safetensors(buf: bytes | bytearray | memoryview | mmap.mmap, what: str
     for begin, end, name in spans:
         dtype = header[name]["dtype"]
         size = DTYPE_SIZES[dtype]
-        raw = view[data_start + begin : data_start + end]
+        raw: memoryview | bytearray = view[data_start + begin : data_start + end]
         if (data_start + begin) % size:
             raw = bytearray(raw)  # align for the kernels; only files not written by safetensors
         tensors[name] = RawTensor(dtype, tuple(header[name]["shape"]), np.frombuffer(raw, dtype=bits_type(dtype)))

@@ -44,15 +44,7 @@ def check_name(name: str, what: str = "name") -> str:
     Raises:
         SchemaError: with the offending name.
     """
-    bad = (
-        not name
-        or ".." in name
-        or name.startswith(("/", "\\"))
-        or "\\" in name
-        or re.match(r"^[A-Za-z]:", name) is not None
-        or any(ord(c) < 32 or ord(c) == 127 for c in name)
-        or len(name) > 1024
-    )
+    bad = not name or ".." in name or name.startswith(("/", "\\")) or "\\" in name or re.match(r"^[A-Za-z]:", name) is not None or any(ord(c) < 32 or ord(c) == 127 for c in name) or len(name) > 1024
     if bad:
         raise SchemaError(f"invalid {what} {name!r}: use a relative name without '..', NUL or control characters")
     return name

@@ -23,6 +23,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
 from stitchboard.bulletin.client import BulletinClient
 from stitchboard.proto.sidecar_wire import SidecarStatus
 
@@ -150,6 +151,8 @@ def create_app(settings: SidecarSettings, engine: EngineAdapter | None = None, c
             return await proxy.forward_model(request)
         if is_read_route(request.method, route):
             return await proxy.forward_plain(request, route)
-        raise RouteForbiddenError(f"{request.method} {route} is not forwarded: the sidecar serves inference and read-only routes; engine control (pause, weight updates, sleep...) is the sidecar's alone", method=request.method, path=route)
+        raise RouteForbiddenError(
+            f"{request.method} {route} is not forwarded: the sidecar serves inference and read-only routes; engine control (pause, weight updates, sleep...) is the sidecar's alone", method=request.method, path=route
+        )
 
     return app

@@ -177,7 +177,7 @@ class ClaimKeeper(abc.ABC):
             await asyncio.sleep(self.settings.engine_check_interval_s)
             try:
                 await self.check_engine()
-            except Exception:  # noqa: BLE001 - the watch must outlive any one failure
+            except Exception:
                 log.exception("engine check failed")
 
     async def _require_claim(self, before: str) -> None:

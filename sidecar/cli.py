@@ -43,8 +43,16 @@ def run_sidecar(
 ) -> None:
     """Follow RUN at the bulletin, apply its versions to the engine, and proxy its OpenAI API (other settings: STITCH_SIDECAR_* env vars, see stitchboard.sidecar.settings)."""
     settings = _settings(
-        bulletin=bulletin, run=run, token=token, engine=engine, engine_url=engine_url, host=host, port=port,
-        boot_version=boot_version, handoff_dir=handoff_dir, log_level=log_level,
+        bulletin=bulletin,
+        run=run,
+        token=token,
+        engine=engine,
+        engine_url=engine_url,
+        host=host,
+        port=port,
+        boot_version=boot_version,
+        handoff_dir=handoff_dir,
+        log_level=log_level,
     )
     from .app import create_app
 

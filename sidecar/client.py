@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Self
 
 import httpx
 
@@ -53,7 +53,7 @@ class SidecarClient:
         """Close the connection pool."""
         self._http.close()
 
-    def __enter__(self) -> SidecarClient:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -27,7 +27,6 @@ error body (``{"type": ..., "message": ..., <details>}``, see
 
 from __future__ import annotations
 
-
 from stitchboard.proto.errors import StitchError
 
 

@@ -182,7 +182,9 @@ class Gate:
                     if verdict == "passed":
                         raise WeightVersionPassedError(
                             f"exact version {constraint.exact_version} has passed: the engine holds version {self.applied}",
-                            applied_version=self.applied, target_version=self.target, **constraint.details(),
+                            applied_version=self.applied,
+                            target_version=self.target,
+                            **constraint.details(),
                         )
                 remaining = deadline - loop.time()
                 if remaining <= 0:
@@ -202,7 +204,9 @@ class Gate:
             raise NotReadyError(f"{why} (held {wait_s:g} s)", applied_version=self.applied, target_version=self.target)
         raise WeightVersionNotReadyError(
             f"weight version not ready after {wait_s:g} s: applied {self.applied}, target {self.target}, wanted {constraint.details()}",
-            applied_version=self.applied, target_version=self.target, **constraint.details(),
+            applied_version=self.applied,
+            target_version=self.target,
+            **constraint.details(),
         )
 
     def release(self) -> int | None:

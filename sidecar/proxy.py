@@ -29,6 +29,7 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
+
 from stitchboard.proto.sidecar_wire import (
     END_FIELD,
     END_HEADER,
@@ -45,11 +46,24 @@ T = TypeVar("T")
 log = logging.getLogger("stitchboard.sidecar")
 
 #: POST routes whose answers depend on the weights: gated and stamped.
-MODEL_ROUTES = frozenset({
-    "/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses", "/invocations",
-    "/pooling", "/classify", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank",
-    "/v1/audio/transcriptions", "/v1/audio/translations",
-})
+MODEL_ROUTES = frozenset(
+    {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/embeddings",
+        "/v1/responses",
+        "/invocations",
+        "/pooling",
+        "/classify",
+        "/score",
+        "/v1/score",
+        "/rerank",
+        "/v1/rerank",
+        "/v2/rerank",
+        "/v1/audio/transcriptions",
+        "/v1/audio/translations",
+    }
+)
 #: (method, path) forwarded without gate or stamps; ``/v1/models/<id>`` too.
 READ_ROUTES = frozenset({("GET", "/v1/models"), ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/version"), ("GET", "/ping"), ("GET", "/load")})
 _HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade", "proxy-authorization", "proxy-authenticate", "trailer", "accept-encoding", "content-encoding", "date", "server"}

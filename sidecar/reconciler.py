@@ -290,4 +290,3 @@ class Reconciler(ClaimKeeper):
             raise
         self.metrics.recoveries.labels("ok").inc()
         self._finish(staged, seen, 0.0 if paused_at is None else time.perf_counter() - paused_at, apply_s, flipped=False)
-

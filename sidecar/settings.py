@@ -59,7 +59,9 @@ class SidecarSettings(BaseSettings):
     engine_timeout_s: float = Field(600.0, gt=0, description="Read timeout of a proxied request to the engine, seconds.")
     engine_call_timeout_s: float = Field(10.0, gt=0, description="Timeout of a control call to the engine (health, state, pause, resume, prefix-cache reset), seconds.")
     engine_apply_timeout_s: float = Field(900.0, gt=0, description="Timeout of an engine call that reads or writes weights (stage, commit, apply, snapshot load, checksums), seconds.")
-    engine_check_interval_s: float = Field(1.0, gt=0, description="How often the sidecar checks that the engine is still the instance, at the version, it verified (also at every /health and before every commit), seconds.")
+    engine_check_interval_s: float = Field(
+        1.0, gt=0, description="How often the sidecar checks that the engine is still the instance, at the version, it verified (also at every /health and before every commit), seconds."
+    )
     retry_after_s: int = Field(2, ge=1, description="Retry-After of 503 answers, seconds.")
 
     log_level: str = Field("info", description="Log level of the sidecar and uvicorn.")

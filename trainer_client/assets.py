@@ -77,7 +77,7 @@ def load_assets(source: str | os.PathLike[str] | Mapping[str, bytes]) -> list[As
     for name in items:
         try:
             check_name(name, "asset name")
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any refusal of the name is an assets error
             raise AssetsError(str(exc)) from None
         if name.endswith((".safetensors", ".bin", ".pt", ".index.json")):
             raise AssetsError(f"{name!r} looks like a weight file; assets are the non-weight files")

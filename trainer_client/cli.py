@@ -32,13 +32,9 @@ def publish(
     run: Run,
     token: Token = None,
     anchor: Annotated[bool, typer.Option("--anchor", help="make this version an anchor (carry a full snapshot)")] = False,
-    skip_rebuild: Annotated[
-        bool, typer.Option("--skip-rebuild", help="do not download the latest version; send changed tensors whole, as an anchor")
-    ] = False,
+    skip_rebuild: Annotated[bool, typer.Option("--skip-rebuild", help="do not download the latest version; send changed tensors whole, as an anchor")] = False,
     step: Annotated[int | None, typer.Option(help="training step, stored in the manifest metadata")] = None,
-    assets: Annotated[
-        Path | None, typer.Option(help="folder of config/tokenizer files for a new run (default: the checkpoint's folder)")
-    ] = None,
+    assets: Annotated[Path | None, typer.Option(help="folder of config/tokenizer files for a new run (default: the checkpoint's folder)")] = None,
 ) -> None:
     """Publish CHECKPOINT as the run's next version (version 0 with its assets on a new run); print the version."""
     from stitchboard.bulletin.client import BulletinClient

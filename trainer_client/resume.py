@@ -63,8 +63,7 @@ def verify_view(manifest: VersionManifest, view: dict[str, RawTensor]) -> dict[s
             bad.append(name)
     if missing or extra or bad:
         raise ResumeError(
-            f"version {manifest.version} of run {manifest.run_id!r} rebuilt from the bulletin does not match its manifest: "
-            f"missing {missing[:3]}, extra {extra[:3]}, different {bad[:3]}",
+            f"version {manifest.version} of run {manifest.run_id!r} rebuilt from the bulletin does not match its manifest: missing {missing[:3]}, extra {extra[:3]}, different {bad[:3]}",
             tensors=missing + extra + bad,
         )
     return sums
@@ -129,9 +128,7 @@ def pull_version(client: BulletinClient, run: str, out: str | os.PathLike[str], 
     return rebuilt
 
 
-def resume_publisher(
-    client: BulletinClient, run: str, mode: str, given: list[Asset] | None, workdir: str | os.PathLike[str] | None = None
-) -> tuple[PublishedVersion | None, list[FileRef]]:
+def resume_publisher(client: BulletinClient, run: str, mode: str, given: list[Asset] | None, workdir: str | os.PathLike[str] | None = None) -> tuple[PublishedVersion | None, list[FileRef]]:
     """Where a publisher starting on ``run`` goes on from: (its last version, the run's asset refs).
 
     Args:

@@ -102,11 +102,11 @@ def main() -> int:
             t = time.perf_counter()
             row["stage"] = engine.stage_patches([([str(patch_path)], step - 1, step)])
             row["stage_s"] = time.perf_counter() - t
-            row["staged"] = _paused(engine, lambda: engine.commit_staged(step))
+            row["staged"] = _paused(engine, lambda step=step: engine.commit_staged(step))
             back_to(step - 1)
-            row["one_call"] = _paused(engine, lambda: engine.apply_patch(str(patch_path), step - 1, step))
+            row["one_call"] = _paused(engine, lambda step=step, patch_path=patch_path: engine.apply_patch(str(patch_path), step - 1, step))
             back_to(step - 1)
-            row["snapshot"] = _paused(engine, lambda: engine.load_snapshot([str(p) for p in shards], step, sums))
+            row["snapshot"] = _paused(engine, lambda step=step, shards=shards, sums=sums: engine.load_snapshot([str(p) for p in shards], step, sums))
             rows.append(row)
             print(
                 f"step {step}: {diff.changed_elements / diff.total_elements:.2%} changed, patch {len(diff.patch) / 1e6:.2f} MB: "
@@ -115,7 +115,7 @@ def main() -> int:
                 f"{row['snapshot'][1] * 1e3:.0f} ms | ratio {row['staged'][1] / row['snapshot'][1]:.2f}"
             )
             view = nxt
-        med = lambda xs: statistics.median(xs) * 1e3  # noqa: E731
+        med = lambda xs: statistics.median(xs) * 1e3
         stage_keys = ("read_s", "check_s", "build_s", "pack_s")
         print(f"staging (engine serving): {med([r['stage_s'] for r in rows]):.0f} ms median (" + ", ".join(f"{k[:-2]} {med([r['stage'][k] for r in rows]):.0f}" for k in stage_keys) + ")")
         for label, keys in (

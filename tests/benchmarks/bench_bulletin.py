@@ -97,18 +97,18 @@ async def notify_latency(url: str, port: int, client: BulletinClient, clients: i
     for version in range(1, rounds + 1):
         manifest = _manifest(client, version, tensors)
         request = f"GET /v1/runs/{RUN}/versions/latest?after={version - 1}&wait_s=120 HTTP/1.1\r\nHost: bench\r\n\r\n".encode()
-        t0 = 0.0
+        published = [0.0]  # set just before the publish, after every waiter is registered
 
-        async def wait_one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> float:
+        async def wait_one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes = request, version: int = version, published: list[float] = published) -> float:
             writer.write(request)
             await writer.drain()
             status, body = await _read_response(reader)
             assert status == 200 and json.loads(body)["version"] == version, (status, body[:200])
-            return time.perf_counter() - t0
+            return time.perf_counter() - published[0]
 
         tasks = [asyncio.create_task(wait_one(r, w)) for r, w in conns]
         await _waiters_registered(url, clients)
-        t0 = time.perf_counter()
+        t0 = published[0] = time.perf_counter()
         await asyncio.to_thread(client.publish, manifest)
         publish_s.append(time.perf_counter() - t0)
         results.append(sorted(await asyncio.gather(*tasks)))

@@ -65,9 +65,17 @@ def main() -> None:
         table.add_column(col, justify="right")
     for r in results:
         table.add_row(
-            str(r.version), "yes" if r.snapshot else "", f"{100 * r.changed_fraction:.3f}", f"{r.encoded_bytes:,}",
-            f"{100 * r.encoded_bytes / r.view_bytes:.3f}", f"{r.snapshot_bytes:,}" if r.snapshot else "",
-            f"{r.cast_s:.3f}", f"{r.diff_s:.3f}", f"{r.write_s:.3f}", f"{r.upload_s:.3f}", f"{r.commit_s:.3f}",
+            str(r.version),
+            "yes" if r.snapshot else "",
+            f"{100 * r.changed_fraction:.3f}",
+            f"{r.encoded_bytes:,}",
+            f"{100 * r.encoded_bytes / r.view_bytes:.3f}",
+            f"{r.snapshot_bytes:,}" if r.snapshot else "",
+            f"{r.cast_s:.3f}",
+            f"{r.diff_s:.3f}",
+            f"{r.write_s:.3f}",
+            f"{r.upload_s:.3f}",
+            f"{r.commit_s:.3f}",
         )
     console = Console(width=160)
     console.print(table)

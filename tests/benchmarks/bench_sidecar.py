@@ -93,7 +93,7 @@ def main() -> None:
         if args.engine_url:
             _boot_at_version_0(engine, args.checkpoint, anchor)
         sidecar = AppServer(create_app(settings, engine=engine, client=BulletinClient(url)))
-        gate = lambda: sidecar.server.config.app.state.gate  # noqa: E731
+        gate = lambda: sidecar.server.config.app.state.gate
         try:
             while gate().applied != 0:
                 time.sleep(0.01)
@@ -133,7 +133,7 @@ def main() -> None:
             bulletin.terminate()
             bulletin.wait(10)
 
-    ms = lambda xs: ", ".join(f"{1000 * x:.1f}" for x in (statistics.median(xs), _pct(xs, 0.9), max(xs)))  # noqa: E731
+    ms = lambda xs: ", ".join(f"{1000 * x:.1f}" for x in (statistics.median(xs), _pct(xs, 0.9), max(xs)))
     view_mb = sum(t.nbytes for t in view.values()) / 1e6
     kind = f"vLLM at {args.engine_url}" if args.engine_url else "fake engine"
     print(f"sidecar publish -> applied over loopback, {kind}, {args.steps} steps, view {view_mb:.1f} MB, {args.fraction:.1%} changed per step")
@@ -141,10 +141,12 @@ def main() -> None:
     print(f"  publish call (manifest commit; files uploaded before) (ms p50, p90, max): {ms(published)}")
     print(f"  publish -> applied  (ms p50, p90, max): {ms(applied)}   target p50 <= 1000 ms")
     print(f"  publish -> a held request answered (ms p50, p90, max): {ms(served)}")
-    print(f"  per sync (ms p50): fetch {1000 * statistics.median(s.stage_seconds for s in syncs):.1f}, "
-          f"engine staging while serving {1000 * statistics.median(s.engine_stage_seconds for s in syncs):.1f}, "
-          f"pause {1000 * statistics.median(s.pause_seconds for s in syncs):.1f}, apply {1000 * statistics.median(s.apply_seconds for s in syncs):.1f}, "
-          f"seen -> applied {1000 * statistics.median(s.total_seconds for s in syncs):.1f}")
+    print(
+        f"  per sync (ms p50): fetch {1000 * statistics.median(s.stage_seconds for s in syncs):.1f}, "
+        f"engine staging while serving {1000 * statistics.median(s.engine_stage_seconds for s in syncs):.1f}, "
+        f"pause {1000 * statistics.median(s.pause_seconds for s in syncs):.1f}, apply {1000 * statistics.median(s.apply_seconds for s in syncs):.1f}, "
+        f"seen -> applied {1000 * statistics.median(s.total_seconds for s in syncs):.1f}"
+    )
 
 
 if __name__ == "__main__":

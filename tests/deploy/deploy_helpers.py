@@ -43,7 +43,7 @@ K8S_MANIFESTS = sorted(p for p in K8S_DIR.glob("*.yaml") if p.name != "kustomiza
 #: Values of the .env secrets the compose file requires (generated: nothing real is stored).
 SECRET_KEYS = ("MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD", "S3_ACCESS_KEY_ID", "S3_SECRET_ACCESS_KEY", "TRAINER_TOKEN", "ROLLOUT_TOKEN")
 
-from stitchboard.sidecar.engines.vllm.launch import WORKER_EXTENSION  # noqa: E402  (the product constant)
+from stitchboard.sidecar.engines.vllm.launch import WORKER_EXTENSION  # noqa: F401  (the product constant, re-exported for the tests)
 
 
 def missing_tool(what: str) -> None:
@@ -79,7 +79,7 @@ def run_compose(args: list[str], env_files: list[Path], compose_file: Path = COM
         cmd += ["--env-file", str(f)]
     cmd += ["--project-directory", str(REPO), "-f", str(compose_file), *args]
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/tmp")}
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
+    return subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, timeout=60)
 
 
 def load_yaml_docs(path: Path) -> list[dict[str, Any]]:
@@ -167,7 +167,7 @@ def script_reads(name: str) -> set[str]:
 
 def script_exports(name: str) -> set[str]:
     """Variables a deploy script exports to the command it runs."""
-    return set(re.findall(r"^\s*export\s+([A-Za-z_][A-Za-z0-9_]*)", SCRIPTS[name].read_text(), re.M))
+    return set(re.findall(r"^\s*export\s+([A-Za-z_][A-Za-z0-9_]*)", SCRIPTS[name].read_text(), re.MULTILINE))
 
 
 _STITCH_CMD = re.compile(r"\bstitchboard((?:\s+[a-z][a-z-]*)+)((?:[^\n\\]|\\\n)*)")
@@ -176,7 +176,7 @@ _STITCH_CMD = re.compile(r"\bstitchboard((?:\s+[a-z][a-z-]*)+)((?:[^\n\\]|\\\n)*
 def script_invocations(text: str) -> list[tuple[list[str], list[str]]]:
     """``stitchboard SUB [CMD] --flags...`` calls in shell text: (command path, long/short options)."""
     calls = []
-    text = re.sub(r"^\s*#.*$", "", text, flags=re.M)
+    text = re.sub(r"^\s*#.*$", "", text, flags=re.MULTILINE)
     for m in _STITCH_CMD.finditer(text):
         path = m.group(1).split()
         flags = re.findall(r"(?<![\w-])(--?[a-zA-Z][\w-]*)", m.group(2))

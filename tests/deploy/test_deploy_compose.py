@@ -51,8 +51,18 @@ def test_compose_validator_rejects_a_broken_file(tmp_path):
 def test_secrets_come_only_from_env_file():
     """No secret value is written in the compose file or the example env file."""
     text = COMPOSE_FILE.read_text()
-    for var in ("MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD", "S3_ACCESS_KEY_ID", "S3_SECRET_ACCESS_KEY", "STITCH_BULLETIN_S3_ACCESS_KEY_ID", "STITCH_BULLETIN_S3_SECRET_ACCESS_KEY", "STITCH_SIDECAR_TOKEN", "STITCH_CLIENT_TOKEN", "HF_TOKEN"):
-        for m in re.finditer(rf"^\s*{var}:\s*(.*)$", text, re.M):
+    for var in (
+        "MINIO_ROOT_USER",
+        "MINIO_ROOT_PASSWORD",
+        "S3_ACCESS_KEY_ID",
+        "S3_SECRET_ACCESS_KEY",
+        "STITCH_BULLETIN_S3_ACCESS_KEY_ID",
+        "STITCH_BULLETIN_S3_SECRET_ACCESS_KEY",
+        "STITCH_SIDECAR_TOKEN",
+        "STITCH_CLIENT_TOKEN",
+        "HF_TOKEN",
+    ):
+        for m in re.finditer(rf"^\s*{var}:\s*(.*)$", text, re.MULTILINE):
             assert m.group(1).startswith("${"), f"{var} is hard-coded in docker-compose.yml: {m.group(0).strip()}"
     example = dict(line.split("=", 1) for line in ENV_EXAMPLE.read_text().splitlines() if line and not line.startswith("#"))
     for key in (*SECRET_KEYS, "HF_TOKEN"):

@@ -63,17 +63,17 @@ def compose(tmp_path_factory) -> dict[str, Any]:
 
 def dockerfile_final_stage(path: Path) -> str:
     text = re.sub(r"\\\n", " ", path.read_text())
-    return re.split(r"^FROM .*$", text, flags=re.M)[-1]
+    return re.split(r"^FROM .*$", text, flags=re.MULTILINE)[-1]
 
 
 def dockerfile_exec(path: Path, instr: str) -> list[str] | None:
-    m = re.findall(rf"^{instr}\s+(\[.*\])\s*$", dockerfile_final_stage(path), re.M)
+    m = re.findall(rf"^{instr}\s+(\[.*\])\s*$", dockerfile_final_stage(path), re.MULTILINE)
     return json.loads(m[-1]) if m else None
 
 
 def dockerfile_env(path: Path) -> set[str]:
     names = set()
-    for line in re.findall(r"^ENV\s+(.*)$", dockerfile_final_stage(path), re.M):
+    for line in re.findall(r"^ENV\s+(.*)$", dockerfile_final_stage(path), re.MULTILINE):
         names.update(re.findall(r"([A-Za-z_][A-Za-z0-9_]*)=", line))
     return names
 
@@ -187,7 +187,7 @@ def test_dockerfiles_set_only_real_variables_and_run_real_commands():
         entry = dockerfile_exec(df, "ENTRYPOINT")
         if entry:
             check_invocation([*entry, *(dockerfile_exec(df, "CMD") or [])], df.name)
-        for src in re.findall(r"^COPY\s+(?:--\S+\s+)*(\S+)\s", df.read_text(), re.M):
+        for src in re.findall(r"^COPY\s+(?:--\S+\s+)*(\S+)\s", df.read_text(), re.MULTILINE):
             assert (REPO / src).exists(), f"{df.name}: COPY {src}: no such file"
     assert "VLLM_SERVER_DEV_MODE=1" in (DOCKER_DIR / "vllm.Dockerfile").read_text()
 

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 
 import httpx
+
 from stitchboard.bulletin.client import BulletinClient
 from stitchboard.proto.schema import VersionInfo, VersionManifest
 
@@ -57,7 +58,7 @@ class HeldPublish:
     def _run(self, publish: Callable[[], int]) -> None:
         try:
             self.outcome["version"] = publish()
-        except BaseException as exc:  # reported by wait_ready/commit
+        except BaseException as exc:  # noqa: BLE001 - reported by wait_ready/commit
             self.outcome["error"] = exc
         finally:
             if self.client.latch is self:  # the publish ended before its commit: the next one is not held
@@ -111,7 +112,7 @@ class LongRequests:
     def _guard(self, request: Callable[[], None]) -> None:
         try:
             request()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - every failure is reported by the test
             self.failures.append(f"{request.__name__}: {exc!r}")
 
     def _stream(self) -> None:

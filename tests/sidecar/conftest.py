@@ -97,8 +97,16 @@ def sc_start(sc_bulletin: AppServer, sc_publisher: Publisher, tmp_path: Path) ->
             engine.url = engine_server.url
             started.append((None, engine_server))
         values = {
-            "bulletin": sc_bulletin.url, "run": sc_publisher.run, "engine_url": engine.url, "handoff_dir": str(tmp_path / "handoff"),
-            "poll_wait_s": 5.0, "retry_backoff_s": 0.05, "max_backoff_s": 0.2, "request_wait_s": 5.0, "bulletin_retries": 1, "retry_after_s": 1,
+            "bulletin": sc_bulletin.url,
+            "run": sc_publisher.run,
+            "engine_url": engine.url,
+            "handoff_dir": str(tmp_path / "handoff"),
+            "poll_wait_s": 5.0,
+            "retry_backoff_s": 0.05,
+            "max_backoff_s": 0.2,
+            "request_wait_s": 5.0,
+            "bulletin_retries": 1,
+            "retry_after_s": 1,
             **overrides,
         }
         settings = SidecarSettings(**values)
@@ -121,7 +129,7 @@ def sc_start(sc_bulletin: AppServer, sc_publisher: Publisher, tmp_path: Path) ->
 
 
 # --- real vLLM (test_vllm_engine.py, test_sidecar_vllm.py): one server per session, see vllm_fixtures.py
-from tests.sidecar.vllm_fixtures import (  # noqa: E402, F401
+from tests.sidecar.vllm_fixtures import (  # noqa: F401
     vllm_adapter,
     vllm_engine,
     vllm_fresh_greedy,

@@ -21,6 +21,7 @@ import numpy as np
 import xxhash
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
 from stitchboard.proto.apply import apply_patch
 from stitchboard.proto.codec import checksum
 from stitchboard.proto.container import RawTensor, read_safetensors
@@ -165,7 +166,7 @@ class FakeEngine:
         self.phase = "applying"
         if self.fail_apply:
             self.fail_apply -= 1
-            name = sorted(self.weights)[0]
+            name = min(self.weights)
             self.weights[name].bits[:4] ^= 0x5A5A  # a partial write, then a failure that could not restore
             self.version, self.phase = None, "failed"
             raise RuntimeError("injected apply failure")
@@ -245,6 +246,7 @@ class FakeEngine:
             rid = f"cmpl-{time.monotonic_ns()}"
             obj = "chat.completion" if chat else "text_completion"
             if body.get("stream"):
+
                 async def events():
                     try:
                         for i in range(n):
@@ -290,6 +292,7 @@ class FakeEngine:
             return PlainTextResponse(f"fake_engine_completed_total {engine.completed}\n")
 
         for route in CONTROL_ROUTES:
+
             async def control(request: Request, route: str = route):
                 engine.http_control_calls.append(route)
                 return {"ok": True}

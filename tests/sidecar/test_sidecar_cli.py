@@ -8,9 +8,10 @@ import sys
 import time
 
 import httpx
+from typer.testing import CliRunner
+
 from stitchboard.demo.processes import free_port
 from stitchboard.sidecar.cli import app
-from typer.testing import CliRunner
 
 
 def test_missing_settings_exit_2_with_the_names(monkeypatch):
@@ -24,8 +25,12 @@ def test_missing_settings_exit_2_with_the_names(monkeypatch):
 def test_process_serves_status_while_the_engine_is_down(sc_bulletin, sc_publisher, tmp_path):
     port = free_port()
     env = {
-        **os.environ, "STITCH_SIDECAR_BULLETIN": sc_bulletin.url, "STITCH_SIDECAR_ENGINE_URL": "http://127.0.0.1:9",
-        "STITCH_SIDECAR_HANDOFF_DIR": str(tmp_path / "handoff"), "STITCH_SIDECAR_LOG_LEVEL": "warning", "STITCH_SIDECAR_RETRY_BACKOFF_S": "0.1",
+        **os.environ,
+        "STITCH_SIDECAR_BULLETIN": sc_bulletin.url,
+        "STITCH_SIDECAR_ENGINE_URL": "http://127.0.0.1:9",
+        "STITCH_SIDECAR_HANDOFF_DIR": str(tmp_path / "handoff"),
+        "STITCH_SIDECAR_LOG_LEVEL": "warning",
+        "STITCH_SIDECAR_RETRY_BACKOFF_S": "0.1",
     }
     cmd = [sys.executable, "-c", "from stitchboard.proto.cli import main; main()", "sidecar", "run", "--run", sc_publisher.run, "--port", str(port)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -42,7 +42,7 @@ def _in_thread(fn):
 
 
 def _sse_events(text: str) -> list[str]:
-    return [e.strip()[len("data: "):] for e in text.split("\n\n") if e.strip()]
+    return [e.strip()[len("data: ") :] for e in text.split("\n\n") if e.strip()]
 
 
 def test_min_version_held_then_served_with_stamps(at_v0, sc_publisher):
@@ -91,8 +91,13 @@ def test_exact_version_that_has_passed_gets_409(at_v0, sc_publisher):
 
 
 def test_bad_constraints_get_400(at_v0):
-    for headers, body in [({"X-Stitch-Min-Version": "abc"}, {}), ({"X-Stitch-Min-Version": "-1"}, {}), ({}, {"weight_version": {"min": 1}}),
-                          ({"X-Stitch-Min-Version": "2"}, {"weight_version": {"min_version": 3}}), ({"X-Stitch-Min-Version": "3", "X-Stitch-Exact-Version": "2"}, {})]:
+    for headers, body in [
+        ({"X-Stitch-Min-Version": "abc"}, {}),
+        ({"X-Stitch-Min-Version": "-1"}, {}),
+        ({}, {"weight_version": {"min": 1}}),
+        ({"X-Stitch-Min-Version": "2"}, {"weight_version": {"min_version": 3}}),
+        ({"X-Stitch-Min-Version": "3", "X-Stitch-Exact-Version": "2"}, {}),
+    ]:
         r = at_v0.http.post("/v1/completions", json={"prompt": "x", **body}, headers=headers)
         assert r.status_code == 400 and r.json()["type"] == "InvalidVersionConstraint", (headers, body, r.text)
 

@@ -65,7 +65,7 @@ def test_restarted_sidecar_does_not_reapply(sc_publisher, sc_start):
     calls = list(engine.calls)
     second = sc_start(engine, boot_version=0)  # ignored: the engine records what it holds
     assert_at(second, sc_publisher, 1)
-    assert [m for m, _ in engine.calls[len(calls):] if m != "health"] == ["checksums"]  # the record is checked, nothing loaded
+    assert [m for m, _ in engine.calls[len(calls) :] if m != "health"] == ["checksums"]  # the record is checked, nothing loaded
     sc_publisher.step(2)
     assert_at(second, sc_publisher, 2)
 

@@ -14,6 +14,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+
 from stitchboard.proto.container import RawTensor
 from stitchboard.proto.diff import diff_views
 from stitchboard.proto.errors import BaseMismatchError, TargetMismatchError

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import torch.distributed as dist
+
 from stitchboard.proto.errors import StitchError
 from stitchboard.sidecar.engines.vllm.weights import WeightIO
 

@@ -42,7 +42,7 @@ def _referenced(client, run) -> set[str]:
 
 def test_killed_after_upload_before_commit(bulletin, run):
     code = KILLED_TRAINER.format(url=bulletin.url, run=run)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120, env=repo_on_pythonpath())  # it imports tests.trainer_client.toy
+    proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, timeout=120, env=repo_on_pythonpath())  # it imports tests.trainer_client.toy
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
     with bulletin.client() as client:
         assert [i.version for i in client.versions(run)] == [0]  # version 1 does not exist

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import numpy as np
 import pytest
 import torch
@@ -14,7 +16,7 @@ class TiedLM(torch.nn.Module):
     """A tiny HF-shaped model: ``model.embed_tokens`` tied to ``lm_head``, a persistent and a
     non-persistent buffer."""
 
-    _tied_weights_keys = ["lm_head.weight"]
+    _tied_weights_keys: ClassVar[list[str]] = ["lm_head.weight"]
 
     def __init__(self) -> None:
         super().__init__()

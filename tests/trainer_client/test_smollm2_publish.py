@@ -37,7 +37,7 @@ def trained(smollm2_dir, bulletin, tmp_path_factory):
 
 
 def test_every_version_rebuilt_from_the_bulletin_is_bit_exact(trained, bulletin, capsys):
-    trainer, run, results, checks = trained
+    _trainer, _run, results, checks = trained
     assert [r.version for r in results] == list(range(STEPS + 1))
     assert [r.snapshot for r in results] == [True, False, False, True, False]
     for want, rebuilt in checks:
@@ -54,7 +54,7 @@ def test_every_version_rebuilt_from_the_bulletin_is_bit_exact(trained, bulletin,
 
 
 def test_anchors_hold_every_tensor_as_a_plain_checkpoint(trained, bulletin, tmp_path):
-    trainer, run, results, checks = trained
+    _trainer, run, results, checks = trained
     with bulletin.client() as client:
         for r in results:
             if not r.snapshot:
@@ -69,7 +69,7 @@ def test_anchors_hold_every_tensor_as_a_plain_checkpoint(trained, bulletin, tmp_
 def test_pulled_version_serves_the_trainers_logits(trained, bulletin, smollm2_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    trainer, run, results, _ = trained
+    trainer, run, _results, _ = trained
     with bulletin.client() as client:
         pull_version(client, run, tmp_path / "pulled")
     pulled = AutoModelForCausalLM.from_pretrained(tmp_path / "pulled", dtype=torch.bfloat16).eval()

@@ -37,9 +37,9 @@ class ToyTrainer:
 def assert_same_view(got: dict[str, RawTensor], want: dict[str, RawTensor]) -> None:
     """Bitwise equality of two views, tensor by tensor."""
     assert set(got) == set(want)
-    for name in want:
-        assert (got[name].dtype, tuple(got[name].shape)) == (want[name].dtype, tuple(want[name].shape)), name
-        assert np.array_equal(got[name].bits, want[name].bits), name
+    for name, w in want.items():
+        assert (got[name].dtype, tuple(got[name].shape)) == (w.dtype, tuple(w.shape)), name
+        assert np.array_equal(got[name].bits, w.bits), name
 
 
 def view_of(model: torch.nn.Module) -> dict[str, RawTensor]:

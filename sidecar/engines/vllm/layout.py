@@ -214,8 +214,7 @@ class RuntimeLayout:
             raise UnmappedTensorError(f"tensor {name!r} maps to runtime parameter {runtime!r}, which the engine does not have", name=name)
         if param.ndim not in (1, 2) or param.numel() == 0:
             raise UnmappedTensorError(
-                f"tensor {name!r}: runtime parameter {runtime!r} has shape {list(param.shape)}; an emptied CPU linear weight "
-                "means the stitchboard worker extension was not imported before the model loaded",
+                f"tensor {name!r}: runtime parameter {runtime!r} has shape {list(param.shape)}; an emptied CPU linear weight means the stitchboard worker extension was not imported before the model loaded",
                 name=name,
             )
         if param.dtype not in TORCH_DTYPE_NAMES:

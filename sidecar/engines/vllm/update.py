@@ -31,6 +31,7 @@ the new GEMM copies of every touched linear (about the linear weights' size on C
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -41,6 +42,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from stitchboard.proto.decode import TensorDelta
 from stitchboard.proto.errors import (
     BaseMismatchError,
@@ -120,7 +122,7 @@ def _pack(placement: Placement, host_param: torch.Tensor) -> list[tuple[torch.nn
 def _read_steps(io: WeightIO, steps: Sequence[Step]) -> tuple[list[dict[str, TensorDelta]], list[str], dict[str, Placement], int]:
     """Read, decode and map every step's files: per step name -> delta, the names in order,
     their placements, and the files' total bytes (rank-local; see :func:`stage_patches`)."""
-    for (_, _, end), (_, start, _) in zip(steps, steps[1:]):
+    for (_, _, end), (_, start, _) in itertools.pairwise(steps):
         if start != end:
             raise ValueError(f"steps are not consecutive: one ends at version {end}, the next starts at {start}")
     chain: list[dict[str, TensorDelta]] = []

@@ -25,6 +25,7 @@ from typing import TypeVar
 import numpy as np
 import torch
 import xxhash
+
 from stitchboard.proto.container import RawTensor, read_safetensors
 from stitchboard.proto.decode import Patch, read_patch
 from stitchboard.proto.errors import (
@@ -73,7 +74,7 @@ def _gathered_tensor_bytes(p: Placement, block: torch.Tensor, group: object) -> 
     torch.distributed.all_gather(parts, padded, group=group)
     unit = 1 if split == 0 else p.param.element_size()
     seen: dict[int, torch.Tensor] = {}
-    for (start, length), part in zip(p.spans, parts):
+    for (start, length), part in zip(p.spans, parts, strict=False):
         seen.setdefault(start, part.narrow(split, 0, length * unit))
     full = torch.cat([seen[s] for s in sorted(seen)], dim=split)
     return full.contiguous().reshape(-1).numpy()
@@ -120,7 +121,7 @@ class WeightIO:
         result = None
         try:
             result = step()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - every rank's failure is shared with the others
             error = exc
         failed: dict[int, str] = {}
         if self.tp_group is not None:
@@ -164,7 +165,8 @@ def read_patches(paths: Sequence[str]) -> tuple[list[Patch], int]:
     """
     patches, size, names = [], 0, set()
     for path in paths:
-        data = open(path, "rb").read()
+        with open(path, "rb") as f:
+            data = f.read()
         patch = read_patch(data, what=os.path.basename(path))
         if names & set(patch.entries):
             raise PatchFormatError(f"{path}: touches tensors another file of the same version touches: {sorted(names & set(patch.entries))[:3]}")
