@@ -15,6 +15,8 @@ from pathlib import Path
 
 import httpx
 
+from stitchboard.proto.sidecar_wire import SidecarStatus
+from stitchboard.sidecar.client import SidecarClient, stamps, version_headers
 from stitchboard.sidecar.engines.vllm.launch import vllm_command, vllm_env
 
 from .errors import DemoError
@@ -77,12 +79,15 @@ def sample(url: str, prompt_text: str, n: int, *, min_version: int, max_tokens: 
         DemoError: the sidecar answered an error.
     """
     body = {"model": SERVED_NAME, "prompt": prompt_text, "n": n, "max_tokens": max_tokens, "temperature": 1.0, "seed": seed}
-    headers = {"X-Stitch-Min-Version": str(min_version), "X-Stitch-Wait-S": "300"}
-    resp = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=600)
+    with SidecarClient(url) as sidecar:
+        resp = sidecar.complete(body, min_version=min_version, wait_s=300)
     if resp.status_code != 200:
         raise DemoError(f"sampling through {url} failed: {resp.status_code} {resp.text[:500]}")
     data = resp.json()
-    return [c["text"] for c in data["choices"]], (data["weight_version_start"], data["weight_version_end"])
+    start, end = stamps(data)
+    if start is None or end is None:
+        raise DemoError(f"sampling through {url}: the answer was stamped with no version ({start}, {end})")
+    return [c["text"] for c in data["choices"]], (start, end)
 
 
 def greedy(url: str, *, exact_version: int | None = None, model: str = SERVED_NAME, prompts: tuple[str, ...] = ORACLE_PROMPTS, max_tokens: int = 8) -> list[dict]:
@@ -102,7 +107,7 @@ def greedy(url: str, *, exact_version: int | None = None, model: str = SERVED_NA
         DemoError: the server answered an error.
     """
     out = []
-    headers = {"X-Stitch-Exact-Version": str(exact_version), "X-Stitch-Wait-S": "300"} if exact_version is not None else {}
+    headers = version_headers(exact_version=exact_version, wait_s=300) if exact_version is not None else {}
     for prompt in prompts:
         body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 5, "seed": 0}
         resp = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=600)
@@ -114,20 +119,23 @@ def greedy(url: str, *, exact_version: int | None = None, model: str = SERVED_NA
     return out
 
 
-def wait_applied(url: str, version: int, timeout_s: float) -> dict:
-    """Poll a sidecar's status until it has applied ``version``; returns the status.
+def wait_applied(url: str, version: int, timeout_s: float) -> tuple[int, SidecarStatus]:
+    """Poll a sidecar's status until it has applied ``version`` (or a later one).
+
+    Returns:
+        The applied version and the status that reported it.
 
     Raises:
         DemoError: the sidecar turned unhealthy or ``timeout_s`` passed.
     """
     deadline = time.monotonic() + timeout_s
-    status: dict = {}
-    while time.monotonic() < deadline:
-        status = httpx.get(f"{url}/v1/stitch/status", timeout=10).json()
-        if status.get("unhealthy_reason"):
-            raise DemoError(f"sidecar {url} is unhealthy: {status['unhealthy_reason']}")
-        applied = status.get("applied_version")
-        if applied is not None and applied >= version:
-            return status
-        time.sleep(0.2)
+    status: SidecarStatus | None = None
+    with SidecarClient(url, timeout_s=10) as sidecar:
+        while time.monotonic() < deadline:
+            status = sidecar.status()
+            if status.unhealthy_reason:
+                raise DemoError(f"sidecar {url} is unhealthy: {status.unhealthy_reason}")
+            if status.applied_version is not None and status.applied_version >= version:
+                return status.applied_version, status
+            time.sleep(0.2)
     raise DemoError(f"sidecar {url} did not apply version {version} within {timeout_s:.0f} s (status {status})")

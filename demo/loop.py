@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from stitchboard.bulletin.client import BulletinClient
+from stitchboard.proto.sidecar_wire import SidecarStatus
 from stitchboard.trainer_client.publisher import Publisher
 from stitchboard.trainer_client.resume import pull_version
 
@@ -134,7 +135,7 @@ def run_demo(cfg: DemoConfig, on_row=lambda row: None, on_event=lambda text: Non
                 on_row(row)
             result.final_version = version
             after = [greedy(r.url, exact_version=version) for r in rollouts]
-            applied = [wait_applied(r.url, version, 60)["applied_version"] for r in rollouts]
+            applied = [wait_applied(r.url, version, 60)[0] for r in rollouts]
         for r in rollouts:  # free the cores for the fresh engine
             procs.stop(r.sidecar)
             procs.stop(r.engine)
@@ -151,6 +152,11 @@ def run_demo(cfg: DemoConfig, on_row=lambda row: None, on_event=lambda text: Non
     return result
 
 
+def _pause_seconds(status: SidecarStatus) -> float:
+    """The engine pause of the sidecar's last sync, seconds (0 when it has not synced yet)."""
+    return status.last_sync.pause_seconds if status.last_sync is not None else 0.0
+
+
 def _train_step(cfg, step, version, rollouts, model, tokenizer, optimizer, publisher) -> StepRow:
     samples, seen = [], set()
     for i, prompt in enumerate(prompts_for_step(step, cfg.prompts_per_step)):
@@ -163,7 +169,7 @@ def _train_step(cfg, step, version, rollouts, model, tokenizer, optimizer, publi
     t0 = time.monotonic()
     res = publisher.publish(model, step=step)
     publish_s = time.monotonic() - t0
-    pauses = [wait_applied(r.url, res.version, 300)["last_sync"]["pause_seconds"] for r in rollouts]
+    pauses = [_pause_seconds(wait_applied(r.url, res.version, 300)[1]) for r in rollouts]
     return StepRow(
         step=step,
         version=res.version,
