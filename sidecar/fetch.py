@@ -9,10 +9,14 @@ and size. A file staged earlier (a coalesced re-plan, or a restart) is re-hashed
 Each step is then checked against its manifest before anything reaches the engine
 (DESIGN.md invariant 5):
 
-* delta: every patch file parses and every tensor's positions decode; the patch's encoding,
-  tensor names, dtypes and shapes agree with the manifest, its target checksums are the
-  manifest's, its base checksums are the previous version's (when that manifest is known),
-  and tensors it does not touch keep the previous version's checksums;
+* delta: every patch file parses (container, index, payload size) and, for ``xor`` and
+  ``overwrite``, every tensor's positions decode; the patch's encoding, tensor names, dtypes
+  and shapes agree with the manifest, its target checksums are the manifest's, its base
+  checksums are the previous version's (when that manifest is known), and tensors it does not
+  touch keep the previous version's checksums. A ``cond`` stream codes positions and values
+  on the base's bits, which the sidecar does not hold: its value decode is skipped here and
+  done by the engine against its own base, where a stream that does not decode to the target
+  checksum is refused before the first write (:mod:`.engines.vllm.update`);
 * snapshot: the shards hold exactly the manifest's tensors (dtype, shape) with its checksums.
 """
 
@@ -194,7 +198,8 @@ class Fetcher:
                 if before is not None and entry.base.get(XXH3_128) != before[name].checksums[XXH3_128]:
                     raise StagingError(f"{path}: tensor {name!r} base checksum is not version {v - 1}'s")
                 touched.add(name)
-            patch.deltas()  # decode every tensor's positions now, while the engine serves
+            if patch.encoding != "cond":  # cond decodes only against the base: the engine does it (module doc)
+                patch.deltas()  # decode every tensor's positions now, while the engine serves
         if before is not None:
             moved = sorted(n for n in want if n not in touched and want[n].checksums[XXH3_128] != before[n].checksums[XXH3_128])
             if moved:

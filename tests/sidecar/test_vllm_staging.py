@@ -3,21 +3,24 @@
 The runtime layout is the seam: a small layout object places checkpoint tensors in torch
 parameters the way :class:`~stitchboard.sidecar.engines.vllm.layout.RuntimeLayout` does for a live
 model, including two checkpoint tensors fused in one parameter (``q``/``k`` rows of ``qkv``).
-Patches are real codec output. The real engine path (vLLM CPU, packing, TP = 3) is covered by
+Patches are real codec output, ``cond`` (the publisher's default, decoded on the host copy's
+bits) and ``xor``. The real engine path (vLLM CPU, packing, TP = 3) is covered by
 ``test_vllm_engine.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from stitchboard.proto.codec import PatchEncoding, build_patch, encode_tensor
 from stitchboard.proto.container import RawTensor
 from stitchboard.proto.diff import diff_views
-from stitchboard.proto.errors import BaseMismatchError, TargetMismatchError
+from stitchboard.proto.errors import BaseMismatchError, PatchFormatError, TargetMismatchError
 from stitchboard.proto.schema import XXH3_128
 from stitchboard.sidecar.engines.vllm.layout import Placement
 from stitchboard.sidecar.engines.vllm.update import (
@@ -66,11 +69,11 @@ class _Layout:
         return {n: p.block().contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1).copy() for n, p in self.places.items()}
 
 
-def _files(tmp_path, views: list[dict[str, RawTensor]]) -> list[tuple[list[str], int, int]]:
+def _files(tmp_path, views: list[dict[str, RawTensor]], encoding: PatchEncoding = "cond") -> list[tuple[list[str], int, int]]:
     steps = []
     for v in range(1, len(views)):
         path = tmp_path / f"v{v}.patch"
-        path.write_bytes(diff_views(views[v - 1], views[v]).patch)
+        path.write_bytes(diff_views(views[v - 1], views[v], encoding).patch)
         steps.append(([str(path)], v - 1, v))
     return steps
 
@@ -81,12 +84,14 @@ def _assert_holds(layout: _Layout, view: dict[str, RawTensor]) -> None:
         assert np.array_equal(held[name], t.bits), f"{name} differs"
 
 
-def test_a_chain_of_steps_is_staged_without_writing_then_committed_bit_exact(tmp_path):
+@pytest.mark.parametrize("encoding", ["cond", "xor"])
+def test_a_chain_of_steps_is_staged_without_writing_then_committed_bit_exact(tmp_path, encoding):
+    """Each step decodes on the host copy as the previous step left it (``cond`` needs that base)."""
     views = [_view(0)]
     views += [_view(v, views[-1]) for v in (1, 2, 3)]
     layout = _Layout(views[0])
     io = WeightIO(layout, None, repack=False)
-    staged = stage_patches(io, _files(tmp_path, views))
+    staged = stage_patches(io, _files(tmp_path, views, encoding))
     _assert_holds(layout, views[0])  # staging writes nothing
     assert (staged.from_version, staged.to_version, staged.report["tensors"]) == (0, 3, 3)
     changed = sum(int((views[0][n].bits != views[3][n].bits).sum()) for n in SHAPES)
@@ -101,7 +106,7 @@ def test_a_step_from_another_base_is_refused_at_staging(tmp_path):
     views.append(_view(1, views[0]))
     steps = _files(tmp_path, views)
     stray = tmp_path / "v0-v2.patch"  # takes version 0, not 1, to some version 2
-    stray.write_bytes(diff_views(views[0], _view(2, views[0])).patch)
+    stray.write_bytes(diff_views(views[0], _view(2, views[0]), "cond").patch)
     steps.append(([str(stray)], 1, 2))
     layout = _Layout(views[0])
     with pytest.raises(BaseMismatchError, match="step 1->2"):
@@ -109,19 +114,33 @@ def test_a_step_from_another_base_is_refused_at_staging(tmp_path):
     _assert_holds(layout, views[0])
 
 
-def test_a_wrong_target_checksum_is_refused_at_staging(tmp_path):
-    from stitchboard.proto.codec import build_patch, encode_tensor
-
+@pytest.mark.parametrize("encoding", ["cond", "xor"])
+def test_a_wrong_target_checksum_is_refused_at_staging(tmp_path, encoding):
     base = _view(0)
     target = _view(1, base)
-    enc = encode_tensor("k", base["k"], target["k"])
+    enc = encode_tensor("k", base["k"], target["k"], encoding)
     enc = dataclasses.replace(enc, entry=dataclasses.replace(enc.entry, target={XXH3_128: "0" * 32}))
     path = tmp_path / "bad.patch"
-    path.write_bytes(build_patch([enc]))
+    path.write_bytes(build_patch([enc], encoding))
     layout = _Layout(base)
     with pytest.raises(TargetMismatchError, match="'k'"):
         stage_patches(WeightIO(layout, None, repack=False), [([str(path)], 0, 1)])
     _assert_holds(layout, base)
+
+
+def test_a_corrupt_cond_stream_is_refused_at_staging_after_a_good_step(tmp_path):
+    """Step 2's stream decodes on step 1's result and fails there: nothing of either step is written."""
+    views = [_view(0)]
+    views += [_view(v, views[-1]) for v in (1, 2)]
+    steps = _files(tmp_path, views)
+    path = Path(steps[1][0][0])
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x5A  # inside the last tensor's range-coded stream
+    path.write_bytes(bytes(data))
+    layout = _Layout(views[0])
+    with pytest.raises((PatchFormatError, TargetMismatchError)):
+        stage_patches(WeightIO(layout, None, repack=False), steps)
+    _assert_holds(layout, views[0])
 
 
 class _Linear(torch.nn.Module):

@@ -8,10 +8,15 @@ while the engine keeps generating):
 **stage** (nothing written to the engine; DESIGN.md invariant 5):
 
 1. read and parse every patch file of every step; map each tensor name to its runtime
-   placement (:mod:`.layout`) and check dtype and shape; decode every position;
+   placement (:mod:`.layout`) and check dtype and shape; decode every position (``xor``,
+   ``overwrite``; a ``cond`` delta decodes in 2, on its base);
 2. per runtime parameter touched: copy this rank's parameter to host memory and apply the steps
    to the copy in order, checking each tensor's base checksum before each step (``overwrite``: a
-   tensor already at the target is skipped) and its target checksum after the last step;
+   tensor already at the target is skipped) and its target checksum after the last step. A
+   ``cond`` delta is decoded there against the whole tensor as the copy holds it after the
+   previous step (the bytes just hashed: with TP > 1 gathered from every rank's copy, so each
+   rank decodes the whole tensor and keeps its slice), and its decoded bits are checked against
+   the step's target checksum before they are applied;
 3. keep, per tensor, the written positions (the union over steps), their old and new bits
    (patch-sized), and on vLLM's CPU backend the GEMM copies of the updated parameter, packed
    from the host copy by vLLM's own CPU GEMM dispatch (oneDNN / sgl ``cpu_linear``; the tied
@@ -42,8 +47,12 @@ from typing import Any
 
 import numpy as np
 import torch
+import xxhash
 
-from stitchboard.proto.decode import TensorDelta
+from stitchboard.proto.codec import PatchEntry
+from stitchboard.proto.container import RawTensor
+from stitchboard.proto.decode import Patch, TensorDelta
+from stitchboard.proto.dtypes import bits_type
 from stitchboard.proto.errors import (
     BaseMismatchError,
     PatchFormatError,
@@ -88,6 +97,28 @@ class StagedPatch:
     report: dict
 
 
+@dataclass(frozen=True)
+class _StepDelta:
+    """One tensor's delta in one step: decoded when read (``delta``; ``xor``, ``overwrite``) or,
+    for ``cond``, by :meth:`on` against its base while staging."""
+
+    patch: Patch
+    entry: PatchEntry
+    delta: TensorDelta | None
+
+    def on(self, base: np.ndarray) -> TensorDelta:
+        """The decoded delta; ``base``: the whole tensor's raw bytes, already matched to the entry's base checksum.
+
+        Raises:
+            PatchFormatError: a malformed ``cond`` stream.
+            TargetMismatchError: a ``cond`` stream decoding to bits without the target checksum.
+        """
+        if self.delta is not None:
+            return self.delta
+        tensor = RawTensor(self.entry.dtype, self.entry.shape, base.view(bits_type(self.entry.dtype)))
+        return self.patch.delta(self.entry.name, tensor, base_verified=True)
+
+
 #: numpy dtype of each raw-bits torch dtype (:data:`.layout.BITS_TORCH`).
 _NUMPY_OF = {torch.uint8: np.uint8, torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64}
 
@@ -119,17 +150,20 @@ def _pack(placement: Placement, host_param: torch.Tensor) -> list[tuple[torch.nn
     return packs
 
 
-def _read_steps(io: WeightIO, steps: Sequence[Step]) -> tuple[list[dict[str, TensorDelta]], list[str], dict[str, Placement], int]:
-    """Read, decode and map every step's files: per step name -> delta, the names in order,
-    their placements, and the files' total bytes (rank-local; see :func:`stage_patches`)."""
+def _read_steps(io: WeightIO, steps: Sequence[Step]) -> tuple[list[dict[str, _StepDelta]], list[str], dict[str, Placement], int]:
+    """Read, decode (but ``cond``) and map every step's files: per step name -> delta, the names
+    in order, their placements, and the files' total bytes (rank-local; see :func:`stage_patches`)."""
     for (_, _, end), (_, start, _) in itertools.pairwise(steps):
         if start != end:
             raise ValueError(f"steps are not consecutive: one ends at version {end}, the next starts at {start}")
-    chain: list[dict[str, TensorDelta]] = []
+    chain: list[dict[str, _StepDelta]] = []
     size = 0
     for paths, _, _ in steps:
         patches, step_bytes = read_patches(paths)
-        chain.append({n: d for patch in patches for n, d in patch.deltas().items()})
+        chain.append({})
+        for patch in patches:
+            decoded = {} if patch.encoding == "cond" else patch.deltas()
+            chain[-1].update({n: _StepDelta(patch, entry, decoded.get(n)) for n, entry in patch.entries.items()})
         size += step_bytes
     names = sorted({n for deltas in chain for n in deltas})
     first = {n: next(d for d in chain if n in d)[n].entry for n in names}
@@ -153,8 +187,9 @@ def stage_patches(io: WeightIO, steps: Sequence[Step]) -> StagedPatch:
         The :class:`StagedPatch`, whose ``report`` has ``bytes``, ``tensors`` (written),
         ``tensors_already_current``, ``elements`` (changed elements over steps, whole tensors),
         ``rank_elements`` (positions this rank writes), ``repacked_modules`` and seconds
-        ``read_s`` (read + decode), ``check_s`` (base and target checksums), ``build_s``
-        (host copies, step application) and ``pack_s``.
+        ``read_s`` (read + decode), ``check_s`` (base and target checksums; with TP > 1 the
+        gathers), ``decode_s`` (``cond`` deltas, on their bases), ``build_s`` (host copies, step
+        application) and ``pack_s``.
 
     Raises:
         PatchFormatError, UnmappedTensorError, TensorSetMismatchError, BaseMismatchError,
@@ -164,7 +199,7 @@ def stage_patches(io: WeightIO, steps: Sequence[Step]) -> StagedPatch:
     """
     t0 = time.perf_counter()
     chain, names, places, size = io.agreed(lambda: _read_steps(io, steps), "reading the patch files")
-    timing = {"read_s": time.perf_counter() - t0, "check_s": 0.0, "build_s": 0.0, "pack_s": 0.0}
+    timing = {"read_s": time.perf_counter() - t0, "check_s": 0.0, "decode_s": 0.0, "build_s": 0.0, "pack_s": 0.0}
     by_param: dict[str, list[str]] = {}
     for n in names:
         by_param.setdefault(places[n].runtime_name, []).append(n)
@@ -184,20 +219,25 @@ def stage_patches(io: WeightIO, steps: Sequence[Step]) -> StagedPatch:
             for step, deltas in enumerate(chain):
                 if n not in deltas:
                     continue
-                delta = deltas[n]
+                step_delta = deltas[n]
+                entry = step_delta.entry
                 t = time.perf_counter()
-                have = io.checksum(p, block)
+                base = io.tensor_bytes(p, block)
+                have = xxhash.xxh3_128_hexdigest(base.data)
                 timing["check_s"] += time.perf_counter() - t
-                if have == delta.entry.base[XXH3_128]:
+                if have == entry.base[XXH3_128]:
+                    t = time.perf_counter()
+                    delta = step_delta.on(base)
+                    timing["decode_s"] += time.perf_counter() - t
                     t = time.perf_counter()
                     selected, index = p.local_indices(delta.positions)
                     _apply_step(view, delta, index, selected)
                     touched.append(index)
                     timing["build_s"] += time.perf_counter() - t
-                elif delta.encoding == "overwrite" and have == delta.entry.target[XXH3_128]:
+                elif step_delta.patch.encoding == "overwrite" and have == entry.target[XXH3_128]:
                     continue
                 else:
-                    raise BaseMismatchError(f"tensor {n!r} is not the base of step {steps[step][1]}->{steps[step][2]} (xxh3 {have} != {delta.entry.base[XXH3_128]})", name=n)
+                    raise BaseMismatchError(f"tensor {n!r} is not the base of step {steps[step][1]}->{steps[step][2]} (xxh3 {have} != {entry.base[XXH3_128]})", name=n)
             target = [d[n] for d in chain if n in d][-1].entry.target[XXH3_128]
             if not touched:
                 current += 1

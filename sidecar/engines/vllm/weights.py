@@ -12,7 +12,10 @@ background thread never shares a group with vLLM's own collectives), reassembles
 tensor (replicated KV heads and vocab padding dropped) and hashes it, so all ranks reach the
 same verdict. Cost per verified tensor: one all-gather of the tensor's size (for a real RL step:
 the whole model, three times: base and target while staging, target after the commit) plus a
-host copy on GPU; with TP = 1 the block is hashed in place, no copy.
+host copy on GPU; with TP = 1 the block is hashed in place, no copy. A ``cond`` delta decodes
+only against its whole base tensor, so staging one decodes it, on every rank, against the same
+gathered bytes that were hashed (:meth:`WeightIO.tensor_bytes`): a run is published once for
+every replica, whatever its TP size.
 """
 
 from __future__ import annotations
@@ -102,9 +105,20 @@ class WeightIO:
             block: this rank's block of a copy (``p.block(copy)``) to hash instead of the
                 engine's; with TP > 1 every rank must pass its block of the same copy.
         """
+        return xxhash.xxh3_128_hexdigest(self.tensor_bytes(p, block))
+
+    def tensor_bytes(self, p: Placement, block: torch.Tensor | None = None) -> np.ndarray:
+        """The full checkpoint tensor's raw little-endian bytes (uint8, flat) as the engine holds it.
+
+        With TP > 1 every rank all-gathers the blocks (collective: every rank must call it for
+        the same tensor, passing its block of the same copy); at TP = 1 this rank's block (a view
+        on CPU, a host copy on GPU). A ``cond`` delta decodes against these bytes.
+
+        Args:
+            p, block: as :meth:`checksum`.
+        """
         block = p.block() if block is None else block
-        raw = _gathered_tensor_bytes(p, block, self.tp_group) if self.tp_group is not None else _block_bytes(block)
-        return xxhash.xxh3_128_hexdigest(raw)
+        return _gathered_tensor_bytes(p, block, self.tp_group) if self.tp_group is not None else _block_bytes(block)
 
     def agreed(self, step: Callable[[], T], what: str) -> T:
         """Run ``step`` (rank-local work: reading files, mapping names, writing) and tell every TP
