@@ -12,13 +12,22 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from .container import RawTensor, read_safetensors, write_safetensors
-from .errors import PatchFormatError
+from .container import RawTensor, load_json, read_safetensors, write_safetensors
+from .errors import PatchFormatError, SchemaError
+from .schema import CHECKPOINT_INDEX_NAME, check_path
 
-INDEX_NAME = "model.safetensors.index.json"
+INDEX_NAME = CHECKPOINT_INDEX_NAME
 SINGLE_NAME = "model.safetensors"
 #: Default shard size bound: 2 GiB, as the bulletin's snapshot shards.
 DEFAULT_SHARD_BYTES = 2 * 1024**3
+
+
+def _is_file_name(name: str) -> bool:
+    try:
+        check_path(name, "shard file name")
+    except SchemaError:
+        return False
+    return True
 
 
 def checkpoint_files(path: str | os.PathLike[str]) -> tuple[dict[str, str], Path]:
@@ -28,7 +37,8 @@ def checkpoint_files(path: str | os.PathLike[str]) -> tuple[dict[str, str], Path
 
     Raises:
         FileNotFoundError: no safetensors checkpoint there.
-        PatchFormatError: the index is malformed.
+        PatchFormatError: the index is malformed (not JSON, nested too deep, no ``weight_map``,
+            or a shard name that is not a plain file name).
     """
     p = Path(path)
     if p.is_dir():
@@ -42,11 +52,9 @@ def checkpoint_files(path: str | os.PathLike[str]) -> tuple[dict[str, str], Path
                 raise FileNotFoundError(f"{path}: expected {INDEX_NAME}, {SINGLE_NAME} or exactly one .safetensors file")
             p = files[0]
     if p.name.endswith(".json"):
-        try:
-            weight_map = json.loads(p.read_text())["weight_map"]
-        except (KeyError, ValueError, TypeError) as exc:
-            raise PatchFormatError(f"{p}: not a safetensors index ({exc})") from None
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) and "/" not in v and ".." not in v for v in weight_map.values()):
+        index = load_json(p.read_bytes(), f"{p}: safetensors index")
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) and "/" not in v and _is_file_name(v) for v in weight_map.values()):
             raise PatchFormatError(f"{p}: weight_map must map tensor names to shard file names in the same folder")
         return dict(weight_map), p.parent
     if not p.exists():

@@ -27,7 +27,7 @@ from safetensors import TensorSpec, serialize, serialize_file
 
 from .dtypes import DTYPE_SIZES, MAX_NUMEL, SPEC_NAMES, bits_type, numel_of
 from .errors import PatchFormatError
-from .schema import check_name
+from .schema import check_path, duplicates
 
 #: Largest JSON header accepted (the safetensors library uses the same 100 MB bound).
 MAX_HEADER_BYTES = 100_000_000
@@ -75,11 +75,25 @@ class RawTensor:
 
 
 def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
-    keys = [k for k, _ in pairs]
-    if len(set(keys)) != len(keys):
-        dup = sorted({k for k in keys if keys.count(k) > 1})
-        raise PatchFormatError(f"duplicate tensor names in safetensors header: {dup[:5]}")
-    return dict(pairs)
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise PatchFormatError(f"duplicate tensor names in safetensors header: {duplicates([k for k, _ in pairs])[:5]}")
+    return out
+
+
+def load_json(text: str | bytes, what: str, **kwargs: object) -> object:
+    """``json.loads`` that refuses input nested deeper than Python's recursion limit (about 1,000).
+
+    Raises:
+        PatchFormatError: naming ``what``: invalid UTF-8, invalid JSON or nested too deep; and
+            whatever an ``object_pairs_hook`` in ``kwargs`` raises.
+    """
+    try:
+        return json.loads(text.decode("utf-8") if isinstance(text, bytes) else text, **kwargs)  # type: ignore[arg-type]
+    except RecursionError:
+        raise PatchFormatError(f"{what}: JSON nested too deep") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise PatchFormatError(f"{what}: not valid JSON ({exc})") from None
 
 
 def parse_safetensors(buf: bytes | bytearray | memoryview | mmap.mmap, what: str = "file") -> tuple[dict[str, str], dict[str, RawTensor]]:
@@ -102,12 +116,7 @@ def parse_safetensors(buf: bytes | bytearray | memoryview | mmap.mmap, what: str
         raise PatchFormatError(f"{what}: header length {hlen} is larger than the file ({total} bytes): truncated or not safetensors")
     if hlen > MAX_HEADER_BYTES:
         raise PatchFormatError(f"{what}: header of {hlen} bytes exceeds {MAX_HEADER_BYTES}")
-    try:
-        header = json.loads(bytes(view[8 : 8 + hlen]).decode("utf-8"), object_pairs_hook=_no_duplicates)
-    except PatchFormatError:
-        raise
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise PatchFormatError(f"{what}: header is not valid JSON ({exc})") from None
+    header = load_json(bytes(view[8 : 8 + hlen]), f"{what}: header", object_pairs_hook=_no_duplicates)
     if not isinstance(header, dict):
         raise PatchFormatError(f"{what}: header is not a JSON object")
     meta = header.pop("__metadata__", None) or {}
@@ -119,7 +128,7 @@ def parse_safetensors(buf: bytes | bytearray | memoryview | mmap.mmap, what: str
     tensors: dict[str, RawTensor] = {}
     for name, entry in header.items():
         try:
-            check_name(name, "tensor name")
+            check_path(name, "tensor name")
         except Exception as exc:  # noqa: BLE001 - any refusal of the name is this file's format error
             raise PatchFormatError(f"{what}: {exc}") from None
         if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
@@ -190,8 +199,14 @@ def write_safetensors(path: str | os.PathLike[str], tensors: Mapping[str, RawTen
 
     Returns:
         The file size in bytes.
+
+    Raises:
+        FileNotFoundError: the folder ``path`` names does not exist.
+        OSError: the file cannot be written.
     """
     path = Path(path)
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"cannot write {path}: folder {path.parent} does not exist; create it first")
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     serialize_file(_specs(tensors), str(tmp), metadata=dict(metadata) if metadata else None)
     with open(tmp, "rb+") as f:

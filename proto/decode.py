@@ -15,7 +15,6 @@ any write).
 from __future__ import annotations
 
 import itertools
-import json
 import os
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -26,10 +25,10 @@ import zstandard
 
 from . import _bitdiff, cond_codec
 from .codec import ENCODINGS, FORMAT, FORMAT_VERSION, INDEX_KEY, PAYLOAD_KEY, PatchEntry, checksum, patched_checksum, payload_layout, payload_size
-from .container import RawTensor, parse_safetensors
+from .container import RawTensor, load_json, parse_safetensors
 from .dtypes import DTYPE_SIZES, MAX_NUMEL, bits_type, numel_of
 from .errors import BaseMismatchError, PatchFormatError, SchemaError, TargetMismatchError, TensorSetMismatchError
-from .schema import XXH3_128, check_name
+from .schema import XXH3_128, check_digest, check_path
 
 #: Largest decompressed index accepted (about 100 k tensors).
 MAX_INDEX_BYTES = 64 * 1024**2
@@ -195,7 +194,7 @@ def _entry_from_json(obj: object, encoding: str, what: str) -> PatchEntry:
         raise PatchFormatError(f"{what}: tensor entry keys {sorted(obj)} != {sorted(want)}")
     name = obj["name"]
     try:
-        check_name(name if isinstance(name, str) else "", "tensor name")
+        check_path(name if isinstance(name, str) else "", "tensor name")
     except SchemaError as exc:
         raise PatchFormatError(f"{what}: {exc}") from None
     dtype, shape, count, gap_bytes = obj["dtype"], obj["shape"], obj["count"], obj["gap_bytes"]
@@ -214,8 +213,13 @@ def _entry_from_json(obj: object, encoding: str, what: str) -> PatchEntry:
         raise PatchFormatError(f"{what}: tensor {name!r} has {gap_bytes} gap bytes for {count} varints")
     for key in ("base", "target"):
         sums = obj[key]
-        if not isinstance(sums, dict) or not isinstance(sums.get(XXH3_128), str) or len(sums[XXH3_128]) != 32:
+        if not isinstance(sums, dict) or not isinstance(sums.get(XXH3_128), str):
             raise PatchFormatError(f"{what}: tensor {name!r} lacks a {key} {XXH3_128} checksum")
+        try:
+            for alg, digest in sums.items():
+                check_digest(alg, digest if isinstance(digest, str) else "")
+        except SchemaError as exc:
+            raise PatchFormatError(f"{what}: tensor {name!r} {key}: {exc}") from None
     return PatchEntry(name, dtype, tuple(shape), count, gap_bytes, dict(obj["base"]), dict(obj["target"]))
 
 
@@ -238,10 +242,7 @@ def read_patch(data: bytes | bytearray | memoryview, expected_size: int | None =
     meta, tensors = parse_safetensors(data, what)
     if set(meta) != {FORMAT}:
         raise PatchFormatError(f"{what}: not a stitchboard patch (no {FORMAT!r} metadata); an anchor is a plain checkpoint, load it instead")
-    try:
-        header = json.loads(meta[FORMAT])
-    except json.JSONDecodeError as exc:
-        raise PatchFormatError(f"{what}: {FORMAT!r} metadata is not JSON ({exc})") from None
+    header = load_json(meta[FORMAT], f"{what}: {FORMAT!r} metadata")
     if not isinstance(header, dict) or set(header) != {"format_version", "encoding", "metadata"}:
         raise PatchFormatError(f"{what}: {FORMAT!r} metadata must have format_version, encoding, metadata")
     if header["format_version"] != FORMAT_VERSION:
@@ -258,15 +259,12 @@ def read_patch(data: bytes | bytearray | memoryview, expected_size: int | None =
     declared = _declared_size(index)
     if not 0 <= declared <= MAX_INDEX_BYTES:
         raise PatchFormatError(f"{what}: {INDEX_KEY} declares {declared} bytes (limit {MAX_INDEX_BYTES}); refusing to decompress")
-    try:
-        items = json.loads(_decompress_exact(index, declared, f"{what}: {INDEX_KEY}"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise PatchFormatError(f"{what}: {INDEX_KEY} is not JSON ({exc})") from None
+    items = load_json(_decompress_exact(index, declared, f"{what}: {INDEX_KEY}"), f"{what}: {INDEX_KEY}")
     if not isinstance(items, list):
         raise PatchFormatError(f"{what}: {INDEX_KEY} is not a list")
     entries = [_entry_from_json(obj, encoding, what) for obj in items]
     names = [e.name for e in entries]
-    if names != sorted(set(names)):
+    if any(a >= b for a, b in itertools.pairwise(names)):
         raise PatchFormatError(f"{what}: {INDEX_KEY} entries must be unique and in name order")
     frame = tensors[PAYLOAD_KEY].bits.data
     want = payload_size(entries, encoding)

@@ -26,28 +26,78 @@ from .errors import SchemaError
 SCHEMA_VERSION = 1
 
 #: The value encodings of a delta (see :mod:`stitchboard.proto.codec`).
-Encoding = Literal["xor", "overwrite"]
+Encoding = Literal["xor", "overwrite", "cond"]
 #: The checksum algorithm every tensor carries; a device-computable fingerprint may sit beside it.
 XXH3_128 = "xxh3_128"
 
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
-_HEX = re.compile(r"^[0-9a-f]{8,128}$")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_ALGORITHM = re.compile(r"[a-z0-9_]{1,32}")
+#: Hex digits of the digest of each known checksum algorithm; others take 8-128 hex digits.
+DIGEST_HEX_DIGITS = {XXH3_128: 32, "xxh3_64": 16, "xxh64": 16, "xxh32": 8, "crc32": 8, "crc32c": 8, "md5": 32, "sha1": 40, "sha256": 64, "sha512": 128, "blake2b": 128}
+#: The checkpoint's own files in a version folder: an asset must not be named like one of them.
+CHECKPOINT_INDEX_NAME = "model.safetensors.index.json"
 
 
 def check_name(name: str, what: str = "name") -> str:
     """Reject names that could escape a folder or confuse a parser.
 
-    Used for tensor names and file paths. Rejects empty names, ``..``, absolute paths
-    (``/x``, ``\\x``, ``C:x``), backslashes, NUL and other control characters.
+    Used for tensor names, file paths and store keys (a store prefix may end with one ``/``).
+    Rejects empty names, ``.``, ``..``, empty or ``.`` path segments (``a//b``, ``./a``,
+    ``a/.``), absolute paths (``/x``, ``\\x``, ``C:x``), backslashes, NUL and other control
+    characters, and names over 1024 characters.
 
     Raises:
         SchemaError: with the offending name.
     """
     bad = not name or ".." in name or name.startswith(("/", "\\")) or "\\" in name or re.match(r"^[A-Za-z]:", name) is not None or any(ord(c) < 32 or ord(c) == 127 for c in name) or len(name) > 1024
-    if bad:
-        raise SchemaError(f"invalid {what} {name!r}: use a relative name without '..', NUL or control characters")
+    if bad or any(part in ("", ".") for part in name.removesuffix("/").split("/")):
+        raise SchemaError(f"invalid {what} {name!r}: use a relative name without '..', '.' or empty segments, NUL or control characters")
     return name
+
+
+def check_path(name: str, what: str = "file path") -> str:
+    """:func:`check_name` for a file or tensor name: also refuses a directory-like name (ending in ``/``).
+
+    Raises:
+        SchemaError: with the offending name.
+    """
+    if name.endswith("/"):
+        raise SchemaError(f"invalid {what} {name!r}: a directory name; name a file")
+    return check_name(name, what)
+
+
+def check_digest(algorithm: str, digest: str) -> str:
+    """Validate one checksum: lowercase hex of exactly the algorithm's length (:data:`DIGEST_HEX_DIGITS`).
+
+    Raises:
+        SchemaError: naming the algorithm and digest.
+    """
+    if not _ALGORITHM.fullmatch(algorithm):
+        raise SchemaError(f"bad checksum algorithm {algorithm!r}: use 1-32 of [a-z0-9_]")
+    want = DIGEST_HEX_DIGITS.get(algorithm)
+    ok = re.fullmatch(r"[0-9a-f]+", digest) is not None and (len(digest) == want if want else 8 <= len(digest) <= 128)
+    if not ok:
+        size = f"exactly {want}" if want else "8-128"
+        raise SchemaError(f"bad checksum {algorithm!r}: {digest!r} (want {size} lowercase hex digits)")
+    return digest
+
+
+def duplicates(names: list[str]) -> list[str]:
+    """The names listed more than once, sorted (linear in the list's length)."""
+    seen: set[str] = set()
+    dup: set[str] = set()
+    for n in names:
+        if n in seen:
+            dup.add(n)
+        seen.add(n)
+    return sorted(dup)
+
+
+def is_checkpoint_file(path: str) -> bool:
+    """Whether ``path`` is named like a checkpoint file a pulled folder holds (``*.safetensors``, the index json)."""
+    base = path.rsplit("/", 1)[-1]
+    return base.endswith(".safetensors") or base == CHECKPOINT_INDEX_NAME
 
 
 def check_run_id(run_id: str) -> str:
@@ -56,7 +106,7 @@ def check_run_id(run_id: str) -> str:
     Raises:
         SchemaError: with the offending run id.
     """
-    if not _RUN_ID.match(run_id) or ".." in run_id:
+    if not _RUN_ID.fullmatch(run_id) or ".." in run_id:
         raise SchemaError(f"invalid run id {run_id!r}: use 1-128 characters of [A-Za-z0-9._-], starting alphanumeric")
     return run_id
 
@@ -90,7 +140,7 @@ class TensorSpec(_Model):
     @classmethod
     def _name(cls, v: str) -> str:
         try:
-            return check_name(v, "tensor name")
+            return check_path(v, "tensor name")
         except SchemaError as exc:
             raise _schema_error(exc) from None
 
@@ -116,8 +166,10 @@ class TensorSpec(_Model):
         if XXH3_128 not in v:
             raise ValueError(f"checksums must include {XXH3_128!r}")
         for alg, digest in v.items():
-            if not re.match(r"^[a-z0-9_]{1,32}$", alg) or not _HEX.match(digest):
-                raise ValueError(f"bad checksum {alg!r}: {digest!r} (want lowercase hex)")
+            try:
+                check_digest(alg, digest)
+            except SchemaError as exc:
+                raise _schema_error(exc) from None
         return v
 
     @property
@@ -151,14 +203,14 @@ class FileRef(_Model):
     @classmethod
     def _path(cls, v: str) -> str:
         try:
-            return check_name(v, "file path")
+            return check_path(v, "file path")
         except SchemaError as exc:
             raise _schema_error(exc) from None
 
     @field_validator("sha256")
     @classmethod
     def _sha(cls, v: str) -> str:
-        if not _SHA256.match(v):
+        if not _SHA256.fullmatch(v):
             raise ValueError(f"sha256 {v!r} is not 64 lowercase hex digits")
         return v
 
@@ -226,13 +278,15 @@ class VersionManifest(_Model):
                 raise ValueError("version 0 must be an anchor: base_version null and snapshot true")
         elif self.base_version != self.version - 1:
             raise ValueError(f"version {self.version} must have base_version {self.version - 1}, got {self.base_version}")
-        names = [t.name for t in self.tensors]
-        if len(set(names)) != len(names):
-            dup = sorted({n for n in names if names.count(n) > 1})
+        dup = duplicates([t.name for t in self.tensors])
+        if dup:
             raise ValueError(f"duplicate tensor names: {dup[:5]}")
-        paths = [f.path for f in self.files]
-        if len(set(paths)) != len(paths):
-            raise ValueError("duplicate file paths")
+        dup = duplicates([f.path for f in self.files])
+        if dup:
+            raise ValueError(f"file paths listed more than once: {dup[:5]}; list each file once")
+        shadows = [f.path for f in self.files if f.role == "asset" and is_checkpoint_file(f.path)]
+        if shadows:
+            raise ValueError(f"asset paths {shadows[:5]} are named like checkpoint files (*.safetensors, {CHECKPOINT_INDEX_NAME}); rename the assets")
         roles = {f.role for f in self.files}
         if self.snapshot and "snapshot" not in roles:
             raise ValueError(f"version {self.version} says snapshot=true but has no snapshot file")
