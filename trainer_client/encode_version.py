@@ -90,7 +90,7 @@ def encode_part(
         base_view: the base tensors' bits, if kept. Without them (a publisher resumed with
             ``resume="anchor"``) every tensor whose checksum differs from the base is sent whole
             as an ``overwrite`` delta that applies on the base named by its checksum.
-        encoding: ``xor`` or ``overwrite`` (when ``base_view`` is given).
+        encoding: ``cond``, ``xor`` or ``overwrite`` (when ``base_view`` is given).
         metadata: patch ``__metadata__`` strings (run, versions).
     """
     total = sum(t.numel for t in view.values())

@@ -28,6 +28,7 @@ import torch
 from stitchboard.bulletin.client import BulletinClient
 from stitchboard.bulletin.errors import UnavailableError, VersionConflictError
 from stitchboard.proto.checkpoint import DEFAULT_SHARD_BYTES, INDEX_NAME, index_json, shard_groups, write_shards
+from stitchboard.proto.codec import ENCODINGS
 from stitchboard.proto.container import RawTensor
 from stitchboard.proto.schema import XXH3_128, Encoding, FileRef, VersionManifest, canonical_json, check_run_id
 
@@ -96,7 +97,7 @@ class PublisherCore(ABC):
         run: str,
         token: str | None = None,
         *,
-        encoding: Encoding = "xor",
+        encoding: Encoding = "cond",
         snapshot_every: int = 10,
         dtypes: DtypeMap | None = None,
         default_dtype: torch.dtype = torch.bfloat16,
@@ -112,6 +113,8 @@ class PublisherCore(ABC):
     ) -> None:
         if snapshot_every < 1:
             raise ValueError(f"snapshot_every must be >= 1, got {snapshot_every}")
+        if encoding not in ENCODINGS:
+            raise ValueError(f"unknown encoding {encoding!r}: use one of {ENCODINGS} (cond: smallest, the default; xor: fastest)")
         self.run = check_run_id(run)
         self.encoding: Encoding = encoding
         self.snapshot_every = snapshot_every

@@ -53,11 +53,46 @@ def test_versions_anchors_and_bit_exact_rebuild(bulletin, run):
         for r in results:
             m = client.manifest(run, r.version)
             assert m.metadata["step"] == r.version and m.stats.encoded_bytes == r.encoded_bytes
-            assert len(m.tensors) == 7 and m.encoding == "xor"
+            assert len(m.tensors) == 7 and m.encoding == "cond"  # the default
             roles = sorted({f.role for f in m.files})
             assert roles == (["asset", "patch", "snapshot"] if r.snapshot and r.version else ["asset", "snapshot"] if r.snapshot else ["patch"])
         plan = client.plan(run, 2, 6)
         assert [s.version for s in plan.steps] in ([3, 4, 5, 6], [5, 6])
+
+
+def test_the_encoding_is_picked_per_run_and_recorded_in_every_manifest(bulletin, run):
+    """``xor`` stays selectable (the fast choice): its patches rebuild bit-exact and every manifest says so."""
+    trainer = ToyTrainer()
+    with Publisher(bulletin.url, run, encoding="xor", backoff_s=0.01) as pub:
+        for _ in range(3):
+            result = pub.publish(trainer.model)
+            assert_same_view(rebuild_version(pub.client, run, result.version).view, view_of(trainer.model))
+            trainer.step()
+        assert {pub.client.manifest(run, v).encoding for v in range(3)} == {"xor"}
+    with pytest.raises(ValueError, match="unknown encoding 'zstd'"):
+        Publisher(bulletin.url, run, encoding="zstd")  # type: ignore[arg-type]
+
+
+def test_a_sidecar_fetches_and_checks_cond_versions_without_their_base(bulletin, run, tmp_path):
+    """The default ``cond`` patches decode only on their base, which the sidecar does not hold: its
+    fetch check keeps the index and lineage checks (a patch whose base is not the previous version
+    is refused) and leaves the value decode to the engine."""
+    from stitchboard.sidecar.errors import StagingError
+    from stitchboard.sidecar.fetch import Fetcher
+
+    trainer = ToyTrainer()
+    with Publisher(bulletin.url, run, backoff_s=0.01) as pub:
+        for _ in range(3):
+            pub.publish(trainer.model)
+            trainer.step()
+        fetcher = Fetcher(pub.client, run, tmp_path / "handoff")
+        try:
+            staged = fetcher.fetch(pub.client.plan(run, 0, 2), pub.client.manifest(run, 0))
+            assert [(s.version, s.kind, s.manifest.encoding) for s in staged.steps] == [(1, "delta", "cond"), (2, "delta", "cond")]
+            with pytest.raises(StagingError, match="base checksum is not version 1's"):
+                fetcher.fetch(pub.client.plan(run, 1, 2), pub.client.manifest(run, 0).model_copy(update={"version": 1}))
+        finally:
+            fetcher.close()
 
 
 def test_an_anchor_is_the_checkpoint_save_checkpoint_writes(bulletin, run, tmp_path):
