@@ -4,6 +4,7 @@
 
     engines/
     ├── base.py       EngineAdapter protocol, EngineState        sidecar process
+    ├── rpc.py        typed per-rank answers of in-engine calls  sidecar process
     └── vllm/         one engine kind
         ├── adapter.py  VllmEngine: the adapter over vLLM's HTTP   sidecar process
         ├── launch.py   the vLLM command line and environment    demo, tests, benchmarks

@@ -11,6 +11,7 @@ files under the hand-off folder, never as bytes over HTTP.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Sequence
@@ -18,14 +19,9 @@ from typing import Any
 
 import httpx
 
-from ...errors import (
-    ApplyFailedError,
-    ApplyRefusedError,
-    EngineRequestError,
-    EngineStateError,
-    EngineUnavailableError,
-)
+from ...errors import EngineRequestError, EngineUnavailableError
 from ..base import EngineState
+from ..rpc import RankAnswer, combine, parse_answers, raise_if_failed
 
 
 def _snapshot_checksums(paths: Sequence[str]) -> dict[str, str]:
@@ -70,41 +66,16 @@ class VllmEngine:
         except ValueError:
             raise EngineRequestError(f"engine answered {path} with a non-JSON body: {resp.text[:300]}", path=path, status=200) from None
 
-    def _rpc(self, method: str, args: dict[str, Any], timeout: float | None = None) -> list[dict[str, Any]]:
-        """Call a worker-extension method on every rank; returns the per-rank result dicts."""
+    def _rpc(self, method: str, args: dict[str, Any], timeout: float | None = None) -> list[RankAnswer]:
+        """Call a worker-extension method on every rank; returns the per-rank answers."""
         body = {"method": method, "args": [json.dumps(args)]}
         answer = self._request("POST", "/collective_rpc", json=body, timeout=timeout)
-        results = answer.get("results") if isinstance(answer, dict) else None
-        if not isinstance(results, list) or not results or not all(isinstance(r, dict) and "ok" in r for r in results):
-            raise EngineRequestError(f"collective_rpc {method}: unexpected answer {str(answer)[:300]} (is the stitchboard worker extension loaded?)", path="/collective_rpc")
-        return results
+        return parse_answers(f"collective_rpc {method}", answer.get("results") if isinstance(answer, dict) else None)
 
-    @staticmethod
-    def _one_state(results: list[dict[str, Any]]) -> dict[str, Any]:
-        """The ranks' common ``{"version", "phase"}`` (rank order) with ``instance``: the ranks'
-        instance ids joined, so that a restart of any rank changes it."""
-        states = [dict(r.get("state") or {}) for r in results]
-        instances = [str(s.pop("instance", "")) for s in states]
-        if any(s != states[0] for s in states):
-            raise EngineStateError(f"TP ranks record different states: {states}", held=None, phase="inconsistent")
-        return {**states[0], "instance": "/".join(instances)}
-
-    def _checked(self, method: str, args: dict[str, Any], timeout: float | None = None) -> list[dict[str, Any]]:
-        results = self._rpc(method, args, timeout)
-        failed = [r for r in results if not r["ok"]]
-        state = self._one_state(results)
-        if not failed:
-            return results
-        err = failed[0]["error"]
-        kind, message = err.get("type", "Error"), err.get("message", "")
-        details = {k: v for k, v in err.items() if k not in ("type", "message")}
-        details.update(held=state.get("version"), phase=state.get("phase"))
-        if kind == ApplyFailedError.type:  # writing began: the worker says what it restored
-            raise ApplyFailedError(f"{method}: {message}", **{**details, "restored": bool(details.get("restored"))})
-        details["cause"] = kind
-        if kind == EngineStateError.type:
-            raise EngineStateError(f"{method}: {message}", **{k: v for k, v in details.items() if k != "cause"})
-        raise ApplyRefusedError(f"{method} refused, nothing written: {kind}: {message}", **details)
+    def _checked(self, method: str, args: dict[str, Any], timeout: float | None = None) -> list[RankAnswer]:
+        answers = self._rpc(method, args, timeout)
+        raise_if_failed(method, answers)
+        return answers
 
     # -- EngineAdapter ---------------------------------------------------------------------------
 
@@ -121,10 +92,10 @@ class VllmEngine:
         Raises:
             EngineUnavailableError, EngineRequestError, EngineStateError (ranks disagree).
         """
-        state = self._one_state(self._rpc("stitch_state", {}))
-        if state["phase"] == "idle" and self._request("GET", "/is_paused").get("is_paused"):
-            state["phase"] = "paused"
-        return EngineState(state.get("version"), state["phase"], state["instance"])
+        state = combine(self._rpc("stitch_state", {}))
+        if state.phase == "idle" and self._request("GET", "/is_paused").get("is_paused"):
+            return dataclasses.replace(state, phase="paused")
+        return state
 
     def pause(self) -> None:
         """``POST /pause?mode=keep``: requests in flight are frozen and kept (never aborted)."""
@@ -152,7 +123,7 @@ class VllmEngine:
         paths = [handoff_path] if isinstance(handoff_path, str) else list(handoff_path)
         t = time.perf_counter()
         results = self._checked("stitch_apply_patch", {"paths": paths, "from_version": from_version, "to_version": to_version}, self.apply_timeout_s)
-        return {**results[0]["report"], "rpc_s": time.perf_counter() - t}
+        return {**(results[0].report or {}), "rpc_s": time.perf_counter() - t}
 
     def stage_patches(self, steps: Sequence[tuple[Sequence[str], int, int]], poll_s: float = 0.02) -> dict[str, Any]:
         """Stage consecutive patch steps in the engine while it keeps serving; blocks until ready.
@@ -178,8 +149,8 @@ class VllmEngine:
         self._checked("stitch_stage", body, self.apply_timeout_s)
         while True:
             results = self._checked("stitch_staged", {})
-            if all(r["staging"]["state"] == "ready" for r in results):
-                return {**results[0]["staging"]["report"], "rpc_s": time.perf_counter() - t}
+            if all((r.staging or {}).get("state") == "ready" for r in results):
+                return {**(results[0].staging or {}).get("report", {}), "rpc_s": time.perf_counter() - t}
             if time.perf_counter() - t > self.apply_timeout_s:
                 raise EngineRequestError(f"staging versions {steps[0][1]}->{steps[-1][2]} did not finish within {self.apply_timeout_s} s", path="/collective_rpc")
             time.sleep(poll_s)
@@ -198,7 +169,7 @@ class VllmEngine:
         """
         t = time.perf_counter()
         results = self._checked("stitch_commit", {"to_version": to_version}, self.apply_timeout_s)
-        return {**results[0]["report"], "rpc_s": time.perf_counter() - t}
+        return {**(results[0].report or {}), "rpc_s": time.perf_counter() - t}
 
     def load_snapshot(self, paths: Sequence[str], version: int, checksums: dict[str, str] | None = None) -> dict[str, Any]:
         """Load snapshot shards in place and record ``version``.
@@ -220,7 +191,7 @@ class VllmEngine:
         sums = dict(checksums) if checksums is not None else _snapshot_checksums(paths)
         t = time.perf_counter()
         results = self._checked("stitch_load_snapshot", {"paths": list(paths), "version": version, "checksums": sums}, self.apply_timeout_s)
-        return {**results[0]["report"], "rpc_s": time.perf_counter() - t}
+        return {**(results[0].report or {}), "rpc_s": time.perf_counter() - t}
 
     def set_version(self, version: int, base: int | None = None) -> None:
         """Record ``version`` in the engine if it records ``base`` now (None: no version).
@@ -233,7 +204,7 @@ class VllmEngine:
 
     def checksums(self, names: Sequence[str]) -> dict[str, str]:
         """xxh3-128 of the named checkpoint tensors as the engine holds them (for verification)."""
-        return self._checked("stitch_checksums", {"names": list(names)}, self.apply_timeout_s)[0]["checksums"]
+        return self._checked("stitch_checksums", {"names": list(names)}, self.apply_timeout_s)[0].checksums or {}
 
     def reset_prefix_cache(self) -> None:
         """``POST /reset_prefix_cache?reset_running_requests=true``: running (kept) requests are

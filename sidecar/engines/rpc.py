@@ -1,0 +1,120 @@
+"""The answers of stitchboard's in-engine methods, typed (parsed in the sidecar process).
+
+Every in-engine method (vLLM's worker extension over ``collective_rpc``; the same shape for any
+engine whose ranks report per call) answers, per TP rank, a JSON object::
+
+    {"ok": true,  "state": {"version", "phase", "instance"}, "report" | "staging" | "checksums": ...}
+    {"ok": false, "state": {...}, "error": {"type", "message", ...details}}
+
+The error is the wire body of the exception raised in the engine: type ``ApplyFailed``
+(details ``cause``, ``restored``) once writing began; any other type means refused, nothing
+written. :func:`combine` turns the ranks' answers into one :class:`EngineState` and raises the
+sidecar's typed error for a failed call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from ..errors import ApplyFailedError, ApplyRefusedError, EngineRequestError, EngineStateError
+from .base import EngineState, Phase
+
+
+class RankState(BaseModel):
+    """What one rank records: its version, phase and instance id."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    version: int | None
+    phase: Phase
+    instance: str = ""
+
+
+class RankError(BaseModel):
+    """The wire body of the error one rank raised (details as extra fields)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    type: str
+    message: str = ""
+
+    def details(self) -> dict[str, Any]:
+        """The error's details (everything but ``type`` and ``message``)."""
+        return dict(self.model_extra or {})
+
+
+class RankAnswer(BaseModel):
+    """One rank's answer to one call.
+
+    Attributes:
+        ok: whether the call succeeded on this rank.
+        state: the rank's record after the call.
+        error: the rank's error when not ``ok``.
+        report: figures of an apply, commit or snapshot load (seconds, bytes, counts).
+        staging: ``{"state": "running" | "ready", "from_version", "to_version", "report"?}``.
+        checksums: checkpoint name -> xxh3-128 hex, as the engine holds them.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    ok: bool
+    state: RankState
+    error: RankError | None = None
+    report: dict[str, Any] | None = None
+    staging: dict[str, Any] | None = None
+    checksums: dict[str, str] | None = None
+
+
+def parse_answers(method: str, results: Any) -> list[RankAnswer]:
+    """The per-rank answers of ``method`` (rank order).
+
+    Raises:
+        EngineRequestError: not a non-empty list of answers of this shape (is the stitchboard
+            engine code loaded?).
+    """
+    if not isinstance(results, list) or not results:
+        raise EngineRequestError(f"{method}: unexpected answer {str(results)[:300]} (is the stitchboard worker extension loaded?)", path="/collective_rpc")
+    try:
+        return [RankAnswer.model_validate(r) for r in results]
+    except ValidationError as exc:
+        raise EngineRequestError(f"{method}: a rank's answer has the wrong shape ({exc.error_count()} errors: {str(exc)[:300]})", path="/collective_rpc") from None
+
+
+def combine(answers: Sequence[RankAnswer]) -> EngineState:
+    """The engine's state: the ranks' common version and phase; the instance joins the ranks' ids,
+    so that a restart of any rank changes it.
+
+    Raises:
+        EngineStateError: the ranks record different versions or phases.
+    """
+    states = [(a.state.version, a.state.phase) for a in answers]
+    if any(s != states[0] for s in states):
+        raise EngineStateError(f"TP ranks record different states: {states}", held=None, phase="inconsistent")
+    version, phase = states[0]
+    return EngineState(version, phase, "/".join(a.state.instance for a in answers))
+
+
+def raise_if_failed(method: str, answers: Sequence[RankAnswer]) -> None:
+    """Raise the typed error of the first rank that failed ``method`` (details gain ``held`` and
+    ``phase``: the engine's record after the call).
+
+    Raises:
+        ApplyFailedError: writing began (``restored``: whether the old bits are back).
+        EngineStateError: the engine's record forbade the call (nothing written).
+        ApplyRefusedError: refused before any write (``cause``: the rank's error type).
+        EngineStateError: the ranks record different states.
+    """
+    failed = [a for a in answers if not a.ok]
+    state = combine(answers)
+    if not failed:
+        return
+    err = failed[0].error or RankError(type="Error", message="the rank reported no error")
+    details = {**err.details(), "held": state.version, "phase": state.phase}
+    if err.type == ApplyFailedError.type:
+        raise ApplyFailedError(f"{method}: {err.message}", **{**details, "restored": bool(details.get("restored"))})
+    if err.type == EngineStateError.type:
+        raise EngineStateError(f"{method}: {err.message}", **details)
+    raise ApplyRefusedError(f"{method} refused, nothing written: {err.type}: {err.message}", **{**details, "cause": err.type})
