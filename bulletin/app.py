@@ -134,16 +134,20 @@ def create_app(settings: BulletinSettings | None = None, store: Store | None = N
 
     @app.get("/readyz", tags=["ops"])
     async def readyz() -> JSONResponse:
-        """Readiness: the object store is reachable."""
+        """Readiness: the object store is reachable. With tokens configured it says only ready or not ready (no store URL, no error text)."""
         try:
             await to_thread.run_sync(store.check)
         except BulletinError as exc:
+            if not state.auth.open:
+                log.warning("not ready: %s", exc.message)
+                return JSONResponse({"status": "not ready"}, status_code=503)
             return _error(503, exc.type, exc.message)
-        return JSONResponse({"status": "ready", "store": store.url})
+        return JSONResponse({"status": "ready", "store": store.url} if state.auth.open else {"status": "ready"})
 
     @app.get("/metrics", tags=["ops"])
-    def metrics_endpoint() -> Response:
-        """Prometheus metrics."""
+    def metrics_endpoint(request: Request) -> Response:
+        """Prometheus metrics. With tokens configured the caller needs a token with the ``metrics`` scope (401/403 otherwise)."""
+        state.auth.check(request.headers.get("authorization"), "metrics")
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     app.add_middleware(LatencyMiddleware, metrics=metrics)

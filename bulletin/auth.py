@@ -1,8 +1,9 @@
-"""Bearer-token authorization: scopes ``read`` and ``publish``, optionally limited to some runs.
+"""Bearer-token authorization: scopes ``read``, ``publish`` and ``metrics``, optionally limited to some runs.
 
 Tokens come from :attr:`BulletinSettings.tokens`. ``publish`` implies ``read`` (a trainer checks
-for existing blobs before uploading). With no tokens configured every request is allowed and
-the service warns at start-up.
+for existing blobs before uploading); ``metrics`` (``GET /metrics``, which names every run) is
+implied by no other scope. With no tokens configured every request is allowed and the service
+warns at start-up.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Literal
 from .errors import ForbiddenError, UnauthorizedError
 from .settings import TokenGrant
 
-Scope = Literal["read", "publish"]
+Scope = Literal["read", "publish", "metrics"]
 
 
 class Authorizer:

@@ -1,4 +1,10 @@
-"""Prometheus metrics of one bulletin process (its own registry, so several apps can coexist)."""
+"""Prometheus metrics of one bulletin process (its own registry, so several apps can coexist).
+
+Label values come only from bounded sets or from runs that exist in the store, never from what
+an unauthenticated request names: a rejected publish to a run without versions counts under
+``run="other"`` (:data:`OTHER`), a request's method outside :data:`METHODS` as ``OTHER``,
+a path no route matches as ``unmatched``.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +17,11 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from .stores import Store
+
+#: The label value standing for any run that does not exist, or any method outside :data:`METHODS`.
+OTHER = "other"
+#: HTTP methods that get a label value of their own.
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "PATCH"})
 
 
 class StoredBytesCollector(Collector):
@@ -41,7 +52,7 @@ class BulletinMetrics:
     def __init__(self, store: Store) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.publishes = Counter("stitch_bulletin_publishes", "Publish requests by outcome (created, noop, rejected).", ["run", "outcome"], registry=r)
+        self.publishes = Counter("stitch_bulletin_publishes", f"Publish requests by outcome (created, noop, rejected); run={OTHER!r}: rejected for a run with no version.", ["run", "outcome"], registry=r)
         self.latest_version = Gauge("stitch_bulletin_latest_version", "Latest committed version per run seen by this process.", ["run"], registry=r)
         self.blob_bytes_received = Counter("stitch_bulletin_blob_bytes_received", "Blob bytes received and verified by this process.", registry=r)
         self.waiters = Gauge("stitch_bulletin_waiters", "Long-poll requests currently waiting.", registry=r)
@@ -79,4 +90,5 @@ class LatencyMiddleware:
             await self.app(scope, receive, send_status)
         finally:
             route = getattr(scope.get("route"), "path", "unmatched")
-            self.metrics.request_seconds.labels(scope["method"], route, str(status)).observe(time.perf_counter() - start)
+            method = scope["method"] if scope["method"] in METHODS else OTHER
+            self.metrics.request_seconds.labels(method, route, str(status)).observe(time.perf_counter() - start)

@@ -10,14 +10,34 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from stitchboard.proto.answers import RunList, VersionPage
-from stitchboard.proto.schema import Plan, VersionInfo, VersionManifest
+from stitchboard.proto.errors import SchemaError
+from stitchboard.proto.schema import Plan, VersionInfo, VersionManifest, check_publishable, parse_manifest
 
-from .deps import Publish, Read
-from .errors import BulletinError, NotFoundError, PayloadTooLargeError
+from .deps import BulletinState, Publish, Read
+from .errors import BulletinError, InvalidRequestError, NotFoundError, PayloadTooLargeError
 from .ledger import run_key
+from .metrics import OTHER
 from .planner import make_plan
 
 router = APIRouter(prefix="/v1", tags=["versions"])
+
+
+def _parse(body: bytes, run: str, max_files: int) -> VersionManifest:
+    try:
+        manifest = check_publishable(parse_manifest(body))
+    except SchemaError as exc:
+        raise InvalidRequestError(exc.message, run_id=run) from None
+    if len(manifest.files) > max_files:
+        raise InvalidRequestError(f"manifest for run {run!r} lists {len(manifest.files)} files, over the {max_files}-file limit (max_files_per_version): use larger shards", run_id=run)
+    return manifest
+
+
+def _run_label(state: BulletinState, run: str) -> str:
+    """``run`` if it has a committed version, else :data:`OTHER`: labels never come from unchecked input."""
+    try:
+        return run if state.ledger.latest(run) is not None else OTHER
+    except BulletinError:
+        return OTHER
 
 
 async def _read_limited(request: Request, limit: int, run: str) -> bytes:
@@ -43,7 +63,8 @@ async def publish(run: str, request: Request, state: Publish) -> JSONResponse:
     """Publish a version manifest (JSON body). 201 when committed, 200 when the identical manifest already was.
 
     Every referenced blob must be stored with the stated size, the base version must be
-    committed, and versions only move forward. Nothing is written on a 4xx.
+    committed, versions only move forward, and a manifest lists at most ``max_files_per_version``
+    files. Nothing is written on a 4xx.
     """
     run_key(run)
     body = await _read_limited(request, state.settings.max_manifest_bytes, run)
@@ -53,9 +74,10 @@ async def publish(run: str, request: Request, state: Publish) -> JSONResponse:
         loop.call_soon_threadsafe(state.watcher.note, committed)
 
     try:
-        info, created = await to_thread.run_sync(state.ledger.publish, run, body, on_commit)
+        manifest = await to_thread.run_sync(_parse, body, run, state.settings.max_files_per_version)
+        info, created = await to_thread.run_sync(state.ledger.publish, run, manifest, on_commit)
     except BulletinError:
-        state.metrics.publishes.labels(run, "rejected").inc()
+        state.metrics.publishes.labels(await to_thread.run_sync(_run_label, state, run), "rejected").inc()
         raise
     state.metrics.publishes.labels(run, "created" if created else "noop").inc()
     state.watcher.note(info)

@@ -10,7 +10,8 @@ Tokens example::
     STITCH_BULLETIN_TOKENS='{"trainer-secret": {"scopes": ["publish"], "runs": ["grpo-7b"]},
                              "sidecar-secret": {"scopes": ["read"]}}'
 
-``publish`` implies ``read``; ``runs`` limits a token to those run ids (absent: every run).
+``publish`` implies ``read``; ``metrics`` (for Prometheus) is needed for ``/metrics`` once tokens
+are configured; ``runs`` limits a token to those run ids (absent: every run).
 With no tokens the bulletin is open and warns at start-up. It also warns at start-up about
 every ``STITCH_BULLETIN_*`` variable that is not one of these fields (:func:`ignored_env_names`),
 such as ``STITCH_BULLETIN_URL``, the clients' legacy name for ``STITCH_CLIENT_BULLETIN``.
@@ -31,9 +32,13 @@ MiB = 1 << 20
 
 
 class TokenGrant(BaseModel):
-    """What one bearer token may do: ``scopes`` among ``read``/``publish``; ``runs`` (None: all runs)."""
+    """What one bearer token may do: ``scopes`` among ``read``/``publish``/``metrics``; ``runs`` (None: all runs).
 
-    scopes: list[Literal["read", "publish"]]
+    ``metrics`` (``GET /metrics``: every run's ids, versions and sizes) is for the monitoring
+    side and is implied by no other scope.
+    """
+
+    scopes: list[Literal["read", "publish", "metrics"]]
     runs: list[str] | None = None
 
 
@@ -56,8 +61,12 @@ class BulletinSettings(BaseSettings, S3Settings):
     max_wait_s: float = Field(300.0, ge=0, description="Upper bound on a long-poll's wait_s, seconds.")
     poll_interval_s: float = Field(0.5, gt=0, description="How often runs with waiters are re-read from the store, seconds.")
     manifest_cache_entries: int = Field(1024, ge=0, description="Committed manifests kept in memory (they never change).")
+    upload_idle_timeout_s: float = Field(30.0, gt=0, description="A blob upload whose body sends nothing for this long is answered 408 and dropped, seconds.")
+    upload_min_bytes_per_s: float = Field(16 * 1024, ge=0, description="A blob upload averaging less than this, once upload_rate_grace_s has passed, is answered 408 and dropped, bytes per second (0: no minimum).")
+    upload_rate_grace_s: float = Field(10.0, ge=0, description="Seconds an upload may take before upload_min_bytes_per_s applies.")
     upload_tmp_dir: str | None = Field(None, description="Folder for blobs being received (default: inside a file store, else the system temp).")
     versions_page_max: int = Field(1000, gt=0, description="Largest page of GET .../versions.")
+    max_files_per_version: int = Field(10_000, gt=0, description="Most files (patches, snapshot shards, assets) one manifest may list; tensors per version are not capped.")
 
     presign: bool = Field(False, description="S3 only: hand out presigned URLs so blobs bypass the bulletin.")
     presign_expires_s: int = Field(3600, gt=0, description="Lifetime of presigned URLs, seconds.")

@@ -284,9 +284,6 @@ class VersionManifest(_Model):
         dup = duplicates([f.path for f in self.files])
         if dup:
             raise ValueError(f"file paths listed more than once: {dup[:5]}; list each file once")
-        shadows = [f.path for f in self.files if f.role == "asset" and is_checkpoint_file(f.path)]
-        if shadows:
-            raise ValueError(f"asset paths {shadows[:5]} are named like checkpoint files (*.safetensors, {CHECKPOINT_INDEX_NAME}); rename the assets")
         roles = {f.role for f in self.files}
         if self.snapshot and "snapshot" not in roles:
             raise ValueError(f"version {self.version} says snapshot=true but has no snapshot file")
@@ -382,6 +379,22 @@ class ErrorBody(BaseModel):
 
     type: str
     message: str
+
+
+def check_publishable(manifest: VersionManifest) -> VersionManifest:
+    """The checks a new version must pass beyond the schema, which versions committed before them
+    need not (they stay readable; readers such as ``stitchboard pull`` check what concerns them).
+
+    Refuses an asset named like a checkpoint file (``*.safetensors``, the index json): in a pulled
+    folder it would stand in for the weights.
+
+    Raises:
+        SchemaError: naming the offending paths.
+    """
+    shadows = [f.path for f in manifest.files if f.role == "asset" and is_checkpoint_file(f.path)]
+    if shadows:
+        raise SchemaError(f"version {manifest.version} of run {manifest.run_id!r}: asset paths {shadows[:5]} are named like checkpoint files (*.safetensors, {CHECKPOINT_INDEX_NAME}); rename the assets")
+    return manifest
 
 
 def canonical_json(model: BaseModel) -> bytes:

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from stitchboard.proto.schema import FileRef, check_name
+from stitchboard.proto.schema import FileRef, check_path, is_checkpoint_file
 
 from .errors import AssetsError
 
@@ -76,10 +76,10 @@ def load_assets(source: str | os.PathLike[str] | Mapping[str, bytes]) -> list[As
             raise AssetsError(f"{folder} holds none of the asset files {', '.join(ASSET_NAMES[:4])}, ...")
     for name in items:
         try:
-            check_name(name, "asset name")
+            check_path(name, "asset name")
         except Exception as exc:  # noqa: BLE001 - any refusal of the name is an assets error
             raise AssetsError(str(exc)) from None
-        if name.endswith((".safetensors", ".bin", ".pt", ".index.json")):
+        if is_checkpoint_file(name) or name.endswith((".bin", ".pt", ".index.json")):
             raise AssetsError(f"{name!r} looks like a weight file; assets are the non-weight files")
     return [Asset(name, items[name]) for name in sorted(items)]
 

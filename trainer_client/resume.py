@@ -7,6 +7,7 @@ tensor, before it is returned.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from stitchboard.proto.checkpoint import load_checkpoint, save_checkpoint
 from stitchboard.proto.codec import checksum
 from stitchboard.proto.container import RawTensor
 from stitchboard.proto.decode import read_patch
-from stitchboard.proto.schema import XXH3_128, FileRef, VersionManifest
+from stitchboard.proto.schema import XXH3_128, FileRef, VersionManifest, is_checkpoint_file
 
 from .assets import Asset, check_same_assets
 from .encode_version import BaseTensor
@@ -107,24 +108,52 @@ def rebuild_version(client: BulletinClient, run: str, version: int | None = None
     return RebuiltVersion(manifest, view, sums, [f for f in anchor.files if f.role == "asset"])
 
 
+def _sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def verify_pulled(rebuilt: RebuiltVersion, out: Path) -> None:
+    """Check what a pull wrote into ``out``: the checkpoint there, as loaded back, holds exactly the
+    manifest's tensors bit for bit, and every asset file has its sha256.
+
+    Raises:
+        ResumeError: naming the tensors or asset files that differ.
+    """
+    verify_view(rebuilt.manifest, load_checkpoint(out))
+    bad = [ref.path for ref in rebuilt.assets if not (out / ref.path).is_file() or _sha256_of(out / ref.path) != ref.sha256]
+    if bad:
+        raise ResumeError(f"version {rebuilt.manifest.version} of run {rebuilt.manifest.run_id!r}: asset files written to {out} differ from the manifest: {bad[:3]}", files=bad)
+
+
 def pull_version(client: BulletinClient, run: str, out: str | os.PathLike[str], version: int | None = None) -> RebuiltVersion:
-    """Materialize a version as a plain HF folder: safetensors checkpoint + run assets.
+    """Materialize a version as a plain HF folder: safetensors checkpoint + run assets, verified.
 
     ``out`` must not exist or be empty. The weights are verified against the manifest before
-    they are written; the assets are verified by sha256 while downloading.
+    they are written, and what was written is read back and verified again (:func:`verify_pulled`),
+    so an asset can never stand in for the weights.
 
     Raises:
         FileExistsError: ``out`` exists and is not empty.
+        ResumeError: an asset is named like a checkpoint file (nothing is written), or the folder
+            written does not match the manifest.
         the errors of :func:`rebuild_version`.
     """
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} is not empty; pull into a new folder")
     rebuilt = rebuild_version(client, run, version, workdir=out.parent if out.parent.exists() else None)
+    shadows = [ref.path for ref in rebuilt.assets if is_checkpoint_file(ref.path)]
+    if shadows:
+        raise ResumeError(f"version {rebuilt.manifest.version} of run {run!r} lists assets named like checkpoint files {shadows[:3]}; they would replace the weights: publish a new run with renamed assets", files=shadows)
     out.mkdir(parents=True, exist_ok=True)
     save_checkpoint(out, rebuilt.view)
     for ref in rebuilt.assets:
         _download(client, run, ref, out)
+    verify_pulled(rebuilt, out)
     return rebuilt
 
 
