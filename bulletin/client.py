@@ -12,6 +12,7 @@ thread-safe). Every method raises the :mod:`stitchboard.bulletin.errors` tree:
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import os
 import random
@@ -29,6 +30,11 @@ from .errors import BlobMismatchError, BulletinError, UnavailableError, error_fr
 
 _RETRY_STATUS = {500, 502, 503, 504}
 _CHUNK = 1 << 20
+
+
+def presigned_put_headers(sha256: str) -> dict[str, str]:
+    """The headers a presigned ``PUT`` of blob ``sha256`` carries, as the bulletin signed them: checksum, record, create-only."""
+    return {"x-amz-checksum-sha256": base64.b64encode(bytes.fromhex(sha256)).decode(), "x-amz-meta-stitch-sha256": sha256, "if-none-match": "*"}
 
 
 class BulletinClient:
@@ -113,14 +119,20 @@ class BulletinClient:
             raise
         return int(r.headers["content-length"])
 
-    def put_blob(self, run: str, sha256: str, source: str | os.PathLike | bytes, size_bytes: int | None = None) -> bool:
+    def put_blob(self, run: str, sha256: str, source: str | os.PathLike | bytes, size_bytes: int | None = None, *, force: bool = False) -> bool:
         """Upload one file (patch, snapshot shard or asset) unless the bulletin already has it.
+
+        A presigned URL (S3) is used when the bulletin hands one out; when the store already
+        holds the object (412) the file goes through the bulletin instead, which replaces a
+        stored copy that fails its check.
 
         Args:
             run: run id.
             sha256: lowercase hex sha256 of the bytes (the bulletin verifies it while receiving).
             source: a file path (streamed) or the bytes.
             size_bytes: the size in bytes (default: measured); verified by the bulletin.
+            force: send it even if the bulletin says it has it (repairs a stored copy that a
+                reader found corrupt: the bulletin re-checks its copy and replaces a bad one).
 
         Returns:
             True if uploaded, False if an identical blob was already stored.
@@ -131,7 +143,7 @@ class BulletinClient:
             AuthError, UnavailableError: see the module docstring.
         """
         size = size_bytes if size_bytes is not None else (len(source) if isinstance(source, bytes) else os.path.getsize(source))
-        if self.has_blob(run, sha256) == size:
+        if not force and self.has_blob(run, sha256) == size:
             return False
         what = f"uploading blob {sha256} of run {run!r}"
         url = None
@@ -140,19 +152,26 @@ class BulletinClient:
             url = UploadUrl.model_validate_json(answer.content).url
             self._presign = url is not None
 
-        def send() -> httpx.Response:
+        def send(presigned: str | None) -> httpx.Response:
             body = source if isinstance(source, bytes) else open(source, "rb")  # noqa: SIM115 - closed below
             try:
                 headers = {"content-length": str(size), "content-type": "application/octet-stream"}
-                if url is not None:  # presigned: straight to the object store, without our token
-                    return httpx.put(url, content=body, headers=headers, timeout=self.timeout_s)
+                if presigned is not None:  # straight to the object store, without our token
+                    return httpx.put(presigned, content=body, headers={**headers, **presigned_put_headers(sha256)}, timeout=self.timeout_s)
                 return self._http.put(f"/v1/runs/{run}/blobs/{sha256}", params={"size_bytes": size}, content=body, headers=headers)
             finally:
                 if not isinstance(body, bytes):
                     body.close()
 
-        self._retrying(send, what)
-        return True
+        if url is not None:
+            try:
+                self._retrying(lambda: send(url), what)
+                return True
+            except BulletinError as exc:
+                if exc.status != 412:  # 412: the store has the object; the bulletin checks (and repairs) it
+                    raise
+        answer = self._retrying(lambda: send(None), what)
+        return answer.status_code == 201
 
     def download_blob(self, run: str, sha256: str, dest: str | os.PathLike, expected_size: int | None = None) -> Path:
         """Download a blob to ``dest``, verifying its sha256 (and size); resumes ``dest + '.part'`` via Range.
@@ -189,7 +208,7 @@ class BulletinClient:
         if digest.hexdigest() != sha256 or (expected_size is not None and size != expected_size):
             part.unlink()
             raise BlobMismatchError(
-                f"{what}: got {size} bytes hashing to {digest.hexdigest()}, expected {expected_size if expected_size is not None else '?'} bytes with sha256 {sha256}; the partial file was removed, retry",
+                f"{what}: got {size} bytes hashing to {digest.hexdigest()}, expected {expected_size if expected_size is not None else '?'} bytes with sha256 {sha256}; the partial file was removed, retry; if a retry gets the same bytes, the stored copy is corrupt: upload the file again (put_blob(..., force=True): the bulletin replaces a stored copy that fails its check)",
                 run_id=run,
                 sha256=sha256,
             )

@@ -19,7 +19,8 @@ service or use the store directly::
     ├── AuthError                401/403
     │   ├── UnauthorizedError    401  no or unknown bearer token
     │   └── ForbiddenError       403  token lacks the scope for this run
-    └── UnavailableError         503  store or service unreachable (after the client's retries)
+    ├── UnavailableError         503  store or service unreachable (after the client's retries)
+    └── RequestTimeoutError      408  a request body arrived too slowly; nothing was stored
 """
 
 from __future__ import annotations
@@ -127,6 +128,13 @@ class UnavailableError(BulletinError):
     status = 503
 
 
+class RequestTimeoutError(BulletinError):
+    """A request body arrived too slowly (idle longer than ``upload_idle_timeout_s``, or under ``upload_min_bytes_per_s``); nothing was stored. Send it again."""
+
+    type = "RequestTimeout"
+    status = 408
+
+
 #: Wire type -> class, derived from the tree (a schema error in a body reads as bad input).
 _BY_TYPE: dict[str, type[BulletinError]] = {**wire_types(BulletinError), SchemaError.type: InvalidRequestError}
 
@@ -134,6 +142,7 @@ _BY_STATUS: dict[int, type[BulletinError]] = {
     401: UnauthorizedError,
     403: ForbiddenError,
     404: NotFoundError,
+    408: RequestTimeoutError,
     409: ConflictError,
     413: PayloadTooLargeError,
     503: UnavailableError,

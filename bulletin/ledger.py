@@ -5,9 +5,18 @@ Store layout (all the state there is; DESIGN.md invariants 3, 4 and 9)::
     runs/{run}/blobs/{sha256}              patch/anchor/asset files, content-addressed
     runs/{run}/versions/{version:012d}.json  the commit object: {"info": VersionInfo, "manifest": ...}
     runs/{run}/latest                      cache pointer: VersionInfo of the latest version (CAS'd)
+    runs/{run}/intents/{uuid}.json         a publish in progress: the sha256s it is about to reference
+    runs/{run}/gc-locks/{sha256}           gc is deciding whether to delete that blob (held for a few requests)
 
 The commit point of a version is the create-only write of its ``versions/`` object, made only
-after every referenced blob is verified. ``latest`` is derived: it is advanced by
+after every referenced blob is verified against the digest the store recorded for it (or, for
+a blob with no record, by reading it back). Publish and gc exclude each other per blob, so no
+interleaving commits a version whose blob gc deletes: a publish writes an intent naming its
+blobs, then waits while gc holds a lock on any of them, then verifies and commits, then removes
+the intent; gc takes a blob's lock (create-only), then reads intents and versions and deletes
+the blob only if neither names it (:mod:`.retention`). Either gc took the lock first (the
+publish waits, then finds the blob present or gone) or the intent was written before gc read
+intents. A lock older than :data:`GC_LOCK_STALE_S` is a crashed gc's and is ignored. ``latest`` is derived: it is advanced by
 compare-and-swap after the commit, and every reader probes past it for committed versions (and
 repairs it), so a crash between the two loses nothing.
 """
@@ -18,6 +27,8 @@ import hashlib
 import json
 import re
 import threading
+import time
+import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -36,7 +47,7 @@ from .errors import (
     VersionConflictError,
     VersionRewindError,
 )
-from .stores import ObjectStat, Store
+from .stores import ObjectStat, Store, StreamDigest
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _VERSION_NAME = re.compile(r"^(\d{12})\.json$")
@@ -64,6 +75,20 @@ def version_key(run: str, version: int) -> str:
     return f"{run_key(run)}versions/{version:012d}.json"
 
 
+def intents_key(run: str) -> str:
+    """Folder of a run's publish intents (see the module docstring)."""
+    return f"{run_key(run)}intents/"
+
+
+def gc_locks_key(run: str) -> str:
+    """Folder of the locks gc holds on a run's blobs while it decides to delete them."""
+    return f"{run_key(run)}gc-locks/"
+
+
+#: Seconds after which a gc lock is taken for a crashed gc's and ignored (gc holds one for a few requests).
+GC_LOCK_STALE_S = 30.0
+
+
 def version_of_key(key: str) -> int | None:
     """The version number of a commit object's key, or ``None`` for other keys."""
     m = _VERSION_NAME.match(key.rsplit("/", 1)[-1])
@@ -71,11 +96,33 @@ def version_of_key(key: str) -> int | None:
 
 
 class Committed(NamedTuple):
-    """A committed version: its manifest, what the bulletin adds, and the manifest's canonical bytes."""
+    """A committed version: its manifest, what the bulletin adds, the manifest's canonical bytes, and the etag of the stored object."""
 
     manifest: VersionManifest
     info: VersionInfo
     manifest_json: bytes
+    etag: str = ""
+
+
+def stored_digest(store: Store, key: str) -> str:
+    """SHA-256 (hex) of the bytes stored under ``key``, read back in full. Raises :class:`NotFoundError`."""
+    stat = store.stat(key)
+    if stat is None:
+        raise NotFoundError(f"no object {key!r} in {store.url}", key=key)
+    digest = StreamDigest()
+    for chunk in store.iter_range(key, 0, stat.size_bytes - 1) if stat.size_bytes else ():
+        digest.update(chunk)
+    return digest.sha256
+
+
+def blob_is_sound(store: Store, run: str, sha256: str, stat: ObjectStat) -> bool:
+    """Whether the stored blob ``sha256`` holds those bytes: its recorded digest, or (no record) its bytes read back."""
+    if stat.sha256 is not None:
+        return stat.sha256 == sha256
+    try:
+        return stored_digest(store, blob_key(run, sha256)) == sha256
+    except NotFoundError:
+        return False
 
 
 class Ledger:
@@ -84,7 +131,8 @@ class Ledger:
     Args:
         store: where everything lives.
         max_manifest_bytes: largest manifest :meth:`publish` accepts, bytes.
-        cache_entries: committed versions kept in memory (immutable, re-checked for existence on hit).
+        cache_entries: committed versions kept in memory; every hit is revalidated against the
+            store's etag, so a version removed or rewritten out of band is never served from it.
     """
 
     def __init__(self, store: Store, *, max_manifest_bytes: int = 32 << 20, cache_entries: int = 1024) -> None:
@@ -97,10 +145,10 @@ class Ledger:
     # -- reading -----------------------------------------------------------------------------
 
     @staticmethod
-    def _decode(data: bytes) -> Committed:
+    def _decode(data: bytes, etag: str) -> Committed:
         envelope = json.loads(data)
         manifest = parse_manifest(envelope["manifest"])
-        return Committed(manifest, VersionInfo.model_validate(envelope["info"]), canonical_json(manifest))
+        return Committed(manifest, VersionInfo.model_validate(envelope["info"]), canonical_json(manifest), etag)
 
     def committed(self, run: str, version: int) -> Committed:
         """The committed version ``version`` of ``run``. Raises :class:`NotFoundError`."""
@@ -109,19 +157,27 @@ class Ledger:
             hit = self._cache.get((run, version))
             if hit is not None:
                 self._cache.move_to_end((run, version))
-        if hit is not None and self.store.stat(key) is not None:  # retention may have removed it
-            return hit
+        if hit is not None:
+            current = self.store.stat(key)  # removed by retention, or the run deleted and published again out of band?
+            if current is not None and current.etag == hit.etag:
+                return hit
         try:
-            data, _ = self.store.get(key)
+            data, etag = self.store.get(key)
         except NotFoundError:
+            with self._lock:
+                self._cache.pop((run, version), None)
             raise NotFoundError(f"run {run!r} has no version {version} (never published, or removed by retention)", run_id=run, version=version) from None
-        found = self._decode(data)
+        found = self._decode(data, etag)
         if self._cache_entries:
             with self._lock:
                 self._cache[(run, version)] = found
                 while len(self._cache) > self._cache_entries:
                     self._cache.popitem(last=False)
         return found
+
+    def exists(self, run: str, version: int) -> bool:
+        """Whether ``version`` of ``run`` is committed in the store now (one metadata read)."""
+        return self.store.stat(version_key(run, version)) is not None
 
     def version_numbers(self, run: str, after: int = -1) -> list[int]:
         """Committed versions of ``run`` greater than ``after``, ascending (by listing the store)."""
@@ -196,7 +252,9 @@ class Ledger:
 
         Raises:
             PayloadTooLargeError, InvalidRequestError: bad input.
-            BlobMissingError, BlobMismatchError: a referenced file is absent or has another size.
+            BlobMissingError, BlobMismatchError: a referenced file is absent, has another size, or its
+                stored copy does not hold its sha256's bytes.
+            InvalidRequestError: also when a path is listed twice.
             VersionConflictError: the version exists with different content.
             VersionRewindError: the version is not after the latest one.
             BaseMissingError: ``version - 1`` is not committed.
@@ -236,7 +294,38 @@ class Ledger:
                 run_id=run,
                 version=version,
             )
+        intent = self._declare_intent(run, manifest)
+        try:
+            self._await_gc(run, {f.sha256 for f in manifest.files})
+            self._verify_files(run, manifest)
+            return self._commit(run, manifest, digest, on_commit)
+        finally:
+            self.store.delete(intent)
+
+    def _declare_intent(self, run: str, manifest: VersionManifest) -> str:
+        """Write the intent naming the blobs this publish is about to reference (gc spares them); its key."""
+        key = f"{intents_key(run)}{uuid.uuid4().hex}.json"
+        self.store.put_new(key, json.dumps(sorted({f.sha256 for f in manifest.files})).encode())
+        return key
+
+    def _await_gc(self, run: str, blobs: set[str], poll_s: float = 0.02) -> None:
+        """Wait while gc holds a (live) lock on any of ``blobs`` (seconds, at most :data:`GC_LOCK_STALE_S`)."""
+        while True:
+            now = time.time()
+            if not any(o.key.rsplit("/", 1)[-1] in blobs and now - o.modified_at < GC_LOCK_STALE_S for o in self.store.list(gc_locks_key(run))):
+                return
+            time.sleep(poll_s)
+
+    def _verify_files(self, run: str, manifest: VersionManifest) -> None:
+        """Check every distinct referenced blob once: stored, with the stated size, and sound (see :func:`blob_is_sound`)."""
+        version, seen_paths, checked = manifest.version, set(), set()
         for f in manifest.files:
+            if f.path in seen_paths:
+                raise InvalidRequestError(f"version {version} of run {run!r} lists the file {f.path!r} more than once: list each path once", run_id=run, version=version, path=f.path)
+            seen_paths.add(f.path)
+            if (f.sha256, f.size_bytes) in checked:
+                continue
+            checked.add((f.sha256, f.size_bytes))
             stat = self.stat_blob(run, f.sha256)
             if stat is None:
                 raise BlobMissingError(
@@ -250,6 +339,18 @@ class Ledger:
                 raise BlobMismatchError(
                     f"version {version} of run {run!r}: {f.path!r} (sha256 {f.sha256}) is stored with {stat.size_bytes} bytes, the manifest says {f.size_bytes}", run_id=run, version=version, path=f.path, sha256=f.sha256
                 )
+            if not blob_is_sound(self.store, run, f.sha256, stat):
+                raise BlobMismatchError(
+                    f"version {version} of run {run!r}: the stored copy of {f.path!r} does not hold the bytes of sha256 {f.sha256} (recorded digest {stat.sha256 or 'none, and its bytes differ'}): upload it again (PUT /v1/runs/{run}/blobs/{f.sha256} replaces a copy that fails its check), then publish",
+                    run_id=run,
+                    version=version,
+                    path=f.path,
+                    sha256=f.sha256,
+                )
+
+    def _commit(self, run: str, manifest: VersionManifest, digest: str, on_commit: Callable[[VersionInfo], None] | None) -> tuple[VersionInfo, bool]:
+        """The commit point: the create-only write of the version's object, then the ``latest`` pointer."""
+        version = manifest.version
         info = VersionInfo(
             run_id=run,
             version=version,

@@ -64,7 +64,11 @@ class Watcher:
 
     async def _refresh(self, run: str) -> None:
         self._checked_at[run] = time.monotonic()
-        self.note(await to_thread.run_sync(self._ledger.latest, run))
+        info = await to_thread.run_sync(self._ledger.latest, run)
+        current = self._latest.get(run)
+        if current is not None and (info is None or info.version < current.version) and not await to_thread.run_sync(self._ledger.exists, run, current.version):
+            del self._latest[run], self._bodies[run]  # the store no longer holds it (run deleted out of band): forget it
+        self.note(info)
 
     async def wait(self, run: str, after: int, wait_s: float) -> VersionInfo | None:
         """The latest version of ``run`` once it is greater than ``after``, or ``None`` after ``wait_s`` seconds.

@@ -11,20 +11,30 @@ Removal waits out a grace period so in-flight plans and uploads finish:
 * a blob is removed when no remaining version references it and it was last written at least
   ``grace_s`` ago (this covers uploads whose publish never happened).
 
-Manifests go before blobs, so a reader never sees a version whose files are missing. Blob
-references are re-read just before blobs are deleted, so a version committed while gc runs
-protects its files. (A publish that reuses an old blob from a removed version at the very
-moment gc deletes it can still lose that race; re-upload the blob and publish again.)
+Manifests go before blobs, so a reader never sees a version whose files are missing. Before
+each blob is deleted gc takes the blob's lock (a create-only object, :mod:`.ledger`), then
+re-reads from the store the publish intents, the versions committed since it started and the
+blob's own age, and spares the blob if any of them protects it. A publish names its blobs in
+an intent, waits while gc holds a lock on one of them, then checks them and commits: so a
+publish either is seen by gc (intent or commit) or checks the blob after gc decided, and then
+answers BlobMissing (re-upload, then publish) instead of committing a version whose blob is
+gone. Intents protect for ``max(grace_s, INTENT_LIFETIME_S)``; older ones (left by a crashed
+publish) are removed, as are locks older than ``GC_LOCK_STALE_S`` and temporaries (``.tmp-*``,
+unfinished multipart uploads) older than ``grace_s``.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
 
 from .errors import InvalidRequestError, NotFoundError
-from .ledger import Ledger, blob_key, run_key, version_key
+from .ledger import GC_LOCK_STALE_S, Ledger, blob_key, gc_locks_key, intents_key, run_key, version_key
+
+#: Seconds a publish intent protects its blobs at least (a publish checks its files and commits in far less).
+INTENT_LIFETIME_S = 900.0
 
 
 @dataclass
@@ -33,6 +43,7 @@ class GcReport:
 
     versions_removed: dict[str, list[int]] = field(default_factory=dict)
     blobs_removed: dict[str, list[str]] = field(default_factory=dict)
+    temporaries_removed: dict[str, int] = field(default_factory=dict)
     bytes_freed: int = 0
 
 
@@ -79,19 +90,61 @@ def collect_run(ledger: Ledger, run: str, keep_snapshots: int, grace_s: float, r
         report.versions_removed[run] = drop
     protected = _referenced(ledger, run, [v for v in numbers if v not in drop])
     candidates = [o for o in ledger.store.list(f"{run_key(run)}blobs/") if o.key.rsplit("/", 1)[-1] not in protected and now - o.modified_at >= grace_s]
-    if candidates and not dry_run:
-        protected |= _referenced(ledger, run, ledger.version_numbers(run, after=max(numbers, default=-1)))
+    seen = max(numbers, default=-1)
+    intents: dict[str, list[str]] = {}
     removed = []
     for o in candidates:
         sha = o.key.rsplit("/", 1)[-1]
         if sha in protected:
             continue
-        if not dry_run:
+        if dry_run:
+            removed.append(sha)
+            report.bytes_freed += o.size_bytes
+            continue
+        lock = f"{gc_locks_key(run)}{sha}"
+        if not ledger.store.put_new(lock, b""):
+            continue  # another gc holds it
+        try:  # under the lock: live intents first, then new commits, then the blob's own age
+            protected |= _intended(ledger, run, max(grace_s, INTENT_LIFETIME_S), now, intents)
+            new = ledger.version_numbers(run, after=seen)
+            protected |= _referenced(ledger, run, new)
+            seen = max(new, default=seen)
+            current = ledger.store.stat(blob_key(run, sha))
+            if sha in protected or current is None or now - current.modified_at < grace_s:
+                continue
             ledger.store.delete(blob_key(run, sha))
+        finally:
+            ledger.store.delete(lock)
         removed.append(sha)
         report.bytes_freed += o.size_bytes
     if removed:
         report.blobs_removed[run] = removed
+    if not dry_run:
+        _intended(ledger, run, max(grace_s, INTENT_LIFETIME_S), now, intents)  # removes stale intents
+        for stale in [o for o in ledger.store.list(gc_locks_key(run)) if time.time() - o.modified_at >= GC_LOCK_STALE_S]:
+            ledger.store.delete(stale.key)
+        temporaries = sum(ledger.store.remove_temporaries(f"{run_key(run)}{folder}", grace_s) for folder in ("", "versions/", "blobs/", "intents/", "gc-locks/"))
+        if temporaries:
+            report.temporaries_removed[run] = temporaries
+
+
+def _intended(ledger: Ledger, run: str, lifetime_s: float, now: float, cache: dict[str, list[str]]) -> set[str]:
+    """The blobs named by the run's publish intents younger than ``lifetime_s``; older intents are deleted.
+
+    ``cache`` keeps the contents of intents already read (an intent never changes).
+    """
+    out: set[str] = set()
+    for o in ledger.store.list(intents_key(run)):
+        if now - o.modified_at >= lifetime_s:
+            ledger.store.delete(o.key)
+            continue
+        if o.key not in cache:
+            try:
+                cache[o.key] = json.loads(ledger.store.get(o.key)[0])
+            except NotFoundError:  # the publish finished meanwhile
+                continue
+        out.update(cache[o.key])
+    return out
 
 
 def collect_garbage(ledger: Ledger, keep_snapshots: int, grace_s: float, runs: list[str] | None = None, dry_run: bool = False) -> GcReport:

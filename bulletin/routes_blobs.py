@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import hashlib
 import os
 import re
+import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import Annotated
 
 from anyio import to_thread
@@ -16,8 +18,10 @@ from fastapi.responses import JSONResponse, RedirectResponse, Response, Streamin
 from stitchboard.proto.answers import BlobStored, UploadUrl
 
 from .deps import BulletinState, Publish, Read
-from .errors import BlobMismatchError, NotFoundError, PayloadTooLargeError
-from .ledger import blob_key
+from .errors import BlobMismatchError, NotFoundError, PayloadTooLargeError, RequestTimeoutError
+from .ledger import blob_key, stored_digest
+from .settings import BulletinSettings
+from .stores import ObjectStat, StreamDigest
 
 router = APIRouter(prefix="/v1", tags=["blobs"])
 SizeQuery = Annotated[int | None, Query(ge=0, description="expected size in bytes; checked while receiving")]
@@ -32,9 +36,37 @@ def _too_large(run: str, sha256: str, size: int | str, limit: int) -> PayloadToo
     )
 
 
-@router.put("/runs/{run}/blobs/{sha256}", response_model=BlobStored, status_code=201, responses={200: {"description": "already stored"}, 413: {}, 422: {}})
+def _sound(stat: ObjectStat | None, sha256: str) -> bool:
+    """Whether a stored blob carries a record of exactly its name's digest (see :attr:`ObjectStat.sha256`)."""
+    return stat is not None and stat.sha256 == sha256
+
+
+async def _paced(request: Request, settings: BulletinSettings, what: str) -> AsyncIterator[bytes]:
+    """The request body's chunks; raises :class:`RequestTimeoutError` when it idles or trickles (see the ``upload_*`` settings)."""
+    started, received = time.monotonic(), 0
+    chunks = request.stream().__aiter__()
+    while True:
+        try:
+            async with asyncio.timeout(settings.upload_idle_timeout_s):
+                chunk = await anext(chunks)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise RequestTimeoutError(f"{what}: nothing received for {settings.upload_idle_timeout_s} s (upload_idle_timeout_s) after {received} bytes; send it again") from None
+        received += len(chunk)
+        elapsed = time.monotonic() - started
+        if elapsed > settings.upload_rate_grace_s and received < settings.upload_min_bytes_per_s * elapsed:
+            raise RequestTimeoutError(f"{what}: {received} bytes in {elapsed:.1f} s is under the {settings.upload_min_bytes_per_s:.0f} bytes/s minimum (upload_min_bytes_per_s); send it again faster")
+        yield chunk
+
+
+@router.put("/runs/{run}/blobs/{sha256}", response_model=BlobStored, status_code=201, responses={200: {"description": "already stored"}, 408: {}, 413: {}, 422: {}})
 async def put_blob(run: str, sha256: str, request: Request, state: Publish, size_bytes: SizeQuery = None) -> JSONResponse:
-    """Upload a blob (raw body, streamed). Its sha256 and size are verified while receiving; nothing is stored on mismatch."""
+    """Upload a blob (raw body, streamed). Its sha256 and size are verified while receiving; nothing is stored on mismatch.
+
+    A stored copy that is missing or fails its check (no record of this sha256, or its bytes
+    read back hash to something else) is replaced; a sound one answers 200 "already stored". A body that idles or trickles is answered 408.
+    """
     key = blob_key(run, sha256)
     limit = state.settings.max_blob_bytes
     declared = request.headers.get("content-length")
@@ -43,9 +75,9 @@ async def put_blob(run: str, sha256: str, request: Request, state: Publish, size
             raise _too_large(run, sha256, size, limit)
     tmp = state.upload_dir / f".{sha256}.{uuid.uuid4().hex}"
     try:
-        digest, received = hashlib.sha256(), 0
+        digest, received = StreamDigest(state.store.part_bytes), 0
         with open(tmp, "wb") as f:  # noqa: ASYNC230 - page-cache writes, cheaper than a thread hop per chunk; the fsync runs in a thread
-            async for chunk in request.stream():
+            async for chunk in _paced(request, state.settings, f"upload of blob {sha256} of run {run!r}"):
                 received += len(chunk)
                 if received > limit:
                     raise _too_large(run, sha256, f"more than {limit}", limit)
@@ -54,30 +86,31 @@ async def put_blob(run: str, sha256: str, request: Request, state: Publish, size
             await to_thread.run_sync(os.fsync, f.fileno())
         if size_bytes is not None and received != size_bytes:
             raise BlobMismatchError(f"blob {sha256} of run {run!r}: received {received} bytes, size_bytes says {size_bytes}", run_id=run, sha256=sha256)
-        if digest.hexdigest() != sha256:
-            raise BlobMismatchError(f"blob of run {run!r}: received bytes hash to {digest.hexdigest()}, not {sha256}; the upload was corrupted or mislabeled", run_id=run, sha256=sha256)
-        existed = await to_thread.run_sync(state.store.stat, key)
-        if existed is None:
-            await to_thread.run_sync(state.store.put_file, key, tmp)
+        if digest.sha256 != sha256:
+            raise BlobMismatchError(f"blob of run {run!r}: received bytes hash to {digest.sha256}, not {sha256}; the upload was corrupted or mislabeled", run_id=run, sha256=sha256)
+        stored = _sound(await to_thread.run_sync(state.store.stat, key), sha256) and await to_thread.run_sync(stored_digest, state.store, key) == sha256
+        if not stored:
+            await to_thread.run_sync(state.store.put_file, key, tmp, digest)
             state.metrics.blob_bytes_received.inc(received)
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
-    body = BlobStored(run_id=run, sha256=sha256, size_bytes=received, created=existed is None)
-    return JSONResponse(body.model_dump(mode="json"), status_code=201 if existed is None else 200)
+    body = BlobStored(run_id=run, sha256=sha256, size_bytes=received, created=not stored)
+    return JSONResponse(body.model_dump(mode="json"), status_code=200 if stored else 201)
 
 
 @router.post("/runs/{run}/blobs/{sha256}/upload-url", response_model=UploadUrl)
 def upload_url(run: str, sha256: str, state: Publish, size_bytes: SizeQuery = None) -> UploadUrl:
     """A presigned PUT URL for the blob (S3 with ``presign`` on), else ``{"url": null}``: upload to this bulletin then.
 
-    With a presigned upload the bulletin checks only existence and size at publish; every
-    downloader verifies the sha256.
+    The URL is signed with the blob's SHA-256 (the store refuses other bytes), its record and
+    ``If-None-Match: *`` (it never overwrites a stored object: a 412 means upload to this
+    bulletin instead, which replaces a copy that fails its check).
     """
     key = blob_key(run, sha256)
     if size_bytes is not None and size_bytes > state.settings.max_blob_bytes:
         raise _too_large(run, sha256, size_bytes, state.settings.max_blob_bytes)
-    url = state.store.presign(key, "PUT", state.settings.presign_expires_s) if state.settings.presign else None
+    url = state.store.presign(key, "PUT", state.settings.presign_expires_s, sha256) if state.settings.presign else None
     return UploadUrl(url=url, method="PUT", expires_s=state.settings.presign_expires_s)
 
 
@@ -104,7 +137,14 @@ def get_blob(run: str, sha256: str, request: Request, state: Read) -> Response:
 
 @router.head("/runs/{run}/blobs/{sha256}", responses={404: {}})
 def head_blob(run: str, sha256: str, request: Request, state: Read) -> Response:
-    """Whether the blob is stored: 200 with ``Content-Length`` (its size in bytes) and ``ETag``, else 404."""
+    """Whether the blob is stored soundly: 200 with ``Content-Length`` (its size in bytes) and ``ETag``, else 404.
+
+    A stored copy without a record of this sha256 counts as not stored (404), so an uploader
+    sends it again and the PUT replaces it.
+    """
+    stat = state.store.stat(blob_key(run, sha256))
+    if stat is not None and not _sound(stat, sha256):
+        raise NotFoundError(f"run {run!r} has a copy of blob {sha256} that fails its check (recorded digest {stat.sha256 or 'none'}): upload it again", run_id=run, sha256=sha256)
     return _serve_blob(run, sha256, request, state)
 
 

@@ -4,7 +4,7 @@ Everything the bulletin knows lives behind :class:`Store`, so a restart loses no
 several bulletin processes can share one store (DESIGN.md invariant 9)::
 
     stores/
-    ├── base.py    Store protocol, ObjectStat, check_key, CHUNK_BYTES
+    ├── base.py    Store protocol, ObjectStat, StreamDigest, check_key, CHUNK_BYTES
     ├── folder.py  FileStore: a local (or shared) folder; its setting is the folder path
     └── s3.py      S3Store and S3Settings (endpoint, credentials, multipart sizes); every
                    botocore error mapped to the bulletin's errors in one place
@@ -18,11 +18,11 @@ from __future__ import annotations
 from urllib.parse import unquote, urlparse
 
 from ..errors import InvalidRequestError
-from .base import CHUNK_BYTES, ObjectStat, Store, check_key
+from .base import CHUNK_BYTES, ObjectStat, Store, StreamDigest, check_key
 from .folder import FileStore
 from .s3 import S3Settings, S3Store
 
-__all__ = ["CHUNK_BYTES", "FileStore", "ObjectStat", "S3Settings", "S3Store", "Store", "check_key", "open_store"]
+__all__ = ["CHUNK_BYTES", "FileStore", "ObjectStat", "S3Settings", "S3Store", "Store", "StreamDigest", "check_key", "open_store"]
 
 
 def open_store(url: str, settings: S3Settings | None = None) -> Store:

@@ -13,13 +13,14 @@ import fcntl
 import hashlib
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
 from ..errors import NotFoundError, UnavailableError
-from .base import CHUNK_BYTES, ObjectStat, check_key
+from .base import CHUNK_BYTES, ObjectStat, StreamDigest, check_key
 
 
 class FileStore:
@@ -28,7 +29,9 @@ class FileStore:
     Writes go to a hidden temp file in the same folder, are fsynced, then renamed (replace) or
     linked (create-only) into place, and the folder is fsynced, so a crash leaves either the old
     or the new object, never a torn one. Hidden names (``.tmp-*``, ``.locks``, ``.uploads``) are
-    never listed.
+    never listed. A file stored by :meth:`put_file` gets a record ``.sha256-<name>`` beside it:
+    its digest and the etag of the file it was computed for, so a file rewritten out of band
+    has no valid record.
 
     Args:
         root: the folder (created if missing); its path is the store's only setting.
@@ -40,6 +43,18 @@ class FileStore:
         (self.root / ".locks").mkdir(exist_ok=True)
         self.url = f"file://{self.root}"
         self.upload_dir: Path | None = self.root / ".uploads"  # same filesystem: a verified upload is linked, not copied
+        self.part_bytes: int | None = None
+
+    @staticmethod
+    def _record_path(path: Path) -> Path:
+        return path.parent / f".sha256-{path.name}"
+
+    def _recorded(self, path: Path, etag: str) -> str | None:
+        try:
+            sha256, _, recorded_for = self._record_path(path).read_text().partition(" ")
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        return sha256 if recorded_for == etag else None
 
     def _path(self, key: str) -> Path:
         return self.root / check_key(key)
@@ -49,11 +64,13 @@ class FileStore:
         return f"{st.st_ino:x}-{st.st_mtime_ns:x}-{st.st_size:x}"
 
     def stat(self, key: str) -> ObjectStat | None:
+        path = self._path(key)
         try:
-            st = self._path(key).stat()
+            st = path.stat()
         except FileNotFoundError:
             return None
-        return ObjectStat(key, st.st_size, self._etag(st), st.st_mtime)
+        etag = self._etag(st)
+        return ObjectStat(key, st.st_size, etag, st.st_mtime, self._recorded(path, etag))
 
     def get(self, key: str) -> tuple[bytes, str]:
         try:
@@ -112,8 +129,9 @@ class FileStore:
             self._fsync_dir(path.parent)
         return True
 
-    def put_file(self, key: str, path: Path) -> None:
+    def put_file(self, key: str, path: Path, digest: StreamDigest | None = None) -> None:
         dest = self._path(key)
+        sha256 = (digest or StreamDigest.of_file(path)).sha256
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.parent / f".tmp-{uuid.uuid4().hex}"
         try:
@@ -123,6 +141,8 @@ class FileStore:
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, dest)
+        record = self._write_temp(dest.parent, f"{sha256} {self._etag(dest.stat())}".encode())
+        os.replace(record, self._record_path(dest))
         self._fsync_dir(dest.parent)
 
     def iter_range(self, key: str, start: int, end: int) -> Iterator[bytes]:
@@ -166,11 +186,27 @@ class FileStore:
             return []
 
     def delete(self, key: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            self._path(key).unlink()
+        path = self._path(key)
+        for p in (path, self._record_path(path)):
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
 
-    def presign(self, key: str, method: str, expires_s: int) -> str | None:
+    def presign(self, key: str, method: str, expires_s: int, sha256: str | None = None) -> str | None:
         return None
+
+    def remove_temporaries(self, prefix: str, older_than_s: float) -> int:
+        folder = self._path(prefix) if prefix else self.root
+        cutoff, removed = time.time() - older_than_s, 0
+        try:
+            entries = [e for e in os.scandir(folder) if e.name.startswith(".tmp-") and e.is_file()]
+        except FileNotFoundError:
+            return 0
+        for entry in entries:
+            with contextlib.suppress(FileNotFoundError):
+                if entry.stat().st_mtime <= cutoff:
+                    os.unlink(entry.path)
+                    removed += 1
+        return removed
 
     def check(self) -> None:
         if not os.access(self.root, os.W_OK):

@@ -2,8 +2,11 @@
 
 Create-only writes use ``PutObject`` with ``If-None-Match: *``; compare-and-swap uses
 ``If-Match: <etag>``. Both need a store that implements S3 conditional writes (AWS since 2024,
-recent MinIO and R2). Files go up through boto3's transfer manager (multipart above
-``s3_multipart_threshold_bytes``).
+recent MinIO and R2). Files go up with the SHA-256 the bulletin computed while receiving them
+(``x-amz-checksum-sha256``; per part for multipart uploads above
+``s3_multipart_threshold_bytes``), so S3 refuses a body corrupted on the way (``BadDigest``);
+a refused body is sent again up to ``s3_checksum_attempts`` times. The digest is recorded as the
+object's metadata ``stitch-sha256`` (:attr:`ObjectStat.sha256`).
 
 Every S3 call, and every read of a streamed body, runs inside :meth:`S3Store._errors`, the one
 place where botocore/boto3 exceptions become the bulletin's typed errors.
@@ -13,20 +16,22 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import hashlib
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
 
 import boto3  # type: ignore[import-untyped]
 from boto3.exceptions import S3UploadFailedError  # type: ignore[import-untyped]
-from boto3.s3.transfer import TransferConfig  # type: ignore[import-untyped]
 from botocore.config import Config  # type: ignore[import-untyped]
 from botocore.exceptions import BotoCoreError, ClientError  # type: ignore[import-untyped]
 from botocore.response import StreamingBody  # type: ignore[import-untyped]
 from pydantic import BaseModel, Field
 
 from ..errors import ConflictError, NotFoundError, UnavailableError
-from .base import CHUNK_BYTES, ObjectStat, check_key
+from .base import CHUNK_BYTES, ObjectStat, StreamDigest, b64_digest, check_key
 
 MiB = 1 << 20
 
@@ -34,6 +39,10 @@ MiB = 1 << 20
 _PRECONDITION = {"PreconditionFailed", "412", "ConditionalRequestConflict", "409"}
 #: S3 error codes of a missing object.
 _MISSING = {"NoSuchKey", "404", "NotFound"}
+#: S3 error codes of a body that did not match the checksum sent with it (sent again).
+_BAD_DIGEST = {"BadDigest", "InvalidDigest", "XAmzContentSHA256Mismatch"}
+#: Object metadata holding the SHA-256 (hex) the bulletin computed while receiving the object.
+RECORD_META = "stitch-sha256"
 
 
 class S3Settings(BaseModel):
@@ -52,6 +61,7 @@ class S3Settings(BaseModel):
     s3_multipart_threshold_bytes: int = Field(64 * MiB, gt=0, description="Blobs at least this large go up as multipart uploads, bytes.")
     s3_multipart_chunk_bytes: int = Field(64 * MiB, ge=5 * MiB, description="Part size of multipart uploads, bytes.")
     s3_max_concurrency: int = Field(8, gt=0, description="Parallel parts per multipart transfer.")
+    s3_checksum_attempts: int = Field(3, ge=1, description="Times a body S3 refuses as corrupted (BadDigest) is sent before the upload fails.")
 
 
 def _code(exc: ClientError) -> str:
@@ -86,13 +96,14 @@ class S3Store:
                 s3={"addressing_style": s.s3_addressing_style},
                 retries={"max_attempts": 5, "mode": "standard"},
                 max_pool_connections=max(32, s.s3_max_concurrency * 2),
+                request_checksum_calculation="when_required",  # we send our own SHA-256, as a header
+                response_checksum_validation="when_required",
             ),
         )
-        self._transfer = TransferConfig(
-            multipart_threshold=s.s3_multipart_threshold_bytes,
-            multipart_chunksize=s.s3_multipart_chunk_bytes,
-            max_concurrency=s.s3_max_concurrency,
-        )
+        self.part_bytes: int | None = s.s3_multipart_chunk_bytes
+        self._threshold = s.s3_multipart_threshold_bytes
+        self._concurrency = s.s3_max_concurrency
+        self._attempts = s.s3_checksum_attempts
 
     def _key(self, key: str) -> str:
         return self.prefix + check_key(key)
@@ -128,7 +139,7 @@ class S3Store:
                 r = self._client.head_object(Bucket=self.bucket, Key=self._key(key))
         except NotFoundError:
             return None
-        return ObjectStat(key, r["ContentLength"], r["ETag"], r["LastModified"].timestamp())
+        return ObjectStat(key, r["ContentLength"], r["ETag"], r["LastModified"].timestamp(), r.get("Metadata", {}).get(RECORD_META))
 
     def get(self, key: str) -> tuple[bytes, str]:
         with self._errors(key):
@@ -153,9 +164,65 @@ class S3Store:
     def put_cas(self, key: str, data: bytes, etag: str | None) -> bool:
         return self._put(key, data, **({"IfMatch": etag} if etag else {"IfNoneMatch": "*"}))
 
-    def put_file(self, key: str, path: Path) -> None:
+    def _checked(self, key: str, send: Any) -> Any:
+        """``send()``, sent again while S3 refuses the body as corrupted (up to ``s3_checksum_attempts`` times)."""
+        for attempt in range(self._attempts):
+            try:
+                return send()
+            except ClientError as exc:
+                if _code(exc) not in _BAD_DIGEST or attempt + 1 == self._attempts:
+                    raise
+                time.sleep(0.05 * 2**attempt)
+        raise AssertionError("unreachable")
+
+    def put_file(self, key: str, path: Path, digest: StreamDigest | None = None) -> None:
+        size = path.stat().st_size
+        if digest is None or (size >= self._threshold and not digest.parts()):
+            digest = StreamDigest.of_file(path, self.part_bytes)
+        meta = {RECORD_META: digest.sha256}
         with self._errors(key):
-            self._client.upload_file(str(path), self.bucket, self._key(key), Config=self._transfer)
+            if size < self._threshold:
+                checksum = b64_digest(bytes.fromhex(digest.sha256))
+
+                def send() -> Any:
+                    with open(path, "rb") as f:
+                        return self._client.put_object(Bucket=self.bucket, Key=self._key(key), Body=f, ChecksumSHA256=checksum, Metadata=meta)
+
+                self._acknowledged(key, self._checked(key, send), checksum)
+            else:
+                self._put_parts(key, path, digest.parts(), meta)
+
+    def _acknowledged(self, key: str, answer: dict[str, Any], sent: str) -> None:
+        """Raise :class:`UnavailableError` when the checksum S3 acknowledged is not the one sent (stores that acknowledge none pass)."""
+        acknowledged = answer.get("ChecksumSHA256")
+        if acknowledged and acknowledged != sent:
+            raise UnavailableError(f"S3 acknowledged {key!r} in {self.url} with checksum {acknowledged}, not the {sent} sent: the upload is not trusted; retry it", key=key)
+
+    def _put_parts(self, key: str, path: Path, parts: builtins.list[bytes], meta: dict[str, str]) -> None:
+        """A multipart upload whose every part carries its SHA-256 (aborted on failure)."""
+        part_bytes = self.part_bytes or 0
+        upload = self._client.create_multipart_upload(Bucket=self.bucket, Key=self._key(key), ChecksumAlgorithm="SHA256", Metadata=meta)["UploadId"]
+
+        def put_part(number: int) -> dict[str, Any]:
+            checksum = b64_digest(parts[number - 1])
+
+            def send() -> Any:
+                with open(path, "rb") as f:
+                    f.seek((number - 1) * part_bytes)
+                    body = f.read(part_bytes)
+                return self._client.upload_part(Bucket=self.bucket, Key=self._key(key), UploadId=upload, PartNumber=number, Body=body, ChecksumSHA256=checksum)
+
+            return {"PartNumber": number, "ETag": self._checked(key, send)["ETag"], "ChecksumSHA256": checksum}
+
+        try:
+            with ThreadPoolExecutor(self._concurrency) as pool:
+                done = list(pool.map(put_part, range(1, len(parts) + 1)))
+            answer = self._client.complete_multipart_upload(Bucket=self.bucket, Key=self._key(key), UploadId=upload, MultipartUpload={"Parts": done})
+            self._acknowledged(key, answer, f"{b64_digest(hashlib.sha256(b''.join(parts)).digest())}-{len(parts)}")
+        except BaseException:
+            with contextlib.suppress(ClientError, BotoCoreError):
+                self._client.abort_multipart_upload(Bucket=self.bucket, Key=self._key(key), UploadId=upload)
+            raise
 
     def iter_range(self, key: str, start: int, end: int) -> Iterator[bytes]:
         with self._errors(key):
@@ -192,11 +259,28 @@ class S3Store:
         with contextlib.suppress(NotFoundError), self._errors(key):
             self._client.delete_object(Bucket=self.bucket, Key=self._key(key))
 
-    def presign(self, key: str, method: str, expires_s: int) -> str | None:
+    def presign(self, key: str, method: str, expires_s: int, sha256: str | None = None) -> str | None:
+        params: dict[str, Any] = {"Bucket": self.bucket, "Key": self._key(key)}
+        if method == "PUT":
+            if sha256 is None:
+                raise ValueError(f"a presigned PUT of {key!r} needs the object's sha256")
+            params.update(ChecksumSHA256=b64_digest(bytes.fromhex(sha256)), Metadata={RECORD_META: sha256}, IfNoneMatch="*")
         op = {"GET": "get_object", "PUT": "put_object"}[method]
         with self._errors(key):
-            url: str = self._client.generate_presigned_url(op, Params={"Bucket": self.bucket, "Key": self._key(key)}, ExpiresIn=expires_s)
+            url: str = self._client.generate_presigned_url(op, Params=params, ExpiresIn=expires_s)
         return url
+
+    def remove_temporaries(self, prefix: str, older_than_s: float) -> int:
+        # Writes to S3 are atomic; what an interrupted one leaves is an unfinished multipart upload.
+        cutoff, removed = time.time() - older_than_s, 0
+        with self._errors(prefix):
+            for page in self._client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=self.prefix + check_key(prefix)):
+                for up in page.get("Uploads", []):
+                    if up["Initiated"].timestamp() <= cutoff:
+                        with contextlib.suppress(ClientError):
+                            self._client.abort_multipart_upload(Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"])
+                        removed += 1
+        return removed
 
     def check(self) -> None:
         try:

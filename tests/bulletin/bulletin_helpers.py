@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
-import socket
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlparse
 
 import boto3
 import httpx
@@ -100,52 +96,6 @@ class Backend:
             for o in page.get("Contents", []):
                 out[o["Key"]] = o["ETag"]
         return out
-
-
-class CuttingProxy:
-    """A TCP proxy on loopback in front of ``target`` (e.g. the moto endpoint) that breaks answers.
-
-    Each connection is forwarded both ways until ``cut_after_bytes`` bytes of answer have gone
-    back to the client; then both sides are closed, like a network failure mid-body.
-    """
-
-    def __init__(self, target: str, cut_after_bytes: int) -> None:
-        parsed = urlparse(target)
-        self._target = (parsed.hostname or "127.0.0.1", parsed.port or 80)
-        self._limit = cut_after_bytes
-        self._listener = free_socket()
-        self._listener.listen()
-        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:  # closed by stop()
-                return
-            upstream = socket.create_connection(self._target)
-            threading.Thread(target=self._pump, args=(client, upstream, None), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, self._limit), daemon=True).start()
-
-    @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket, limit: int | None) -> None:
-        sent = 0
-        with contextlib.suppress(OSError):
-            while data := src.recv(65536):
-                if limit is not None and sent + len(data) > limit:
-                    dst.sendall(data[: limit - sent])
-                    break
-                dst.sendall(data)
-                sent += len(data)
-        for sock in (src, dst):
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-            sock.close()
-
-    def stop(self) -> None:
-        """Stop accepting connections."""
-        self._listener.close()
 
 
 #: Small limits so the size-limit tests stay fast.
