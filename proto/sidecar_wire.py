@@ -40,6 +40,16 @@ SidecarState = Literal["starting", "waiting_for_engine", "booting", "idle", "sta
 #: States while a commit holds the engine paused; in ``resuming`` the new version is already
 #: marked applied and the engine is being resumed.
 COMMIT_STATES: frozenset[SidecarState] = frozenset({"committing", "recovering", "resuming"})
+#: How a commit reached its version (``SyncReport.route``, the ``route`` label of the pause
+#: metric): ``delta`` (deltas staged while serving, written in the pause); ``staged_anchor`` (an
+#: anchor route staged while serving: the target built in the sidecar, only the tensors that
+#: differ written in the pause); ``anchor`` (snapshot and deltas applied in the pause: the engine
+#: held no verified version); ``recovery`` (a failed or interrupted write recovered from the
+#: anchor in the same pause); ``flip`` (empty deltas: no pause).
+RouteKind = Literal["delta", "staged_anchor", "anchor", "recovery", "flip"]
+ROUTE_KINDS: tuple[RouteKind, ...] = ("delta", "staged_anchor", "anchor", "recovery", "flip")
+#: Header telling OpenAI-style clients whether retrying the same request can succeed.
+SHOULD_RETRY_HEADER = "x-should-retry"
 
 
 class _Model(BaseModel):
@@ -59,8 +69,9 @@ class SyncReport(_Model):
         pause_seconds: the engine paused, seconds.
         apply_seconds: writing and verifying inside the pause, seconds.
         total_seconds: from seeing the version to having it applied, seconds.
-        anchor: whether it loaded an anchor's snapshot.
+        anchor: whether it went the anchor route (a snapshot, then deltas).
         finished_at: when it finished, Unix seconds.
+        route: see :data:`RouteKind`.
     """
 
     from_version: int | None
@@ -73,6 +84,33 @@ class SyncReport(_Model):
     total_seconds: float
     anchor: bool
     finished_at: float
+    route: RouteKind = "delta"
+
+
+class Refusal(_Model):
+    """A plan the sidecar could not stage while the engine served (the engine refused it, or its
+    target could not be built): nothing was written and the held version keeps serving.
+
+    Attributes:
+        from_version: the version the refused plan started from (None: an anchor route).
+        to_version: the version it would have applied.
+        route: ``delta`` or ``staged_anchor``.
+        held_version: the version the engine still holds (and the sidecar serves).
+        type, message: the error's wire type and message.
+        attempts: refusals of this target in a row.
+        at: when the last refusal happened, Unix seconds.
+        retry_at: when the same plan is tried again (sooner once a newer version is published), Unix seconds.
+    """
+
+    from_version: int | None
+    to_version: int
+    route: RouteKind
+    held_version: int | None
+    type: str
+    message: str
+    attempts: int
+    at: float
+    retry_at: float
 
 
 class SidecarStatus(_Model):
@@ -92,6 +130,8 @@ class SidecarStatus(_Model):
         requests_waiting: requests held for their version (or the end of a commit).
         committing: whether admission is closed for a commit.
         time: the sidecar's clock, Unix seconds.
+        refused: the last refused plan, until a version at or past it is applied (None: none).
+        pause_seconds_by_route: the last pause of each route kind taken so far, seconds.
     """
 
     run_id: str
@@ -107,3 +147,5 @@ class SidecarStatus(_Model):
     requests_waiting: int
     committing: bool
     time: float
+    refused: Refusal | None = None
+    pause_seconds_by_route: dict[str, float] = {}

@@ -1,9 +1,13 @@
 """The sidecar service: :func:`create_app` builds the FastAPI app (nothing starts at import).
 
-Routes (every error answer is JSON ``{"type", "message", ...}``; 503s carry ``Retry-After``):
+Routes (every error answer is JSON ``{"type", "message", ...}``). Answers a retry can fix (503,
+409 ``WeightVersionNotReady``) carry ``Retry-After`` and ``x-should-retry: true``; other 4xx
+answers of the sidecar (400, 403, 409 ``WeightVersionPassed``, 413) carry ``x-should-retry: false``,
+so the OpenAI clients do not retry them:
 
 * ``GET /health``: 200 ``{"status": "ok", ...}`` once a verified version is applied and the
-  engine answers and the last sync left the sidecar healthy; else 503 with the reason.
+  engine answers and the last sync left the sidecar healthy; else 503 with the reason. A plan
+  the engine refused (the held version keeps serving) is reported under ``refused``.
 * ``GET /v1/stitch/status``: applied and target version, lag, state, last error, last sync.
 * ``GET /metrics``: the sidecar's Prometheus metrics; ``GET /engine/metrics``: the engine's.
 * the engine's OpenAI routes, gated and stamped, and its read-only routes (:mod:`.proxy`);
@@ -25,15 +29,15 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from stitchboard.bulletin.client import BulletinClient
-from stitchboard.proto.sidecar_wire import SidecarStatus
+from stitchboard.proto.sidecar_wire import SHOULD_RETRY_HEADER, SidecarStatus
 
 from .engines import create_adapter
 from .engines.base import EngineAdapter
-from .errors import RouteForbiddenError, SidecarError
+from .errors import RouteForbiddenError, SidecarError, WeightVersionNotReadyError
 from .fetch import Fetcher
 from .gate import Gate
 from .metrics import SidecarMetrics
-from .proxy import MODEL_ROUTES, Proxy, is_read_route
+from .proxy import MODEL_ROUTES, Proxy, is_read_route, normalise_path, read_body
 from .reconciler import Reconciler
 from .settings import SidecarSettings
 
@@ -87,7 +91,11 @@ def create_app(settings: SidecarSettings, engine: EngineAdapter | None = None, c
     @app.exception_handler(SidecarError)
     async def _sidecar_error(request: Request, exc: SidecarError) -> JSONResponse:
         metrics.requests_rejected.labels(exc.type).inc()
-        headers = {"Retry-After": str(settings.retry_after_s)} if exc.status == 503 else None
+        headers = None
+        if exc.status == 503 or isinstance(exc, WeightVersionNotReadyError):  # a later attempt can succeed
+            headers = {"Retry-After": str(settings.retry_after_s), SHOULD_RETRY_HEADER: "true"}
+        elif 400 <= exc.status < 500:  # the same request fails the same way
+            headers = {SHOULD_RETRY_HEADER: "false"}
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     @app.get("/health", tags=["ops"])
@@ -98,6 +106,8 @@ def create_app(settings: SidecarSettings, engine: EngineAdapter | None = None, c
         reconciler: Reconciler = request.app.state.reconciler
         applied = request.app.state.gate.applied
         body: dict[str, Any] = {"applied_version": applied, "state": reconciler.state}
+        if reconciler.refused is not None:
+            body["refused"] = reconciler.refused.model_dump()
         if reconciler.unhealthy_reason:
             return _unhealthy({**body, "status": "unhealthy", "reason": reconciler.unhealthy_reason})
         if applied is None:
@@ -129,7 +139,7 @@ def create_app(settings: SidecarSettings, engine: EngineAdapter | None = None, c
             run_id=settings.run, applied_version=gate.applied, target_version=gate.target, lag_versions=lag, state=reconciler.state,
             healthy=reconciler.unhealthy_reason is None and gate.applied is not None, unhealthy_reason=reconciler.unhealthy_reason,
             last_error=reconciler.last_error, last_sync=reconciler.last_sync, requests_in_flight=gate.in_flight, requests_waiting=gate.waiting,
-            committing=gate.committing, time=time.time(),
+            committing=gate.committing, time=time.time(), refused=reconciler.refused, pause_seconds_by_route=dict(reconciler.pause_by_route),
         )  # fmt: skip
 
     @app.get("/metrics", tags=["ops"])
@@ -144,13 +154,14 @@ def create_app(settings: SidecarSettings, engine: EngineAdapter | None = None, c
 
     @app.api_route("/{path:path}", methods=_ALL_METHODS, include_in_schema=False)
     async def proxied(request: Request, path: str) -> Response:
-        """Engine routes: OpenAI routes gated and stamped, read-only routes as they are, the rest 403."""
-        route = "/" + path
+        """Engine routes: OpenAI routes gated and stamped, read-only routes as they are, the rest 403
+        (paths normalised first, dot segments 400, bodies over ``max_body_bytes`` 413)."""
+        route = normalise_path(request.scope.get("raw_path", b"").decode("latin-1").split("?", 1)[0] or request.url.path)
         proxy: Proxy = request.app.state.proxy
         if request.method == "POST" and route in MODEL_ROUTES:
-            return await proxy.forward_model(request)
+            return await proxy.forward_model(request, route, await read_body(request, settings.max_body_bytes))
         if is_read_route(request.method, route):
-            return await proxy.forward_plain(request, route)
+            return await proxy.forward_plain(request, route, await read_body(request, settings.max_body_bytes))
         raise RouteForbiddenError(
             f"{request.method} {route} is not forwarded: the sidecar serves inference and read-only routes; engine control (pause, weight updates, sleep...) is the sidecar's alone", method=request.method, path=route
         )

@@ -33,7 +33,7 @@ from stitchboard.bulletin.client import BulletinClient
 from stitchboard.bulletin.errors import NotFoundError
 from stitchboard.proto.errors import StitchError
 from stitchboard.proto.schema import VersionManifest
-from stitchboard.proto.sidecar_wire import SidecarState, SyncReport
+from stitchboard.proto.sidecar_wire import Refusal, SidecarState, SyncReport
 
 from .engines.base import EngineAdapter, EngineState
 from .errors import (
@@ -78,6 +78,9 @@ class ClaimKeeper(abc.ABC):
         self.last_error: dict[str, Any] | None = None
         self.unhealthy_reason: str | None = None
         self.last_sync: SyncReport | None = None
+        self.refused: Refusal | None = None  # the last plan that could not be staged, until one is applied
+        self.pause_by_route: dict[str, float] = {}  # route kind -> its last pause, seconds
+        self._refused_plans: dict[tuple[int | None, int], float] = {}  # (from, to) -> when to try it again, Unix seconds
         self._failures = 0
         self._force_anchor = False
         self._resume_pending = False

@@ -10,12 +10,15 @@ error body (``{"type": ..., "message": ..., <details>}``, see
     │   └── WeightVersionPassedError       exact version pinned, engine already past it
     ├── InvalidVersionConstraintError 400  malformed X-Stitch-* header or weight_version field
     ├── RouteForbiddenError           403  engine control / dev route: only the sidecar changes weights
+    ├── InvalidPathError              400  a path with dot segments ('.', '..', also percent-encoded)
+    ├── BodyTooLargeError             413  a request body over the max_body_bytes setting
     ├── NotReadyError                 503  no verified version applied (starting, recovering, unhealthy)
     ├── EngineUnavailableError        503  the engine does not answer
     ├── StagingError                  ---  staged files disagree with their manifests (never sent to the engine)
     ├── NothingPublishedError         ---  the run has no version yet (the sidecar waits)
     ├── EngineVersionMismatchError    ---  after a commit the engine records another version than applied
     ├── EngineChangedError            ---  the engine restarted or its record changed under the sidecar (it boots again)
+    ├── PlanRefusedError              ---  the engine refused a plan before any write (the held version keeps serving)
     │   (engine adapter and vLLM worker extension:)
     ├── EngineRequestError            ---  the engine answered a control call with an unexpected status/body
     ├── EngineStateError              ---  the engine's recorded version/phase forbids the call (nothing written)
@@ -74,6 +77,20 @@ class RouteForbiddenError(SidecarError):
     status = 403
 
 
+class InvalidPathError(SidecarError):
+    """The request path has dot segments (``.``, ``..``, percent-encoded or not): refused, never normalised into another route."""
+
+    type = "InvalidPath"
+    status = 400
+
+
+class BodyTooLargeError(SidecarError):
+    """The request body is larger than the ``max_body_bytes`` setting; details: ``limit_bytes``."""
+
+    type = "BodyTooLarge"
+    status = 413
+
+
 class NotReadyError(SidecarError):
     """No verified version is applied (starting, recovering or unhealthy); retry after ``Retry-After``."""
 
@@ -116,6 +133,16 @@ class EngineChangedError(SidecarError):
     the engine's weights against the manifest before it claims any version."""
 
     type = "EngineChanged"
+
+
+class PlanRefusedError(SidecarError):
+    """The plan could not be staged while the engine served (the engine refused it, or its target
+    could not be built); nothing was written and the engine still holds ``held``, which keeps
+    serving. The same plan is tried again after ``refused_retry_s`` (sooner once a newer version
+    is published). Details: ``from_version``, ``to_version``, ``route``, ``held``, ``cause``.
+    """
+
+    type = "PlanRefused"
 
 
 # --- engine adapters and the code inside engines (sidecar/engines/) -----------------------------

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from stitchboard.proto.sidecar_wire import ROUTE_KINDS
+
 _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 
 
@@ -25,15 +27,20 @@ class SidecarMetrics:
         self.commits = Counter("stitch_sidecar_commits", "Commits by outcome (applied, flipped: empty deltas only, failed).", ["outcome"], registry=r)
         self.claims_dropped = Counter("stitch_sidecar_claims_dropped", "Times the applied version was withdrawn because the engine restarted, changed its record or stopped answering.", registry=r)
         self.recoveries = Counter("stitch_sidecar_recoveries", "Anchor recoveries by outcome (ok, failed).", ["outcome"], registry=r)
-        self.pause_seconds = Histogram("stitch_sidecar_pause_seconds", "Time the engine spent paused per commit, seconds.", buckets=_SECONDS, registry=r)
+        self.pause_seconds = Histogram("stitch_sidecar_pause_seconds", "Time the engine spent paused per commit, seconds, by route kind (delta, staged_anchor, anchor, recovery).", ["route"], buckets=_SECONDS, registry=r)
+        self.refusals = Counter("stitch_sidecar_refusals", "Plans the engine refused before any write (the held version kept serving), by route kind.", ["route"], registry=r)
+        self.refused_version = Gauge("stitch_sidecar_refused_version", "Version of the last refused plan, until one at or past it is applied (-1: none).", registry=r)
         self.apply_seconds = Histogram("stitch_sidecar_apply_seconds", "Time the engine spent applying patches or snapshots per commit, seconds.", buckets=_SECONDS, registry=r)
         self.stage_seconds = Histogram("stitch_sidecar_stage_seconds", "Download and verify time per sync, seconds.", buckets=_SECONDS, registry=r)
         self.engine_stage_seconds = Histogram("stitch_sidecar_engine_stage_seconds", "Time the engine spent staging an update while serving (decode, checks, GEMM packing), seconds.", buckets=_SECONDS, registry=r)
         self.sync_seconds = Histogram("stitch_sidecar_sync_seconds", "From seeing a new version at the bulletin to having it applied, seconds.", buckets=_SECONDS, registry=r)
         self.requests_held = Counter("stitch_sidecar_requests_held", "Requests held by the gate before admission (or rejection).", registry=r)
         self.requests_rejected = Counter("stitch_sidecar_requests_rejected", "Requests refused by the sidecar, by error type.", ["reason"], registry=r)
-        for g in (self.applied_version, self.target_version):
+        for g in (self.applied_version, self.target_version, self.refused_version):
             g.set(-1)
+        for kind in ROUTE_KINDS:
+            if kind != "flip":
+                self.pause_seconds.labels(kind)
 
     def versions(self, applied: int | None, target: int | None) -> None:
         """Update the applied/target/lag gauges."""

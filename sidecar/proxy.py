@@ -11,6 +11,15 @@
 * Every other path is refused with 403 :class:`~.errors.RouteForbiddenError` (engine control
   and dev routes: only the sidecar changes weights); the engine's ``/metrics`` is served
   under ``/engine/metrics`` by the app.
+* Paths are matched, and forwarded, as :func:`normalise_path` makes them (percent-decoded,
+  repeated slashes collapsed); a path with a dot segment (``..``, ``%2e%2e``) is refused with
+  400 :class:`~.errors.InvalidPathError`, never resolved into another route. Bodies are read up
+  to ``max_body_bytes`` (413 :class:`~.errors.BodyTooLargeError` beyond). The ``weight_version``
+  body field is read whenever the engine would read the body as JSON (no media type, or
+  ``application/json`` / ``application/*+json`` in any letter case, as FastAPI does).
+* An engine that breaks off a stream (killed, restarted) ends the client's stream with the stamp
+  event and then an error event (``data: {"error": {...}}``, which the OpenAI clients raise as
+  ``APIError``); no ``[DONE]`` follows.
 
 A client that disconnects, while held or while the engine works, aborts its upstream request
 (the connection to the engine is closed, which makes vLLM abort it).
@@ -24,6 +33,7 @@ import logging
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
+from urllib.parse import unquote
 
 import httpx
 from starlette.requests import Request
@@ -37,7 +47,7 @@ from stitchboard.proto.sidecar_wire import (
     START_HEADER,
 )
 
-from .errors import EngineUnavailableError
+from .errors import BodyTooLargeError, EngineUnavailableError, InvalidPathError
 from .gate import BODY_FIELD, Gate, parse_constraint
 from .metrics import SidecarMetrics
 from .settings import SidecarSettings
@@ -70,6 +80,50 @@ _HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding
 _EVENT_END = re.compile(rb"\r?\n\r?\n")
 
 
+def normalise_path(path: str) -> str:
+    """The route a request path names: percent-decoded (again, for double encoding) segment by
+    segment, repeated slashes collapsed, a trailing slash kept.
+
+    Raises:
+        InvalidPathError: a segment is ``.`` or ``..`` (percent-encoded or not): the request is
+            refused rather than resolved, so no path reaches a route the allow-list does not name.
+    """
+    segments = unquote(path).split("/")
+    if any(unquote(seg) in (".", "..") for seg in segments):
+        raise InvalidPathError(f"path {path!r} has a dot segment ('.' or '..'): name the route itself", path=path)
+    kept = [seg for seg in segments if seg]
+    return "/" + "/".join(kept) + ("/" if kept and path.endswith("/") else "")
+
+
+def is_json_body(content_type: str | None) -> bool:
+    """Whether the engine (FastAPI) reads a body of this ``Content-Type`` as JSON: none given, or
+    ``application/json`` / ``application/*+json``, media types compared case-insensitively."""
+    if not content_type:
+        return True
+    main, _, sub = content_type.split(";", 1)[0].strip().lower().partition("/")
+    return main == "application" and (sub == "json" or sub.endswith("+json"))
+
+
+async def read_body(request: Request, limit_bytes: int) -> bytes:
+    """The request's body, read up to ``limit_bytes``.
+
+    Raises:
+        BodyTooLargeError: the declared ``Content-Length`` or the bytes received exceed the limit
+            (reading stops there).
+    """
+    declared = request.headers.get("content-length", "")
+    too_large = f"request body over {limit_bytes} bytes (the max_body_bytes setting): send a smaller request"
+    if declared.isdigit() and int(declared) > limit_bytes:
+        raise BodyTooLargeError(too_large, limit_bytes=limit_bytes)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit_bytes:
+            raise BodyTooLargeError(too_large, limit_bytes=limit_bytes)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def is_read_route(method: str, path: str) -> bool:
     """Whether ``method path`` is forwarded as a read-only route."""
     return (method, path) in READ_ROUTES or (method == "GET" and path.startswith("/v1/models/"))
@@ -84,7 +138,8 @@ class ClientGone(Exception):
 
 
 class _SseStamper:
-    """Forwards complete SSE events; injects the stamp event before ``data: [DONE]`` (or at the end)."""
+    """Forwards complete SSE events; injects the stamp event before ``data: [DONE]`` (or at the end,
+    or before the error event of a broken-off stream)."""
 
     def __init__(self, start: int, end: Callable[[], int | None]) -> None:
         self.start, self.end = start, end
@@ -123,6 +178,14 @@ class _SseStamper:
         """Bytes to send at the end of the stream (the rest, and the stamp if no ``[DONE]`` came)."""
         rest, self.buf = self.buf, b""
         return rest + (b"" if self.stamped else (b"\n\n" if rest and not rest.endswith(b"\n\n") else b"") + self._stamp_event())
+
+    def broken_off(self, message: str) -> bytes:
+        """Bytes to send when the engine broke off the stream: the stamp (unless sent), then an
+        error event shaped as OpenAI's (clients raise it); an incomplete event is dropped."""
+        self.buf = b""
+        error = {"error": {"message": message, "type": EngineUnavailableError.type, "code": EngineUnavailableError.status}}
+        stamp = b"" if self.stamped else self._stamp_event()
+        return stamp + b"data: " + json.dumps(error, separators=(",", ":")).encode() + b"\n\n"
 
 
 class _ProxyStream(StreamingResponse):
@@ -209,31 +272,31 @@ class Proxy:
     def _headers(response: httpx.Response) -> dict[str, str]:
         return {k: v for k, v in response.headers.items() if k.lower() not in _HOP}
 
-    async def forward_plain(self, request: Request, path: str) -> Response:
-        """Forward a read-only request as it is (``path`` on the engine).
+    async def forward_plain(self, request: Request, path: str, body: bytes = b"") -> Response:
+        """Forward a read-only request as it is (``path`` on the engine, with ``body``).
 
         Raises:
             EngineUnavailableError: the engine does not answer.
         """
         try:
-            response = await self._unless_gone(request, self._open(self._upstream_request(request, path, await request.body())))
+            response = await self._unless_gone(request, self._open(self._upstream_request(request, path, body)))
         except ClientGone:
             return Response(status_code=499)
         if response.is_stream_consumed:
             return Response(response.content, status_code=response.status_code, headers=self._headers(response))
         return _ProxyStream(response.aiter_raw(), response.aclose, status_code=response.status_code, headers=self._headers(response))
 
-    async def forward_model(self, request: Request) -> Response:
-        """Gate, forward and stamp a request whose answer depends on the weights.
+    async def forward_model(self, request: Request, path: str, body: bytes) -> Response:
+        """Gate, forward and stamp a request whose answer depends on the weights (``path`` on the
+        engine, ``body`` as read by :func:`read_body`).
 
         Raises:
             InvalidVersionConstraintError: bad ``X-Stitch-*`` header or ``weight_version`` field (400).
             WeightVersionError: the constraint is not met within the wait, or has passed (409).
             NotReadyError, EngineUnavailableError: no verified version / engine down (503).
         """
-        body = await request.body()
         payload: Any = None
-        if body and "json" in request.headers.get("content-type", ""):
+        if body and is_json_body(request.headers.get("content-type")):
             try:
                 payload = json.loads(body)
             except ValueError:
@@ -262,7 +325,7 @@ class Proxy:
             return end
 
         try:
-            response = await self._unless_gone(request, self._open(self._upstream_request(request, request.url.path, body)))
+            response = await self._unless_gone(request, self._open(self._upstream_request(request, path, body)))
         except ClientGone:
             release()
             return Response(status_code=499)
@@ -291,8 +354,10 @@ class Proxy:
                 async for chunk in response.aiter_raw():
                     if out := stamper.feed(chunk):
                         yield out
-            except httpx.TransportError as exc:  # the engine broke off: end the stream without [DONE]
+            except httpx.TransportError as exc:  # the engine broke off: the stamp, an error event, no [DONE]
                 log.warning("the engine broke off a streamed answer: %r", exc)
+                yield stamper.broken_off(f"the engine at {self.settings.engine_url} broke off the stream ({type(exc).__name__}): the answer is incomplete; retry the request")
+                return
             yield stamper.finish()
 
         async def close() -> None:

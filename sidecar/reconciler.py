@@ -14,6 +14,17 @@ engine, fetching) run in a small thread pool of its own so the proxy keeps servi
    version -> clear the prefix cache -> mark applied -> resume (in a ``finally``) -> admit
    again. A plan of empty deltas only flips the version, and only on an engine whose record is
    its base. Before every commit the engine must still be the instance, at the version, verified.
+   An anchor route (a snapshot, then deltas) on an engine that holds a verified version is
+   staged while it serves too (:mod:`.rebase`: the target built here, only the tensors that
+   differ sent, as one patch); only on an engine holding no verified version is it applied
+   step by step inside the pause (nothing is served then). Pause seconds are reported per route
+   kind (:data:`~stitchboard.proto.sidecar_wire.RouteKind`).
+
+A plan that cannot be staged (the engine refuses it, e.g. a tensor it lacks; nothing is written)
+never takes the replica out of service: the held version keeps serving (requests that accept it
+are admitted, those that need the refused version get 409 after their wait), the refusal is
+reported (``refused`` in status and ``/health``, ``stitch_sidecar_refusals_total``), and the
+same plan is tried again only after ``refused_retry_s`` (at once when a newer version appears).
 
 A failed apply never leaves a version claimed: the gate drops to "no version", the engine is
 brought back from the nearest anchor inside the same pause, and if that fails too the sidecar
@@ -29,12 +40,14 @@ import time
 from typing import Any
 
 from stitchboard.bulletin.errors import NotFoundError
+from stitchboard.proto.errors import StitchError
 from stitchboard.proto.schema import VersionManifest
-from stitchboard.proto.sidecar_wire import COMMIT_STATES, SyncReport
+from stitchboard.proto.sidecar_wire import COMMIT_STATES, Refusal, RouteKind, SyncReport
 
 from .claim import ClaimKeeper
-from .errors import EngineChangedError, EngineVersionMismatchError
+from .errors import ApplyRefusedError, EngineChangedError, EngineVersionMismatchError, PlanRefusedError
 from .fetch import FetchedPlan
+from .rebase import build_rebase
 
 log = logging.getLogger("stitchboard.sidecar")
 
@@ -75,7 +88,8 @@ class Reconciler(ClaimKeeper):
         while True:
             try:
                 await fn()
-                self._failures = 0
+                if self.refused is None:  # waiting out a refusal is no success: the route escalates
+                    self._failures = 0
                 return
             except asyncio.CancelledError:
                 raise
@@ -103,7 +117,8 @@ class Reconciler(ClaimKeeper):
                 if newer is not None and newer > target:
                     target = newer
                     self._set_target(target)
-            await self.sync(target)
+            if not await self._wait_out_refusal(target):
+                await self.sync(target)
             return
         self.state = "idle" if applied is not None else self.state
         if target is None and applied is not None:  # booted on the engine's version: learn the run's latest now
@@ -115,6 +130,19 @@ class Reconciler(ClaimKeeper):
         latest = await self._unless_reboot(self._io(self.client.latest, self.run_id, after, self.settings.poll_wait_s))
         if latest is not None and latest > after:
             self._set_target(latest)
+
+    async def _wait_out_refusal(self, target: int) -> bool:
+        # True when the plan to ``target`` was refused and its retry time has not come: long-poll
+        # the bulletin for a newer version until then (the held version serves meanwhile).
+        retry_at = self._refused_plans.get((None if self._force_anchor else self.gate.applied, target))
+        left = 0.0 if retry_at is None else retry_at - time.time()
+        if left <= 0:
+            return False
+        self.state = "retrying"
+        latest = await self._unless_reboot(self._io(self.client.latest, self.run_id, target, min(left, self.settings.poll_wait_s)))
+        if latest is not None and latest > target:
+            self._set_target(latest)
+        return True
 
     async def _unless_reboot(self, call: Any) -> Any:
         # Await ``call`` (a long-poll), but give up on it (None) as soon as the claim is dropped;
@@ -182,10 +210,18 @@ class Reconciler(ClaimKeeper):
         await self._require_claim(f"committing versions {staged.from_version}->{staged.to_version}")
         if staged.steps and all(s.empty for s in staged.steps) and staged.from_version == self.gate.applied:
             await self._io(self.engine.set_version, staged.to_version, staged.from_version)
-            self._finish(staged, seen, 0.0, 0.0, flipped=True)
+            self._finish(staged, seen, 0.0, 0.0, flipped=True, route="flip")
             return
-        prepared, refused, engine_stage_s = await self._stage_in_engine(staged)
-        if prepared or refused is not None:  # time passed while the engine staged: look again
+        route, held = self._route_of(staged), self.gate.applied
+        try:
+            prepared, engine_stage_s = await self._stage_in_engine(staged, route)
+        except Exception as exc:  # nothing was written: the held version keeps serving
+            raise self._refuse(staged, route, exc) from exc
+        if prepared is None:  # an anchor route that changes no bit of what the engine holds
+            await self._io(self.engine.set_version, staged.to_version, staged.from_version if route == "delta" else self.gate.applied)
+            self._finish(staged, seen, 0.0, 0.0, flipped=True, route="flip")
+            return
+        if prepared:  # time passed while the engine staged: look again
             await self._require_claim(f"pausing the engine for versions {staged.from_version}->{staged.to_version}")
         self.state = "committing"
         self.gate.set_committing(True)
@@ -195,45 +231,94 @@ class Reconciler(ClaimKeeper):
             paused_at = time.perf_counter()
             self._fault("paused")
             try:
-                if refused is not None:
-                    raise refused
                 apply_s = await self._apply(staged, prepared)
-            except Exception as exc:  # noqa: BLE001 - any apply failure leads to the anchor
+            except Exception as exc:  # any apply failure leads to the anchor, unless nothing was written
+                if prepared and isinstance(exc, ApplyRefusedError) and await self._still_holds(held):
+                    raise self._refuse(staged, route, exc) from exc  # refused before the write: the held version serves on
                 self._error(exc, f"applying versions {staged.from_version}->{staged.to_version}")
                 self.metrics.commits.labels("failed").inc()
                 self._set_applied(None)
+                route = "recovery"
                 await self._recover(staged.to_version, seen, paused_at)
                 return
-            self._finish(staged, seen, time.perf_counter() - paused_at, apply_s, flipped=False, engine_stage_s=engine_stage_s)
+            self._finish(staged, seen, time.perf_counter() - paused_at, apply_s, flipped=False, engine_stage_s=engine_stage_s, route=route)
         finally:
             try:
                 await self._resume()
             finally:
                 if paused_at is not None:
-                    self.metrics.pause_seconds.observe(time.perf_counter() - paused_at)
+                    self.metrics.pause_seconds.labels(route).observe(time.perf_counter() - paused_at)
                 self.gate.set_committing(False)
             if self.state == "resuming":
                 self.state = "idle"
 
-    async def _stage_in_engine(self, staged: FetchedPlan) -> tuple[bool, Exception | None, float]:
-        """Before the pause: have the engine stage a plan of deltas from the applied version
-        (decode, check, pre-pack) while it serves. Returns (staged, the refusal if any, seconds);
-        a plan with a snapshot is applied step by step in the pause instead."""
-        deltas = [s for s in staged.steps if not s.empty]
-        if not deltas or staged.from_version != self.gate.applied or any(s.kind == "snapshot" for s in staged.steps):
-            return False, None, 0.0
-        # Empty deltas between them change no bit: each delta runs from the previous one's version.
-        ends = [staged.from_version] + [s.version for s in deltas[:-1]] + [staged.to_version]
-        steps = [([str(p) for p in s.paths], ends[i], ends[i + 1]) for i, s in enumerate(deltas)]
+    async def _still_holds(self, version: int | None) -> bool:
+        # Whether the engine (the instance this boot found) still records ``version``, idle.
+        try:
+            state = await self._io(self.engine.state)
+        except Exception:  # noqa: BLE001 - an engine that cannot say backs no claim
+            return False
+        return version is not None and state.instance == self._instance and state.version == version and state.phase in ("idle", "paused")
+
+    def _route_of(self, staged: FetchedPlan) -> RouteKind:
+        # How the plan reaches the engine: staged while serving (a delta plan from the applied
+        # version; an anchor route on an engine holding a verified version), or in the pause.
+        applied = self.gate.applied
+        if applied is None:
+            return "anchor"
+        if any(s.kind == "snapshot" for s in staged.steps):
+            return "staged_anchor" if self.settings.stage_anchor_routes else "anchor"
+        return "delta" if staged.from_version == applied else "anchor"
+
+    async def _stage_in_engine(self, staged: FetchedPlan, route: RouteKind) -> tuple[bool | None, float]:
+        """Before the pause, while the engine serves: have it stage the plan (decode, check,
+        pre-pack; nothing written). Returns (True: staged; False: the ``anchor`` route, applied
+        step by step in the pause; None: nothing to write, seconds).
+
+        Raises:
+            any error of the engine or the build: nothing was written (the caller refuses the plan).
+        """
+        if route == "anchor":
+            return False, 0.0
         self.state = "staging"
         start = time.perf_counter()
-        try:
-            await self._io(self.engine.stage_patches, steps)
-        except Exception as exc:  # noqa: BLE001 - handled in the pause like a failed apply
-            return False, exc, 0.0
+        steps: list[tuple[list[str], int | None, int]]
+        if route == "staged_anchor":
+            want = staged.steps[-1].manifest.checksums()
+            held = await self._io(self.engine.checksums, sorted(want))
+            path, _ = await self._io(build_rebase, staged, held, self.fetcher.folder_of(staged.to_version, "rebase"))
+            if path is None:
+                return None, time.perf_counter() - start
+            steps = [([str(path)], self.gate.applied, staged.to_version)]
+        else:
+            # Empty deltas between them change no bit: each delta runs from the previous one's version.
+            deltas = [s for s in staged.steps if not s.empty]
+            ends: list[int | None] = [staged.from_version, *(s.version for s in deltas[:-1])]
+            steps = [([str(p) for p in s.paths], ends[i], s.version if i < len(deltas) - 1 else staged.to_version) for i, s in enumerate(deltas)]
+        await self._io(self.engine.stage_patches, steps)
         seconds = time.perf_counter() - start
         self.metrics.engine_stage_seconds.observe(seconds)
-        return True, None, seconds
+        return True, seconds
+
+    def _refuse(self, staged: FetchedPlan, route: RouteKind, exc: Exception) -> PlanRefusedError:
+        # Record a plan that could not be staged (nothing written) and when to try it again.
+        kind = exc.type if isinstance(exc, StitchError) else type(exc).__name__
+        now, held = time.time(), self.gate.applied
+        same = self.refused is not None and self.refused.to_version == staged.to_version
+        attempts = self.refused.attempts + 1 if same and self.refused is not None else 1
+        retry_at = now + self.settings.refused_retry_s
+        self.refused = Refusal(
+            from_version=staged.from_version, to_version=staged.to_version, route=route, held_version=held, type=kind, message=str(exc), attempts=attempts, at=now, retry_at=retry_at
+        )  # fmt: skip
+        self._refused_plans[(staged.from_version, staged.to_version)] = retry_at
+        self.metrics.refusals.labels(route).inc()
+        self.metrics.refused_version.set(staged.to_version)
+        self.state = "retrying"
+        return PlanRefusedError(
+            f"versions {staged.from_version}->{staged.to_version} ({route} route) could not be staged, nothing written: {kind}: {exc}; "
+            f"version {held} keeps serving; this plan is tried again in {self.settings.refused_retry_s:g} s (sooner if a newer version is published)",
+            from_version=staged.from_version, to_version=staged.to_version, route=route, held=held, cause=kind,
+        )  # fmt: skip
 
     async def _apply(self, staged: FetchedPlan, prepared: bool = False) -> float:
         # Inside the pause: every step (or the engine's staged update), then verify, clear the
@@ -257,15 +342,20 @@ class Reconciler(ClaimKeeper):
         self.metrics.apply_seconds.observe(seconds)
         return seconds
 
-    def _finish(self, staged: FetchedPlan, seen: float, pause_s: float, apply_s: float, *, flipped: bool, engine_stage_s: float = 0.0) -> None:
+    def _finish(self, staged: FetchedPlan, seen: float, pause_s: float, apply_s: float, *, flipped: bool, route: RouteKind, engine_stage_s: float = 0.0) -> None:
         self._set_applied(staged.to_version, staged.steps[-1].manifest if staged.steps else self._manifest)
         self.unhealthy_reason = None
         self._force_anchor = False
+        self.refused = None
+        self._refused_plans.clear()
+        self.metrics.refused_version.set(-1)
+        if not flipped:
+            self.pause_by_route[route] = pause_s
         self._publish()
         total = time.perf_counter() - seen
         self.last_sync = SyncReport(
             from_version=staged.from_version, to_version=staged.to_version, bytes_fetched=staged.bytes_fetched, stage_seconds=staged.seconds, engine_stage_seconds=engine_stage_s,
-            pause_seconds=pause_s, apply_seconds=apply_s, total_seconds=total, anchor=staged.from_version is None, finished_at=time.time(),
+            pause_seconds=pause_s, apply_seconds=apply_s, total_seconds=total, anchor=staged.from_version is None, finished_at=time.time(), route=route,
         )  # fmt: skip
         self.metrics.commits.labels("flipped" if flipped else "applied").inc()
         self.metrics.sync_seconds.observe(total)
@@ -289,4 +379,4 @@ class Reconciler(ClaimKeeper):
             self._publish()
             raise
         self.metrics.recoveries.labels("ok").inc()
-        self._finish(staged, seen, 0.0 if paused_at is None else time.perf_counter() - paused_at, apply_s, flipped=False)
+        self._finish(staged, seen, 0.0 if paused_at is None else time.perf_counter() - paused_at, apply_s, flipped=False, route="recovery")

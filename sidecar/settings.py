@@ -53,6 +53,10 @@ class SidecarSettings(BaseSettings):
     retry_backoff_s: float = Field(0.5, gt=0, description="First delay after a failed sync, seconds; doubles per failure up to max_backoff_s.")
     max_backoff_s: float = Field(30.0, gt=0, description="Longest delay between failed syncs, seconds.")
     anchor_after_failures: int = Field(2, ge=1, description="Consecutive failed syncs of the delta route after which the sidecar takes the anchor route.")
+    refused_retry_s: float = Field(30.0, ge=0, description="Wait before the same plan (from, to version) is tried again after the engine refused it, seconds; a newer version ends the wait.")
+    stage_anchor_routes: bool = Field(
+        True, description="Stage anchor routes on an engine that holds a verified version while it serves: the target is built in the sidecar and only the tensors that differ are written in the pause."
+    )
 
     request_wait_s: float = Field(30.0, ge=0, description="How long a request whose version constraint is unmet is held by default, seconds.")
     max_request_wait_s: float = Field(600.0, ge=0, description="Upper bound on a request's X-Stitch-Wait-S, seconds.")
@@ -62,7 +66,8 @@ class SidecarSettings(BaseSettings):
     engine_check_interval_s: float = Field(
         1.0, gt=0, description="How often the sidecar checks that the engine is still the instance, at the version, it verified (also at every /health and before every commit), seconds."
     )
-    retry_after_s: int = Field(2, ge=1, description="Retry-After of 503 answers, seconds.")
+    retry_after_s: int = Field(2, ge=1, description="Retry-After of answers a retry can fix (503, 409 WeightVersionNotReady), seconds.")
+    max_body_bytes: int = Field(64 * 1024 * 1024, ge=1, description="Largest request body the proxy reads, bytes; larger ones get 413.")
 
     log_level: str = Field("info", description="Log level of the sidecar and uvicorn.")
     fault_phase: Literal["paused"] | None = Field(None, description="Crash tests only: exit the process (status 86) at this phase of a commit; 'paused': right after pausing the engine. None: never.")

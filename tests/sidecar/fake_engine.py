@@ -69,6 +69,14 @@ class FakeEngine:
         fail_snapshot: number of next :meth:`load_snapshot` calls that raise.
         refuse_stage: number of next :meth:`stage_patches` calls that raise (nothing written).
         refuse_checksums: number of next :meth:`checksums` calls refused for another reason than a name.
+        refuse_versions: versions the engine refuses as the target of an update, before any
+            write (:meth:`stage_patches`: its last step; :meth:`apply_patch`), as a real engine
+            refuses a version naming a tensor it lacks.
+        refuse_commit: number of next :meth:`commit_staged` calls refused before any write.
+        staged_names: per :meth:`stage_patches` call, the tensor names its patch files touch.
+        write_s_per_tensor: time each tensor write takes (patches and snapshots), seconds.
+        break_stream_after: when set, a streamed answer breaks off (the connection drops, as
+            when the engine is killed) after that many tokens.
         staged: the steps :meth:`stage_patches` kept for :meth:`commit_staged`.
         unreachable: while True, :meth:`state` and :meth:`health` fail as for an engine that does
             not answer (the process and its weights are kept).
@@ -91,6 +99,11 @@ class FakeEngine:
         self.fail_snapshot = 0
         self.refuse_stage = 0
         self.refuse_checksums = 0
+        self.refuse_versions: set[int] = set()
+        self.refuse_commit = 0
+        self.staged_names: list[list[str]] = []
+        self.write_s_per_tensor = 0.0
+        self.break_stream_after: int | None = None
         self.unreachable = False
         self.staged: list[tuple[list[str], int, int]] | None = None
         self.prefix_cache_resets = 0
@@ -136,6 +149,7 @@ class FakeEngine:
         paths = [handoff_path] if isinstance(handoff_path, str) else list(handoff_path)
         self.calls.append(("apply_patch", (tuple(paths), from_version, to_version)))
         with self._lock:
+            self._refuse_version(to_version)
             return {"elements": self._apply(paths, from_version, to_version)}
 
     def stage_patches(self, steps: list[tuple[list[str], int, int]]) -> dict:
@@ -148,6 +162,8 @@ class FakeEngine:
             if self.refuse_stage:
                 self.refuse_stage -= 1
                 raise RuntimeError("injected staging refusal")
+            self._refuse_version(steps[-1][2])
+            self.staged_names.append(sorted({n for paths, _, _ in steps for p in paths for n in read_patch(Path(p).read_bytes()).entries}))
             self.staged = steps
         return {"steps": len(steps)}
 
@@ -155,10 +171,18 @@ class FakeEngine:
         """Apply the staged steps in order (the real worker writes them at once)."""
         self.calls.append(("commit_staged", (to_version,)))
         with self._lock:
+            if self.refuse_commit:
+                self.refuse_commit -= 1
+                self.staged = None
+                raise ApplyRefusedError("stitch_commit_staged refused, nothing written: EngineStateError: the staged update was dropped (test)", cause="EngineStateError", held=self.version)
             steps, self.staged = self.staged, None
             if not steps or steps[-1][2] != to_version:
                 raise RuntimeError(f"nothing staged ends at version {to_version}")
             return {"elements": sum(self._apply(paths, start, end) for paths, start, end in steps)}
+
+    def _refuse_version(self, version: int) -> None:
+        if version in self.refuse_versions:
+            raise ApplyRefusedError(f"version {version} refused, nothing written: UnmappedTensor: the engine lacks a tensor (test)", cause="UnmappedTensor", held=self.version)
 
     def _apply(self, paths: list[str], from_version: int, to_version: int) -> int:
         if self.phase != "idle" or self.version != from_version:
@@ -171,7 +195,9 @@ class FakeEngine:
             self.version, self.phase = None, "failed"
             raise RuntimeError("injected apply failure")
         try:
-            written = sum(apply_patch(self.weights, read_patch(Path(p).read_bytes())).elements_written for p in paths)
+            results = [apply_patch(self.weights, read_patch(Path(p).read_bytes())) for p in paths]
+            written = sum(r.elements_written for r in results)
+            time.sleep(self.write_s_per_tensor * sum(r.tensors_written for r in results))
         finally:
             self.phase = "idle"  # the codec refuses before writing, or undoes its writes
         self.fp = fingerprint(self.weights)
@@ -193,6 +219,7 @@ class FakeEngine:
                 self.phase = "failed"
                 raise RuntimeError("snapshot does not match the checksums")
             self.weights = copy_view(loaded)
+            time.sleep(self.write_s_per_tensor * len(loaded))
             self.fp = fingerprint(self.weights)
             self.version, self.phase = version, "idle"
         return {"tensors": len(loaded)}
@@ -250,6 +277,8 @@ class FakeEngine:
                 async def events():
                     try:
                         for i in range(n):
+                            if engine.break_stream_after is not None and i >= engine.break_stream_after:
+                                raise ConnectionAbortedError("the fake engine is killed mid-stream (test)")
                             text = await engine._token(i)
                             choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
                             yield f"data: {json.dumps({'id': rid, 'object': obj + '.chunk' if chat else obj, 'created': 1, 'model': 'fake', 'choices': [choice]})}\n\n"
@@ -286,6 +315,11 @@ class FakeEngine:
         async def tokenize(request: Request):
             body = await request.json()
             return {"tokens": [ord(c) for c in body.get("prompt", "")]}
+
+        @app.get("/server_info")
+        async def server_info():
+            engine.http_control_calls.append("/server_info")
+            return {"config": "secret", "env": {"HF_TOKEN": "x"}}
 
         @app.get("/metrics")
         async def metrics():

@@ -185,7 +185,7 @@ def test_health_and_not_ready_before_the_first_version(sc_publisher, sc_start):
     sidecar.wait_applied(0)
     assert sidecar.http.get("/health").json() == {"applied_version": 0, "state": "idle", "status": "ok"}
     metrics = sidecar.http.get("/metrics").text
-    for line in ("stitch_sidecar_applied_version 0.0", "stitch_sidecar_lag_versions 0.0", "stitch_sidecar_pause_seconds_count 1.0", "stitch_sidecar_apply_seconds_count 1.0"):
+    for line in ("stitch_sidecar_applied_version 0.0", "stitch_sidecar_lag_versions 0.0", 'stitch_sidecar_pause_seconds_count{route="anchor"} 1.0', "stitch_sidecar_apply_seconds_count 1.0"):
         assert line in metrics
     assert float(metrics.split("\nstitch_sidecar_bytes_fetched_total ")[1].split()[0]) > 0
 
