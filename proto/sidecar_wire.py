@@ -13,7 +13,8 @@ the sidecar strips before forwarding)::
 
 Every answer is stamped (DESIGN.md invariant 8): JSON fields :data:`START_FIELD` and
 :data:`END_FIELD` plus headers :data:`START_HEADER` / :data:`END_HEADER`; a stream gets the
-start header and one last event carrying both fields before ``data: [DONE]``.
+start header and one last event carrying both fields before ``data: [DONE]`` (a stream the
+engine broke off ends with that event and an error event ``{"error": {...}}``, no ``[DONE]``).
 """
 
 from __future__ import annotations
