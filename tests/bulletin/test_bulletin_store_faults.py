@@ -162,3 +162,23 @@ def test_presigned_uploads_carry_the_checksum_and_never_overwrite(via_proxy, run
             assert not client.put_blob(run, sha(data), data, force=True)  # 412, then through the bulletin: already stored
     finally:
         server.stop()
+
+
+def test_store_errors_dropped_connections_and_delays_are_retried(via_proxy, run, tmp_path):
+    backend, proxy, settings = via_proxy()
+    blobs = [os.urandom(2000 + v) for v in range(3)]
+    proxy.add(Rule("status", method="PUT", path=f"/blobs/{sha(blobs[0])}$", status=503, code="SlowDown", times=2))
+    proxy.add(Rule("drop", method="PUT", path=f"/blobs/{sha(blobs[1])}$", times=1))
+    proxy.add(Rule("delay", method="PUT", path=f"/blobs/{sha(blobs[2])}$", delay_s=0.3, times=1))
+    proxy.add(Rule("status", method="PUT", path="/versions/000000000001", status=500, code="InternalError", times=1))
+    server = ThreadServer(settings)
+    try:
+        with server.client() as client:
+            for v, data in enumerate(blobs):
+                _publish(client, run, v, data)
+            assert [proxy.actions(a) for a in ("status", "drop", "delay")] == [3, 1, 1]
+            assert client.latest(run) == 2
+    finally:
+        server.stop()
+    stored = _stored_objects(backend)
+    assert all(hashlib.sha256(body).hexdigest() == key.rsplit("/", 1)[-1] for key, body in stored.items()) and len(stored) == 3

@@ -1,7 +1,8 @@
 """A fault-injecting HTTP/1.1 proxy on loopback, for tests of what crosses a network (e.g. bulletin -> S3).
 
 :class:`FaultProxy` runs an asyncio server in a thread of its own and forwards each request to
-``target``, one upstream connection per client connection (keep-alive is kept). Per-request
+``target``, one upstream connection per client connection (keep-alive is kept; the proxy
+answers ``Expect: 100-continue`` itself and reads each body whole before forwarding it). Per-request
 :class:`Rule` objects, matched in order on method and path, inject faults:
 
 * ``status``: answer with that status and an S3-style XML error body, without forwarding;
@@ -145,6 +146,10 @@ class FaultProxy:
             while (request := await _read_head(reader)) is not None:
                 head, headers = request
                 method, path = head.split(b" ", 2)[:2]
+                if headers.get("expect", "").lower() == "100-continue":  # answer it here; upstream gets the whole request
+                    head = re.sub(rb"(?im)^expect:[^\r\n]*\r\n", b"", head)
+                    writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                    await writer.drain()
                 body = await _read_body(reader, headers, until_eof=False)
                 if upstream is None:
                     upstream = await asyncio.open_connection(*self._target)
@@ -184,11 +189,13 @@ class FaultProxy:
         up_reader, up_writer = upstream
         up_writer.write(head + body)
         await up_writer.drain()
-        answer = await _read_head(up_reader)
-        if answer is None:
-            return False
-        answer_head, answer_headers = answer
-        status = int(answer_head.split(b" ", 2)[1])
+        status = 100
+        while 100 <= status < 200:  # interim answers are not forwarded
+            answer = await _read_head(up_reader)
+            if answer is None:
+                return False
+            answer_head, answer_headers = answer
+            status = int(answer_head.split(b" ", 2)[1])
         closes = answer_headers.get("connection", "").lower() == "close"
         answer_body = b"" if method == "HEAD" or status in _NO_BODY_STATUS else await _read_body(up_reader, answer_headers, until_eof=True)
         if rule and rule.action == "corrupt_answer":
