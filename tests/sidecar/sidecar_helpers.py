@@ -119,3 +119,16 @@ class Publisher:
     def same(self) -> VersionManifest:
         """Publish an empty delta (the same bits again)."""
         return self.publish(self.views[-1])
+
+
+def same_bits(a: dict[str, RawTensor], b: dict[str, RawTensor]) -> bool:
+    """Whether two views hold the same tensors with the same bits."""
+    return set(a) == set(b) and all(np.array_equal(a[n].bits, b[n].bits) for n in a)
+
+
+def assert_at(sidecar, publisher: Publisher, version: int) -> None:
+    """Wait until ``sidecar`` reports ``version`` applied; its engine then records it and holds
+    exactly that version's published bits (DESIGN.md invariant 1)."""
+    sidecar.wait_applied(version)
+    assert sidecar.engine.version == version
+    assert same_bits(sidecar.engine.weights, publisher.views[version]), f"engine bits are not version {version}'s"

@@ -10,20 +10,9 @@ shows which bits served it.
 from __future__ import annotations
 
 import httpx
-import numpy as np
 
 from tests.sidecar.fake_engine import FakeEngine, fingerprint
-from tests.sidecar.sidecar_helpers import make_view, wait_for
-
-
-def _same_bits(a, b) -> bool:
-    return set(a) == set(b) and all(np.array_equal(a[n].bits, b[n].bits) for n in a)
-
-
-def _at(sidecar, publisher, version: int) -> None:
-    sidecar.wait_applied(version)
-    assert sidecar.engine.version == version
-    assert _same_bits(sidecar.engine.weights, publisher.views[version]), f"engine bits are not version {version}'s"
+from tests.sidecar.sidecar_helpers import assert_at, make_view, wait_for
 
 
 def _complete(sidecar, **headers: str) -> httpx.Response:
@@ -40,7 +29,7 @@ def test_engine_restarted_under_a_running_sidecar_is_never_served_under_the_old_
         sc_publisher.step(seed)
     engine = FakeEngine(sc_publisher.views[0])
     sidecar = sc_start(engine, boot_version=0, engine_check_interval_s=3600)  # the timer stays out of it
-    _at(sidecar, sc_publisher, 3)
+    assert_at(sidecar, sc_publisher, 3)
     checks = engine.count("checksums")
     engine.restart(sc_publisher.views[0])
     health = httpx.get(f"{sidecar.url}/health", timeout=30)
@@ -49,7 +38,7 @@ def test_engine_restarted_under_a_running_sidecar_is_never_served_under_the_old_
     assert answer.status_code == 200, answer.text
     assert (answer.json()["weight_version_start"], answer.json()["weight_version_end"]) == (3, 3)
     assert f"@{fingerprint(sc_publisher.views[3])}" in answer.json()["choices"][0]["text"], "served by other bits than version 3's"
-    _at(sidecar, sc_publisher, 3)
+    assert_at(sidecar, sc_publisher, 3)
     assert engine.count("checksums") == checks + 1 and engine.count("load_snapshot") == 0  # version 0 checked, then deltas
     status = sidecar.status()
     assert status["last_error"]["type"] == "EngineChanged" and "stitch_sidecar_claims_dropped_total 1.0" in httpx.get(f"{sidecar.url}/metrics").text
@@ -61,10 +50,10 @@ def test_the_timer_notices_a_restart_without_any_request(sc_publisher, sc_start)
     sc_publisher.step(1)
     engine = FakeEngine(sc_publisher.views[0])
     sidecar = sc_start(engine, boot_version=0, engine_check_interval_s=0.05)
-    _at(sidecar, sc_publisher, 1)
+    assert_at(sidecar, sc_publisher, 1)
     engine.restart(sc_publisher.views[0])
     wait_for(lambda: sidecar.status()["applied_version"] != 1 or engine.count("checksums") == 2, 10, "the claim dropped")
-    _at(sidecar, sc_publisher, 1)
+    assert_at(sidecar, sc_publisher, 1)
     assert engine.count("checksums") == 2, "the restarted engine's bits were not checked"
 
 
@@ -81,12 +70,12 @@ def test_restart_then_an_empty_delta_then_a_one_tensor_delta_never_relabels_the_
     sc_publisher.publish(first)
     engine = FakeEngine(v0)
     sidecar = sc_start(engine, boot_version=0, engine_check_interval_s=3600)
-    _at(sidecar, sc_publisher, 1)
+    assert_at(sidecar, sc_publisher, 1)
     engine.restart(v0)
     sc_publisher.same()  # version 2: no patch file (a flip)
     third = {**sc_publisher.views[-1], name_b: make_view(8)[name_b]}  # version 3: tensor B, unchanged since version 0
     sc_publisher.publish(third)
-    _at(sidecar, sc_publisher, 3)
+    assert_at(sidecar, sc_publisher, 3)
     assert engine.count("checksums") == 2, "the restarted engine's bits were not checked before a version was recorded"
 
 
@@ -97,12 +86,12 @@ def test_an_engine_that_stops_answering_loses_the_claim_and_gets_it_back_unchang
     sc_publisher.step(1)
     engine = FakeEngine(sc_publisher.views[0])
     sidecar = sc_start(engine, boot_version=0, engine_check_interval_s=0.05)
-    _at(sidecar, sc_publisher, 1)
+    assert_at(sidecar, sc_publisher, 1)
     checks = engine.count("checksums")
     engine.unreachable = True
     wait_for(lambda: sidecar.status()["applied_version"] is None, 10, "the claim dropped")
     assert httpx.get(f"{sidecar.url}/health", timeout=30).status_code == 503
     assert _complete(sidecar, **{"X-Stitch-Wait-S": "0.2"}).json()["type"] == "NotReady"
     engine.unreachable = False
-    _at(sidecar, sc_publisher, 1)
+    assert_at(sidecar, sc_publisher, 1)
     assert engine.count("checksums") == checks and engine.count("load_snapshot") == 0

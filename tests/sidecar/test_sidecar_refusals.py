@@ -14,14 +14,9 @@ from __future__ import annotations
 import time
 
 import httpx
-import numpy as np
 
 from tests.sidecar.fake_engine import FakeEngine, copy_view
-from tests.sidecar.sidecar_helpers import make_view, wait_for
-
-
-def _same_bits(a, b) -> bool:
-    return set(a) == set(b) and all(np.array_equal(a[n].bits, b[n].bits) for n in a)
+from tests.sidecar.sidecar_helpers import make_view, same_bits, wait_for
 
 
 def _complete(sidecar, **headers: str) -> httpx.Response:
@@ -60,10 +55,10 @@ def test_a_refused_version_keeps_the_held_version_serving(sc_publisher, sc_start
     assert engine.count("stage_patches") == 1 and engine.count("pause") == pauses, "the refused plan was retried (or the engine paused) before refused_retry_s"
     metrics = httpx.get(f"{sidecar.url}/metrics", timeout=30).text
     assert 'stitch_sidecar_refusals_total{route="delta"} 1.0' in metrics and "stitch_sidecar_refused_version 1.0" in metrics
-    assert _same_bits(engine.weights, sc_publisher.views[0])
+    assert same_bits(engine.weights, sc_publisher.views[0])
     sc_publisher.step(2)  # a newer version ends the wait: plan 0 -> 2 is another plan
     sidecar.wait_applied(2, timeout_s=20)
-    assert _same_bits(engine.weights, sc_publisher.views[2])
+    assert same_bits(engine.weights, sc_publisher.views[2])
     status = sidecar.status()
     assert status["refused"] is None and "stitch_sidecar_refused_version -1.0" in httpx.get(f"{sidecar.url}/metrics", timeout=30).text
 
@@ -80,7 +75,7 @@ def test_after_refused_staging_the_anchor_route_is_staged_and_the_pause_writes_w
     engine.refuse_stage = 2
     sc_publisher.publish(_one_tensor_step(sc_publisher.views[0], 1))
     status = sidecar.wait_applied(1)
-    assert _same_bits(engine.weights, sc_publisher.views[1])
+    assert same_bits(engine.weights, sc_publisher.views[1])
     calls = [m for m, _ in engine.calls[before:] if m != "health"]
     assert calls == ["stage_patches", "stage_patches", "checksums", "stage_patches", "pause", "commit_staged", "reset_prefix_cache", "resume"]
     assert engine.staged_names[-1] == [min(sc_publisher.views[1])], "the staged anchor route writes only the tensor that differs"
@@ -96,7 +91,7 @@ def test_after_refused_staging_the_anchor_route_is_staged_and_the_pause_writes_w
     other.refuse_stage = 1
     sc_publisher.publish(_one_tensor_step(sc_publisher.views[1], 2))
     status = unstaged.wait_applied(2)
-    assert status["last_sync"]["route"] == "anchor" and _same_bits(other.weights, sc_publisher.views[2])
+    assert status["last_sync"]["route"] == "anchor" and same_bits(other.weights, sc_publisher.views[2])
     anchor_pause = status["pause_seconds_by_route"]["anchor"]
     assert anchor_pause > 0.4 and staged_pause < anchor_pause / 3, (staged_pause, anchor_pause)
     print(f"pause of the anchor route, fake engine at 50 ms per tensor written: staged {staged_pause:.3f} s (1 tensor), in the pause {anchor_pause:.3f} s (8 tensors + 1 delta)")
@@ -115,7 +110,7 @@ def test_an_anchor_route_that_changes_nothing_only_flips(sc_publisher, sc_start)
     wait_for(lambda: sidecar.status()["refused"], what="version 1 refused")
     sc_publisher.publish(sc_publisher.views[0])  # version 2: version 0's bits again (a revert)
     sidecar.wait_applied(2)
-    assert _same_bits(engine.weights, sc_publisher.views[2]) and engine.version == 2
+    assert same_bits(engine.weights, sc_publisher.views[2]) and engine.version == 2
     assert sidecar.status()["last_sync"]["route"] == "flip" and engine.count("pause") == pauses and engine.calls[-1] == ("set_version", (2,))
 
 
@@ -129,7 +124,7 @@ def test_a_commit_refused_before_writing_keeps_the_held_version(sc_publisher, sc
     engine.refuse_commit = 1
     sc_publisher.step(1)
     sidecar.wait_applied(1)
-    assert _same_bits(engine.weights, sc_publisher.views[1])
+    assert same_bits(engine.weights, sc_publisher.views[1])
     assert engine.count("load_snapshot") == 1 and engine.count("commit_staged") == 2 and engine.count("stage_patches") == 2
     metrics = httpx.get(f"{sidecar.url}/metrics", timeout=30).text
     assert 'stitch_sidecar_refusals_total{route="delta"} 1.0' in metrics and "stitch_sidecar_recoveries_total" not in metrics.replace("# HELP stitch_sidecar_recoveries_total", "").replace(

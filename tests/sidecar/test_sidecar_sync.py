@@ -10,7 +10,6 @@ import hashlib
 import threading
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from stitchboard.bulletin.client import BulletinClient
@@ -18,17 +17,7 @@ from stitchboard.bulletin.errors import UnavailableError
 from stitchboard.proto.diff import diff_views
 from stitchboard.proto.schema import FileRef, VersionManifest
 from tests.sidecar.fake_engine import FakeEngine
-from tests.sidecar.sidecar_helpers import make_view, mutate, wait_for
-
-
-def same_bits(a, b) -> bool:
-    return set(a) == set(b) and all(np.array_equal(a[n].bits, b[n].bits) for n in a)
-
-
-def assert_at(sidecar, publisher, version: int) -> None:
-    sidecar.wait_applied(version)
-    assert sidecar.engine.version == version
-    assert same_bits(sidecar.engine.weights, publisher.views[version]), f"engine bits are not version {version}'s"
+from tests.sidecar.sidecar_helpers import assert_at, make_view, mutate, same_bits, wait_for
 
 
 def test_fresh_engine_gets_the_anchor_then_deltas(sc_publisher, sc_start):
