@@ -7,7 +7,6 @@ tensor, before it is returned.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import tempfile
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from stitchboard.proto.decode import read_patch
 from stitchboard.proto.schema import XXH3_128, FileRef, VersionManifest, is_checkpoint_file
 
 from .assets import Asset, check_same_assets
-from .encode_version import BaseTensor
+from .encode_version import BaseTensor, sha256_file
 from .errors import ResumeError
 from .version_parts import PublishedVersion
 
@@ -108,14 +107,6 @@ def rebuild_version(client: BulletinClient, run: str, version: int | None = None
     return RebuiltVersion(manifest, view, sums, [f for f in anchor.files if f.role == "asset"])
 
 
-def _sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def verify_pulled(rebuilt: RebuiltVersion, out: Path) -> None:
     """Check what a pull wrote into ``out``: the checkpoint there, as loaded back, holds exactly the
     manifest's tensors bit for bit, and every asset file has its sha256.
@@ -124,7 +115,7 @@ def verify_pulled(rebuilt: RebuiltVersion, out: Path) -> None:
         ResumeError: naming the tensors or asset files that differ.
     """
     verify_view(rebuilt.manifest, load_checkpoint(out))
-    bad = [ref.path for ref in rebuilt.assets if not (out / ref.path).is_file() or _sha256_of(out / ref.path) != ref.sha256]
+    bad = [ref.path for ref in rebuilt.assets if not (out / ref.path).is_file() or sha256_file(out / ref.path) != ref.sha256]
     if bad:
         raise ResumeError(f"version {rebuilt.manifest.version} of run {rebuilt.manifest.run_id!r}: asset files written to {out} differ from the manifest: {bad[:3]}", files=bad)
 
