@@ -10,8 +10,8 @@ so the OpenAI clients do not retry them:
   the engine refused (the held version keeps serving) is reported under ``refused``.
 * ``GET /v1/stitch/status``: applied and target version, lag, state, last error, last sync.
 * ``GET /metrics``: the sidecar's Prometheus metrics; ``GET /engine/metrics``: the engine's.
-* the engine's OpenAI routes, gated and stamped, and its read-only routes (:mod:`.proxy`);
-  any other path: 403 ``RouteForbidden``.
+* the engine's model routes, gated and stamped, and its read-only routes (per engine kind,
+  :mod:`.routes`; :mod:`.proxy`); any other path: 403 ``RouteForbidden``.
 """
 
 from __future__ import annotations
@@ -37,8 +37,10 @@ from .errors import RouteForbiddenError, SidecarError, WeightVersionNotReadyErro
 from .fetch import Fetcher
 from .gate import Gate
 from .metrics import SidecarMetrics
-from .proxy import MODEL_ROUTES, Proxy, is_read_route, normalise_path, read_body
+from .proxy import Proxy, read_body
 from .reconciler import Reconciler
+from .report import Reporter
+from .routes import normalise_path
 from .settings import SidecarSettings
 
 log = logging.getLogger("stitchboard.sidecar")
@@ -69,16 +71,22 @@ def create_app(settings: SidecarSettings, engine: EngineAdapter | None = None, c
         gate = Gate()
         fetcher = Fetcher(client, settings.run, Path(settings.handoff_dir) / f"sidecar-{settings.port}", settings.download_concurrency)
         reconciler = Reconciler(settings, client, engine, gate, metrics, fetcher)
-        proxy = Proxy(settings, gate, metrics)
+        proxy = Proxy(settings, gate, metrics, check_engine=reconciler.check_engine)
         app.state.gate, app.state.reconciler, app.state.proxy = gate, reconciler, proxy
         task = asyncio.create_task(reconciler.run(), name="stitch-reconciler")
+        reporter = Reporter.for_sidecar(settings, reconciler, gate) if settings.report else None  # the fleet view (sidecar/report.py)
+        reporting = asyncio.create_task(reporter.run_forever(), name="stitch-report") if reporter else None
         log.info("sidecar following run %r at %s for the engine at %s", settings.run, settings.bulletin, settings.engine_url)
         try:
             yield
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            for running in (task, reporting):
+                if running is not None:
+                    running.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await running
+            if reporter is not None:
+                await reporter.aclose()
             await proxy.aclose()
             reconciler.close()
             fetcher.close()
@@ -158,9 +166,10 @@ def create_app(settings: SidecarSettings, engine: EngineAdapter | None = None, c
         (paths normalised first, dot segments 400, bodies over ``max_body_bytes`` 413)."""
         route = normalise_path(request.scope.get("raw_path", b"").decode("latin-1").split("?", 1)[0] or request.url.path)
         proxy: Proxy = request.app.state.proxy
-        if request.method == "POST" and route in MODEL_ROUTES:
+        kind = proxy.routes.kind(request.method, route)
+        if kind == "model":
             return await proxy.forward_model(request, route, await read_body(request, settings.max_body_bytes))
-        if is_read_route(request.method, route):
+        if kind == "read":
             return await proxy.forward_plain(request, route, await read_body(request, settings.max_body_bytes))
         raise RouteForbiddenError(
             f"{request.method} {route} is not forwarded: the sidecar serves inference and read-only routes; engine control (pause, weight updates, sleep...) is the sidecar's alone", method=request.method, path=route

@@ -14,6 +14,7 @@ error body (``{"type": ..., "message": ..., <details>}``, see
     ├── BodyTooLargeError             413  a request body over the max_body_bytes setting
     ├── NotReadyError                 503  no verified version applied (starting, recovering, unhealthy)
     ├── EngineUnavailableError        503  the engine does not answer
+    ├── AnswerVersionMismatchError    503  an engine answer names weights the sidecar did not hold (not delivered)
     ├── StagingError                  ---  staged files disagree with their manifests (never sent to the engine)
     ├── NothingPublishedError         ---  the run has no version yet (the sidecar waits)
     ├── EngineVersionMismatchError    ---  after a commit the engine records another version than applied
@@ -102,6 +103,15 @@ class EngineUnavailableError(SidecarError):
     """The engine does not answer (down, restarting); retry after ``Retry-After``."""
 
     type = "EngineUnavailable"
+    status = 503
+
+
+class AnswerVersionMismatchError(SidecarError):
+    """An engine answer names a weight version the sidecar did not hold while the request ran (an
+    engine restarted or updated behind the sidecar): the answer is not delivered, the claim is
+    checked at once; retry after ``Retry-After``."""
+
+    type = "AnswerVersionMismatch"
     status = 503
 
 

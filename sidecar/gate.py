@@ -209,6 +209,17 @@ class Gate:
             **constraint.details(),
         )
 
+    async def wait_applied(self, version: int, timeout_s: float) -> None:
+        """Wait until the applied version is ``version`` or later (a commit or flip the engine has
+        recorded but the sidecar not yet), at most ``timeout_s`` seconds; returns either way."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.applied is not None and self.applied < version and (remaining := deadline - loop.time()) > 0:
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except TimeoutError:
+                return
+
     def release(self) -> int | None:
         """Mark one admitted request completed; returns the applied version now (its end stamp)."""
         self.in_flight -= 1

@@ -1,28 +1,26 @@
-"""The gated, stamping proxy in front of the engine's OpenAI-compatible server.
+"""The gated, stamping proxy in front of the engine's HTTP server.
 
-* :data:`MODEL_ROUTES` (answers depend on the weights) pass the :class:`~.gate.Gate` and are
-  stamped: ``weight_version_start`` is the applied version when the request was admitted,
-  ``weight_version_end`` the applied version when it completed. Non-streaming JSON answers get
-  both as top-level fields and as ``X-Stitch-Version-Start`` / ``X-Stitch-Version-End``
-  headers; streamed (SSE) answers get the start header, and one extra event just before
-  ``data: [DONE]`` carrying both stamps (shaped like the stream's chunks, with no choices).
-  Events are forwarded as soon as they are complete: nothing else is buffered.
-* :data:`READ_ROUTES` (models, tokenizer, version) are forwarded as they are.
-* Every other path is refused with 403 :class:`~.errors.RouteForbiddenError` (engine control
-  and dev routes: only the sidecar changes weights); the engine's ``/metrics`` is served
-  under ``/engine/metrics`` by the app.
-* Paths are matched, and forwarded, as :func:`normalise_path` makes them (percent-decoded,
-  repeated slashes collapsed); a path with a dot segment (``..``, ``%2e%2e``) is refused with
-  400 :class:`~.errors.InvalidPathError`, never resolved into another route. Bodies are read up
-  to ``max_body_bytes`` (413 :class:`~.errors.BodyTooLargeError` beyond). The ``weight_version``
-  body field is read whenever the engine would read the body as JSON (no media type, or
-  ``application/json`` / ``application/*+json`` in any letter case, as FastAPI does).
+* Model routes (answers depend on the weights; per engine kind, :mod:`.routes`) pass the
+  :class:`~.gate.Gate` and are stamped (:mod:`.stamps`): JSON answers get
+  ``weight_version_start`` / ``weight_version_end`` fields and ``X-Stitch-Version-Start`` /
+  ``X-Stitch-Version-End`` headers; streamed (SSE) answers get the start header and the stamps
+  at their end. Events are forwarded as soon as they are complete: nothing else is buffered.
+* Where the engine's answers name its own weight version (SGLang), each answer is checked
+  against what the sidecar held while the request ran before it is sent
+  (:mod:`.answer_versions`); a mismatch is answered 503 ``AnswerVersionMismatch`` instead.
+* Read routes (models, tokenizer, model info) are forwarded as they are; every other path is
+  refused (the app answers 403 :class:`~.errors.RouteForbiddenError`); the engine's
+  ``/metrics`` is served under ``/engine/metrics`` by the app.
+* Paths are matched, and forwarded, as :func:`~.routes.normalise_path` makes them. Bodies are
+  read up to ``max_body_bytes`` (413 :class:`~.errors.BodyTooLargeError` beyond). The
+  ``weight_version`` body field is read whenever the engine would read the body as JSON (no
+  media type, or ``application/json`` / ``application/*+json`` in any letter case, as FastAPI does).
 * An engine that breaks off a stream (killed, restarted) ends the client's stream with the stamp
   event and then an error event (``data: {"error": {...}}``, which the OpenAI clients raise as
   ``APIError``); no ``[DONE]`` follows.
 
 A client that disconnects, while held or while the engine works, aborts its upstream request
-(the connection to the engine is closed, which makes vLLM abort it).
+(the connection to the engine is closed, which makes vLLM and SGLang abort it).
 """
 
 from __future__ import annotations
@@ -30,69 +28,27 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
-from urllib.parse import unquote
 
 import httpx
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from stitchboard.proto.sidecar_wire import (
-    END_FIELD,
-    END_HEADER,
-    START_FIELD,
-    START_HEADER,
-)
+from stitchboard.proto.sidecar_wire import END_HEADER, START_HEADER
 
-from .errors import BodyTooLargeError, EngineUnavailableError, InvalidPathError
+from .answer_versions import AnswerVersionCheck, reported_versions
+from .errors import AnswerVersionMismatchError, BodyTooLargeError, EngineUnavailableError
 from .gate import BODY_FIELD, Gate, parse_constraint
 from .metrics import SidecarMetrics
+from .routes import route_table
 from .settings import SidecarSettings
+from .stamps import SseStamper, event_data, stamp_answer
 
 T = TypeVar("T")
 log = logging.getLogger("stitchboard.sidecar")
-
-#: POST routes whose answers depend on the weights: gated and stamped.
-MODEL_ROUTES = frozenset(
-    {
-        "/v1/completions",
-        "/v1/chat/completions",
-        "/v1/embeddings",
-        "/v1/responses",
-        "/invocations",
-        "/pooling",
-        "/classify",
-        "/score",
-        "/v1/score",
-        "/rerank",
-        "/v1/rerank",
-        "/v2/rerank",
-        "/v1/audio/transcriptions",
-        "/v1/audio/translations",
-    }
-)
-#: (method, path) forwarded without gate or stamps; ``/v1/models/<id>`` too.
-READ_ROUTES = frozenset({("GET", "/v1/models"), ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/version"), ("GET", "/ping"), ("GET", "/load")})
 _HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade", "proxy-authorization", "proxy-authenticate", "trailer", "accept-encoding", "content-encoding", "date", "server"}
-_EVENT_END = re.compile(rb"\r?\n\r?\n")
-
-
-def normalise_path(path: str) -> str:
-    """The route a request path names: percent-decoded (again, for double encoding) segment by
-    segment, repeated slashes collapsed, a trailing slash kept.
-
-    Raises:
-        InvalidPathError: a segment is ``.`` or ``..`` (percent-encoded or not): the request is
-            refused rather than resolved, so no path reaches a route the allow-list does not name.
-    """
-    segments = unquote(path).split("/")
-    if any(unquote(seg) in (".", "..") for seg in segments):
-        raise InvalidPathError(f"path {path!r} has a dot segment ('.' or '..'): name the route itself", path=path)
-    kept = [seg for seg in segments if seg]
-    return "/" + "/".join(kept) + ("/" if kept and path.endswith("/") else "")
 
 
 def is_json_body(content_type: str | None) -> bool:
@@ -124,68 +80,18 @@ async def read_body(request: Request, limit_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
-def is_read_route(method: str, path: str) -> bool:
-    """Whether ``method path`` is forwarded as a read-only route."""
-    return (method, path) in READ_ROUTES or (method == "GET" and path.startswith("/v1/models/"))
-
-
 def _stamp(v: int | None) -> str:
     return "none" if v is None else str(v)
 
 
+def _finished_output(event: dict[str, Any]) -> bool:
+    # An SGLang /generate stream chunk that ends its output.
+    info = event.get("meta_info")
+    return isinstance(info, dict) and info.get("finish_reason") is not None
+
+
 class ClientGone(Exception):
     """The client disconnected before its answer was ready (internal: nothing is sent)."""
-
-
-class _SseStamper:
-    """Forwards complete SSE events; injects the stamp event before ``data: [DONE]`` (or at the end,
-    or before the error event of a broken-off stream)."""
-
-    def __init__(self, start: int, end: Callable[[], int | None]) -> None:
-        self.start, self.end = start, end
-        self.buf = b""
-        self.last_data: bytes | None = None
-        self.stamped = False
-
-    def _stamp_event(self) -> bytes:
-        self.stamped = True
-        shape: dict[str, Any] = {}
-        try:
-            last = json.loads(self.last_data) if self.last_data else {}
-            shape = {k: last[k] for k in ("id", "object", "created", "model") if k in last}
-            if "choices" in last:
-                shape["choices"] = []
-        except (ValueError, TypeError):
-            pass
-        event = {**shape, START_FIELD: self.start, END_FIELD: self.end()}
-        return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
-
-    def feed(self, chunk: bytes) -> bytes:
-        """Bytes to send now for ``chunk`` (every event it completes)."""
-        self.buf += chunk
-        out = []
-        while (m := _EVENT_END.search(self.buf)) is not None:
-            event, self.buf = self.buf[: m.end()], self.buf[m.end() :]
-            data = event.strip()
-            if data == b"data: [DONE]" and not self.stamped:
-                out.append(self._stamp_event())
-            elif data.startswith(b"data:"):
-                self.last_data = data[5:].strip()
-            out.append(event)
-        return b"".join(out)
-
-    def finish(self) -> bytes:
-        """Bytes to send at the end of the stream (the rest, and the stamp if no ``[DONE]`` came)."""
-        rest, self.buf = self.buf, b""
-        return rest + (b"" if self.stamped else (b"\n\n" if rest and not rest.endswith(b"\n\n") else b"") + self._stamp_event())
-
-    def broken_off(self, message: str) -> bytes:
-        """Bytes to send when the engine broke off the stream: the stamp (unless sent), then an
-        error event shaped as OpenAI's (clients raise it); an incomplete event is dropped."""
-        self.buf = b""
-        error = {"error": {"message": message, "type": EngineUnavailableError.type, "code": EngineUnavailableError.status}}
-        stamp = b"" if self.stamped else self._stamp_event()
-        return stamp + b"data: " + json.dumps(error, separators=(",", ":")).encode() + b"\n\n"
 
 
 class _ProxyStream(StreamingResponse):
@@ -218,15 +124,19 @@ class Proxy:
     """Forwards requests to the engine at ``settings.engine_url`` (one per app; event-loop only).
 
     Args:
-        settings: engine URL, waits and timeouts.
+        settings: engine kind and URL, waits and timeouts.
         gate: the app's gate.
         metrics: held/rejected/in-flight figures.
+        check_engine: the claim's engine check (returns why the claim was dropped, or None);
+            answers of engines that report their own weight version are checked with it.
     """
 
-    def __init__(self, settings: SidecarSettings, gate: Gate, metrics: SidecarMetrics) -> None:
+    def __init__(self, settings: SidecarSettings, gate: Gate, metrics: SidecarMetrics, check_engine: Callable[[], Awaitable[str | None]] | None = None) -> None:
         self.settings = settings
         self.gate = gate
         self.metrics = metrics
+        self.routes = route_table(settings.engine)
+        self.versions = AnswerVersionCheck(gate, check_engine, settings.engine_call_timeout_s) if self.routes.reports_versions and check_engine is not None else None
         timeout = httpx.Timeout(settings.engine_timeout_s, connect=settings.engine_call_timeout_s, pool=None)
         self.http = httpx.AsyncClient(base_url=settings.engine_url.rstrip("/"), timeout=timeout, limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
 
@@ -335,28 +245,67 @@ class Proxy:
         headers = self._headers(response)
         headers[START_HEADER] = _stamp(start)
         if response.is_stream_consumed:
-            end = release()
-            headers[END_HEADER] = _stamp(end)
-            content = response.content
-            if response.is_success and "json" in response.headers.get("content-type", ""):
-                try:
-                    answer = json.loads(content)
-                except ValueError:
-                    answer = None
-                if isinstance(answer, dict):
-                    answer[START_FIELD], answer[END_FIELD] = start, end
-                    content = json.dumps(answer).encode()
-            return Response(content, status_code=response.status_code, headers=headers)
-        stamper = _SseStamper(start, lambda: self.gate.applied)
+            try:
+                return await self._plain_answer(response, headers, start, release)
+            except BaseException:
+                release()
+                raise
+        return self._streamed_answer(response, headers, start, release, path)
+
+    async def _plain_answer(self, response: httpx.Response, headers: dict[str, str], start: int, release: Callable[[], int | None]) -> Response:
+        content = response.content
+        answer: Any = None
+        if response.is_success and "json" in response.headers.get("content-type", ""):
+            try:
+                answer = json.loads(content)
+            except ValueError:
+                answer = None
+        if self.versions is not None and response.is_success:
+            await self.versions.verify(reported_versions(answer), start, self.versions.now())
+        end = release()
+        headers[END_HEADER] = _stamp(end)
+        if stamp_answer(answer, start, end):
+            content = json.dumps(answer).encode()
+        return Response(content, status_code=response.status_code, headers=headers)
+
+    def _streamed_answer(self, response: httpx.Response, headers: dict[str, str], start: int, release: Callable[[], int | None], path: str) -> Response:
+        stamper = SseStamper(start, lambda: self.gate.applied, _finished_output if path in self.routes.final_in_place else None)
+        check = self.versions
+        vouched = check is None  # a reported version was checked, or no check applies
+
+        async def verified(event: bytes) -> bytes:
+            # The bytes to send for ``event``, once the versions it reports (or the engine, at the end) check out.
+            nonlocal vouched
+            data, decoded = event_data(event), None
+            if check is not None and data is not None:
+                if data == b"[DONE]":
+                    if not vouched:
+                        await check.verify(None, start, check.now())
+                else:
+                    decoded = _json_or_none(data)
+                    if (reported := reported_versions(decoded)) is not None:
+                        vouched = True
+                        await check.verify(reported, start, check.now())
+            return stamper.emit(event, decoded)
 
         async def events() -> AsyncIterator[bytes]:
+            out: list[bytes] = []
             try:
                 async for chunk in response.aiter_raw():
-                    if out := stamper.feed(chunk):
-                        yield out
+                    out = [await verified(event) for event in stamper.split(chunk)]
+                    if out:
+                        yield b"".join(out)
+                if check is not None and not vouched and not stamper.stamped:  # ended without [DONE]
+                    await check.verify(None, start, check.now())
             except httpx.TransportError as exc:  # the engine broke off: the stamp, an error event, no [DONE]
                 log.warning("the engine broke off a streamed answer: %r", exc)
-                yield stamper.broken_off(f"the engine at {self.settings.engine_url} broke off the stream ({type(exc).__name__}): the answer is incomplete; retry the request")
+                message = f"the engine at {self.settings.engine_url} broke off the stream ({type(exc).__name__}): the answer is incomplete; retry the request"
+                yield stamper.error(message, EngineUnavailableError.type, EngineUnavailableError.status)
+                return
+            except AnswerVersionMismatchError as exc:  # the events before the mismatch went out; then the error
+                log.warning("a streamed answer was withheld: %s", exc)
+                self.metrics.requests_rejected.labels(exc.type).inc()
+                yield stamper.error(exc.message, exc.type, exc.status)
                 return
             yield stamper.finish()
 
@@ -365,3 +314,10 @@ class Proxy:
             await response.aclose()
 
         return _ProxyStream(events(), close, status_code=response.status_code, headers=headers)
+
+
+def _json_or_none(data: bytes) -> Any:
+    try:
+        return json.loads(data)
+    except ValueError:
+        return None
