@@ -10,7 +10,8 @@ sidecar's adapter sets to the decimal version it commits, e.g. ``"3"``) into its
   SGLang 0.5.23's OpenAI stream chunks carry none).
 
 The rule (:meth:`AnswerVersionCheck.verify`): every version an answer reports must be one the
-sidecar held while the request ran: a decimal integer ``v`` with ``start <= v <= applied``.
+sidecar held while the request ran: a decimal integer ``v`` with ``start <= v <= applied``
+(``applied`` now; an answer that ends while the sidecar holds no verified version fails).
 A ``v`` ahead of the sidecar is a commit or flip the engine records before the sidecar marks it
 applied: the check waits for the gate to reach it (at most ``wait_s``). Anything else (below
 ``start``, still ahead, or not a version at all, like a restarted SGLang's ``"default"``) is a
@@ -18,7 +19,8 @@ mismatch: :class:`~.errors.AnswerVersionMismatchError` (503) instead of the answ
 ends with an error event, the mismatching event unsent), and the engine check of the claim
 runs at once, so a restarted or changed engine loses the claim. An answer that reports no
 version (an OpenAI stream, an embedding) is vouched for by one engine check (instance and
-record, the claim watch's) made after it completed, shared by answers that complete together.
+record, the claim watch's) made after it completed, shared by answers that complete together,
+and only if the sidecar's claim held from its admission to then (no drop in between).
 """
 
 from __future__ import annotations
@@ -103,19 +105,23 @@ class AnswerVersionCheck:
         """The loop clock, for :meth:`verify`'s ``completed_at``."""
         return asyncio.get_running_loop().time()
 
-    async def verify(self, reported: list[Any] | None, start: int, completed_at: float) -> None:
+    async def verify(self, reported: list[Any] | None, start: int, completed_at: float, claims: int) -> None:
         """Check the versions an answer reports (:func:`reported_versions`) for a request admitted at ``start``.
 
         Args:
             reported: the versions, or None (the answer reports none: the engine is checked).
             start: the request's start stamp.
             completed_at: when the answer (or event) arrived, :meth:`now`.
+            claims: the gate's ``claims`` when the request was admitted.
 
         Raises:
             AnswerVersionMismatchError: a version the sidecar did not hold, or the engine check failed.
         """
         if reported is None:
-            if (reason := await self._engine.after(completed_at)) is not None:
+            reason = await self._engine.after(completed_at)
+            if reason is None and self.gate.claims != claims:
+                reason = "the sidecar dropped its claim on the engine while the request ran"
+            if reason is not None:
                 raise AnswerVersionMismatchError(f"the engine answered, but is no longer what the sidecar verified: {reason}; retry the request", start_version=start)
             return
         for label in reported:
@@ -123,7 +129,7 @@ class AnswerVersionCheck:
             if version is not None and self.gate.applied is not None and version > self.gate.applied:
                 await self.gate.wait_applied(version, self.wait_s)
             applied = self.gate.applied
-            if version is None or version < start or (applied is not None and version > applied):
+            if version is None or version < start or applied is None or version > applied:
                 reason = await self._engine.after(self.now())
                 raise AnswerVersionMismatchError(
                     f"the engine answered under weight version {label!r}, but the sidecar held versions {start}..{applied} while the request ran"

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from stitchboard.proto import sidecar_wire as wire
 
@@ -115,6 +115,15 @@ def parse_constraint(headers: Mapping[str, str], body: Any) -> VersionConstraint
     return VersionConstraint(low, exact, wait)
 
 
+class Admission(NamedTuple):
+    """An admitted request: ``start`` (the applied version, its start stamp), whether it was
+    ``held``, and the gate's ``claims`` count then."""
+
+    start: int
+    held: bool
+    claims: int
+
+
 class Gate:
     """Admission of requests against the applied version (one per app; event-loop only).
 
@@ -124,6 +133,8 @@ class Gate:
         committing: True while a commit is under way: new requests are held, in-flight ones run on.
         in_flight: admitted requests not yet completed.
         waiting: requests held now, waiting for their version (or the end of a commit).
+        claims: how many claims have been dropped so far (the applied version went to None):
+            a request that sees it change between admission and completion ran across a drop.
     """
 
     def __init__(self) -> None:
@@ -132,6 +143,7 @@ class Gate:
         self.committing = False
         self.in_flight = 0
         self.waiting = 0
+        self.claims = 0
         self._changed = asyncio.Event()
 
     def _notify(self) -> None:
@@ -140,6 +152,8 @@ class Gate:
 
     def set_applied(self, version: int | None) -> None:
         """Record the verified version (None: the engine holds no verified version) and wake held requests."""
+        if version is None and self.applied is not None:
+            self.claims += 1
         self.applied = version
         self._notify()
 
@@ -153,7 +167,7 @@ class Gate:
         self.committing = committing
         self._notify()
 
-    async def admit(self, constraint: VersionConstraint, wait_s: float) -> tuple[int, bool]:
+    async def admit(self, constraint: VersionConstraint, wait_s: float) -> Admission:
         """Wait until the request may run; count it in flight (call :meth:`release` when it completes).
 
         Args:
@@ -161,7 +175,7 @@ class Gate:
             wait_s: longest hold, seconds.
 
         Returns:
-            (the applied version at admission, whether the request was held).
+            the applied version at admission, whether the request was held, the claims count.
 
         Raises:
             WeightVersionPassedError: an exact pin below the applied version.
@@ -178,7 +192,7 @@ class Gate:
                     verdict = constraint.verdict(self.applied)
                     if verdict == "ok":
                         self.in_flight += 1
-                        return self.applied, held
+                        return Admission(self.applied, held, self.claims)
                     if verdict == "passed":
                         raise WeightVersionPassedError(
                             f"exact version {constraint.exact_version} has passed: the engine holds version {self.applied}",
@@ -211,12 +225,16 @@ class Gate:
 
     async def wait_applied(self, version: int, timeout_s: float) -> None:
         """Wait until the applied version is ``version`` or later (a commit or flip the engine has
-        recorded but the sidecar not yet), at most ``timeout_s`` seconds; returns either way."""
+        recorded but the sidecar not yet): through any commit under way, plus at most
+        ``timeout_s`` seconds outside commits; returns either way."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while self.applied is not None and self.applied < version and (remaining := deadline - loop.time()) > 0:
+        while self.applied is not None and self.applied < version:
+            remaining = deadline - loop.time()
+            if remaining <= 0 and not self.committing:
+                return
             try:
-                await asyncio.wait_for(self._changed.wait(), remaining)
+                await asyncio.wait_for(self._changed.wait(), None if self.committing else remaining)
             except TimeoutError:
                 return
 

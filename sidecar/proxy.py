@@ -217,7 +217,7 @@ class Proxy:
             body = json.dumps(payload).encode()
         wait_s = min(constraint.wait_s if constraint.wait_s is not None else self.settings.request_wait_s, self.settings.max_request_wait_s)
         try:
-            start, held = await self._unless_gone(request, self.gate.admit(constraint, wait_s))
+            start, held, claims = await self._unless_gone(request, self.gate.admit(constraint, wait_s))
         except ClientGone:
             return Response(status_code=499)
         self.metrics.in_flight.set(self.gate.in_flight)
@@ -246,13 +246,13 @@ class Proxy:
         headers[START_HEADER] = _stamp(start)
         if response.is_stream_consumed:
             try:
-                return await self._plain_answer(response, headers, start, release)
+                return await self._plain_answer(response, headers, start, claims, release)
             except BaseException:
                 release()
                 raise
-        return self._streamed_answer(response, headers, start, release, path)
+        return self._streamed_answer(response, headers, start, claims, release, path)
 
-    async def _plain_answer(self, response: httpx.Response, headers: dict[str, str], start: int, release: Callable[[], int | None]) -> Response:
+    async def _plain_answer(self, response: httpx.Response, headers: dict[str, str], start: int, claims: int, release: Callable[[], int | None]) -> Response:
         content = response.content
         answer: Any = None
         if response.is_success and "json" in response.headers.get("content-type", ""):
@@ -261,14 +261,14 @@ class Proxy:
             except ValueError:
                 answer = None
         if self.versions is not None and response.is_success:
-            await self.versions.verify(reported_versions(answer), start, self.versions.now())
+            await self.versions.verify(reported_versions(answer), start, self.versions.now(), claims)
         end = release()
         headers[END_HEADER] = _stamp(end)
         if stamp_answer(answer, start, end):
             content = json.dumps(answer).encode()
         return Response(content, status_code=response.status_code, headers=headers)
 
-    def _streamed_answer(self, response: httpx.Response, headers: dict[str, str], start: int, release: Callable[[], int | None], path: str) -> Response:
+    def _streamed_answer(self, response: httpx.Response, headers: dict[str, str], start: int, claims: int, release: Callable[[], int | None], path: str) -> Response:
         stamper = SseStamper(start, lambda: self.gate.applied, _finished_output if path in self.routes.final_in_place else None)
         check = self.versions
         vouched = check is None  # a reported version was checked, or no check applies
@@ -280,12 +280,12 @@ class Proxy:
             if check is not None and data is not None:
                 if data == b"[DONE]":
                     if not vouched:
-                        await check.verify(None, start, check.now())
+                        await check.verify(None, start, check.now(), claims)
                 else:
                     decoded = _json_or_none(data)
                     if (reported := reported_versions(decoded)) is not None:
                         vouched = True
-                        await check.verify(reported, start, check.now())
+                        await check.verify(reported, start, check.now(), claims)
             return stamper.emit(event, decoded)
 
         async def events() -> AsyncIterator[bytes]:
@@ -296,7 +296,7 @@ class Proxy:
                     if out:
                         yield b"".join(out)
                 if check is not None and not vouched and not stamper.stamped:  # ended without [DONE]
-                    await check.verify(None, start, check.now())
+                    await check.verify(None, start, check.now(), claims)
             except httpx.TransportError as exc:  # the engine broke off: the stamp, an error event, no [DONE]
                 log.warning("the engine broke off a streamed answer: %r", exc)
                 message = f"the engine at {self.settings.engine_url} broke off the stream ({type(exc).__name__}): the answer is incomplete; retry the request"
