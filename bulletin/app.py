@@ -1,7 +1,7 @@
 """The bulletin service: :func:`create_app` builds the FastAPI app (nothing is created at import).
 
 Routes live in :mod:`.routes_versions` (versions, long-poll, plans, runs) and
-:mod:`.routes_blobs` (blob upload/download); the state they share and the token checks, in
+:mod:`.routes_blobs` (blob upload/download), :mod:`.routes_squash` (squashes); the state they share and the token checks, in
 :mod:`.deps`. This module adds the ops routes (``/healthz``, ``/readyz``, ``/metrics``) and
 the error handlers. Every error answer is JSON
 ``{"type", "message", ...}`` (:class:`stitchboard.proto.schema.ErrorBody`); the OpenAPI
@@ -35,6 +35,7 @@ from .ledger import Ledger
 from .longpoll import Watcher
 from .metrics import BulletinMetrics, LatencyMiddleware
 from .routes_blobs import router as blobs_router
+from .routes_squash import router as squash_router
 from .routes_versions import router as versions_router
 from .settings import BulletinSettings, ignored_env_names
 from .stores import Store, open_store
@@ -126,6 +127,7 @@ def create_app(settings: BulletinSettings | None = None, store: Store | None = N
     _install_error_handlers(app)
     app.include_router(versions_router)
     app.include_router(blobs_router)
+    app.include_router(squash_router)
 
     @app.get("/healthz", tags=["ops"])
     async def healthz() -> dict:

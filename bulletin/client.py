@@ -25,6 +25,7 @@ import httpx
 
 from stitchboard.proto.answers import RunList, UploadUrl, VersionPage
 from stitchboard.proto.schema import Plan, RunInfo, VersionInfo, VersionManifest, canonical_json, parse_manifest
+from stitchboard.proto.squash_schema import SquashList, SquashManifest
 
 from .errors import BlobMismatchError, BulletinError, UnavailableError, error_from_body
 
@@ -294,12 +295,46 @@ class BulletinClient:
         r = self._call("GET", "/v1/runs", what="listing runs")
         return RunList.model_validate_json(r.content).runs
 
-    def plan(self, run: str, from_version: int | None = None, to_version: int | None = None) -> Plan:
+    def plan(self, run: str, from_version: int | None = None, to_version: int | None = None, *, squash: bool = False) -> Plan:
         """The files to fetch, in order, to go from ``from_version`` (None: nothing held) to ``to_version`` (None: latest).
+
+        ``squash=True`` says the caller applies ``squash`` steps (one patch from an older
+        version, :attr:`PlanStep.base_version`): the route may then use the run's squashes.
 
         Raises:
             NotFoundError: the run has no such version, or no complete route remains.
         """
-        params = {k: v for k, v in (("from", from_version), ("to", to_version)) if v is not None}
+        params: dict[str, int | str] = {k: v for k, v in (("from", from_version), ("to", to_version)) if v is not None}
+        if squash:
+            params["squash"] = "true"
         r = self._call("GET", f"/v1/runs/{run}/plan", params=params, what=f"planning run {run!r}")
         return Plan.model_validate_json(r.content)
+
+    # -- squashes ----------------------------------------------------------------------------
+
+    def put_squash(self, squash: SquashManifest) -> bool:
+        """Store a squash record (its files uploaded first). True if stored now, False if the identical one was.
+
+        Raises:
+            NotFoundError: a version of it is not committed.
+            InvalidRequestError: it disagrees with its versions; BlobMissingError, BlobMismatchError: a file.
+            VersionConflictError: another record is stored for the span (drop it first).
+        """
+        run, span = squash.run_id, f"{squash.base_version}/{squash.target_version}"
+        r = self._call("PUT", f"/v1/runs/{run}/squashes/{span}", content=canonical_json(squash), headers={"content-type": "application/json"}, what=f"storing squash {span} of run {run!r}")
+        return r.status_code == 201
+
+    def squashes(self, run: str) -> list[SquashManifest]:
+        """Every squash record of ``run``."""
+        r = self._call("GET", f"/v1/runs/{run}/squashes", what=f"listing squashes of run {run!r}")
+        return SquashList.model_validate_json(r.content).squashes
+
+    def drop_squash(self, run: str, base: int, target: int) -> bool:
+        """Drop one squash record; False if it was not stored."""
+        try:
+            self._call("DELETE", f"/v1/runs/{run}/squashes/{base}/{target}", what=f"dropping squash {base}/{target} of run {run!r}")
+        except BulletinError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True

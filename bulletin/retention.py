@@ -11,6 +11,11 @@ Removal waits out a grace period so in-flight plans and uploads finish:
 * a blob is removed when no remaining version references it and it was last written at least
   ``grace_s`` ago (this covers uploads whose publish never happened).
 
+Squash records (:mod:`.squash_store`) go with their versions: one whose base or target version
+is removed (or gone) is dropped in the same pass, and the blobs of the others are protected
+like a version's (also those of a squash being written: it declares an intent, and gc re-reads
+the squash records under each blob's lock).
+
 Manifests go before blobs, so a reader never sees a version whose files are missing. Before
 each blob is deleted gc takes the blob's lock (a create-only object, :mod:`.ledger`), then
 re-reads from the store the publish intents, the versions committed since it started and the
@@ -32,6 +37,7 @@ from datetime import datetime
 
 from .errors import InvalidRequestError, NotFoundError
 from .ledger import GC_LOCK_STALE_S, Ledger, blob_key, gc_locks_key, intents_key, run_key, version_key
+from .squash_store import prune_squashes, squash_blobs
 
 #: Seconds a publish intent protects its blobs at least (a publish checks its files and commits in far less).
 INTENT_LIFETIME_S = 900.0
@@ -43,6 +49,7 @@ class GcReport:
 
     versions_removed: dict[str, list[int]] = field(default_factory=dict)
     blobs_removed: dict[str, list[str]] = field(default_factory=dict)
+    squashes_removed: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     temporaries_removed: dict[str, int] = field(default_factory=dict)
     bytes_freed: int = 0
 
@@ -88,7 +95,11 @@ def collect_run(ledger: Ledger, run: str, keep_snapshots: int, grace_s: float, r
             ledger.store.delete(version_key(run, v))
     if drop:
         report.versions_removed[run] = drop
-    protected = _referenced(ledger, run, [v for v in numbers if v not in drop])
+    squashes = prune_squashes(ledger, run, set(numbers) - set(drop), dry_run)
+    if squashes:
+        report.squashes_removed[run] = squashes
+    squash_cache: dict[tuple[str, str], set[str]] = {}
+    protected = _referenced(ledger, run, [v for v in numbers if v not in drop]) | squash_blobs(ledger, run, squash_cache)
     candidates = [o for o in ledger.store.list(f"{run_key(run)}blobs/") if o.key.rsplit("/", 1)[-1] not in protected and now - o.modified_at >= grace_s]
     seen = max(numbers, default=-1)
     intents: dict[str, list[str]] = {}
@@ -107,7 +118,7 @@ def collect_run(ledger: Ledger, run: str, keep_snapshots: int, grace_s: float, r
         try:  # under the lock: live intents first, then new commits, then the blob's own age
             protected |= _intended(ledger, run, max(grace_s, INTENT_LIFETIME_S), now, intents)
             new = ledger.version_numbers(run, after=seen)
-            protected |= _referenced(ledger, run, new)
+            protected |= _referenced(ledger, run, new) | squash_blobs(ledger, run, squash_cache)
             seen = max(new, default=seen)
             current = ledger.store.stat(blob_key(run, sha))
             if sha in protected or current is None or now - current.modified_at < grace_s:
@@ -123,7 +134,7 @@ def collect_run(ledger: Ledger, run: str, keep_snapshots: int, grace_s: float, r
         _intended(ledger, run, max(grace_s, INTENT_LIFETIME_S), now, intents)  # removes stale intents
         for stale in [o for o in ledger.store.list(gc_locks_key(run)) if time.time() - o.modified_at >= GC_LOCK_STALE_S]:
             ledger.store.delete(stale.key)
-        temporaries = sum(ledger.store.remove_temporaries(f"{run_key(run)}{folder}", grace_s) for folder in ("", "versions/", "blobs/", "intents/", "gc-locks/"))
+        temporaries = sum(ledger.store.remove_temporaries(f"{run_key(run)}{folder}", grace_s) for folder in ("", "versions/", "blobs/", "intents/", "gc-locks/", "squashes/"))
         if temporaries:
             report.temporaries_removed[run] = temporaries
 

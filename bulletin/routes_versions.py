@@ -18,6 +18,7 @@ from .errors import BulletinError, InvalidRequestError, NotFoundError, PayloadTo
 from .ledger import run_key
 from .metrics import OTHER
 from .planner import make_plan
+from .squash_store import list_squashes
 
 router = APIRouter(prefix="/v1", tags=["versions"])
 
@@ -145,8 +146,10 @@ def plan(
     state: Read,
     from_version: Annotated[int | None, Query(alias="from", ge=0, description="version the caller holds; absent: nothing")] = None,
     to_version: Annotated[int | None, Query(alias="to", ge=0, description="target version; absent: latest")] = None,
+    squash: Annotated[bool, Query(description="the caller applies squash steps: routes may use the run's squashes")] = False,
 ) -> Plan:
-    """The ordered files to fetch to go from ``from`` to ``to``: the cheaper of deltas and anchor-then-deltas."""
+    """The ordered files to fetch to go from ``from`` to ``to``: the cheapest of deltas, anchor-then-deltas
+    and (with ``squash=true``) routes through the run's squashes."""
     if to_version is None:
         info = state.ledger.latest(run)
         if info is None:
@@ -159,4 +162,4 @@ def plan(
         except NotFoundError:
             return None
 
-    return make_plan(run, from_version, to_version, lookup)
+    return make_plan(run, from_version, to_version, lookup, list_squashes(state.ledger, run) if squash else ())

@@ -17,7 +17,7 @@ import json
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, ValidationError, field_validator, model_serializer, model_validator
 
 from .dtypes import DTYPE_SIZES, MAX_NUMEL, numel_of
 from .errors import SchemaError
@@ -190,8 +190,9 @@ class FileRef(_Model):
         path: relative file name (e.g. ``model-00001-of-00002.safetensors``, ``patch-r0.safetensors``).
         sha256: lowercase hex sha256 of the file's bytes.
         size_bytes: file size in bytes.
-        role: ``patch`` (a delta from the base version), ``snapshot`` (a shard of a full
-            safetensors checkpoint of the served view) or ``asset`` (config, tokenizer...).
+        role: ``patch`` (a delta from the base version, or a squash's patch: see
+            :mod:`.squash_schema`), ``snapshot`` (a shard of a full safetensors checkpoint of
+            the served view) or ``asset`` (config, tokenizer...).
     """
 
     path: str
@@ -238,7 +239,7 @@ class VersionManifest(_Model):
         version: consecutive integer from 0.
         base_version: ``version - 1``; ``None`` for version 0.
         snapshot: whether ``files`` hold a full snapshot (anchor) of the served view.
-        encoding: value encoding of the patch files (``xor`` or ``overwrite``).
+        encoding: value encoding of the patch files (``xor``, ``overwrite`` or ``cond``).
         tensors: the whole served view of this version, with target checksums.
         files: patch, snapshot and asset files.
         stats: changed/total elements and encoded bytes.
@@ -347,19 +348,47 @@ class RunInfo(_Model):
 
 
 class PlanStep(_Model):
-    """One step of a plan: load a snapshot, or apply one version's delta.
+    """One step of a plan: load a snapshot, apply one version's delta, or apply a squash.
 
     Attributes:
         version: the version this step brings the holder to.
-        kind: ``snapshot`` (load the full view from ``files``) or ``delta`` (apply ``files``).
+        kind: ``snapshot`` (load the full view from ``files``), ``delta`` (apply ``files``, from
+            ``version - 1``) or ``squash`` (apply ``files``, one patch from ``base_version``
+            straight to ``version``; only in plans asked for with ``squash=true``, so a client
+            that does not know the kind never receives it).
         files: files to fetch for this step (may be empty for an empty delta).
         size_bytes: sum of the files' sizes.
+        base_version: the version a ``squash`` applies to; ``None`` (and left out of the JSON,
+            which older readers refuse as an unknown field) for the other kinds.
     """
 
     version: int
-    kind: Literal["snapshot", "delta"]
+    kind: Literal["snapshot", "delta", "squash"]
     files: list[FileRef]
     size_bytes: int
+    base_version: int | None = None
+
+    @model_validator(mode="after")
+    def _base(self) -> PlanStep:
+        if (self.kind == "squash") != (self.base_version is not None):
+            raise ValueError("a squash step names its base_version; other steps do not")
+        if self.base_version is not None and not 0 <= self.base_version < self.version - 1:
+            raise ValueError(f"squash to version {self.version} from base {self.base_version}: the base must be at least two versions older")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out: dict[str, Any] = handler(self)
+        if self.base_version is None:
+            out.pop("base_version", None)
+        return out
+
+    @property
+    def from_version(self) -> int | None:
+        """The version this step applies to (``None`` for a snapshot)."""
+        if self.kind == "snapshot":
+            return None
+        return self.base_version if self.base_version is not None else self.version - 1
 
 
 class Plan(_Model):

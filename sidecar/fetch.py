@@ -2,7 +2,7 @@
 decode them; the engine is untouched. (Staging *inside* the engine is :mod:`.engines.vllm.update`.)
 
 Files land at ``<folder>/<run>/v<version>-<kind>/<path>`` (a memory-backed folder the engine
-reads; ``kind`` is ``delta`` or ``snapshot``, so a step's folder holds its files only). Downloads run concurrently (``concurrency`` at once) through
+reads; ``kind`` is ``delta``, ``squash`` or ``snapshot``, so a step's folder holds its files only). Downloads run concurrently (``concurrency`` at once) through
 :meth:`BulletinClient.download_blob`, which retries, resumes partial files and verifies sha256
 and size. A file staged earlier (a coalesced re-plan, or a restart) is re-hashed and reused.
 
@@ -17,6 +17,11 @@ Each step is then checked against its manifest before anything reaches the engin
   on the base's bits, which the sidecar does not hold: its value decode is skipped here and
   done by the engine against its own base, where a stream that does not decode to the target
   checksum is refused before the first write (:mod:`.engines.vllm.update`);
+* squash (one patch from an older version ``base`` straight to ``version``): the same checks as
+  a delta by the patch indexes, against the manifests of ``base`` (fetched when the plan does
+  not hold it: a squash is always checked against its base) and ``version``
+  (:func:`~stitchboard.proto.squash_schema.check_patch_lineage`); the engine applies it like a
+  delta, from ``base``;
 * snapshot: the shards hold exactly the manifest's tensors (dtype, shape) with its checksums.
 """
 
@@ -34,7 +39,9 @@ from stitchboard.bulletin.client import BulletinClient
 from stitchboard.proto.checkpoint import load_checkpoint
 from stitchboard.proto.codec import checksum
 from stitchboard.proto.decode import read_patch
-from stitchboard.proto.schema import XXH3_128, FileRef, Plan, VersionManifest
+from stitchboard.proto.errors import SchemaError
+from stitchboard.proto.schema import XXH3_128, FileRef, Plan, PlanStep, VersionManifest
+from stitchboard.proto.squash_schema import check_patch_lineage
 
 from .errors import StagingError
 
@@ -47,22 +54,25 @@ class FetchedStep:
 
     Attributes:
         version: the version this step brings the engine to.
-        kind: ``snapshot`` (load the shards) or ``delta`` (apply the patch files, all at once).
+        kind: ``snapshot`` (load the shards), ``delta`` or ``squash`` (apply the patch files, all at once).
         folder: the step's hand-off folder (its files and nothing else).
         paths: staged patch files, or snapshot shards (``.safetensors``; an index json is not listed).
         manifest: the version's manifest (target checksums).
+        base_version: the version the patch files apply to (``version - 1`` for a delta, the
+            squash's base; ``None`` for a snapshot).
     """
 
     version: int
-    kind: Literal["snapshot", "delta"]
+    kind: Literal["snapshot", "delta", "squash"]
     folder: Path
     paths: list[Path]
     manifest: VersionManifest
+    base_version: int | None = None
 
     @property
     def empty(self) -> bool:
-        """An empty delta: the version flips without touching the engine."""
-        return self.kind == "delta" and not self.paths
+        """An empty delta (or squash): the version flips without touching the engine."""
+        return self.kind != "snapshot" and not self.paths
 
 
 @dataclass
@@ -153,10 +163,13 @@ class Fetcher:
             if step.kind == "snapshot":
                 paths = [folder / f.path for f in manifest.files_of("snapshot") if not f.path.endswith(".json")]
                 self._check_snapshot(manifest, folder)
+            elif step.kind == "squash":
+                paths = [folder / f.path for f in step.files]
+                self._check_squash(step, manifest, paths, previous)
             else:
                 paths = [folder / f.path for f in manifest.files_of("patch")]
                 self._check_delta(manifest, paths, previous)
-            staged.steps.append(FetchedStep(step.version, step.kind, folder, paths, manifest))
+            staged.steps.append(FetchedStep(step.version, step.kind, folder, paths, manifest, step.from_version))
             previous = manifest
         staged.seconds = time.perf_counter() - start
         return staged
@@ -204,6 +217,21 @@ class Fetcher:
             moved = sorted(n for n in want if n not in touched and want[n].checksums[XXH3_128] != before[n].checksums[XXH3_128])
             if moved:
                 raise StagingError(f"version {v}: tensors {moved[:3]} change checksum but no patch touches them")
+
+    def _check_squash(self, step: PlanStep, manifest: VersionManifest, paths: list[Path], previous: VersionManifest | None) -> None:
+        base_version = step.from_version
+        assert base_version is not None  # a squash step always names its base (PlanStep checks it)
+        base = previous if previous is not None and previous.version == base_version else self.client.manifest(self.run, base_version)
+        indexes = []
+        for path in paths:
+            patch = read_patch(path.read_bytes(), what=str(path))
+            indexes.append((str(path), patch.entries))
+            if patch.encoding != "cond":  # cond decodes only against the base: the engine does it (module doc)
+                patch.deltas()
+        try:
+            check_patch_lineage(indexes, base, manifest)
+        except SchemaError as exc:
+            raise StagingError(exc.message) from None
 
     def discard(self) -> None:
         """Remove every staged file of the run (after a commit: the engine has what it needs)."""

@@ -5,7 +5,9 @@ engine, fetching) run in a small thread pool of its own so the proxy keeps servi
 
 1. **boot** (:meth:`~.claim.ClaimKeeper.boot`, with the watch that keeps the claim true).
 2. **follow**: long-poll the bulletin for a version newer than the target.
-3. **fetch** (:mod:`.fetch`): plan from the applied version, download, verify, decode; the
+3. **fetch** (:mod:`.fetch`): plan from the applied version (squash steps accepted: one patch
+   from an older version where that is cheaper than the chain; a plan whose squash fails its
+   checks is replaced at once by the route without squashes), download, verify, decode; the
    engine keeps serving. Versions published meanwhile are coalesced into the same plan.
 4. **commit**: a plan of deltas is first staged inside the engine while it serves (decoded,
    checked against the engine's bits, GEMM copies packed: :meth:`EngineAdapter.stage_patches`);
@@ -40,12 +42,12 @@ import time
 from typing import Any
 
 from stitchboard.bulletin.errors import NotFoundError
-from stitchboard.proto.errors import StitchError
+from stitchboard.proto.errors import PatchError, StitchError
 from stitchboard.proto.schema import VersionManifest
 from stitchboard.proto.sidecar_wire import COMMIT_STATES, Refusal, RouteKind, SyncReport
 
 from .claim import ClaimKeeper
-from .errors import ApplyRefusedError, EngineChangedError, EngineVersionMismatchError, PlanRefusedError
+from .errors import ApplyRefusedError, EngineChangedError, EngineVersionMismatchError, PlanRefusedError, StagingError
 from .fetch import FetchedPlan
 from .rebase import build_rebase
 
@@ -178,9 +180,16 @@ class Reconciler(ClaimKeeper):
 
     async def _stage(self, target: int) -> FetchedPlan:
         start = None if self._force_anchor else self.gate.applied
-        plan = await self._io(self.client.plan, self.run_id, start, target)
+        plan = await self._io(self.client.plan, self.run_id, start, target, squash=True)
         base = await self._base_manifest(start)
-        staged = await self._io(self.fetcher.fetch, plan, base)
+        try:
+            staged = await self._io(self.fetcher.fetch, plan, base)
+        except (StagingError, PatchError) as exc:
+            if not any(s.kind == "squash" for s in plan.steps):
+                raise
+            log.warning("the plan %s -> %d through a squash failed its checks (%s): taking the route without squashes", start, target, exc)
+            plan = await self._io(self.client.plan, self.run_id, start, target)
+            staged = await self._io(self.fetcher.fetch, plan, base)
         self.metrics.bytes_fetched.inc(staged.bytes_fetched)
         self.metrics.stage_seconds.observe(staged.seconds)
         return staged
@@ -331,9 +340,9 @@ class Reconciler(ClaimKeeper):
                 if step.kind == "snapshot":
                     await self._io(self.engine.load_snapshot, [str(p) for p in step.paths], step.version, step.manifest.checksums())
                 elif step.empty:
-                    await self._io(self.engine.set_version, step.version, step.version - 1)
-                else:
-                    await self._io(self.engine.apply_patch, [str(p) for p in step.paths], step.version - 1, step.version)
+                    await self._io(self.engine.set_version, step.version, step.base_version)
+                else:  # a delta, or a squash from its base
+                    await self._io(self.engine.apply_patch, [str(p) for p in step.paths], step.base_version, step.version)
         held = (await self._io(self.engine.state)).version
         if held != staged.to_version:
             raise EngineVersionMismatchError(f"after applying, the engine records version {held}, expected {staged.to_version}")

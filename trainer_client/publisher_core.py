@@ -17,7 +17,7 @@ import tempfile
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +38,7 @@ from .encode_version import BaseTensor, EncodedPart, build_manifest, bytes_ref, 
 from .publish_result import PublishResult, log_result
 from .resume import resume_publisher
 from .served_view import DtypeMap
+from .squash import DEFAULT_SQUASH_DEPTHS, Squasher
 from .uploads import upload_assets, upload_files
 from .version_parts import EncodeReport, PublishedVersion, RankPart, ViewPart, needs_snapshot, shard_layout, version_result
 
@@ -67,6 +68,7 @@ class PublisherOptions(TypedDict, total=False):
     timeout_s: float
     workdir: str | os.PathLike[str] | None
     client: BulletinClient | None
+    squash_depths: Sequence[int]
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,7 @@ class PublisherCore(ABC):
         timeout_s: float = 60.0,
         workdir: str | os.PathLike[str] | None = None,
         client: BulletinClient | None = None,
+        squash_depths: Sequence[int] = DEFAULT_SQUASH_DEPTHS,
     ) -> None:
         if snapshot_every < 1:
             raise ValueError(f"snapshot_every must be >= 1, got {snapshot_every}")
@@ -130,6 +133,7 @@ class PublisherCore(ABC):
         self._lock = threading.Lock()
         self._pending: _Pending | None = None
         self._published, self._assets, self._asset_data = self._start(resume, assets)
+        self._squasher = Squasher(self.client, self.run, self.rank, squash_depths, encoding)
 
     # -- resume ------------------------------------------------------------------------------
 
@@ -356,6 +360,8 @@ class PublisherCore(ABC):
             raise
         self._published, self._pending = published, None
         t3 = time.perf_counter()
+        old = None if last is None or tensor_set_changed else last.view
+        self._squasher.after_commit(manifest, old, view.tensors, {n: t.checksum for n, t in last.tensors.items()} if last else {}, self._exchange, self._on_committer)
         result = version_result(manifest, snapshot, parts, cast_s=cast_s, diff_s=t1 - t0, write_s=write_s, upload_s=t2 - t1 - write_s, commit_s=t3 - t2)
         if self.rank == 0:
             log_result(self.run, result)

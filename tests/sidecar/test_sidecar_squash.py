@@ -1,0 +1,68 @@
+"""Squashed catch-up end to end over real HTTP: the trainer's Publisher stores squashes, a sidecar
+k versions behind (fake engine, real codec) fetches ONE squash instead of the k deltas and ends
+verified; on a folder store and on S3 (moto's server on loopback).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from stitchboard.bulletin.client import BulletinClient
+from stitchboard.proto.container import RawTensor
+from stitchboard.trainer_client.publisher import Publisher
+from tests.bulletin.bulletin_helpers import S3_ENV, ThreadServer, make_backend
+from tests.bulletin.conftest import moto_endpoint  # noqa: F401  (the S3 backend's endpoint)
+from tests.sidecar.fake_engine import FakeEngine, copy_view
+from tests.sidecar.sidecar_helpers import make_view, same_bits
+
+
+def rl_steps(seed: int, steps: int, tensors: int = 4, numel: int = 8192) -> list[dict[str, RawTensor]]:
+    """A view and ``steps`` successors that, like Adam steps near the bf16 grid, keep moving the
+    same ~2 % of elements by one ulp up or down (so k steps touch far fewer than k x 2 %)."""
+    rng = np.random.default_rng(seed)
+    views = [make_view(seed, tensors, numel)]
+    hot = {n: rng.choice(numel, numel // 50, replace=False) for n in views[0]}
+    for _ in range(steps):
+        view = copy_view(views[-1])
+        for name, t in view.items():
+            at = hot[name][rng.random(hot[name].size) < 0.5]
+            t.bits[at] = (t.bits[at].astype(np.int32) + rng.choice([-1, 1], at.size)).astype(np.uint16)
+        views.append(view)
+    return views
+
+
+@pytest.fixture(params=["file", "s3"])
+def squash_bulletin(request: pytest.FixtureRequest, tmp_path, monkeypatch: pytest.MonkeyPatch) -> Iterator[ThreadServer]:
+    for k, v in S3_ENV.items():
+        monkeypatch.setenv(k, v)
+    server = ThreadServer(make_backend(request.param, request, tmp_path, max_blob_bytes=8 << 20).settings)
+    yield server
+    server.stop()
+
+
+def test_sidecar_k_behind_catches_up_with_one_squash(squash_bulletin, sc_start, tmp_path):
+    run = f"run-{uuid.uuid4().hex[:8]}"
+    views = rl_steps(3, 5)
+    with BulletinClient(squash_bulletin.url, retries=1, backoff_s=0.01) as client:
+        with Publisher(squash_bulletin.url, run, client=client, squash_depths=(4,), workdir=tmp_path / "pub") as pub:
+            results = [pub.publish_view(v) for v in views]
+        squashes = client.squashes(run)
+        assert [(s.base_version, s.target_version) for s in squashes] == [(0, 4), (1, 5)]
+        squash = squashes[1]
+        chain = sum(r.encoded_bytes for r in results[2:])
+        assert squash.size_bytes < chain, (squash.size_bytes, chain)
+        assert client.plan(run, 1, 5).steps[0].kind == "delta"  # a client that did not ask for squash steps gets the chain
+        planned = client.plan(run, 1, 5, squash=True)
+        assert [(s.kind, s.base_version, s.version) for s in planned.steps] == [("squash", 1, 5)]
+
+        engine = FakeEngine(copy_view(views[1]))
+        sidecar = sc_start(engine, client=client, bulletin=squash_bulletin.url, run=run, boot_version=1)
+        status = sidecar.wait_applied(5)
+        assert engine.version == 5 and same_bits(engine.weights, views[5]), "the engine holds version 5's exact bits"
+        assert status["last_sync"]["bytes_fetched"] == squash.size_bytes, "one squash downloaded, not the four deltas"
+        staged = [args for name, args in engine.calls if name == "stage_patches"]
+        assert len(staged) == 1 and len(staged[0]) == 1 and staged[0][0][1:] == (1, 5), staged

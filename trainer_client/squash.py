@@ -1,0 +1,274 @@
+"""Squashes the trainer encodes after each commit: one patch from a recent version straight to the latest.
+
+A ``cond`` patch decodes only on its base, so nothing without the views can compose patches;
+the trainer holds the latest view and keeps its recent versions as **reverse records**: for
+each of the last ``max(depths)`` versions v and each tensor that changed, the changed positions
+and their bits in v - 1 (about 1 % of the elements per RL step). The view of a recent version
+B is the latest view with the records of L, L-1, ..., B+1 written back; it is built only for
+the tensors that changed since B (a copy of them), encoded against the latest view with the
+same encoder as a delta (entries carry B's checksums as base, L's as target), and discarded.
+
+:class:`Squasher` does this for one publisher (either kind; each rank encodes and uploads its
+part, rank 0 stores the record, :mod:`stitchboard.bulletin.squash_store`). At version L it
+encodes squash(L - d -> L) for each depth d it can, and stores it only when it is smaller than
+the chain of L - d + 1 .. L. Squashes are derived: a failure is logged, never raised (the
+version is committed already), and ``stitchboard squash rebuild`` (:mod:`.squash_cli`) makes
+them again from the stored anchor and deltas with :class:`RecentViews` too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from stitchboard.bulletin.client import BulletinClient
+from stitchboard.bulletin.errors import BulletinError
+from stitchboard.proto.codec import build_patch, encode_tensor
+from stitchboard.proto.container import RawTensor
+from stitchboard.proto.schema import Encoding, FileRef, VersionManifest, canonical_json
+from stitchboard.proto.squash_schema import MIN_SQUASH_SPAN, SquashManifest
+
+from .encode_version import bytes_ref
+
+log = logging.getLogger("stitchboard.trainer_client")
+
+#: Squash depths a publisher emits unless told otherwise (see the README's squash figures).
+DEFAULT_SQUASH_DEPTHS: tuple[int, ...] = (4, 8)
+
+
+def check_depths(depths: Iterable[int]) -> tuple[int, ...]:
+    """Validate squash depths (each >= 2, versions back from the latest); sorted, without repeats.
+
+    Raises:
+        ValueError: a depth below 2.
+    """
+    out = tuple(sorted({int(d) for d in depths}))
+    if any(d < MIN_SQUASH_SPAN for d in out):
+        raise ValueError(f"squash depths must be >= {MIN_SQUASH_SPAN} (one version back is the delta itself), got {list(out)}")
+    return out
+
+
+def manifest_sha256(manifest: VersionManifest) -> str:
+    """sha256 of a manifest's canonical JSON (the bulletin's ``manifest_sha256``)."""
+    return hashlib.sha256(canonical_json(manifest)).hexdigest()
+
+
+@dataclass(frozen=True)
+class _Record:
+    """Version ``version`` as a reverse record: what it changed and the bits those elements had in ``version - 1``."""
+
+    version: int
+    base_checksums: dict[str, str]
+    base_digest: str
+    encoded_bytes: int
+    changes: dict[str, tuple[np.ndarray, np.ndarray]]
+
+
+def _pool_map(fn: Callable[[str], Any], names: list[str]) -> list[Any]:
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        return list(pool.map(fn, names))
+
+
+class RecentViews:
+    """The last ``depth`` versions of a view, kept as reverse records from the latest one.
+
+    Args:
+        depth: versions kept (>= 1).
+    """
+
+    def __init__(self, depth: int) -> None:
+        self.depth = depth
+        self._records: deque[_Record] = deque(maxlen=depth)
+        self.latest: int | None = None
+        self.latest_digest = ""
+
+    def reset(self) -> None:
+        """Forget every record (the tensor set changed, or the previous view is unknown)."""
+        self._records.clear()
+
+    def start(self, manifest: VersionManifest) -> None:
+        """Take ``manifest``'s version as the latest, with no record yet (a rebuilt or resumed view)."""
+        self.reset()
+        self.latest, self.latest_digest = manifest.version, manifest_sha256(manifest)
+
+    def record(self, manifest: VersionManifest, old: Mapping[str, RawTensor] | None, new: Mapping[str, RawTensor], old_checksums: Mapping[str, str]) -> None:
+        """Note version ``manifest.version`` (its view ``new``) after version ``manifest.version - 1`` (``old``).
+
+        The records restart here (older versions can no longer be rebuilt) when ``old`` is
+        ``None`` (unknown, or the tensor set changed) or the previous version is not the latest noted.
+
+        Args:
+            manifest: the new version's manifest (its target checksums and encoded bytes).
+            old, new: this process's tensors of the two versions (same names, dtypes, shapes).
+            old_checksums: every tensor's xxh3-128 in the old version (all processes' tensors).
+        """
+        new_sums = manifest.checksums()
+        if old is None or self.latest != manifest.version - 1 or set(old) != set(new) or set(old_checksums) != set(new_sums):
+            self.start(manifest)
+            return
+        moved = sorted(n for n in new if new_sums[n] != old_checksums[n])
+
+        def reverse(name: str) -> tuple[np.ndarray, np.ndarray]:
+            at = np.flatnonzero(old[name].bits != new[name].bits)
+            return at, old[name].bits[at]
+
+        changes = dict(zip(moved, _pool_map(reverse, moved), strict=True))
+        self._records.append(_Record(manifest.version, dict(old_checksums), self.latest_digest, manifest.stats.encoded_bytes, changes))
+        self.latest, self.latest_digest = manifest.version, manifest_sha256(manifest)
+
+    def bases(self) -> list[int]:
+        """The versions whose view can be rebuilt (at most ``depth`` back), ascending."""
+        return [r.version - 1 for r in self._records]
+
+    def chain_bytes(self, base: int) -> int:
+        """Bytes of the deltas from ``base + 1`` to the latest version."""
+        return sum(r.encoded_bytes for r in self._records if r.version > base)
+
+    def base_of(self, base: int) -> tuple[dict[str, str], str]:
+        """(every tensor's checksum, manifest sha256) of version ``base``. Raises KeyError if not kept."""
+        for r in self._records:
+            if r.version == base + 1:
+                return r.base_checksums, r.base_digest
+        raise KeyError(f"version {base} is not among the recent versions {self.bases()}")
+
+    def view_at(self, base: int, latest: Mapping[str, RawTensor]) -> dict[str, RawTensor]:
+        """Copies of the tensors of ``latest`` that changed since ``base``, with their bits in ``base``.
+
+        Raises:
+            KeyError: ``base`` is not among :meth:`bases`.
+        """
+        self.base_of(base)
+        newer = [r for r in reversed(self._records) if r.version > base]  # latest first
+        names = sorted({n for r in newer for n in r.changes})
+
+        def rebuild(name: str) -> RawTensor:
+            t = latest[name]
+            bits = t.bits.copy()
+            for r in newer:
+                if name in r.changes:
+                    at, old = r.changes[name]
+                    bits[at] = old
+            return RawTensor(t.dtype, tuple(t.shape), bits)
+
+        return dict(zip(names, _pool_map(rebuild, names), strict=True))
+
+
+def encode_squash(views: RecentViews, base: int, latest: Mapping[str, RawTensor], target_checksums: Mapping[str, str], encoding: Encoding, metadata: Mapping[str, str]) -> tuple[bytes, int]:
+    """The patch taking this process's tensors from version ``base`` to the latest: (file bytes, changed elements).
+
+    Args:
+        views: the recent versions (``base`` among them).
+        base: the squash's base version.
+        latest: this process's tensors of the latest version.
+        target_checksums: every tensor's xxh3-128 in the latest version.
+        encoding: the patch encoding (the publisher's).
+        metadata: patch ``__metadata__`` strings.
+    """
+    base_sums, _ = views.base_of(base)
+    old = views.view_at(base, latest)
+    names = sorted(n for n in old if base_sums[n] != target_checksums[n])
+    encoded = _pool_map(lambda n: encode_tensor(n, old[n], latest[n], encoding, base_checksum=base_sums[n], target_checksum=target_checksums[n]), names)
+    kept = [e for e in encoded if e is not None]
+    return build_patch(kept, encoding, metadata), sum(e.entry.count for e in kept)
+
+
+#: ``exchange(what, work)``: run ``work`` on every rank; (this rank's kept value, every rank's shared value).
+Exchange = Callable[[str, Callable[[], tuple[Any, Any]]], tuple[Any, list[Any]]]
+#: ``on_committer(work)``: run ``work`` on rank 0; every rank gets its value or error.
+OnCommitter = Callable[[Callable[[], Any]], Any]
+
+
+class Squasher:
+    """Encodes and stores a publisher's squashes after each commit (see the module docstring).
+
+    Args:
+        client: the bulletin client.
+        run: the run id.
+        rank: this process's rank (0 stores the records).
+        depths: squash depths (versions back from the latest), see :func:`check_depths`.
+        encoding: the patch encoding.
+    """
+
+    def __init__(self, client: BulletinClient, run: str, rank: int, depths: Iterable[int], encoding: Encoding) -> None:
+        self.client, self.run, self.rank, self.encoding = client, run, rank, encoding
+        self.depths = check_depths(depths)
+        self.views = RecentViews(max(self.depths, default=1))
+        self.stored: list[tuple[int, int]] = []
+
+    def after_commit(
+        self, manifest: VersionManifest, old: Mapping[str, RawTensor] | None, new: Mapping[str, RawTensor], old_checksums: Mapping[str, str], exchange: Exchange, on_committer: OnCommitter
+    ) -> list[SquashManifest]:
+        """Record version ``manifest.version`` and store its squashes; the records stored (on every rank).
+
+        Every rank calls this after the same commit with its own tensors. Failures are logged
+        (the version is committed already; plans fall back to the chain).
+        """
+        if not self.depths:
+            return []
+        self.views.record(manifest, old, new, old_checksums)
+        out = []
+        for base in [manifest.version - d for d in self.depths if manifest.version - d in self.views.bases()]:
+            try:
+                stored = self._squash(manifest, base, new, exchange, on_committer)
+            except Exception:  # the ranks' exchange failed: the version stands, the chain serves
+                log.exception("run %s: squash %d -> %d failed", self.run, base, manifest.version)
+                continue
+            if stored is not None:
+                out.append(stored)
+        return out
+
+    def _squash(self, manifest: VersionManifest, base: int, new: Mapping[str, RawTensor], exchange: Exchange, on_committer: OnCommitter) -> SquashManifest | None:
+        target = manifest.version
+        what = f"squash {base} -> {target} of run {self.run!r}"
+
+        def encode() -> tuple[bytes | None, tuple[int, int] | None]:
+            try:
+                meta = {"run": self.run, "version": str(target), "base_version": str(base), "squash": "true"}
+                data, changed = encode_squash(self.views, base, new, manifest.checksums(), self.encoding, meta)
+            except Exception:  # a derived object: log, and every rank skips it
+                log.exception("%s: encoding failed; the chain serves instead", what)
+                return None, None
+            return data, (len(data), changed)
+
+        data, sizes = exchange(f"encoding {what}", encode)
+        if data is None or any(s is None for s in sizes):
+            return None
+        total, changed = sum(s[0] for s in sizes), sum(s[1] for s in sizes)
+        chain = self.views.chain_bytes(base)
+        if total >= chain:
+            log.info("%s: %d bytes, not smaller than the chain's %d: not stored", what, total, chain)
+            return None
+
+        def upload() -> tuple[None, FileRef | None]:
+            ref = bytes_ref(f"squash-v{base}-v{target}-r{self.rank}.safetensors", data, "patch")
+            try:
+                self.client.put_blob(self.run, ref.sha256, data, ref.size_bytes)
+            except BulletinError as exc:
+                log.warning("%s: upload failed (%s); the chain serves instead", what, exc)
+                return None, None
+            return None, ref
+
+        _, refs = exchange(f"uploading {what}", upload)
+        if any(r is None for r in refs):
+            return None
+        _, base_digest = self.views.base_of(base)
+        squash = SquashManifest(
+            run_id=self.run, base_version=base, target_version=target, encoding=self.encoding, base_manifest_sha256=base_digest,
+            target_manifest_sha256=self.views.latest_digest, files=refs, size_bytes=total, changed_elements=changed,
+        )  # fmt: skip
+        try:
+            on_committer(lambda: self.client.put_squash(squash))
+        except BulletinError as exc:
+            log.warning("%s: storing the record failed (%s); the chain serves instead", what, exc)
+            return None
+        self.stored.append((base, target))
+        log.info("run %s: squash %d -> %d stored (%d bytes, chain %d)", self.run, base, target, total, chain)
+        return squash
