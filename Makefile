@@ -1,11 +1,13 @@
 # One-command entry points; each creates or refreshes .venv in the repo root first.
-#   make demo   - the main job: `stitchboard demo` (a real RL loop synced into a real vLLM, checked bit for bit)
+#   make demo   - the main job: `stitchboard demo` (a real RL loop synced into a real vLLM, checked bit for bit);
+#                 `make demo ENGINE=sglang` runs it against SGLang (creating .venv-sglang too)
 #   make test   - the whole test suite
 #   make bench  - every benchmark (prints figures)
 #   make lint   - ruff (lint + format check) and mypy, as CI runs them
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
+ENGINE ?= vllm
 STAMP := $(VENV)/.installed
 
 .PHONY: venv test demo bench lint clean
@@ -39,8 +41,8 @@ lint: venv
 	for p in proto bulletin trainer_client sidecar demo; do ln -sfn ../../../$$p build/typecheck/stitchboard/$$p; done
 	$(PY) .ci/typecheck.py
 
-demo: venv
-	$(VENV)/bin/stitchboard demo --workdir stitchboard-demo
+demo: venv $(if $(filter sglang,$(ENGINE)),venv-sglang)
+	$(VENV)/bin/stitchboard demo --engine $(ENGINE) --workdir stitchboard-demo
 
 bench: venv
 	$(PY) -m tests.benchmarks.bench_codec

