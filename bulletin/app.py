@@ -31,10 +31,13 @@ from stitchboard.proto.env import RENAMED_ENV
 from .auth import Authorizer
 from .deps import BulletinState
 from .errors import BulletinError
+from .fleet import FleetStore
+from .fleet_watch import FleetWatcher
 from .ledger import Ledger
 from .longpoll import Watcher
 from .metrics import BulletinMetrics, LatencyMiddleware
 from .routes_blobs import router as blobs_router
+from .routes_fleet import router as fleet_router
 from .routes_squash import router as squash_router
 from .routes_versions import router as versions_router
 from .settings import BulletinSettings, ignored_env_names
@@ -105,7 +108,8 @@ def create_app(settings: BulletinSettings | None = None, store: Store | None = N
     upload_dir.mkdir(parents=True, exist_ok=True)
     ledger = Ledger(store, max_manifest_bytes=settings.max_manifest_bytes, cache_entries=settings.manifest_cache_entries)
     metrics = BulletinMetrics(store)
-    state = BulletinState(settings, store, ledger, Watcher(ledger, settings.poll_interval_s, metrics), Authorizer(settings.tokens), metrics, upload_dir)
+    fleet = FleetWatcher(FleetStore(store, upload_dir, settings.replica_lease_s, settings.replica_forget_s), ledger, settings.fleet_poll_interval_s)
+    state = BulletinState(settings, store, ledger, Watcher(ledger, settings.poll_interval_s, metrics), Authorizer(settings.tokens), metrics, upload_dir, fleet)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -127,6 +131,7 @@ def create_app(settings: BulletinSettings | None = None, store: Store | None = N
     _install_error_handlers(app)
     app.include_router(versions_router)
     app.include_router(blobs_router)
+    app.include_router(fleet_router)
     app.include_router(squash_router)
 
     @app.get("/healthz", tags=["ops"])

@@ -1,7 +1,8 @@
-"""Bearer-token authorization: scopes ``read``, ``publish`` and ``metrics``, optionally limited to some runs.
+"""Bearer-token authorization: scopes ``read``, ``publish``, ``replica`` and ``metrics``, optionally limited to some runs.
 
 Tokens come from :attr:`BulletinSettings.tokens`. ``publish`` implies ``read`` (a trainer checks
-for existing blobs before uploading); ``metrics`` (``GET /metrics``, which names every run) is
+for existing blobs before uploading); ``replica`` (a sidecar: follow the run and report itself,
+``PUT .../replicas/{id}``) implies ``read`` but not ``publish``; ``metrics`` (``GET /metrics``, which names every run) is
 implied by no other scope. With no tokens configured every request is allowed and the service
 warns at start-up.
 """
@@ -14,7 +15,7 @@ from typing import Literal
 from .errors import ForbiddenError, UnauthorizedError
 from .settings import TokenGrant
 
-Scope = Literal["read", "publish", "metrics"]
+Scope = Literal["read", "publish", "metrics", "replica"]
 
 
 class Authorizer:
@@ -53,7 +54,7 @@ class Authorizer:
         if self.open:
             return
         grant = self._grant(authorization)
-        scopes = set(grant.scopes) | ({"read"} if "publish" in grant.scopes else set())
+        scopes = set(grant.scopes) | ({"read"} if {"publish", "replica"} & set(grant.scopes) else set())
         if scope not in scopes:
             raise ForbiddenError(f"this token has scopes {sorted(scopes)}, the request needs {scope!r}", scope=scope)
         if run is not None and grant.runs is not None and run not in grant.runs:

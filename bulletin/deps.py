@@ -17,6 +17,7 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from .auth import Authorizer, Scope
+from .fleet_watch import FleetWatcher
 from .ledger import Ledger
 from .longpoll import Watcher
 from .metrics import BulletinMetrics
@@ -24,12 +25,12 @@ from .settings import BulletinSettings
 from .stores import Store
 
 #: Declares the bearer scheme in the OpenAPI document; the check itself is :class:`Authorizer`'s.
-bearer = HTTPBearer(auto_error=False, description="Token with scope read or publish (STITCH_BULLETIN_TOKENS).")
+bearer = HTTPBearer(auto_error=False, description="Token with scope read, publish or replica (STITCH_BULLETIN_TOKENS).")
 
 
 @dataclass
 class BulletinState:
-    """What the routes share: settings, store, ledger, long-poll watcher, auth, metrics and the upload folder."""
+    """What the routes share: settings, store, ledger, long-poll watcher, auth, metrics, the upload folder and the fleet's records."""
 
     settings: BulletinSettings
     store: Store
@@ -38,6 +39,7 @@ class BulletinState:
     auth: Authorizer
     metrics: BulletinMetrics
     upload_dir: Path
+    fleet: FleetWatcher
 
 
 def state_of(request: Request) -> BulletinState:
@@ -64,3 +66,5 @@ def access(scope: Scope) -> Callable[..., Awaitable[BulletinState]]:
 #: Route parameter types: the state, after checking the token for ``read`` / ``publish`` on the path's run.
 Read = Annotated[BulletinState, Depends(access("read"))]
 Publish = Annotated[BulletinState, Depends(access("publish"))]
+#: The state, after checking the token for ``replica`` (a sidecar reporting itself) on the path's run.
+Replica = Annotated[BulletinState, Depends(access("replica"))]

@@ -8,9 +8,10 @@ them.
 Tokens example::
 
     STITCH_BULLETIN_TOKENS='{"trainer-secret": {"scopes": ["publish"], "runs": ["grpo-7b"]},
-                             "sidecar-secret": {"scopes": ["read"]}}'
+                             "sidecar-secret": {"scopes": ["replica"]}}'
 
-``publish`` implies ``read``; ``metrics`` (for Prometheus) is needed for ``/metrics`` once tokens
+``publish`` implies ``read``; ``replica`` (a sidecar: reports itself to the fleet view) implies
+``read`` but not ``publish``; ``metrics`` (for Prometheus) is needed for ``/metrics`` once tokens
 are configured; ``runs`` limits a token to those run ids (absent: every run).
 With no tokens the bulletin is open and warns at start-up. It also warns at start-up about
 every ``STITCH_BULLETIN_*`` variable that is not one of these fields (:func:`ignored_env_names`),
@@ -32,13 +33,13 @@ MiB = 1 << 20
 
 
 class TokenGrant(BaseModel):
-    """What one bearer token may do: ``scopes`` among ``read``/``publish``/``metrics``; ``runs`` (None: all runs).
+    """What one bearer token may do: ``scopes`` among ``read``/``publish``/``replica``/``metrics``; ``runs`` (None: all runs).
 
     ``metrics`` (``GET /metrics``: every run's ids, versions and sizes) is for the monitoring
     side and is implied by no other scope.
     """
 
-    scopes: list[Literal["read", "publish", "metrics"]]
+    scopes: list[Literal["read", "publish", "metrics", "replica"]]
     runs: list[str] | None = None
 
 
@@ -73,6 +74,10 @@ class BulletinSettings(BaseSettings, S3Settings):
 
     keep_snapshots: int = Field(2, ge=1, description="Retention: keep the last K snapshot versions and every version after the oldest kept one.")
     gc_grace_s: float = Field(3600.0, ge=0, description="Retention: wait this long before removing dropped versions or unreferenced uploads, seconds.")
+
+    replica_lease_s: float = Field(30.0, gt=0, description="Fleet: a replica counts as live this long after its last report, seconds (it renews every third of it).")
+    replica_forget_s: float = Field(3600.0, ge=0, description="Fleet: a replica whose lease ran out this long ago is deleted from the fleet view, seconds.")
+    fleet_poll_interval_s: float = Field(1.0, gt=0, description="Fleet: the longest a process answers fleet queries from its last read of the replica records, seconds (also how often fleet long-polls re-read them).")
 
     log_level: str = Field("info", description="uvicorn log level.")
 

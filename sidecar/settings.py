@@ -38,7 +38,7 @@ class SidecarSettings(BaseSettings):
 
     bulletin: str = Field(..., description="Base URL of the bulletin, e.g. http://bulletin:8700.")
     run: str = Field(..., description="Run id to follow.")
-    token: str | None = Field(None, description="Bearer token with scope read (None: open bulletin).")
+    token: str | None = Field(None, description="Bearer token with scope replica (read and report; None: open bulletin).")
     engine: Literal["vllm"] = Field("vllm", description="Engine kind behind the sidecar.")
     engine_url: str = Field("http://127.0.0.1:8001", description="Base URL of the engine's HTTP server (same host).")
     host: str = Field("127.0.0.1", description="Address the sidecar listens on.")
@@ -68,6 +68,11 @@ class SidecarSettings(BaseSettings):
     )
     retry_after_s: int = Field(2, ge=1, description="Retry-After of answers a retry can fix (503, 409 WeightVersionNotReady), seconds.")
     max_body_bytes: int = Field(64 * 1024 * 1024, ge=1, description="Largest request body the proxy reads, bytes; larger ones get 413.")
+
+    replica_id: str | None = Field(None, description="Stable id of this replica in the bulletin's fleet view (1-128 of [A-Za-z0-9._-]); None: '<host name>-<port>'.")
+    report: bool = Field(True, description="Report this replica to the bulletin's fleet view (needs a token with the replica scope once the bulletin has tokens).")
+    report_min_interval_s: float = Field(1.0, gt=0, description="Fleet reports: the least time between two reports that do not change the applied version, seconds.")
+    report_max_backoff_s: float = Field(60.0, gt=0, description="Fleet reports: the longest wait after failed reports, seconds.")
 
     log_level: str = Field("info", description="Log level of the sidecar and uvicorn.")
     fault_phase: Literal["paused"] | None = Field(None, description="Crash tests only: exit the process (status 86) at this phase of a commit; 'paused': right after pausing the engine. None: never.")

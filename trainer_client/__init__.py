@@ -16,7 +16,8 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .errors import AssetsError, CheckpointNameError, PublisherClosedError, PublishError, ResumeError, ServedViewError, TrainerError
+    from .errors import AssetsError, CheckpointNameError, FleetTimeoutError, PublisherClosedError, PublishError, ResumeError, ServedViewError, TrainerError
+    from .fleet import FleetPacing, wait_for_fleet
     from .publish_result import PublishResult
     from .publisher import Publisher
     from .resume import RebuiltVersion, pull_version, rebuild_version
@@ -43,12 +44,17 @@ _SOURCES = {
     "PublisherClosedError": "errors",
     "ResumeError": "errors",
     "AssetsError": "errors",
+    "FleetTimeoutError": "errors",
+    "FleetPacing": "fleet",
+    "wait_for_fleet": "fleet",
 }
 
 __all__ = [
     "AssetsError",
     "CheckpointNameError",
     "DtypeMap",
+    "FleetPacing",
+    "FleetTimeoutError",
     "PublishError",
     "PublishResult",
     "Publisher",
@@ -64,6 +70,7 @@ __all__ = [
     "pull_version",
     "rebuild_version",
     "to_raw",
+    "wait_for_fleet",
 ]
 
 

@@ -63,3 +63,12 @@ class AssetsError(TrainerError):
     assets the run already carries: they are published once, with version 0, and immutable."""
 
     type = "AssetsError"
+
+
+class FleetTimeoutError(TrainerError):
+    """Too few replicas reached a version in time (``wait_for_fleet``, or a publish paced by
+    ``FleetPacing``). The message names the replicas that lag and why (state, last error);
+    ``details``: ``run_id``, ``version``, ``needed``, ``at_or_above``, ``live``, ``laggards``.
+    """
+
+    type = "FleetTimeout"

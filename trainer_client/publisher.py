@@ -65,6 +65,9 @@ class Publisher(PublisherCore):
             or 5xx, first backoff delay (doubling, seconds) and per-request timeout (seconds).
         workdir: folder for temporary snapshot shards, created if missing (default: the system temp folder).
         client: a ready :class:`BulletinClient` to use instead of one built from ``url``/``token``.
+        pacing: a :class:`~stitchboard.trainer_client.fleet.FleetPacing` (async RL: a publish
+            blocks while fewer than the wanted replicas are within ``max_lag`` versions of the
+            newest); None: publishes never wait for the fleet. :meth:`wait_for_fleet` waits on demand.
 
     Publishing, :meth:`publish_async` and the recovery after a lost commit answer are in
     :class:`~stitchboard.trainer_client.publisher_core.PublisherCore`, which

@@ -30,11 +30,13 @@ from stitchboard.bulletin.errors import UnavailableError, VersionConflictError
 from stitchboard.proto.checkpoint import DEFAULT_SHARD_BYTES, INDEX_NAME, index_json, shard_groups, write_shards
 from stitchboard.proto.codec import ENCODINGS
 from stitchboard.proto.container import RawTensor
+from stitchboard.proto.fleet import FleetCount
 from stitchboard.proto.schema import XXH3_128, Encoding, FileRef, VersionManifest, canonical_json, check_run_id
 
 from .assets import load_assets
 from .async_publish import BoundedWorker
 from .encode_version import BaseTensor, EncodedPart, build_manifest, bytes_ref, encode_part, file_ref, tensor_specs, version_metadata
+from .fleet import FleetPacing, wait_for_fleet
 from .publish_result import PublishResult, log_result
 from .resume import resume_publisher
 from .served_view import DtypeMap
@@ -68,6 +70,7 @@ class PublisherOptions(TypedDict, total=False):
     timeout_s: float
     workdir: str | os.PathLike[str] | None
     client: BulletinClient | None
+    pacing: FleetPacing | None
     squash_depths: Sequence[int]
 
 
@@ -112,6 +115,7 @@ class PublisherCore(ABC):
         timeout_s: float = 60.0,
         workdir: str | os.PathLike[str] | None = None,
         client: BulletinClient | None = None,
+        pacing: FleetPacing | None = None,
         squash_depths: Sequence[int] = DEFAULT_SQUASH_DEPTHS,
     ) -> None:
         if snapshot_every < 1:
@@ -130,6 +134,7 @@ class PublisherCore(ABC):
         self._owns_client = client is None
         self.client = client or BulletinClient(url, token, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s)
         self._worker = BoundedWorker(max_pending, lockstep=self._lockstep)
+        self.pacing = pacing  # publish waits for the fleet (trainer_client/fleet.py)
         self._lock = threading.Lock()
         self._pending: _Pending | None = None
         self._published, self._assets, self._asset_data = self._start(resume, assets)
@@ -256,6 +261,11 @@ class PublisherCore(ABC):
             raise
         return self._worker.submit(lambda: self._publish_view(view, step, bool(anchor), metadata, cast_s))
 
+    def wait_for_fleet(self, version: int, *, min_replicas: int | None = None, fraction: float | None = None, timeout_s: float = 300.0) -> FleetCount:
+        """Block until enough live replicas serve ``version`` or later (see :func:`.fleet.wait_for_fleet`; neither
+        ``min_replicas`` nor ``fraction``: every live replica). Raises :class:`FleetTimeoutError` naming the laggards."""
+        return wait_for_fleet(self.client, self.run, version, min_replicas=min_replicas, fraction=fraction, timeout_s=timeout_s)
+
     def flush(self) -> None:
         """Wait until every :meth:`publish_async` is committed; raise the first failure, if any."""
         self._worker.flush()
@@ -291,6 +301,9 @@ class PublisherCore(ABC):
 
     def _publish_view(self, view: ViewPart, step: int | None, anchor: bool, metadata: Mapping[str, Any] | None, cast_s: float) -> PublishResult:
         with self._lock:
+            if self.pacing is not None:
+                pacing = self.pacing
+                self._on_committer(lambda: pacing.before_publish(self.client, self.run, 0 if self._published is None else self._published.version + 1))
             while True:
                 try:
                     return self._attempt(view, step, anchor, metadata, cast_s)

@@ -1,0 +1,202 @@
+"""The fleet's wire: what a sidecar reports to the bulletin and what fleet queries answer.
+
+A sidecar (:mod:`stitchboard.sidecar.report`) sends a :class:`ReplicaReport` to
+``PUT /v1/runs/{run}/replicas/{replica_id}`` whenever what it reports changes and before its
+lease runs out; the bulletin (:mod:`stitchboard.bulletin.fleet`) stores it as the replica's
+record and answers :class:`ReportAccepted`. ``GET /v1/runs/{run}/replicas`` answers
+:class:`FleetView`; ``GET /v1/runs/{run}/fleet`` answers :class:`FleetCount` (optionally
+long-polling until a requirement is met). No server or engine imports.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Annotated
+
+from pydantic import Field, field_validator
+
+from .errors import SchemaError
+from .schema import _Model
+
+_REPLICA_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+#: How many (version, applied_at) pairs a report carries for the convergence plots.
+HISTORY_LEN = 32
+
+
+def check_replica_id(replica_id: str) -> str:
+    """Validate a replica id: 1-128 of ``[A-Za-z0-9._-]``, starting alphanumeric, no ``..``.
+
+    Raises:
+        SchemaError: with the offending id.
+    """
+    if not _REPLICA_ID.fullmatch(replica_id) or ".." in replica_id:
+        raise SchemaError(f"invalid replica id {replica_id!r}: use 1-128 characters of [A-Za-z0-9._-], starting alphanumeric")
+    return replica_id
+
+
+class SyncFigures(_Model):
+    """The last completed sync of a replica: the version it reached, bytes fetched, seconds, pause seconds, when (Unix s)."""
+
+    to_version: int
+    bytes_fetched: Annotated[int, Field(ge=0)]
+    total_seconds: float
+    pause_seconds: float
+    route: str
+    finished_at: float
+
+
+class ErrorNote(_Model):
+    """The last failure of a replica: wire ``type``, ``message`` (at most 1,000 characters) and when (Unix s)."""
+
+    type: str
+    message: Annotated[str, Field(max_length=1000)]
+    at: float
+
+
+class ReplicaReport(_Model):
+    """What one sidecar says about itself (the body of ``PUT .../replicas/{replica_id}``).
+
+    Nothing in it changes while the replica's situation does not, so renewing a lease sends
+    the same bytes (and the store keeps the same etag: readers need not read it again).
+
+    Attributes:
+        replica_id: stable id of the replica (``STITCH_SIDECAR_REPLICA_ID``; default host and port).
+        engine: engine kind behind the sidecar (``vllm``, ...).
+        applied_version: the verified version the engine holds (None: none).
+        target_version: the newest version the sidecar knows of.
+        state: the sidecar's state (:data:`stitchboard.proto.sidecar_wire.SidecarState`).
+        lag_versions: target minus applied, as the sidecar sees it.
+        healthy: a version is applied and the last sync left the sidecar healthy.
+        last_sync: the last completed sync.
+        last_error: the last failure (a refused plan, a failed apply, ...), until a sync succeeds after it.
+        history: the last :data:`HISTORY_LEN` versions applied, ``[version, applied_at]`` (Unix s), oldest first.
+        started_at: when this sidecar process started (Unix s): a restart shows as a new value.
+    """
+
+    replica_id: str
+    engine: str
+    applied_version: Annotated[int, Field(ge=0)] | None
+    target_version: Annotated[int, Field(ge=0)] | None
+    state: str
+    lag_versions: int | None
+    healthy: bool
+    last_sync: SyncFigures | None = None
+    last_error: ErrorNote | None = None
+    history: Annotated[list[tuple[int, float]], Field(default_factory=list, max_length=HISTORY_LEN)]
+    started_at: float
+
+    @field_validator("replica_id")
+    @classmethod
+    def _check_id(cls, value: str) -> str:
+        try:
+            return check_replica_id(value)
+        except SchemaError as exc:
+            raise ValueError(exc.message) from None
+
+
+class ReportAccepted(_Model):
+    """The bulletin's answer to a report: the lease it granted and when to renew it, seconds."""
+
+    lease_s: float
+    renew_s: float
+
+
+class ReplicaView(_Model):
+    """One replica as fleet queries show it: its last report, whether its lease is live, and its lag behind the run's latest version.
+
+    Attributes:
+        report: the replica's last report.
+        live: its lease has not expired.
+        reported_at: when the store last received its report (Unix s).
+        lease_expires_at: ``reported_at`` plus the lease (Unix s).
+        behind_latest: the run's latest version minus ``applied_version`` (None: nothing applied or nothing published).
+    """
+
+    report: ReplicaReport
+    live: bool
+    reported_at: float
+    lease_expires_at: float
+    behind_latest: int | None
+
+
+class FleetView(_Model):
+    """``GET /v1/runs/{run}/replicas``: every replica of the run (live or recently expired), sorted by id."""
+
+    run_id: str
+    latest_version: int | None
+    replicas: list[ReplicaView]
+    time: float
+
+
+class Laggard(_Model):
+    """A live replica below the asked version: its id, applied version, state and last error message (None: none)."""
+
+    replica_id: str
+    applied_version: int | None
+    state: str
+    error: str | None
+
+
+class FleetCount(_Model):
+    """``GET /v1/runs/{run}/fleet``: how many live replicas are at or past ``version``.
+
+    Attributes:
+        run_id, version: what was asked.
+        live: replicas whose lease is live.
+        at_or_above: live replicas whose applied version is >= ``version``.
+        needed: replicas the requirement asks for (None: no requirement given).
+        met: ``at_or_above >= needed`` (True when no requirement was given).
+        laggards: the live replicas below ``version``.
+        expired: replicas whose lease ran out (not counted as live).
+    """
+
+    run_id: str
+    version: int
+    live: int
+    at_or_above: int
+    needed: int | None
+    met: bool
+    laggards: list[Laggard]
+    expired: list[str]
+
+
+def needed_replicas(live: int, min_replicas: int | None, fraction: float | None) -> int | None:
+    """Replicas a requirement asks for among ``live`` ones: the larger of ``min_replicas`` and
+    ``ceil(fraction * live)`` (a fraction asks for at least one); None when neither is given."""
+    wants = []
+    if min_replicas is not None:
+        wants.append(min_replicas)
+    if fraction is not None:
+        wants.append(max(1, math.ceil(fraction * live - 1e-9)))
+    return max(wants) if wants else None
+
+
+def count_fleet(view: FleetView, version: int, min_replicas: int | None = None, fraction: float | None = None) -> FleetCount:
+    """Count ``view``'s live replicas at or past ``version`` against a requirement (see :func:`needed_replicas`)."""
+    live = [r for r in view.replicas if r.live]
+    at = [r for r in live if r.report.applied_version is not None and r.report.applied_version >= version]
+    below = [r for r in live if r.report.applied_version is None or r.report.applied_version < version]
+    needed = needed_replicas(len(live), min_replicas, fraction)
+    laggards = [Laggard(replica_id=r.report.replica_id, applied_version=r.report.applied_version, state=r.report.state, error=r.report.last_error.message if r.report.last_error else None) for r in below]
+    return FleetCount(
+        run_id=view.run_id,
+        version=version,
+        live=len(live),
+        at_or_above=len(at),
+        needed=needed,
+        met=needed is None or len(at) >= needed,
+        laggards=laggards,
+        expired=[r.report.replica_id for r in view.replicas if not r.live],
+    )
+
+
+def describe_laggards(count: FleetCount) -> str:
+    """One line naming the replicas below the version and why (their state and last error)."""
+    parts: list[str] = []
+    for lag in count.laggards:
+        why = f"state {lag.state}" + (f", last error: {lag.error}" if lag.error else "")
+        parts.append(f"{lag.replica_id} at version {lag.applied_version} ({why})")
+    if count.expired:
+        parts.append(f"lease expired: {', '.join(count.expired)}")
+    return "; ".join(parts) or "no live replica reports to the bulletin"
