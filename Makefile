@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 ENGINE ?= vllm
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test demo bench lint clean
+.PHONY: venv venv-sglang test demo bench lint clean
 
 venv: $(STAMP)
 
@@ -29,7 +29,32 @@ $(STAMP): pyproject.toml Makefile proto/_bitdiff.c
 	$(PY) -c "import torch, vllm, transformers; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $(STAMP)
 
-test: venv
+# SGLang's environment (the SGLang tests and `--engine sglang` use it; see deploy/sglang_cpu/):
+# SGLang 0.5.23 needs torch 2.14.1, vLLM's environment has 2.13.0. torch and torchvision come
+# first, pinned; then the CPU-usable subset of SGLang's requirements as wheels only; SGLang
+# itself without dependencies (its CUDA-only ones are left out); stitchboard without
+# dependencies (its core imports are already there: the loader runs in SGLang's scheduler
+# processes); the sgl_kernel stand-in (refused next to a real sgl_kernel, and unless SGLang's
+# AMX gate stays closed with it); then check_env.py (versions, the loader imports, `pip check`
+# lists nothing but the requirements left out on purpose). ~6.7 GB.
+SGL_VENV := .venv-sglang
+SGL_PY := $(SGL_VENV)/bin/python
+SGL_STAMP := $(SGL_VENV)/.installed
+
+venv-sglang: $(SGL_STAMP)
+
+$(SGL_STAMP): pyproject.toml deploy/sglang_cpu/requirements-cpu.txt deploy/sglang_cpu/sgl_kernel/__init__.py deploy/sglang_cpu/install_stub.py deploy/sglang_cpu/check_env.py
+	test -x $(SGL_PY) || $(PYTHON) -m venv $(SGL_VENV)
+	$(SGL_PY) -m pip install -q --upgrade pip
+	$(SGL_PY) -m pip install -q torch==2.14.1 torchvision==0.29.1
+	$(SGL_PY) -m pip install -q --only-binary :all: -r deploy/sglang_cpu/requirements-cpu.txt
+	$(SGL_PY) -m pip install -q --no-deps sglang==0.5.23
+	$(SGL_PY) -m pip install -q --no-deps -e .
+	$(SGL_PY) deploy/sglang_cpu/install_stub.py
+	$(SGL_PY) deploy/sglang_cpu/check_env.py
+	touch $(SGL_STAMP)
+
+test: venv venv-sglang
 	$(PY) -m pytest -q --durations=25
 
 # mypy reads the packages through build/typecheck/stitchboard/<part> -> <part> links (the editable
@@ -49,4 +74,4 @@ bench: venv
 	for b in tests/benchmarks/bench_*.py; do m=$$(basename "$$b" .py); [ "$$m" = bench_codec ] || $(PY) -m "tests.benchmarks.$$m" || exit 1; done
 
 clean:
-	rm -rf $(VENV) build *.egg-info proto/*.so
+	rm -rf $(VENV) $(SGL_VENV) build *.egg-info proto/*.so

@@ -33,7 +33,7 @@ def run_sidecar(
     bulletin: Annotated[str | None, typer.Option(help="bulletin URL (env STITCH_SIDECAR_BULLETIN)")] = None,
     run: Annotated[str | None, typer.Option("--run", help="run id to follow (env STITCH_SIDECAR_RUN)")] = None,
     token: Annotated[str | None, typer.Option(help="bearer token with scope read (env STITCH_SIDECAR_TOKEN)")] = None,
-    engine: Annotated[str | None, typer.Option(help="engine kind: vllm (env STITCH_SIDECAR_ENGINE)")] = None,
+    engine: Annotated[str | None, typer.Option(help="engine kind: vllm or sglang (env STITCH_SIDECAR_ENGINE)")] = None,
     engine_url: Annotated[str | None, typer.Option(help="engine base URL on this host (env STITCH_SIDECAR_ENGINE_URL, default http://127.0.0.1:8001)")] = None,
     host: Annotated[str | None, typer.Option(help="address to listen on (env STITCH_SIDECAR_HOST, default 127.0.0.1)")] = None,
     port: Annotated[int | None, typer.Option(help="TCP port (env STITCH_SIDECAR_PORT, default 8000)")] = None,

@@ -39,7 +39,7 @@ class SidecarSettings(BaseSettings):
     bulletin: str = Field(..., description="Base URL of the bulletin, e.g. http://bulletin:8700.")
     run: str = Field(..., description="Run id to follow.")
     token: str | None = Field(None, description="Bearer token with scope replica (read and report; None: open bulletin).")
-    engine: Literal["vllm"] = Field("vllm", description="Engine kind behind the sidecar.")
+    engine: Literal["vllm", "sglang"] = Field("vllm", description="Engine kind behind the sidecar: vllm or sglang.")
     engine_url: str = Field("http://127.0.0.1:8001", description="Base URL of the engine's HTTP server (same host).")
     host: str = Field("127.0.0.1", description="Address the sidecar listens on.")
     port: int = Field(8000, description="TCP port the sidecar listens on (clients use it instead of the engine's).")

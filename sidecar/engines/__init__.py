@@ -12,6 +12,8 @@
         ├── layout.py   checkpoint names -> runtime placements   vLLM worker processes
         ├── weights.py  hashing, snapshot loads, TP agreement    vLLM worker processes
         └── update.py   patches staged while serving, committed  vLLM worker processes
+    sglang/         the other: adapter.py (sidecar), launch.py, loader.py + inplace.py + layout.py
+                    (SGLang scheduler processes, one per TP rank)
 
 Nothing here is imported at package import: the worker processes import only what they run.
 """
@@ -35,4 +37,11 @@ def create_adapter(settings: SidecarSettings) -> EngineAdapter:
         from .vllm.adapter import VllmEngine
 
         return VllmEngine(settings.engine_url, timeout_s=settings.engine_call_timeout_s, apply_timeout_s=settings.engine_apply_timeout_s)
-    raise ValueError(f"no engine adapter for engine {settings.engine!r}: use one of 'vllm'")
+    if settings.engine == "sglang":
+        from pathlib import Path
+
+        from .sglang.adapter import SglangEngine
+
+        records = Path(settings.handoff_dir) / f"sidecar-{settings.port}" / "sglang-records"
+        return SglangEngine(settings.engine_url, records, timeout_s=settings.engine_call_timeout_s, apply_timeout_s=settings.engine_apply_timeout_s)
+    raise ValueError(f"no engine adapter for engine {settings.engine!r}: use one of 'vllm', 'sglang'")

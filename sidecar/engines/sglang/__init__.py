@@ -1,0 +1,1 @@
+"""The SGLang engine: the sidecar's adapter and the loader that runs inside SGLang's processes (see :mod:`..`)."""

@@ -1,0 +1,331 @@
+"""The SGLang engine adapter: drives an SGLang server's HTTP control routes (runs in the sidecar).
+
+:class:`SglangEngine` implements :class:`~stitchboard.sidecar.engines.base.EngineAdapter` for a
+server started with stitchboard's custom weight loader (:mod:`.launch`, :mod:`.loader`). Every
+in-engine call is ``/begin_weight_update`` -> ``/update_weights_from_tensor`` (``load_format``
+the loader, one small request tensor per rank naming hand-off files and their sha256, never
+patch bytes) -> ``/end_weight_update`` (always, in a ``finally``); each rank writes its answer
+to a record file under ``record_dir``, parsed like the vLLM worker's (:mod:`..rpc`).
+
+* Version: SGLang's own ``weight_version`` (``GET /model_info``), set by a second update call in
+  the same session once every rank reported success (SGLang sets it after any call its loader
+  returns from, so it is never passed with the write itself). ``/update_weight_version`` is
+  never called (it aborts requests by default).
+* Commit: ``/pause_generation`` mode ``retract`` (never ``abort``): running requests go back to
+  the waiting queue and their KV is freed; the write; ``/flush_cache`` (it succeeds while
+  retracted requests wait, since the scheduler is paused); ``/continue_generation``. Retracted
+  requests recompute their KV under the new weights, and nothing admitted later can match a
+  prefix computed under the old ones: the radix cache was emptied inside the pause.
+* Staging while serving: SGLang runs any update call under its model-update writer lock, which
+  waits for every request in flight and holds new ones, unless the engine is paused. So
+  :meth:`stage_patches` checks the hand-off files here (sha256, patch format) while the engine
+  serves, and the engine decodes, checks and writes them inside the pause.
+* Instance: each rank's loader draws an id when its process first imports it; records carry the
+  process id and start time, so a record whose process is gone (the server restarted) is
+  noticed from the records alone, without a call into the engine (an update call would wait
+  for requests in flight); a fresh server is asked with a ``state`` call.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import json
+import os
+import pickle
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from stitchboard.proto.decode import read_patch
+
+from ...errors import EngineRequestError, EngineStateError, EngineUnavailableError
+from ..base import EngineState
+from ..rpc import RankAnswer, combine, parse_answers, raise_if_failed
+from .loader import LOADER_PATH, REQUEST_NAME, process_start
+
+#: ``weight_version`` given to an engine whose label must not be trusted (not an integer).
+UNVERIFIED = "stitchboard-unverified"
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _request_tensor(req: dict[str, Any]) -> str:
+    """One rank's ``serialized_named_tensors`` entry: a pickled [(name, uint8 tensor)] in base64."""
+    import torch
+
+    data = json.dumps(req).encode()
+    buf = io.BytesIO()
+    pickle.dump([(REQUEST_NAME, torch.frombuffer(bytearray(data), dtype=torch.uint8))], buf)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _version(label: object) -> int | None:
+    return int(label) if isinstance(label, str) and label.isdigit() else None
+
+
+class SglangEngine:
+    """:class:`EngineAdapter` over an SGLang server's HTTP routes.
+
+    Args:
+        engine_url: base URL, e.g. ``http://127.0.0.1:30000``.
+        record_dir: folder the loader writes its per-rank answers to (the sidecar's hand-off
+            folder, readable and writable by both).
+        timeout_s: timeout of control calls (health, pause, model info...), seconds.
+        apply_timeout_s: timeout of a call that reads or writes weights, seconds.
+    """
+
+    def __init__(self, engine_url: str, record_dir: str | os.PathLike[str], timeout_s: float = 10.0, apply_timeout_s: float = 900.0) -> None:
+        self.engine_url = engine_url.rstrip("/")
+        self.record_dir = Path(record_dir)
+        self.timeout_s = timeout_s
+        self.apply_timeout_s = apply_timeout_s
+        self._http = httpx.Client(base_url=self.engine_url, timeout=timeout_s)
+        self._tp: int | None = None
+        self._staged: list[tuple[list[str], list[str], int, int]] = []
+
+    def close(self) -> None:
+        """Close the HTTP connection pool."""
+        self._http.close()
+
+    # -- HTTP plumbing ---------------------------------------------------------------------------
+
+    def _request(self, method: str, path: str, *, timeout: float | None = None, ok: tuple[int, ...] = (200,), **kwargs: Any) -> httpx.Response:
+        try:
+            resp = self._http.request(method, path, timeout=timeout or self.timeout_s, **kwargs)
+        except httpx.HTTPError as exc:
+            raise EngineUnavailableError(f"engine at {self.engine_url} does not answer {path}: {type(exc).__name__}: {exc}", path=path) from exc
+        if resp.status_code in (502, 503, 504) and resp.status_code not in ok:
+            raise EngineUnavailableError(f"engine answered {path} with HTTP {resp.status_code}", path=path, status=resp.status_code)
+        if resp.status_code not in ok:
+            raise EngineRequestError(f"engine answered {path} with HTTP {resp.status_code}: {resp.text[:300]}", path=path, status=resp.status_code)
+        return resp
+
+    def _tp_size(self) -> int:
+        if self._tp is None:
+            self._tp = int(self._request("GET", "/server_info").json().get("tp_size", 1))
+        return self._tp
+
+    def _version(self) -> int | None:
+        return _version(self._request("GET", "/model_info").json().get("weight_version"))
+
+    def _update(self, req: dict[str, Any], timeout: float, weight_version: str | None = None) -> None:
+        body = {"serialized_named_tensors": [_request_tensor(req)] * self._tp_size(), "load_format": LOADER_PATH, "flush_cache": False, "weight_version": weight_version}
+        resp = self._request("POST", "/update_weights_from_tensor", json=body, timeout=timeout, ok=(200, 400))
+        if resp.status_code != 200:
+            raise EngineRequestError(f"update_weights_from_tensor failed: {resp.text[:300]}", path="/update_weights_from_tensor", status=resp.status_code)
+
+    def _session(self, calls: Any) -> Any:
+        """Run ``calls()`` between ``/begin_weight_update`` and ``/end_weight_update`` (always ended)."""
+        resp = self._request("POST", "/begin_weight_update", json={}, ok=(200, 400), timeout=self.apply_timeout_s)
+        if resp.status_code == 400:  # a session left open by a caller that died: close it, open ours
+            self._request("POST", "/end_weight_update", json={}, ok=(200, 400), timeout=self.apply_timeout_s)
+            self._request("POST", "/begin_weight_update", json={}, timeout=self.apply_timeout_s)
+        try:
+            return calls()
+        finally:
+            self._request("POST", "/end_weight_update", json={}, timeout=self.apply_timeout_s)
+
+    def _answers(self, req_id: str) -> list[RankAnswer]:
+        records = []
+        for rank in range(self._tp_size()):
+            path = self.record_dir / f"rank{rank}.json"
+            try:
+                record = json.loads(path.read_text())
+            except (OSError, ValueError):
+                record = None
+            if not isinstance(record, dict) or record.get("request") != req_id:
+                raise EngineRequestError(f"rank {rank} wrote no answer to request {req_id} in {path} (is the stitchboard loader registered with --custom-weight-loader {LOADER_PATH}?)", path="/update_weights_from_tensor")
+            records.append(record.get("answer"))
+        return parse_answers("stitchboard loader", records)
+
+    def _call(self, op: str, args: dict[str, Any], *, timeout: float | None = None, then_version: int | None = None, instance: str | None = None) -> list[RankAnswer]:
+        """One loader request on every rank in one session; with ``then_version``, once every
+        rank succeeded, SGLang's ``weight_version`` is set to it in the same session.
+
+        Raises:
+            the rank's typed error (see :func:`..rpc.raise_if_failed`); EngineStateError when the
+            engine is not ``instance`` (nothing written; a version set on it is withdrawn).
+        """
+        timeout = timeout or self.apply_timeout_s
+        req_id = uuid.uuid4().hex
+        req = {"op": op, "id": req_id, "record_dir": str(self.record_dir), "held": None, **args}
+
+        def calls() -> list[RankAnswer]:
+            req["held"] = self._version()
+            self._update(req, timeout)
+            answers = self._answers(req_id)
+            if instance is not None and combine(answers).instance != instance:
+                raise EngineStateError(f"the engine restarted (instance {instance} -> {combine(answers).instance}): nothing is recorded on it", held=None, phase="idle")
+            raise_if_failed(op, answers)
+            if then_version is not None:
+                self._update({"op": "state", "id": uuid.uuid4().hex, "record_dir": str(self.record_dir), "held": then_version}, timeout, weight_version=str(then_version))
+            return answers
+
+        self.record_dir.mkdir(parents=True, exist_ok=True)
+        return self._session(calls)
+
+    def _live_records(self) -> list[dict[str, Any]] | None:
+        # The ranks' last records, if every one is of a process still running; else None.
+        records = []
+        for rank in range(self._tp_size()):
+            try:
+                record = json.loads((self.record_dir / f"rank{rank}.json").read_text())
+            except (OSError, ValueError):
+                return None
+            if not isinstance(record, dict) or not record.get("start") or process_start(int(record.get("pid", 0))) != record["start"]:
+                return None
+            records.append(record)
+        return records
+
+    # -- EngineAdapter ---------------------------------------------------------------------------
+
+    def health(self) -> bool:
+        """True when ``GET /health`` answers 200."""
+        try:
+            return self._http.get("/health", timeout=self.timeout_s).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def state(self) -> EngineState:
+        """SGLang's ``weight_version``; the loader's phase and instance (from its live records, or
+        a ``state`` call when none is of a running process); phase ``paused`` when SGLang is
+        paused (``/ready`` 503 while ``/health`` 200).
+
+        Raises:
+            EngineUnavailableError, EngineRequestError, EngineStateError (ranks disagree).
+        """
+        records = self._live_records()
+        answers = parse_answers("stitchboard loader", [r["answer"] for r in records]) if records else self._call("state", {}, timeout=self.timeout_s * 6)
+        state = combine(answers)
+        version = self._version()
+        phase = state.phase
+        if phase == "idle" and self._request("GET", "/ready", ok=(200, 503)).status_code == 503:
+            phase = "paused"
+        return EngineState(version if phase in ("idle", "paused") else None, phase, state.instance)
+
+    def pause(self) -> None:
+        """``POST /pause_generation`` mode ``retract``: running requests are kept (retracted to the
+        waiting queue, recomputed after the resume), never aborted."""
+        self._request("POST", "/pause_generation", json={"mode": "retract"})
+
+    def resume(self) -> None:
+        """``POST /continue_generation``."""
+        self._request("POST", "/continue_generation", json={})
+
+    def stage_patches(self, steps: Sequence[tuple[Sequence[str], int, int]]) -> dict[str, Any]:
+        """Check the steps' hand-off files while the engine serves (sha256 taken, patch format
+        parsed); the engine decodes and writes them in :meth:`commit_staged` (see the module doc).
+
+        Raises:
+            PatchFormatError: a file is not a valid patch (nothing sent to the engine).
+            OSError: a file cannot be read.
+        """
+        t = time.perf_counter()
+        staged = []
+        for paths, start, end in steps:
+            digests = []
+            for path in paths:
+                data = Path(path).read_bytes()
+                read_patch(data, what=os.path.basename(path))
+                digests.append(hashlib.sha256(data).hexdigest())
+            staged.append((list(paths), digests, start, end))
+        self._staged = staged
+        return {"files": sum(len(s[0]) for s in staged), "rpc_s": time.perf_counter() - t}
+
+    def commit_staged(self, to_version: int) -> dict[str, Any]:
+        """Apply the staged steps in one loader call (engine paused), then record ``to_version``.
+
+        Raises:
+            EngineStateError: nothing staged for ``to_version``, or the engine does not hold the
+                first step's base. ApplyRefusedError / ApplyFailedError: as :meth:`apply_patch`.
+        """
+        staged, self._staged = self._staged, []
+        if not staged or staged[-1][3] != to_version:
+            raise EngineStateError(f"no staged update ends at version {to_version}", held=None, phase="idle")
+        return self._apply(staged)
+
+    def _apply(self, steps: list[tuple[list[str], list[str], int, int]]) -> dict[str, Any]:
+        start, end = steps[0][2], steps[-1][3]
+        held = self._version()
+        if held != start:
+            raise EngineStateError(f"the engine holds version {held}, the update is from version {start}", held=held, phase="idle")
+        t = time.perf_counter()
+        args = {"steps": [{"paths": p, "digests": d} for p, d, _, _ in steps], "what": f"{start}->{end}"}
+        answers = self._call("apply", args, then_version=end)
+        return {**(answers[0].report or {}), "rpc_s": time.perf_counter() - t}
+
+    def apply_patch(self, handoff_path: str | Sequence[str], from_version: int, to_version: int) -> dict[str, Any]:
+        """Apply the patch file(s) of one version in place (engine paused) and record ``to_version``.
+
+        Returns:
+            The loader's report (rank 0): ``bytes``, ``tensors``, ``elements``, ``rank_elements``,
+            seconds ``read_s``, ``check_s``, ``decode_s``, ``write_s``, ``verify_s``; plus ``rpc_s``.
+
+        Raises:
+            ApplyRefusedError: refused before any write (``cause``: ``BaseMismatch``,
+                ``PatchFormatError``, ``UnmappedTensor``...). EngineStateError: the engine does not
+                hold ``from_version``. ApplyFailedError: failed after writing (``restored``).
+        """
+        paths = [handoff_path] if isinstance(handoff_path, str) else list(handoff_path)
+        return self._apply([(paths, [_sha256(p) for p in paths], from_version, to_version)])
+
+    def load_snapshot(self, paths: Sequence[str], version: int, checksums: dict[str, str] | None = None) -> dict[str, Any]:
+        """Load snapshot shards in place through the loader and record ``version``.
+
+        Args:
+            paths: the shard files in the hand-off folder.
+            version: the version they hold.
+            checksums: the manifest's tensor checksums; None: computed from the files.
+
+        Raises:
+            ApplyRefusedError: refused before any write; ApplyFailedError (``restored`` False).
+        """
+        if checksums is None:
+            from stitchboard.proto.codec import checksum
+            from stitchboard.proto.container import read_safetensors
+
+            checksums = {name: checksum(t) for path in paths for name, t in read_safetensors(path)[1].items()}
+        t = time.perf_counter()
+        args = {"paths": list(paths), "digests": [_sha256(p) for p in paths], "checksums": checksums, "what": f"snapshot->{version}"}
+        answers = self._call("load_snapshot", args, then_version=version)
+        return {**(answers[0].report or {}), "rpc_s": time.perf_counter() - t}
+
+    def set_version(self, version: int, base: int | None = None) -> None:
+        """Record ``version`` if the engine records ``base`` now (None: no version).
+
+        Raises:
+            EngineStateError: the engine records another version than ``base``, is not idle, or
+                restarted while being recorded (then it is labelled unverified); nothing recorded.
+        """
+        state = self.state()
+        if state.phase not in ("idle", "paused") or state.version != base:
+            raise EngineStateError(f"the engine records version {state.version} (phase {state.phase}), not {base}: version {version} is not recorded", held=state.version, phase=state.phase)
+        try:
+            self._call("state", {}, then_version=version, instance=state.instance)
+        except EngineStateError:
+            self._session(lambda: self._update({"op": "state", "id": uuid.uuid4().hex, "record_dir": str(self.record_dir)}, self.apply_timeout_s, weight_version=UNVERIFIED))
+            raise
+
+    def checksums(self, names: Sequence[str]) -> dict[str, str]:
+        """xxh3-128 of the named checkpoint tensors as the engine holds them."""
+        return self._call("checksums", {"names": list(names)})[0].checksums or {}
+
+    def reset_prefix_cache(self) -> None:
+        """``POST /flush_cache`` (succeeds while paused, retracted requests waiting).
+
+        Raises:
+            EngineRequestError: the engine could not flush (requests running: not paused).
+        """
+        self._request("POST", "/flush_cache")

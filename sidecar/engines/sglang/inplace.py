@@ -1,0 +1,307 @@
+"""Bit-exact in-place updates of one SGLang TP rank's live weights (runs in the scheduler process).
+
+Called by :mod:`.loader` inside SGLang's ``update_weights_from_tensor`` (engine paused, all ranks
+in step). Patches are read and decoded with :mod:`stitchboard.proto.decode` (``xor``,
+``overwrite``, ``cond``: a ``cond`` delta decodes against the whole base tensor). Checksums are
+of whole checkpoint tensors: at TP > 1 every rank all-gathers a split tensor's blocks over the TP
+group's gloo group and reassembles it (padding never included), so every rank reaches the same
+verdict. Order (DESIGN.md invariants 2 and 5): read and map every file, check every touched
+tensor's base checksum, build the new bits and check every target checksum, all before the
+first write; then write the changed elements in place, verify every target on the live weights,
+and on any failure write the old bits back. A step one rank can fail alone ends with an
+agreement between the ranks (:meth:`Ranks.agreed`), so they all refuse or restore together.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import numpy as np
+import torch
+import xxhash
+
+from stitchboard.proto.codec import checksum
+from stitchboard.proto.container import RawTensor, parse_safetensors
+from stitchboard.proto.decode import Patch, read_patch
+from stitchboard.proto.dtypes import bits_type
+from stitchboard.proto.errors import BaseMismatchError, PatchFormatError, TargetMismatchError, TensorSetMismatchError
+
+from ...errors import ApplyFailedError, TpRankError
+from .layout import SglangLayout, Slot
+
+T = TypeVar("T")
+#: Called at named points of an apply (fault injection): ``staged``, ``half-written``, ``written-unverified``.
+PhaseHook = Callable[[str], None]
+XXH3 = "xxh3_128"
+
+
+class Ranks:
+    """This rank's layout and the TP group's CPU (gloo) group (None at TP = 1)."""
+
+    def __init__(self, layout: SglangLayout, group: object | None) -> None:
+        self.layout = layout
+        self.group = group
+
+    def agreed(self, step: Callable[[], T], what: str) -> T:
+        """Run rank-local ``step`` and share with every rank whether any rank failed it.
+
+        Raises:
+            what ``step`` raised, on its rank; :class:`TpRankError` on the others.
+        """
+        error: Exception | None = None
+        result = None
+        try:
+            result = step()
+        except Exception as exc:  # noqa: BLE001 - every rank's failure is shared with the others
+            error = exc
+        failed: dict[int, str] = {}
+        if self.group is not None:
+            everyone: list[str | None] = [None] * self.layout.tp_size
+            torch.distributed.all_gather_object(everyone, None if error is None else f"{type(error).__name__}: {error}", group=self.group)
+            failed = {r: m for r, m in enumerate(everyone) if m is not None}
+        if error is not None:
+            raise error
+        if failed:
+            rank, message = next(iter(failed.items()))
+            raise TpRankError(f"{what}: TP rank {rank} failed ({message}); this rank did not", failed=failed)
+        return result  # type: ignore[return-value]
+
+    def whole(self, slot: Slot, block: torch.Tensor) -> np.ndarray:
+        """The whole checkpoint tensor's raw bits (numpy, flat, the slot's integer type) from every
+        rank's ``block`` ([rows, cols] bits of the same copy; collective at TP > 1 unless whole)."""
+        if self.group is None or slot.whole:
+            return block.contiguous().reshape(-1).numpy()
+        split, longest = slot.split_dim, max(length for _, length in slot.spans)
+        shape = list(block.shape)
+        shape[split] = longest
+        padded = torch.zeros(shape, dtype=block.dtype)
+        padded.narrow(split, 0, block.shape[split]).copy_(block)
+        parts = [torch.empty_like(padded) for _ in slot.spans]
+        torch.distributed.all_gather(parts, padded, group=self.group)
+        seen: dict[int, torch.Tensor] = {}
+        for (start, length), part in zip(slot.spans, parts, strict=True):
+            if length:
+                seen.setdefault(start, part.narrow(split, 0, length))
+        return torch.cat([seen[s] for s in sorted(seen)], dim=split).contiguous().reshape(-1).numpy()
+
+    def checksum(self, slot: Slot) -> str:
+        """xxh3-128 of the whole checkpoint tensor as the engine holds it now."""
+        return xxhash.xxh3_128_hexdigest(self.whole(slot, slot.bits()).view(np.uint8).data)
+
+
+def _local(slot: Slot, full: np.ndarray) -> np.ndarray:
+    """This rank's block (flat, row-major) of a whole tensor's bits."""
+    rows = slot.shape[0]
+    cols = slot.shape[1] if len(slot.shape) == 2 else 1
+    start, length = slot.spans[slot.tp_rank]
+    grid = full.reshape(rows, cols)
+    return (grid[start : start + length] if slot.split_dim == 0 else grid[:, start : start + length]).reshape(-1)
+
+
+def read_files(paths: Sequence[str], digests: Sequence[str]) -> tuple[list[bytes], int]:
+    """The hand-off files' bytes, each checked against its sha256 ``digests`` entry.
+
+    Raises:
+        PatchFormatError: a file's bytes are not the ones the sidecar handed over.
+        OSError: a file cannot be read.
+    """
+    out = []
+    for path, digest in zip(paths, digests, strict=True):
+        with open(path, "rb") as f:
+            data = f.read()
+        if hashlib.sha256(data).hexdigest() != digest:
+            raise PatchFormatError(f"{os.path.basename(path)}: its sha256 is not the one the sidecar handed over (changed after the hand-off?)")
+        out.append(data)
+    return out, sum(len(d) for d in out)
+
+
+@dataclass
+class _Write:
+    slot: Slot
+    rows: torch.Tensor  # int64 [k] into slot.bits()
+    cols: torch.Tensor  # int64 [k]
+    new: torch.Tensor  # bits [k]
+    old: torch.Tensor  # bits [k]
+    target: str
+
+
+def stage(ranks: Ranks, steps: Sequence[tuple[Sequence[str], Sequence[str]]]) -> tuple[list[_Write], dict]:
+    """Read, map and check consecutive patch steps ``(paths, sha256 digests)``; nothing written.
+
+    Returns:
+        The writes and the report: ``bytes``, ``tensors``, ``elements`` (changed elements of
+        whole tensors, over the steps), ``rank_elements``, seconds ``read_s``, ``check_s``,
+        ``decode_s``.
+
+    Raises:
+        PatchFormatError, UnmappedTensorError, TensorSetMismatchError, BaseMismatchError,
+        TargetMismatchError, TpRankError: refused, the engine untouched.
+    """
+    t0 = time.perf_counter()
+
+    def read() -> tuple[list[dict[str, tuple[Patch, object]]], dict[str, Slot], int]:
+        chain, size = [], 0
+        for paths, digests in steps:
+            blobs, n = read_files(paths, digests)
+            size += n
+            step: dict[str, tuple[Patch, object]] = {}
+            for path, data in zip(paths, blobs, strict=True):
+                patch = read_patch(data, what=os.path.basename(path))
+                if set(step) & set(patch.entries):
+                    raise PatchFormatError(f"{path}: touches tensors another file of the same version touches")
+                step.update({name: (patch, entry) for name, entry in patch.entries.items()})
+            chain.append(step)
+        slots = {}
+        for name in sorted({n for step in chain for n in step}):
+            slot = ranks.layout.place(name)
+            for step in chain:
+                if name in step:
+                    entry = step[name][1]
+                    if (entry.dtype, tuple(entry.shape)) != (slot.dtype, slot.shape):  # type: ignore[attr-defined]
+                        raise TensorSetMismatchError(f"tensor {name!r} is {entry.dtype}{list(entry.shape)} in the patch but the engine holds {slot.dtype}{list(slot.shape)}", name=name)  # type: ignore[attr-defined]
+            slots[name] = slot
+        return chain, slots, size
+
+    chain, slots, size = ranks.agreed(read, "reading the patch files")
+    report = {"bytes": size, "read_s": time.perf_counter() - t0, "check_s": 0.0, "decode_s": 0.0}
+    writes: list[_Write] = []
+    elements = 0
+    for name, slot in slots.items():
+        t = time.perf_counter()
+        old_block = slot.bits().contiguous().clone()
+        full = ranks.whole(slot, old_block).copy()
+        report["check_s"] += time.perf_counter() - t
+        target = None
+        for i, step in enumerate(chain):
+            if name not in step:
+                continue
+            patch, entry = step[name]
+            have = xxhash.xxh3_128_hexdigest(full.view(np.uint8).data)
+            if have == entry.target[XXH3] and patch.encoding == "overwrite":  # type: ignore[attr-defined]
+                target = have
+                continue
+            if have != entry.base[XXH3]:  # type: ignore[attr-defined]
+                raise BaseMismatchError(f"tensor {name!r} is not the base of step {i + 1} of this update (xxh3 {have} != {entry.base[XXH3]})", name=name)  # type: ignore[attr-defined]
+            t = time.perf_counter()
+            base = RawTensor(slot.dtype, slot.shape, full.view(bits_type(slot.dtype)))
+            delta = patch.delta(name, base, base_verified=True)
+            values = delta.values.view(full.dtype)
+            full[delta.positions] = (full[delta.positions] ^ values) if delta.encoding == "xor" else values
+            elements += int(delta.positions.size)
+            report["decode_s"] += time.perf_counter() - t
+            target = entry.target[XXH3]  # type: ignore[attr-defined]
+            t = time.perf_counter()
+            if xxhash.xxh3_128_hexdigest(full.view(np.uint8).data) != target:
+                raise TargetMismatchError(f"tensor {name!r}: applying step {i + 1} to the engine's bits does not give the target checksum", name=name)
+            report["check_s"] += time.perf_counter() - t
+        new_local = torch.from_numpy(_local(slot, full).copy()).reshape(old_block.shape)
+        changed = (new_local != old_block).nonzero()
+        if changed.numel():
+            rows, cols = changed[:, 0].contiguous(), changed[:, 1].contiguous()
+            writes.append(_Write(slot, rows, cols, new_local[rows, cols], old_block[rows, cols], str(target)))
+    report.update(tensors=len(writes), elements=elements, rank_elements=int(sum(w.rows.numel() for w in writes)))
+    return writes, report
+
+
+def commit(ranks: Ranks, writes: list[_Write], hook: PhaseHook, what: str) -> dict:
+    """Write staged changes in place, verify every written tensor's target checksum; or restore.
+
+    Returns:
+        Seconds ``write_s`` and ``verify_s``.
+
+    Raises:
+        ApplyFailedError: a target did not match or writing failed (``restored``: whether the old
+            bits are back).
+    """
+    hook("staged")
+    timing: dict[str, float] = {}
+    try:
+        t = time.perf_counter()
+
+        def write() -> None:
+            for i, w in enumerate(writes):
+                w.slot.bits()[w.rows, w.cols] = w.new
+                if i == len(writes) // 2:
+                    hook("half-written")
+
+        ranks.agreed(write, "writing the update")
+        timing["write_s"] = time.perf_counter() - t
+        hook("written-unverified")
+        t = time.perf_counter()
+        for w in writes:
+            if ranks.checksum(w.slot) != w.target:
+                raise TargetMismatchError(f"tensor {w.slot.name!r} does not match its target checksum after the write", name=w.slot.name)
+        timing["verify_s"] = time.perf_counter() - t
+    except Exception as exc:
+        restored = True
+        try:
+            for w in reversed(writes):
+                w.slot.bits()[w.rows, w.cols] = w.old
+        except Exception:  # noqa: BLE001 - reported as restored=False
+            restored = False
+        raise ApplyFailedError.after_write(what, exc, restored=restored) from exc
+    return timing
+
+
+def load_snapshot(ranks: Ranks, paths: Sequence[str], digests: Sequence[str], checksums: dict[str, str], hook: PhaseHook) -> dict:
+    """Load a full snapshot (anchor shards) in place, verified against the manifest's ``checksums``.
+
+    Refused before any write (PatchFormatError, TensorSetMismatchError, UnmappedTensorError,
+    TargetMismatchError, TpRankError) when the files are not the handed-over ones, their names
+    differ from ``checksums``, a runtime parameter gets no data, or a file tensor's checksum
+    differs. After the first write any failure raises ApplyFailedError (``restored`` False).
+
+    Returns:
+        ``bytes``, ``tensors``, seconds ``read_s``, ``write_s``, ``verify_s``.
+    """
+    t0 = time.perf_counter()
+
+    def read() -> tuple[dict[str, RawTensor], dict[str, Slot], int]:
+        blobs, size = read_files(paths, digests)
+        tensors: dict[str, RawTensor] = {}
+        for path, data in zip(paths, blobs, strict=True):
+            part = parse_safetensors(data, what=os.path.basename(path))[1]
+            if set(part) & set(tensors):
+                raise PatchFormatError(f"{path}: tensors appear in two shards")
+            tensors.update(part)
+        if set(tensors) != set(checksums):
+            raise TensorSetMismatchError(f"snapshot tensors differ from the manifest: missing {sorted(set(checksums) - set(tensors))[:3]}, extra {sorted(set(tensors) - set(checksums))[:3]}")
+        slots = {n: ranks.layout.place(n) for n in sorted(tensors)}
+        for n, t in tensors.items():
+            if (t.dtype, tuple(t.shape)) != (slots[n].dtype, slots[n].shape):
+                raise TensorSetMismatchError(f"snapshot tensor {n!r} is {t.dtype}{list(t.shape)}, the engine holds {slots[n].dtype}{list(slots[n].shape)}", name=n)
+            if checksum(t) != checksums[n]:
+                raise TargetMismatchError(f"snapshot tensor {n!r} does not match the manifest checksum", name=n)
+        uncovered = set(ranks.layout.runtime_params()) - {s.runtime_name for s in slots.values()}
+        if uncovered:
+            raise TensorSetMismatchError(f"snapshot leaves runtime parameters without data: {sorted(uncovered)[:3]}")
+        return tensors, slots, size
+
+    tensors, slots, size = ranks.agreed(read, "reading the snapshot")
+    t_read = time.perf_counter()
+    hook("staged")
+    timing: dict[str, float] = {}
+    try:
+
+        def write() -> None:
+            for n, slot in slots.items():
+                full = tensors[n].bits.view(bits_type(slot.dtype))
+                block = torch.from_numpy(_local(slot, np.ascontiguousarray(full)).copy()).view(slot.bits().dtype)
+                slot.bits().copy_(block.reshape(slot.block_shape))
+
+        ranks.agreed(write, "writing the snapshot")
+        timing["write_s"] = time.perf_counter() - t_read
+        hook("written-unverified")
+        t = time.perf_counter()
+        for n, slot in slots.items():
+            if ranks.checksum(slot) != checksums[n]:
+                raise TargetMismatchError(f"tensor {n!r} does not match the manifest checksum after loading", name=n)
+        timing["verify_s"] = time.perf_counter() - t
+    except Exception as exc:
+        raise ApplyFailedError.after_write("loading the snapshot", exc, restored=False) from exc
+    return {"bytes": size, "tensors": len(slots), "read_s": t_read - t0, **timing}

@@ -1,0 +1,181 @@
+"""stitchboard's custom weight loader for SGLang: runs in every TP rank's scheduler process.
+
+Start SGLang with ``--custom-weight-loader stitchboard.sidecar.engines.sglang.loader.load`` (see
+:mod:`.launch`) and call ``POST /update_weights_from_tensor`` with ``load_format`` set to that
+path, between ``/begin_weight_update`` and ``/end_weight_update`` (:mod:`.adapter` does). SGLang
+calls :func:`load` with the rank's live ``nn.Module`` and the (name, tensor) list decoded from
+``serialized_named_tensors[tp_rank]``: here one uint8 tensor named :data:`REQUEST_NAME` holding
+a JSON request. Patch and snapshot bytes never travel over HTTP: the request names hand-off files
+and their sha256 digests, and the loader reads them itself. Requests (``op``)::
+
+    {"op": "state"}
+    {"op": "apply", "steps": [{"paths": [...], "digests": [...]}, ...], "what": "1->2"}
+    {"op": "load_snapshot", "paths": [...], "digests": [...], "checksums": {name: xxh3}}
+    {"op": "checksums", "names": [...]}
+
+plus ``id`` (the request id), ``record_dir`` (where the answers go) and ``held`` (the version the
+caller reads from SGLang's ``weight_version``, echoed in the state). **An exception raised here
+kills the SGLang server**, so :func:`load` never raises: each rank writes its answer, the shape
+of :class:`~stitchboard.sidecar.engines.rpc.RankAnswer`, to ``<record_dir>/rank<r>.json`` with
+the request id and the process's pid and start time (so that the sidecar can tell a record of a
+process that is gone). Everything that can be refused is checked before the first write
+(:mod:`.inplace`); a failure after it writes the old bits back.
+
+State of this process: ``instance`` (a random id drawn when SGLang first imports this module,
+at the first update call of the process: a restarted engine has a new one) and ``phase``
+(``idle``; ``failed`` when a snapshot load died after writing or a restore failed: only a
+snapshot load clears it). The version itself is SGLang's ``weight_version``.
+
+``STITCH_ENGINE_FAULT_PHASE`` = ``staged`` | ``half-written`` | ``written-unverified`` makes
+the process exit (``os._exit(86)``) at that point of an apply or snapshot load (crash tests);
+``STITCH_ENGINE_FAULT_VERSION`` = V limits it to the update whose ``what`` ends at V.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import uuid
+from typing import Any
+
+import torch
+
+from stitchboard.proto.env import env_setting
+from stitchboard.proto.errors import StitchError
+
+from ...errors import EngineStateError
+
+log = logging.getLogger("stitchboard.sidecar.engines.sglang.loader")
+
+#: The name of the request tensor in ``serialized_named_tensors``.
+REQUEST_NAME = "stitchboard.request"
+#: The ``load_format`` / ``--custom-weight-loader`` path of :func:`load`.
+LOADER_PATH = "stitchboard.sidecar.engines.sglang.loader.load"
+#: Fault injection (crash tests), the same variables as the vLLM worker's.
+FAULT_ENV = "STITCH_ENGINE_FAULT_PHASE"
+FAULT_VERSION_ENV = "STITCH_ENGINE_FAULT_VERSION"
+FAULT_PHASES = ("staged", "half-written", "written-unverified")
+FAULT_EXIT_CODE = 86
+#: This process's instance id.
+INSTANCE_ID = uuid.uuid4().hex
+
+_phase = "idle"
+_ranks: Any = None
+
+
+def process_start(pid: int) -> str:
+    """The start time of process ``pid`` (clock ticks since boot, from /proc), or "" if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
+
+
+def _tp() -> tuple[int, int, object | None]:
+    from sglang.srt.distributed.parallel_state import get_tp_group
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    rank, size = int(parallel.tp_rank), int(parallel.tp_size)
+    return rank, size, (get_tp_group().cpu_group if size > 1 else None)
+
+
+def _get_ranks(model: torch.nn.Module) -> Any:
+    global _ranks
+    if _ranks is None or _ranks.layout.model is not model:
+        from .inplace import Ranks
+        from .layout import SglangLayout
+
+        rank, size, group = _tp()
+        _ranks = Ranks(SglangLayout(model, rank, size), group)
+    return _ranks
+
+
+def _fault(what: str) -> Any:
+    only = env_setting(FAULT_VERSION_ENV)
+
+    def hook(phase: str) -> None:
+        if env_setting(FAULT_ENV) == phase and (only is None or what.endswith(f"->{only}")):
+            log.error("stitchboard fault injection: exiting at phase %s of version %s", phase, what)
+            os._exit(FAULT_EXIT_CODE)
+
+    return hook
+
+
+def _error(exc: BaseException) -> dict[str, Any]:
+    kind = exc.type if isinstance(exc, StitchError) else type(exc).__name__
+    details = exc.details if isinstance(exc, StitchError) else {}
+    return {"type": kind, "message": str(exc), **details}
+
+
+def _run(model: torch.nn.Module, req: dict[str, Any]) -> dict[str, Any]:
+    """Run one request on this rank; returns the answer's extra fields (raises on failure)."""
+    global _phase
+    from .inplace import commit, load_snapshot, stage
+
+    op = req.get("op")
+    if op == "state":
+        return {}
+    ranks = _get_ranks(model)
+    if op == "checksums":
+        return {"checksums": {n: ranks.checksum(ranks.layout.place(n)) for n in req["names"]}}
+    what = str(req.get("what", ""))
+    if op == "apply":
+        if _phase != "idle":
+            raise EngineStateError(f"the engine is in phase {_phase!r} and holds no verified version: load a snapshot", held=None, phase=_phase)
+        writes, report = stage(ranks, [(s["paths"], s["digests"]) for s in req["steps"]])
+        try:
+            report.update(commit(ranks, writes, _fault(what), f"writing versions {what}"))
+        except StitchError as exc:
+            if not exc.details.get("restored", True):
+                _phase = "failed"
+            raise
+        return {"report": report}
+    if op == "load_snapshot":
+        try:
+            report = load_snapshot(ranks, req["paths"], req["digests"], req["checksums"], _fault(what))
+        except StitchError as exc:
+            if exc.type == "ApplyFailed":
+                _phase = "failed"
+            raise
+        _phase = "idle"
+        return {"report": report}
+    raise ValueError(f"unknown op {op!r}")
+
+
+def _write_record(record_dir: str, rank: int, record: dict[str, Any]) -> None:
+    os.makedirs(record_dir, exist_ok=True)
+    path = os.path.join(record_dir, f"rank{rank}.json")
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(record, f)
+    os.replace(tmp, path)
+
+
+def load(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """SGLang's custom weight loader entry point (see the module docstring). Never raises."""
+    req: dict[str, Any] = {}
+    rank = 0
+    try:
+        rank = _tp()[0]
+        tensors = dict(named_tensors)
+        if set(tensors) != {REQUEST_NAME}:
+            raise ValueError(f"expected one tensor named {REQUEST_NAME!r}, got {sorted(tensors)[:5]}")
+        req = json.loads(bytes(tensors[REQUEST_NAME].to("cpu", torch.uint8).numpy().tobytes()))
+        if not isinstance(req, dict) or not isinstance(req.get("record_dir"), str):
+            raise ValueError("the request must be a JSON object with a record_dir")  # noqa: TRY004 - reported, never raised to SGLang
+        answer: dict[str, Any] = {"ok": True, **_run(model, req)}
+    except Exception as exc:  # noqa: BLE001 - an exception here would kill the server: reported instead
+        log.warning("stitchboard loader: %s: %s", type(exc).__name__, exc)
+        answer = {"ok": False, "error": _error(exc)}
+    held = req.get("held") if type(req.get("held")) is int else None
+    answer["state"] = {"version": held, "phase": _phase, "instance": INSTANCE_ID}
+    if not isinstance(req.get("record_dir"), str):
+        log.error("stitchboard loader: no record_dir, the answer is lost: %s", answer)
+        return
+    try:
+        _write_record(req["record_dir"], rank, {"request": req.get("id"), "pid": os.getpid(), "start": process_start(os.getpid()), "answer": answer})
+    except Exception:  # never raise into SGLang
+        log.exception("stitchboard loader: could not write the answer record")
