@@ -36,6 +36,7 @@ from .fleet_watch import FleetWatcher
 from .ledger import Ledger
 from .longpoll import Watcher
 from .metrics import BulletinMetrics, LatencyMiddleware
+from .page import router as page_router
 from .routes_blobs import router as blobs_router
 from .routes_fleet import router as fleet_router
 from .routes_squash import router as squash_router
@@ -132,6 +133,7 @@ def create_app(settings: BulletinSettings | None = None, store: Store | None = N
     app.include_router(versions_router)
     app.include_router(blobs_router)
     app.include_router(fleet_router)
+    app.include_router(page_router)
     app.include_router(squash_router)
 
     @app.get("/healthz", tags=["ops"])

@@ -3,7 +3,9 @@
 All waiters of a run share one :class:`asyncio.Event`; a publish through this process sets it
 at once. Publishes through another bulletin process over the same store are seen by a
 background task that re-reads the latest version of every run with waiters each
-``poll_interval_s``. The answer body for a version is encoded once and shared by all waiters.
+``poll_interval_s``. The answer for a version (body and headers) is built once and sent as it
+is to every waiter (:class:`SharedAnswer`): at a publish, thousands of waiters wake at once and
+each costs only its own send.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import logging
 import time
 
 from anyio import to_thread
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 from stitchboard.proto.schema import VersionInfo, canonical_json
 
@@ -21,6 +25,18 @@ from .ledger import Ledger
 from .metrics import BulletinMetrics
 
 log = logging.getLogger("stitchboard.bulletin")
+
+
+class SharedAnswer(Response):
+    """A JSON answer built once and sent to many requests: each send gets its own copy of the header list
+    (a middleware may change its message's headers), the body bytes are shared."""
+
+    def __init__(self, body: bytes) -> None:
+        super().__init__(body, media_type="application/json")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": list(self.raw_headers)})
+        await send({"type": "http.response.body", "body": self.body})
 
 
 class Watcher:
@@ -38,7 +54,7 @@ class Watcher:
         self._interval = poll_interval_s
         self._metrics = metrics
         self._latest: dict[str, VersionInfo] = {}
-        self._bodies: dict[str, bytes] = {}
+        self._answers: dict[str, SharedAnswer] = {}
         self._checked_at: dict[str, float] = {}
         self._events: dict[str, asyncio.Event] = {}
         self._waiters: dict[str, int] = {}
@@ -52,22 +68,22 @@ class Watcher:
         if current is not None and current.version >= info.version:
             return
         self._latest[info.run_id] = info
-        self._bodies[info.run_id] = canonical_json(info)
+        self._answers[info.run_id] = SharedAnswer(canonical_json(info))
         self._metrics.latest_version.labels(info.run_id).set(info.version)
         event = self._events.pop(info.run_id, None)
         if event is not None:
             event.set()
 
-    def body(self, run: str) -> bytes:
-        """The JSON body of the latest known version of ``run`` (call after :meth:`wait` returned it)."""
-        return self._bodies[run]
+    def answer(self, run: str) -> SharedAnswer:
+        """The answer (JSON body of the latest known version of ``run``) to send (call after :meth:`wait` returned it)."""
+        return self._answers[run]
 
     async def _refresh(self, run: str) -> None:
         self._checked_at[run] = time.monotonic()
         info = await to_thread.run_sync(self._ledger.latest, run)
         current = self._latest.get(run)
         if current is not None and (info is None or info.version < current.version) and not await to_thread.run_sync(self._ledger.exists, run, current.version):
-            del self._latest[run], self._bodies[run]  # the store no longer holds it (run deleted out of band): forget it
+            del self._latest[run], self._answers[run]  # the store no longer holds it (run deleted out of band): forget it
         self.note(info)
 
     async def wait(self, run: str, after: int, wait_s: float) -> VersionInfo | None:

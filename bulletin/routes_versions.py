@@ -100,7 +100,7 @@ async def latest(
     info = await state.watcher.wait(run, after, min(wait_s, state.settings.max_wait_s))
     if info is None:
         return Response(status_code=204)
-    return Response(state.watcher.body(run), media_type="application/json")
+    return state.watcher.answer(run)
 
 
 @router.get("/runs/{run}/versions/{version}", responses={200: {"description": "the manifest (canonical JSON)"}, 404: {}})
