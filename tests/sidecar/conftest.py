@@ -128,6 +128,9 @@ def sc_start(sc_bulletin: AppServer, sc_publisher: Publisher, tmp_path: Path) ->
         client.close()
 
 
+# --- real SGLang (test_sglang_*.py): one server per module, see sglang_helpers.py
+from tests.sidecar.sglang_helpers import sglang_engine, sglang_workdir  # noqa: F401
+
 # --- real vLLM (test_vllm_engine.py, test_sidecar_vllm.py): one server per session, see vllm_fixtures.py
 from tests.sidecar.vllm_fixtures import (  # noqa: F401
     vllm_adapter,

@@ -1,0 +1,101 @@
+"""A real SGLang server (CPU) for the SGLang tests and benchmarks, started from .venv-sglang.
+
+:class:`SglangServer` starts :func:`stitchboard.sidecar.engines.sglang.launch.sglang_command`
+(stitchboard's loader registered unless ``loader=False``) on a free loopback port, TP = 1 or 2,
+and waits for ``/health``. Every server gets its own ``sgl_kernel`` stand-in call log
+(deploy/sglang_cpu): :meth:`SglangServer.stop` fails the test when the stand-in was called.
+``make test`` builds .venv-sglang (``make venv-sglang``); without it the tests skip, except under
+CI (``CI`` set), where they fail. Start-up on 2 cores with SmolLM2-135M: ~40-70 s at TP = 1,
+90-110 s at TP = 2.
+
+Fixtures (import them into a test module): ``sglang_engine`` (one TP = 1 server with the loader
+per module, booted from the SmolLM2 checkpoint: version 0's bits, no version recorded).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from stitchboard.demo.engines import greedy
+from stitchboard.demo.processes import ManagedProcess, free_port
+from stitchboard.sidecar.engines.sglang.launch import sglang_command, sglang_env, sglang_python
+from tests.support.vllm_server import PROMPTS
+
+
+def require_sglang() -> None:
+    """Skip the calling test when .venv-sglang is missing, except under CI (``CI`` set): fail there."""
+    if os.access(sglang_python(), os.X_OK):
+        return
+    message = f"no SGLang environment at {sglang_python()}: `make venv-sglang` builds it (`make test` does)"
+    if os.environ.get("CI"):
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+class SglangServer(ManagedProcess):
+    """One SGLang server subprocess (stopped with :meth:`stop`).
+
+    Args:
+        model_dir: HF checkpoint folder.
+        log_path: file receiving the server's output; the stand-in's call log goes next to it.
+        tp: tensor-parallel size (1 or 2 on this host).
+        loader: register stitchboard's custom weight loader (a plain server for oracles: False).
+        env: extra environment variables (e.g. ``STITCH_ENGINE_FAULT_PHASE``).
+        port: the TCP port (default: a free one), e.g. a killed server's to start it again.
+
+    Attributes:
+        url, port, model (the served model name: ``model_dir`` as a string), stub_log.
+    """
+
+    def __init__(self, model_dir: Path, log_path: Path, *, tp: int = 1, loader: bool = True, env: dict[str, str] | None = None, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.model = str(model_dir)
+        self.stub_log = log_path.with_suffix(".sgl_kernel_calls")
+        argv = sglang_command(model_dir, self.port, tp=tp, loader=loader)
+        super().__init__(f"sglang-tp{tp}", argv, log_path, f"{self.url}/health", env={**sglang_env(tp, self.stub_log), **(env or {})})
+
+    def wait_ready(self, timeout_s: float = 600.0) -> None:
+        """Wait until ``/health`` answers 200 (raises ``DemoError`` with the log's tail otherwise)."""
+        self.wait_healthy(timeout_s)
+
+    def greedy(self, max_tokens: int = 8) -> list[dict]:
+        """Greedy completions with top-5 logprobs of the oracle prompts, one request at a time."""
+        return greedy(self.url, model=self.model, prompts=PROMPTS, max_tokens=max_tokens)
+
+    def stub_calls(self) -> list[str]:
+        """Lines the ``sgl_kernel`` stand-in recorded (each one a call that raised)."""
+        return self.stub_log.read_text().splitlines() if self.stub_log.exists() else []
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """Stop the server; fail if the ``sgl_kernel`` stand-in was ever called."""
+        super().stop(grace_s)
+        calls = self.stub_calls()
+        assert not calls, f"SGLang called the sgl_kernel stand-in {len(calls)} times (first: {calls[0]}): a stub stood in for work"
+
+
+@pytest.fixture(scope="module")
+def sglang_workdir() -> Iterator[Path]:
+    """A module folder on memory-backed storage when there is one (logs, hand-off, records)."""
+    base = "/dev/shm" if Path("/dev/shm").is_dir() else None
+    folder = Path(tempfile.mkdtemp(prefix="stitch-sglang-", dir=base))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def sglang_engine(smollm2_dir: Path, sglang_workdir: Path) -> Iterator[SglangServer]:
+    """The module's SGLang server (TP = 1, loader registered) from the SmolLM2 checkpoint."""
+    require_sglang()
+    server = SglangServer(smollm2_dir, sglang_workdir / "engine.log")
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
