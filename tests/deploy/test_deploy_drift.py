@@ -206,9 +206,9 @@ def test_compose_services_use_real_commands_variables_and_values(compose, monkey
 
     b = settings_from_env(monkeypatch, BulletinSettings, compose["services"]["bulletin"]["environment"])
     assert b.store.startswith("s3://") and len(b.tokens) == 2
-    assert {tuple(g.scopes) for g in b.tokens.values()} == {("publish",), ("read",)}
+    assert {tuple(g.scopes) for g in b.tokens.values()} == {("publish",), ("replica",)}
     s = settings_from_env(monkeypatch, SidecarSettings, compose["services"]["sidecar"]["environment"])
-    assert s.token in b.tokens and b.tokens[s.token].scopes == ["read"]
+    assert s.token in b.tokens and b.tokens[s.token].scopes == ["replica"]  # reads and reports, never publishes
     assert s.bulletin == "http://bulletin:8700" and s.port == 8000
 
 
@@ -238,7 +238,8 @@ def test_k8s_containers_use_real_commands_variables_and_values(monkeypatch):
     from stitchboard.bulletin.settings import BulletinSettings
     from stitchboard.sidecar.settings import SidecarSettings
 
-    tokens = json.dumps({"trainer-token": {"scopes": ["publish"]}, "secret-stitch_sidecar_token": {"scopes": ["read"]}})
+    assert '"<rollout token>": {"scopes": ["replica"]}' in (K8S_DIR / "secret.example.yaml").read_text()  # sidecars report, never publish
+    tokens = json.dumps({"trainer-token": {"scopes": ["publish"]}, "secret-stitch_sidecar_token": {"scopes": ["replica"]}})
     b = settings_from_env(monkeypatch, BulletinSettings, {**envs["stitchboard-bulletin/bulletin"], "STITCH_BULLETIN_TOKENS": tokens})
     assert b.store.startswith("s3://") and b.host == "0.0.0.0"
     s = settings_from_env(monkeypatch, SidecarSettings, envs["stitchboard-rollout/sidecar"])

@@ -34,7 +34,7 @@ def _env(**extra: str) -> dict[str, str]:
 def bulletin(tmp_path):
     """A real `stitchboard bulletin serve` process over a file store, with a publish and a read token."""
     port = free_port()
-    tokens = {"trainer-tok": {"scopes": ["publish"]}, "rollout-tok": {"scopes": ["read"]}}
+    tokens = {"trainer-tok": {"scopes": ["publish"]}, "rollout-tok": {"scopes": ["replica"]}}
     env = _env(STITCH_BULLETIN_TOKENS=json.dumps(tokens))
     proc = subprocess.Popen(
         [str(BIN / "stitchboard"), "bulletin", "serve", "--store", f"file://{tmp_path / 'store'}", "--port", str(port)],
