@@ -244,6 +244,8 @@ class VersionManifest(_Model):
         files: patch, snapshot and asset files.
         stats: changed/total elements and encoded bytes.
         metadata: free-form trainer metadata (step, loss, ...), JSON values.
+        served: the served-view recipe the tensors are in (``bf16``, ``fp8``, ``fp8-block``,
+            ``nvfp4``: see ``stitchboard.trainer_client.recipes``); 1-32 of ``[a-z0-9.-]``.
     """
 
     schema_version: int = SCHEMA_VERSION
@@ -256,6 +258,7 @@ class VersionManifest(_Model):
     files: list[FileRef]
     stats: VersionStats
     metadata: dict[str, Any] = Field(default_factory=dict)
+    served: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9.-]{0,31}$")] = "bf16"
 
     @field_validator("run_id")
     @classmethod

@@ -51,8 +51,14 @@ class Publisher(PublisherCore):
             bytes per changed element) or ``overwrite`` (idempotent, largest).
         snapshot_every: a version also carries a snapshot when this many versions passed since
             the last one (>= 1; default 10).
-        dtypes: per-tensor served dtype (checkpoint name or fnmatch pattern -> torch dtype).
+        dtypes: per-tensor served dtype (checkpoint name or fnmatch pattern -> torch dtype);
+            fp16/fp32 only: a raw fp8 cast has no scales, no engine loads it, and is refused
+            (publish ``served="fp8"``).
         default_dtype: served dtype of the other floating tensors (default bf16).
+        served: the served-view recipe (``bf16`` default, ``fp8``, ``fp8-block``, ``nvfp4``;
+            :mod:`.recipes`), applied to the bf16 cast of the model at every publish, recorded
+            in every manifest (``served``) and in ``config.json`` (``quantization_config``).
+            :meth:`publish_view` publishes the view it is given as it is.
         assets: the model's non-weight files (a folder, or ``{file name: bytes}``), published
             with version 0 and referenced by every anchor; see :mod:`.assets`.
         resume: for a run that already has versions, ``"rebuild"`` rebuilds the last version
@@ -74,15 +80,18 @@ class Publisher(PublisherCore):
     :class:`~stitchboard.trainer_client.sharded.ShardedPublisher` shares.
 
     Raises:
-        ValueError: ``snapshot_every`` or ``max_pending`` < 1; ``resume`` is neither mode; an unknown ``encoding``.
+        ValueError: ``snapshot_every`` or ``max_pending`` < 1; ``resume`` is neither mode; an unknown
+            ``encoding`` or ``served`` recipe; an fp8 ``dtypes`` cast, or ``dtypes`` with a quantized recipe.
         SchemaError: bad run id.
         AssetsError: ``assets`` invalid, or differ from the assets the run already carries.
         ResumeError, BulletinError, PatchError: resuming an existing run failed (see
             :func:`~stitchboard.trainer_client.resume.rebuild_version`).
     """
 
+    _applies_recipes = True
+
     def _take_view(self, model_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor]) -> ViewPart:
-        view = served_view(model_or_state_dict, self.dtypes, self.default_dtype)
+        view = self.served.apply(served_view(model_or_state_dict, self.dtypes, self.default_dtype))
         return ViewPart(view, frozenset(view))
 
     def _own_view(self, view: Mapping[str, RawTensor]) -> ViewPart:

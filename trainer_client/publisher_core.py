@@ -38,6 +38,7 @@ from .async_publish import BoundedWorker
 from .encode_version import BaseTensor, EncodedPart, build_manifest, bytes_ref, encode_part, file_ref, tensor_specs, version_metadata
 from .fleet import FleetPacing, wait_for_fleet
 from .publish_result import PublishResult, log_result
+from .recipes import check_served_options
 from .resume import resume_publisher
 from .served_view import DtypeMap
 from .squash import DEFAULT_SQUASH_DEPTHS, Squasher
@@ -61,6 +62,7 @@ class PublisherOptions(TypedDict, total=False):
     snapshot_every: int
     dtypes: DtypeMap | None
     default_dtype: torch.dtype
+    served: str
     assets: AssetsArg
     resume: Literal["rebuild", "anchor"]
     max_pending: int
@@ -95,6 +97,8 @@ class PublisherCore(ABC):
     world: int = 1
     #: Background failures surface only once every rank knows them (see :class:`BoundedWorker`).
     _lockstep: ClassVar[bool] = False
+    #: Whether :meth:`_take_view` applies a served-view recipe other than bf16 (``served=``).
+    _applies_recipes: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -106,6 +110,7 @@ class PublisherCore(ABC):
         snapshot_every: int = 10,
         dtypes: DtypeMap | None = None,
         default_dtype: torch.dtype = torch.bfloat16,
+        served: str = "bf16",
         assets: AssetsArg = None,
         resume: Literal["rebuild", "anchor"] = "rebuild",
         max_pending: int = 2,
@@ -127,6 +132,9 @@ class PublisherCore(ABC):
         self.snapshot_every = snapshot_every
         self.dtypes = dtypes
         self.default_dtype = default_dtype
+        self.served = check_served_options(served, dtypes, default_dtype)
+        if self.served.name != "bf16" and not self._applies_recipes:
+            raise ValueError(f"{type(self).__name__} publishes served='bf16' only; use Publisher for served={served!r}")
         self.max_shard_bytes = max_shard_bytes
         self.workdir = workdir
         if workdir is not None:
@@ -145,6 +153,7 @@ class PublisherCore(ABC):
     def _start(self, mode: str, assets: AssetsArg) -> tuple[PublishedVersion | None, list[FileRef], dict[str, bytes]]:
         """Read the given assets (on rank 0, which uploads them) and resume the run: (last version, asset refs, asset bytes)."""
         given = load_assets(assets) if assets is not None and self.rank == 0 else None
+        given = None if given is None else [self.served.asset(a) for a in given]  # config.json's quantization_config
         published, refs = resume_publisher(self.client, self.run, mode, given, workdir=self.workdir)
         if published is not None and self.rank == 0:
             log.info("run %s: resuming after version %d (%s)", self.run, published.version, "view rebuilt and verified" if published.view else "next version is an anchor")
@@ -363,7 +372,7 @@ class PublisherCore(ABC):
             encoding=parts[0].encoding,
             changed_elements=sum(p.changed_elements for p in parts),
             metadata=version_metadata(step, tensor_set_changed, metadata),
-        )
+        ).model_copy(update={"served": self.served.name})
         tensors = {t.name: BaseTensor(t.dtype, tuple(t.shape), t.checksums[XXH3_128]) for t in manifest.tensors}
         published = PublishedVersion(version, view.tensors, tensors, 0 if snapshot or last is None else last.since_anchor + 1)
         try:
