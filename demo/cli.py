@@ -89,7 +89,7 @@ def demo(
     summary, plot = write_outputs(result, workdir)
     for name, ok in result.checks.items():
         console.print(f"  {'[green]ok[/green]  ' if ok else '[red]FAIL[/red]'} {name}")
-    console.print(f"summary: {summary}; plot: {plot}; {result.seconds:.0f} s")
+    console.print(f"summary: {summary}; plot: {plot}; status page: {workdir / 'status.png'}; {result.seconds:.0f} s")
     if result.passed:
         console.print(f"[bold green]PASS[/bold green] ({ENGINE_NAMES[engine]})")
     else:

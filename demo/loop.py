@@ -16,7 +16,10 @@ Sequence (:func:`run_demo`):
 6. the oracle: greedy completions with logprobs pinned to the last version on every engine
    must equal, bit for bit, those of a fresh engine of the same kind loaded from that version's
    full checkpoint pulled from the bulletin, and differ from version 0's; with SGLang, the
-   ``sgl_kernel`` stand-in (CPU hosts) must have recorded no call.
+   ``sgl_kernel`` stand-in (CPU hosts) must have recorded no call;
+7. the fleet view: the sidecars' reports show every engine at the last version, through the
+   trainer's ``wait_for_fleet`` and on the bulletin's status page read in a headless Chromium
+   (screenshot ``status.png`` beside ``sync.png``; :mod:`.fleet_check`).
 """
 
 from __future__ import annotations
@@ -33,7 +36,10 @@ from stitchboard.proto.sidecar_wire import SidecarStatus
 from stitchboard.trainer_client.publisher import Publisher
 from stitchboard.trainer_client.resume import pull_version
 
+from .browser import require_browser
 from .engines import greedy, sample, start_engine, start_rollout, stitchboard_cli, stub_calls, wait_applied
+from .fleet_check import CHECK as FLEET_CHECK
+from .fleet_check import check_fleet
 from .grpo import Sample, policy_gradient_step
 from .processes import ProcessGroup, free_port
 from .smollm2 import build_smollm2_checkpoint
@@ -107,6 +113,7 @@ def run_demo(cfg: DemoConfig, on_row=lambda row: None, on_event=lambda text: Non
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     t_start = time.monotonic()
+    require_browser()  # the status page screenshot: fail now, naming what is missing
     torch.manual_seed(cfg.seed)
     workdir = cfg.workdir.resolve()
     workdir.mkdir(parents=True, exist_ok=True)
@@ -142,6 +149,8 @@ def run_demo(cfg: DemoConfig, on_row=lambda row: None, on_event=lambda text: Non
             result.final_version = version
             after = [greedy(r.url, exact_version=version) for r in rollouts]
             applied = [wait_applied(r.url, version, 60)[0] for r in rollouts]
+            fleet_problems = check_fleet(publisher, bulletin_url, version, cfg.engines, workdir / "status.png")
+            on_event("; ".join(fleet_problems) or f"fleet view: {cfg.engines} replica(s) at version {version}; status page saved as {workdir / 'status.png'}")
         for r in rollouts:  # free the cores for the fresh engine
             procs.stop(r.sidecar)
             procs.stop(r.engine)
@@ -155,6 +164,8 @@ def run_demo(cfg: DemoConfig, on_row=lambda row: None, on_event=lambda text: Non
             calls = stub_calls(procs)
             result.checks["sgl_kernel stand-in never called"] = not calls
             result.reasons += [f"sgl_kernel stand-in: {line}" for line in calls[:3]]
+        result.checks[FLEET_CHECK] = not fleet_problems
+        result.reasons += fleet_problems
         _check(result, before, after, reference, applied)
         if cfg.keep:
             wait_for_user()

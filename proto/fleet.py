@@ -199,4 +199,6 @@ def describe_laggards(count: FleetCount) -> str:
         parts.append(f"{lag.replica_id} at version {lag.applied_version} ({why})")
     if count.expired:
         parts.append(f"lease expired: {', '.join(count.expired)}")
-    return "; ".join(parts) or "no live replica reports to the bulletin"
+    if not parts:
+        return "no live replica reports to the bulletin" if not count.live else f"none: every live replica is there, but only {count.live} report to the bulletin"
+    return "; ".join(parts)

@@ -28,3 +28,5 @@ def test_demo_two_steps_pass(tmp_path: Path, smollm2_dir: Path):
     assert [s["version"] for s in summary["steps"]] == [1, 2]
     assert all(0 < s["changed_pct"] < 10 and s["patch_bytes"] < s["full_bytes"] / 20 for s in summary["steps"])
     assert (tmp_path / "demo" / "sync.png").stat().st_size > 1000
+    assert summary["checks"]["the bulletin's fleet view shows every engine at the last version"]
+    assert (tmp_path / "demo" / "status.png").stat().st_size > 10_000  # the status page, screenshot in Chromium
