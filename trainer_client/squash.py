@@ -40,8 +40,15 @@ from .encode_version import bytes_ref
 
 log = logging.getLogger("stitchboard.trainer_client")
 
-#: Squash depths a publisher emits unless told otherwise (see the README's squash figures).
-DEFAULT_SQUASH_DEPTHS: tuple[int, ...] = (4, 8)
+#: Squash depths a publisher emits unless told otherwise: none. Measured on real SmolLM2 steps
+#: (``tests/benchmarks/bench_squash.py``, README), depths (4, 8) add ~4.7x the delta's own encode
+#: time to every publish (the reverse record, then two encodes of 2-5x the changed elements),
+#: which grows with the model and, through ``max_pending``, can stall a trainer; they pay off only
+#: for replicas that fall behind (restarts, long stalls). Turn them on per run where that happens.
+DEFAULT_SQUASH_DEPTHS: tuple[int, ...] = ()
+#: The depths to turn on (and what ``stitchboard squash rebuild`` makes by default): a replica k
+#: behind then fetches at most 3 deltas and one squash, or 4 deltas (k < 4).
+SUGGESTED_SQUASH_DEPTHS: tuple[int, ...] = (4, 8)
 
 
 def check_depths(depths: Iterable[int]) -> tuple[int, ...]:
@@ -213,6 +220,11 @@ class Squasher:
         """
         if not self.depths:
             return []
+        if old is not None and manifest.version > 0 and self.views.latest != manifest.version - 1:  # a resumed publisher: learn the base's manifest
+            try:
+                self.views.start(on_committer(lambda: self.client.manifest(self.run, manifest.version - 1)))
+            except BulletinError as exc:
+                log.warning("run %s: reading version %d for its squashes failed (%s)", self.run, manifest.version - 1, exc)
         self.views.record(manifest, old, new, old_checksums)
         out = []
         for base in [manifest.version - d for d in self.depths if manifest.version - d in self.views.bases()]:

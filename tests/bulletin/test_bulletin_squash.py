@@ -6,10 +6,12 @@ The squashes are the real trainer's (``Publisher(squash_depths=...)``) over smal
 from __future__ import annotations
 
 import pytest
+from typer.testing import CliRunner
 
 from stitchboard.bulletin import squash_store
 from stitchboard.bulletin.errors import InvalidRequestError, NotFoundError, VersionConflictError
 from stitchboard.bulletin.retention import GcReport, collect_garbage, collect_run
+from stitchboard.trainer_client import squash_cli
 from stitchboard.trainer_client.publisher import Publisher
 from tests.support.squash_chain import rl_steps
 
@@ -83,3 +85,19 @@ def test_gc_never_deletes_the_blobs_of_a_squash_being_written(server, client, ru
     client.drop_squash(run, 0, 3)
     gone = collect_garbage(ledger, keep_snapshots=1, grace_s=0.0, runs=[run])
     assert gone.blobs_removed[run] == [record.files[0].sha256], "a dropped squash's blob goes with the next gc"
+
+
+def test_dropped_squashes_are_rebuilt_from_the_stored_anchor_and_deltas(server, client, run, tmp_path):
+    publish(server, client, run, rl_steps(4, 6, numel=4096), tmp_path, squash_depths=(3, 5), snapshot_every=4)
+    original = {(s.base_version, s.target_version): s for s in client.squashes(run)}
+    assert set(original) == {(0, 3), (1, 4), (2, 5), (0, 5), (3, 6), (1, 6)}
+    cli = CliRunner()
+    dropped = cli.invoke(squash_cli.app, ["drop", "--bulletin", server.url, "--run", run, "0-3", "1-6"])
+    assert dropped.exit_code == 0 and dropped.output.strip() == "2" and set(spans(client, run)) == set(original) - {(0, 3), (1, 6)}
+    assert cli.invoke(squash_cli.app, ["drop", "--bulletin", server.url, "--run", run]).output.strip() == "4"
+    rebuilt = cli.invoke(squash_cli.app, ["rebuild", "--bulletin", server.url, "--run", run, "--depths", "3,5"])
+    assert rebuilt.exit_code == 0, rebuilt.output
+    assert len(rebuilt.output.splitlines()) == 6
+    again = {(s.base_version, s.target_version): s for s in client.squashes(run)}
+    assert again == original, "the rebuild makes the very records (and patch files) the publisher made"
+    assert squash_cli.rebuild_squashes(client, run, (3, 5)) == [], "spans already stored are skipped"

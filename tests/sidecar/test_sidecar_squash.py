@@ -50,3 +50,14 @@ def test_sidecar_k_behind_catches_up_with_one_squash(squash_bulletin, sc_start, 
         assert status["last_sync"]["bytes_fetched"] == squash.size_bytes, "one squash downloaded, not the four deltas"
         staged = [args for name, args in engine.calls if name == "stage_patches"]
         assert len(staged) == 1 and len(staged[0]) == 1 and staged[0][0][1:] == (1, 5), staged
+
+
+def test_a_resumed_publisher_squashes_from_the_version_it_resumed_at(sc_client, tmp_path):
+    run = f"run-{uuid.uuid4().hex[:8]}"
+    views = rl_steps(6, 3)
+    with Publisher(sc_client.url, run, client=sc_client, workdir=tmp_path / "a") as pub:
+        pub.publish_view(views[0])
+    with Publisher(sc_client.url, run, client=sc_client, workdir=tmp_path / "b", squash_depths=(3,)) as pub:  # resumes at version 0
+        for v in views[1:]:
+            pub.publish_view(v)
+    assert [(s.base_version, s.target_version) for s in sc_client.squashes(run)] == [(0, 3)]
