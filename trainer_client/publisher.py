@@ -71,6 +71,11 @@ class Publisher(PublisherCore):
             or 5xx, first backoff delay (doubling, seconds) and per-request timeout (seconds).
         workdir: folder for temporary snapshot shards, created if missing (default: the system temp folder).
         client: a ready :class:`BulletinClient` to use instead of one built from ``url``/``token``.
+        squash_depths: after each commit, also store the squash ``L - d -> L`` for each depth d
+            (one patch a replica d or more versions behind fetches instead of d deltas, kept
+            only when smaller than that chain; see :mod:`.squash`). Default ``()``: none, since
+            each depth costs about two delta encodes per publish; ``(4, 8)`` where replicas
+            fall behind.
         pacing: a :class:`~stitchboard.trainer_client.fleet.FleetPacing` (async RL: a publish
             blocks while fewer than the wanted replicas are within ``max_lag`` versions of the
             newest); None: publishes never wait for the fleet. :meth:`wait_for_fleet` waits on demand.
@@ -81,7 +86,8 @@ class Publisher(PublisherCore):
 
     Raises:
         ValueError: ``snapshot_every`` or ``max_pending`` < 1; ``resume`` is neither mode; an unknown
-            ``encoding`` or ``served`` recipe; an fp8 ``dtypes`` cast, or ``dtypes`` with a quantized recipe.
+            ``encoding`` or ``served`` recipe; an fp8 ``dtypes`` cast, or ``dtypes`` with a quantized recipe;
+            a squash depth < 2.
         SchemaError: bad run id.
         AssetsError: ``assets`` invalid, or differ from the assets the run already carries.
         ResumeError, BulletinError, PatchError: resuming an existing run failed (see

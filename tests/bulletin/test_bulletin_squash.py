@@ -5,6 +5,7 @@ The squashes are the real trainer's (``Publisher(squash_depths=...)``) over smal
 
 from __future__ import annotations
 
+import httpx
 import pytest
 from typer.testing import CliRunner
 
@@ -47,6 +48,8 @@ def test_a_squash_put_is_checked_against_its_versions(server, client, run, tmp_p
     assert backend.keys() == before, "a refused put writes nothing"
     assert client.put_squash(s14) is True, "a dropped squash can be stored again"
     assert [s.kind for s in client.plan(run, 1, 4, squash=True).steps] == ["squash"]
+    old_client = httpx.get(f"{server.url}/v1/runs/{run}/plan", params={"from": 1, "to": 4}).json()  # a client that does not know squash steps
+    assert [sorted(step) for step in old_client["steps"]] == [["files", "kind", "size_bytes", "version"]] * 3 and {s["kind"] for s in old_client["steps"]} == {"delta"}
 
 
 def test_retention_drops_squashes_with_their_versions(server, client, run, tmp_path):

@@ -4,7 +4,7 @@ Usage, with the torch.distributed env variables RANK and WORLD_SIZE set:
 
 * ``python sharded_worker.py steps BULLETIN_URL RUN OUT_DIR STEPS``: shards the toy model with
   FSDP2 over gloo on the CPU, takes AdamW steps and publishes after each with
-  :class:`ShardedPublisher` (the last one with ``publish_view``); rank 0 writes each version's
+  :class:`ShardedPublisher` (the last one with ``publish_view``; squashes of depth 2 on); rank 0 writes each version's
   reference served view (gathered from the shards) into ``OUT_DIR/ref-{version}`` and the
   results as JSON lines into ``OUT_DIR/results.jsonl``.
 * ``python sharded_worker.py rank_failure BULLETIN_URL RUN OUT_DIR``: rank 1 cannot upload
@@ -54,7 +54,7 @@ SHARDED = Side(ShardedPublisher, lambda seed: ToyTrainer(seed, wrap=shard))
 
 def publish_steps(url: str, run: str, out: Path, steps: int) -> None:
     trainer = SHARDED.trainer(0)
-    publisher = ShardedPublisher(url, run, snapshot_every=3, max_shard_bytes=4096, assets={"config.json": b'{"model_type": "toy"}'}, retries=1, backoff_s=0.01)
+    publisher = ShardedPublisher(url, run, snapshot_every=3, max_shard_bytes=4096, assets={"config.json": b'{"model_type": "toy"}'}, retries=1, backoff_s=0.01, squash_depths=(2,))
     for step in range(steps):
         reference = served_view(trainer.model)  # collective gather of every DTensor
         result = publisher.publish_view(reference, step=step) if step == steps - 1 else publisher.publish(trainer.model, step=step)

@@ -1,4 +1,4 @@
-"""Sharded publish with 2 processes on the CPU (gloo, FSDP2): disjoint parts, one manifest per version."""
+"""Sharded publish with 2 processes on the CPU (gloo, FSDP2): disjoint parts, one manifest per version, one squash record per span."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import json
 
 import numpy as np
 
+from stitchboard.proto.apply import apply_patch
 from stitchboard.proto.checkpoint import load_checkpoint
+from stitchboard.proto.decode import read_patch
 from stitchboard.trainer_client.resume import rebuild_version
 from stitchboard.trainer_client.sharded import assign_owners
 from tests.trainer_client.ranks import run_ranks
@@ -43,6 +45,16 @@ def test_two_ranks_publish_one_manifest_per_version(bulletin, run, tmp_path):
             assert set(rebuilt.view) == set(reference) == {t.name for t in manifest.tensors}
             for name, t in reference.items():
                 assert np.array_equal(rebuilt.view[name].bits, t.bits), (version, name)
+        squashes = {(s.base_version, s.target_version): s for s in client.squashes(run)}
+        assert set(squashes) == {(0, 2), (1, 3)}
+        for (base, target), squash in squashes.items():  # one file per rank; together they take the base to the target, bit for bit
+            assert sorted(f.path for f in squash.files) == [f"squash-v{base}-v{target}-r{r}.safetensors" for r in (0, 1)]
+            view = rebuild_version(client, run, base).view
+            for f in squash.files:
+                path = client.download_blob(run, f.sha256, tmp_path / "squash" / f.path, f.size_bytes)
+                apply_patch(view, read_patch(path.read_bytes()))
+            for name, t in load_checkpoint(tmp_path / f"ref-{target}").items():
+                assert np.array_equal(view[name].bits, t.bits), (base, target, name)
 
 
 def test_a_rank_that_cannot_upload_fails_every_rank_and_commits_nothing(bulletin, run, tmp_path):
