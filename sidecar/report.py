@@ -2,10 +2,12 @@
 
 Every ``CHECK_S`` the :class:`Reporter` builds the replica's :class:`ReplicaReport` from what
 the reconciler and the gate hold (no I/O) and sends it (``PUT /v1/runs/{run}/replicas/{id}``)
-when it changed, or when the lease the bulletin granted is due for renewal. A new applied
-version goes out at once; other changes at most once per ``min_interval_s``, so the store
-cost per replica is bounded (a write per renewal, per applied version, and per
-``min_interval_s`` of other changes). Reporting never blocks or breaks syncing: the task has
+when it changed, or when the lease the bulletin granted is due for renewal (any report renews
+it). A new applied version goes out as soon as its commit has settled; other changes (target,
+state, errors) once they are ``min_interval_s`` old, together with whatever changed meanwhile,
+so a sync shorter than that costs one report. The store cost per replica is bounded: a write
+per renewal period without reports, per applied version, and per ``min_interval_s`` of other
+changes. Reporting never blocks or breaks syncing: the task has
 its own HTTP client, a bulletin that refuses or misses a report is logged and tried again
 with exponential backoff, and nothing it does is awaited by the reconciler.
 """
@@ -24,6 +26,7 @@ import httpx
 
 from stitchboard.bulletin.errors import error_from_body
 from stitchboard.proto.fleet import HISTORY_LEN, ErrorNote, ReplicaReport, ReportAccepted, SyncFigures
+from stitchboard.proto.sidecar_wire import COMMIT_STATES
 
 from .gate import Gate
 from .reconciler import Reconciler
@@ -136,9 +139,21 @@ class Reporter:
             raise error_from_body(r.status_code, body)
         return ReportAccepted.model_validate_json(r.content)
 
+    def _due(self, report: ReplicaReport, now: float, changed_since: float, renew_at: float) -> bool:
+        # A new applied version once the commit has settled (its state after the resume); other
+        # changes once they are min_interval_s old; and the lease's renewal.
+        last = self.last_sent
+        if last is None or now >= renew_at:
+            return True
+        if report == last:
+            return False
+        if report.applied_version != last.applied_version and report.state not in COMMIT_STATES:
+            return True
+        return now - changed_since >= self.min_interval_s
+
     async def run_forever(self) -> None:
         """Report until cancelled (see the module docstring); never raises but for cancellation."""
-        renew_at = sent_at = retry_at = -float("inf")
+        renew_at = retry_at = changed_since = -float("inf")
         backoff = self.min_interval_s
         while True:
             now = time.monotonic()
@@ -147,11 +162,11 @@ class Reporter:
             except Exception:  # a report that cannot be built must not end the task
                 log.exception("building the fleet report failed")
                 report = None
-            last = self.last_sent
-            changed = report is not None and report != last
-            urgent = changed and (last is None or report.applied_version != last.applied_version)  # type: ignore[union-attr]
-            due = report is not None and (urgent or (changed and now - sent_at >= self.min_interval_s) or now >= renew_at)
-            if due and now >= retry_at and report is not None:
+            if report is None or report == self.last_sent:
+                changed_since = float("inf")
+            elif changed_since == float("inf"):
+                changed_since = now
+            if report is not None and now >= retry_at and self._due(report, now, changed_since, renew_at):
                 try:
                     accepted = await self.send(report)
                 except Exception as exc:  # noqa: BLE001 - any failure: log, back off, try again
@@ -165,8 +180,8 @@ class Reporter:
                         log.info("reports to the bulletin's fleet view go through again after %d failures", self.failures)
                     self.failures, backoff = 0, self.min_interval_s
                     self.sent += 1
-                    self.last_sent, sent_at = report, time.monotonic()
-                    renew_at = sent_at + accepted.renew_s
+                    self.last_sent, changed_since = report, float("inf")
+                    renew_at = time.monotonic() + accepted.renew_s
             await asyncio.sleep(CHECK_S)
 
     async def aclose(self) -> None:

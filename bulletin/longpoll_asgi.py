@@ -1,0 +1,99 @@
+"""The long-poll's fast path: ``GET /v1/runs/{run}/versions/latest`` answered by a pure ASGI layer.
+
+Thousands of sidecars wait on this route at once and are all answered within one publish, so
+each answer's cost is what the fan-out takes (``tests/benchmarks/bench_bulletin.py``). A
+well-formed request whose token may read the run is served here, without the framework's
+routing, dependency solving and response wrappers: it waits on the :class:`~.longpoll.Watcher`
+and gets the answer built once for all waiters. Anything else (a bad run id or query value, a
+refused token, another route) passes to the app unchanged, whose route
+(:func:`~.routes_versions.latest`) answers it and documents the API; both give the same answers.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from urllib.parse import parse_qsl
+
+from fastapi.responses import JSONResponse, Response
+from starlette.routing import BaseRoute
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from .deps import BulletinState
+from .errors import BulletinError
+from .ledger import run_key
+
+log = logging.getLogger("stitchboard.bulletin")
+
+#: The route's path template (as the app's route declares it).
+LATEST_ROUTE = "/v1/runs/{run}/versions/latest"
+_PATH = re.compile(r"^/v1/runs/([^/]+)/versions/latest$")
+_NO_CONTENT = Response(status_code=204)
+
+
+def _query(raw: bytes) -> tuple[int, float] | None:
+    """``(after, wait_s)`` of a query string the route would accept as they are; None for anything else."""
+    try:
+        pairs = parse_qsl(raw.decode("latin-1"), keep_blank_values=True, strict_parsing=bool(raw))
+    except ValueError:
+        return None
+    values = dict(pairs)
+    if len(values) != len(pairs) or not set(values) <= {"after", "wait_s"}:
+        return None
+    try:
+        after, wait_s = int(values.get("after", "-1")), float(values.get("wait_s", "0"))
+    except ValueError:
+        return None
+    if after < -1 or not (math.isfinite(wait_s) and wait_s >= 0):
+        return None
+    return after, wait_s
+
+
+def _authorization(scope: Scope) -> str | None:
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            return value.decode("latin-1")
+    return None
+
+
+class LongPollFastPath:
+    """ASGI middleware serving well-formed, allowed long-polls of the latest version (see the module docstring).
+
+    Args:
+        app: the rest of the app.
+        state: the bulletin's state (watcher, auth, settings).
+        route: the app's route of :data:`LATEST_ROUTE`, named in ``scope["route"]`` for the latency metric.
+    """
+
+    def __init__(self, app: ASGIApp, state: BulletinState, route: BaseRoute | None) -> None:
+        self.app = app
+        self.state = state
+        self.route = route
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        match = _PATH.match(scope["path"]) if scope["type"] == "http" and scope["method"] == "GET" else None
+        args = _query(scope["query_string"]) if match else None
+        if match is None or args is None:
+            await self.app(scope, receive, send)
+            return
+        run, (after, wait_s) = match.group(1), args
+        try:
+            run_key(run)
+            self.state.auth.check(_authorization(scope), "read", run)
+        except BulletinError:
+            await self.app(scope, receive, send)  # the route answers the refusal
+            return
+        if self.route is not None:
+            scope["route"] = self.route
+        try:
+            info = await self.state.watcher.wait(run, after, min(wait_s, self.state.settings.max_wait_s))
+        except BulletinError as exc:
+            await JSONResponse(exc.body(), status_code=exc.status)(scope, receive, send)
+            return
+        except Exception as exc:  # the app's catch-all answer, as for any route
+            log.exception("unhandled error on GET %s", scope["path"])
+            await JSONResponse({"type": "InternalError", "message": f"internal error ({type(exc).__name__}); see the bulletin log"}, status_code=500)(scope, receive, send)
+            return
+        answer = _NO_CONTENT if info is None else self.state.watcher.answer(run)
+        await answer(scope, receive, send)

@@ -1,0 +1,56 @@
+"""The long-poll's ASGI fast path answers as the route does: versions, 204 on timeout, the route's refusals
+for bad input and tokens, store errors as JSON, and the latency metric under the route's template."""
+
+from __future__ import annotations
+
+import uuid
+
+import httpx
+import pytest
+
+from stitchboard.bulletin.settings import BulletinSettings, TokenGrant
+from tests.bulletin.bulletin_helpers import ThreadServer, upload_version
+
+TOKENS = {"pub": TokenGrant(scopes=["publish", "metrics"]), "ro": TokenGrant(scopes=["read"], runs=["fast-run"]), "met": TokenGrant(scopes=["metrics"])}
+
+
+@pytest.fixture
+def served(tmp_path):
+    server = ThreadServer(BulletinSettings(store=f"file://{tmp_path / 'store'}", tokens=TOKENS, poll_interval_s=0.05))
+    yield server
+    server.stop()
+
+
+def test_fast_path_answers_as_the_route(served):
+    run = "fast-run"
+    with served.client("pub") as pub:
+        upload_version(pub, run, 0, snapshot_bytes=10)
+    url, ro = f"{served.url}/v1/runs/{run}/versions/latest", {"authorization": "Bearer ro"}
+    r = httpx.get(url, params={"after": -1, "wait_s": 1}, headers=ro)
+    assert r.status_code == 200 and r.json()["version"] == 0 and r.headers["content-type"] == "application/json"
+    assert httpx.get(url, headers=ro).json()["version"] == 0  # no query at all
+    r = httpx.get(url, params={"after": 0, "wait_s": 0.2}, headers=ro)
+    assert r.status_code == 204 and r.content == b""
+    for params in ({"after": -2}, {"after": "x"}, {"wait_s": -1}):  # the route's validation answers
+        r = httpx.get(url, params=params, headers=ro)
+        assert r.status_code == 422 and r.json()["type"] == "InvalidRequest", (params, r.text)
+    assert httpx.get(url, params={"after": 0, "wait_s": 0.1, "extra": 1}, headers=ro).status_code == 204  # unknown parameters ignored, as by the route
+    assert httpx.get(url).status_code == 401
+    assert httpx.get(url, headers={"authorization": "Bearer met"}).status_code == 403
+    other = httpx.get(f"{served.url}/v1/runs/run-{uuid.uuid4().hex[:6]}/versions/latest", headers=ro)
+    assert other.status_code == 403 and other.json()["type"] == "Forbidden"
+    metrics = httpx.get(f"{served.url}/metrics", headers={"authorization": "Bearer pub"}).text
+    assert 'route="/v1/runs/{run}/versions/latest",status="200"' in metrics and 'route="/v1/runs/{run}/versions/latest",status="204"' in metrics
+
+
+def test_fast_path_store_errors_are_json(served, tmp_path, monkeypatch):
+    state = served.app.state.bulletin
+
+    def broken(run: str):
+        from stitchboard.bulletin.errors import UnavailableError
+
+        raise UnavailableError("the store is down (test)")
+
+    monkeypatch.setattr(state.ledger, "latest", broken)
+    r = httpx.get(f"{served.url}/v1/runs/fast-run/versions/latest", params={"wait_s": 1}, headers={"authorization": "Bearer ro"})
+    assert r.status_code == 503 and r.json() == {"type": "Unavailable", "message": "the store is down (test)"}
