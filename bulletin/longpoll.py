@@ -4,8 +4,11 @@ All waiters of a run share one :class:`asyncio.Event`; a publish through this pr
 at once. Publishes through another bulletin process over the same store are seen by a
 background task that re-reads the latest version of every run with waiters each
 ``poll_interval_s``. The answer for a version (body and headers) is built once and sent as it
-is to every waiter (:class:`SharedAnswer`): at a publish, thousands of waiters wake at once and
-each costs only its own send.
+is to every waiter (:class:`SharedAnswer`). Waiters that register how to send their answer
+(:meth:`Watcher.register`, the fast path of :mod:`.longpoll_asgi`) are answered by one task, in
+one pass, as soon as the version is known, before any of the thousands of waiting request
+tasks is resumed: the last answer goes out after one send per waiter, and the requests finish
+(timers, metrics) afterwards.
 """
 
 from __future__ import annotations
@@ -39,6 +42,24 @@ class SharedAnswer(Response):
         await send({"type": "http.response.body", "body": self.body})
 
 
+class DirectWaiter:
+    """A long-poll whose answer the :class:`Watcher` sends itself when a version newer than ``after`` is noted.
+
+    Attributes:
+        send: the request's ASGI ``send``; scope, receive: its scope and receive.
+        after: the version the request is past.
+        claimed: True once the watcher took over sending the answer (the request then awaits ``sent``).
+        sent: done when the answer has been sent (or sending it failed).
+    """
+
+    __slots__ = ("after", "claimed", "receive", "scope", "send", "sent")
+
+    def __init__(self, scope: Scope, receive: Receive, send: Send, after: int) -> None:
+        self.scope, self.receive, self.send, self.after = scope, receive, send, after
+        self.claimed = False
+        self.sent: asyncio.Future[None] | None = None
+
+
 class Watcher:
     """Tracks the latest version of watched runs and wakes their long-polls.
 
@@ -58,7 +79,31 @@ class Watcher:
         self._checked_at: dict[str, float] = {}
         self._events: dict[str, asyncio.Event] = {}
         self._waiters: dict[str, int] = {}
+        self._direct: dict[str, set[DirectWaiter]] = {}
+        self._fan_outs: set[asyncio.Task] = set()
         self._task: asyncio.Task | None = None
+
+    def register(self, run: str, waiter: DirectWaiter) -> None:
+        """Have the watcher send ``waiter``'s answer when a version of ``run`` newer than its ``after`` is noted (see :meth:`unregister`)."""
+        self._direct.setdefault(run, set()).add(waiter)
+
+    def unregister(self, run: str, waiter: DirectWaiter) -> None:
+        """Forget ``waiter`` (its wait ended)."""
+        waiters = self._direct.get(run)
+        if waiters is not None:
+            waiters.discard(waiter)
+            if not waiters:
+                del self._direct[run]
+
+    async def _fan_out(self, answer: SharedAnswer, waiters: list[DirectWaiter]) -> None:
+        for waiter in waiters:
+            try:
+                await answer(waiter.scope, waiter.receive, waiter.send)
+            except Exception as exc:  # noqa: BLE001 - a client gone mid-send must not stop the others' answers
+                log.debug("sending a long-poll answer failed: %s", exc)
+            finally:
+                if waiter.sent is not None:
+                    waiter.sent.set_result(None)
 
     def note(self, info: VersionInfo | None) -> None:
         """Record a committed version (from a publish or a read); wakes waiters if it is newer. Loop thread only."""
@@ -68,8 +113,16 @@ class Watcher:
         if current is not None and current.version >= info.version:
             return
         self._latest[info.run_id] = info
-        self._answers[info.run_id] = SharedAnswer(canonical_json(info))
+        answer = self._answers[info.run_id] = SharedAnswer(canonical_json(info))
         self._metrics.latest_version.labels(info.run_id).set(info.version)
+        ready = [w for w in self._direct.get(info.run_id, ()) if info.version > w.after and not w.claimed]
+        if ready:  # one task answers them all; it runs before the woken request tasks resume
+            loop = asyncio.get_running_loop()
+            for w in ready:
+                w.claimed, w.sent = True, loop.create_future()
+            task = asyncio.create_task(self._fan_out(answer, ready))
+            self._fan_outs.add(task)
+            task.add_done_callback(self._fan_outs.discard)
         event = self._events.pop(info.run_id, None)
         if event is not None:
             event.set()

@@ -3,8 +3,8 @@
 Thousands of sidecars wait on this route at once and are all answered within one publish, so
 each answer's cost is what the fan-out takes (``tests/benchmarks/bench_bulletin.py``). A
 well-formed request whose token may read the run is served here, without the framework's
-routing, dependency solving and response wrappers: it waits on the :class:`~.longpoll.Watcher`
-and gets the answer built once for all waiters. Anything else (a bad run id or query value, a
+routing, dependency solving and response wrappers: it waits on the :class:`~.longpoll.Watcher`,
+which sends the answer built once for all waiters in one pass when the version is noted. Anything else (a bad run id or query value, a
 refused token, another route) passes to the app unchanged, whose route
 (:func:`~.routes_versions.latest`) answers it and documents the API; both give the same answers.
 """
@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from .deps import BulletinState
 from .errors import BulletinError
 from .ledger import run_key
+from .longpoll import DirectWaiter
 
 log = logging.getLogger("stitchboard.bulletin")
 
@@ -86,14 +87,23 @@ class LongPollFastPath:
             return
         if self.route is not None:
             scope["route"] = self.route
+        watcher, waiter = self.state.watcher, DirectWaiter(scope, receive, send, after)
+        watcher.register(run, waiter)  # a version noted while waiting is sent by the watcher's fan-out
+        failure: Response | None = None
         try:
-            info = await self.state.watcher.wait(run, after, min(wait_s, self.state.settings.max_wait_s))
+            info = await watcher.wait(run, after, min(wait_s, self.state.settings.max_wait_s))
         except BulletinError as exc:
-            await JSONResponse(exc.body(), status_code=exc.status)(scope, receive, send)
-            return
+            failure = JSONResponse(exc.body(), status_code=exc.status)
         except Exception as exc:  # the app's catch-all answer, as for any route
             log.exception("unhandled error on GET %s", scope["path"])
-            await JSONResponse({"type": "InternalError", "message": f"internal error ({type(exc).__name__}); see the bulletin log"}, status_code=500)(scope, receive, send)
+            failure = JSONResponse({"type": "InternalError", "message": f"internal error ({type(exc).__name__}); see the bulletin log"}, status_code=500)
+        finally:
+            watcher.unregister(run, waiter)
+        if waiter.claimed and waiter.sent is not None:
+            await waiter.sent
             return
-        answer = _NO_CONTENT if info is None else self.state.watcher.answer(run)
+        if failure is not None:
+            await failure(scope, receive, send)
+            return
+        answer = _NO_CONTENT if info is None else watcher.answer(run)
         await answer(scope, receive, send)
