@@ -10,6 +10,7 @@ import pytest
 
 from stitchboard.bulletin.settings import BulletinSettings, TokenGrant
 from tests.bulletin.bulletin_helpers import ThreadServer, upload_version
+from tests.sidecar.sidecar_helpers import wait_for
 
 TOKENS = {"pub": TokenGrant(scopes=["publish", "metrics"]), "ro": TokenGrant(scopes=["read"], runs=["fast-run"]), "met": TokenGrant(scopes=["metrics"])}
 
@@ -54,3 +55,30 @@ def test_fast_path_store_errors_are_json(served, tmp_path, monkeypatch):
     monkeypatch.setattr(state.ledger, "latest", broken)
     r = httpx.get(f"{served.url}/v1/runs/fast-run/versions/latest", params={"wait_s": 1}, headers={"authorization": "Bearer ro"})
     assert r.status_code == 503 and r.json() == {"type": "Unavailable", "message": "the store is down (test)"}
+
+
+def test_waiters_answered_by_the_fan_out(served):
+    """Waiters registered before a publish all get the new version from the watcher's one-pass fan-out,
+    also when one of them hung up before it; the waiters' count drops back to zero."""
+    import asyncio
+
+    run = "fast-run"
+    with served.client("pub") as pub:
+        upload_version(pub, run, 0, snapshot_bytes=10)
+        url, ro = f"{served.url}/v1/runs/{run}/versions/latest", {"authorization": "Bearer ro"}
+
+        async def scenario() -> list[httpx.Response]:
+            async with httpx.AsyncClient(headers=ro, timeout=30) as http:
+                polls = [asyncio.create_task(http.get(url, params={"after": 0, "wait_s": 20})) for _ in range(30)]
+                gone = asyncio.create_task(http.get(url, params={"after": 0, "wait_s": 20}))
+                watcher = served.app.state.bulletin.watcher
+                while sum(len(w) for w in watcher._direct.values()) < 31:
+                    await asyncio.sleep(0.02)
+                gone.cancel()  # the client hangs up
+                await asyncio.to_thread(upload_version, pub, run, 1, patch_bytes=10)
+                return await asyncio.gather(*polls)
+
+        answers = asyncio.run(scenario())
+    assert [(r.status_code, r.json()["version"]) for r in answers] == [(200, 1)] * 30
+    waiting = lambda: "stitch_bulletin_waiters 0.0" in httpx.get(f"{served.url}/metrics", headers={"authorization": "Bearer pub"}).text
+    wait_for(waiting, 10, "no waiter left")
