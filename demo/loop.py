@@ -61,6 +61,7 @@ class DemoConfig:
     lr: float = 3e-6
     seed: int = 0
     run_id: str = "demo"
+    served: str = "bf16"
     startup_timeout_s: float = 900.0
     keep: bool = False
 
@@ -130,11 +131,12 @@ def run_demo(cfg: DemoConfig, on_row=lambda row: None, on_event=lambda text: Non
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-        publisher = Publisher(bulletin_url, cfg.run_id, assets=model_dir, workdir=workdir / "publisher")
+        publisher = Publisher(bulletin_url, cfg.run_id, assets=model_dir, workdir=workdir / "publisher", served=cfg.served)
         with publisher:
             v0 = publisher.publish(model, step=0)
             on_event(f"version 0 published ({v0.snapshot_bytes / 1e6:.0f} MB snapshot)")
-            rollouts = [start_rollout(procs, i, model_dir, bulletin_url, cfg.run_id, 0, workdir / f"handoff-{i}", kind=cfg.engine) for i in range(cfg.engines)]
+            boot_dir = _boot_folder(cfg, model_dir, bulletin_url, workdir)
+            rollouts = [start_rollout(procs, i, boot_dir, bulletin_url, cfg.run_id, 0, workdir / f"handoff-{i}", kind=cfg.engine) for i in range(cfg.engines)]
             for r in rollouts:
                 r.engine.wait_healthy(cfg.startup_timeout_s)
                 r.sidecar.wait_healthy(120)
@@ -171,6 +173,16 @@ def run_demo(cfg: DemoConfig, on_row=lambda row: None, on_event=lambda text: Non
             wait_for_user()
     result.seconds = time.monotonic() - t_start
     return result
+
+
+def _boot_folder(cfg: DemoConfig, model_dir: Path, bulletin_url: str, workdir: Path) -> Path:
+    """The checkpoint the engines start from: the model's own for ``bf16``, else version 0 pulled
+    from the bulletin (the quantized served view with its ``quantization_config``)."""
+    if cfg.served == "bf16":
+        return model_dir
+    folder = workdir / f"pulled-v0-{int(time.time())}"
+    pull_version(BulletinClient(bulletin_url), cfg.run_id, folder, 0)
+    return folder
 
 
 def _pause_seconds(status: SidecarStatus) -> float:

@@ -57,11 +57,11 @@ def global_scale(amax: torch.Tensor) -> torch.Tensor:
 
 
 def e2m1_index(mag: torch.Tensor) -> torch.Tensor:
-    """Magnitudes in [0, 6] -> e2m1 indices 0-7 (int64), nearest value, ties to the even index."""
-    return (
-        (mag > 0.25).long() + (mag >= 0.75).long() + (mag > 1.25).long() + (mag >= 1.75).long()
-        + (mag > 2.5).long() + (mag >= 3.5).long() + (mag > 5.0).long()
-    )  # fmt: skip
+    """Magnitudes in [0, 6] -> e2m1 indices 0-7 (uint8), nearest value, ties to the even index."""
+    index = torch.zeros(mag.shape, dtype=torch.uint8)
+    for edge, inclusive in ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False)):
+        index += mag >= edge if inclusive else mag > edge
+    return index
 
 
 def nvfp4_quantize(w: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,8 +72,8 @@ def nvfp4_quantize(w: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torc
     scale = local.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(torch.float32)
     scale = torch.where(scale == 0, torch.tensor(0.125), scale)
     scaled = (groups / (scale / g).unsqueeze(-1)).clamp(-6.0, 6.0)
-    codes = (e2m1_index(scaled.abs()) | ((scaled < 0).long() << 3)).reshape(n, k // 2, 2)
-    packed = (codes[..., 0] | (codes[..., 1] << 4)).to(torch.uint8)
+    codes = (e2m1_index(scaled.abs()) | ((scaled < 0).to(torch.uint8) << 3)).reshape(n, k // 2, 2)
+    packed = codes[..., 0] | (codes[..., 1] << 4)
     return packed, scale.to(torch.float8_e4m3fn)
 
 

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from ...errors import UnmappedTensorError
+from .formats import refuse_unservable
 
 #: torch dtype -> safetensors dtype name (the codec's names, see proto/dtypes.py).
 TORCH_DTYPE_NAMES: dict[torch.dtype, str] = {
@@ -64,6 +65,9 @@ class Placement:
         param: the runtime parameter (written in place; never reassigned).
         packed_by: modules holding a packed copy of ``param`` for their GEMM (vLLM CPU backend:
             ``cpu_linear``; the tied ``lm_head`` included); re-packed after a write.
+        transposed: ``param`` is a 2-D parameter stored column-major (vLLM's FP8 linears: [K, N]
+            with stride [1, K]); it is addressed through ``param.t()``, the row-major [N, K]
+            tensor of the checkpoint's rows.
     """
 
     name: str
@@ -76,6 +80,7 @@ class Placement:
     row_offset: int
     param: torch.nn.Parameter = field(repr=False)
     packed_by: tuple[torch.nn.Module, ...] = field(repr=False)
+    transposed: bool = False
 
     @property
     def local_span(self) -> tuple[int, int]:
@@ -95,7 +100,8 @@ class Placement:
         Args:
             data: a copy of the parameter (same shape) to take the block of instead.
         """
-        return (self.param.data if data is None else data).narrow(0, self.row_offset, self.block_shape[0])
+        whole = self.param.data if data is None else data
+        return (whole.t() if self.transposed else whole).narrow(0, self.row_offset, self.block_shape[0])
 
     def block_bits(self, data: torch.Tensor | None = None) -> torch.Tensor:
         """The block's raw bits as a flat integer tensor (int16 for bf16...); a view."""
@@ -183,11 +189,13 @@ class RuntimeLayout:
         """Where checkpoint tensor ``name`` lives on this rank.
 
         Raises:
-            UnmappedTensorError: naming the tensor, when no runtime parameter holds it, the
-                parameter was emptied (CPU GEMM dispatch with ``remove_weight=True``: the worker
-                extension was imported after the model loaded), or its layer kind is unknown.
+            UnmappedTensorError: naming the tensor, when no runtime parameter holds it, it belongs
+                to a served-view format this adapter refuses (:mod:`.formats`), the parameter
+                was emptied (CPU GEMM dispatch with ``remove_weight=True``: the worker extension
+                was imported after the model loaded), or its layer kind is unknown.
         """
         if name not in self._cache:
+            refuse_unservable(name)
             self._cache[name] = self._build(name)
         return self._cache[name]
 
@@ -217,6 +225,8 @@ class RuntimeLayout:
                 f"tensor {name!r}: runtime parameter {runtime!r} has shape {list(param.shape)}; an emptied CPU linear weight means the stitchboard worker extension was not imported before the model loaded",
                 name=name,
             )
+        transposed = param.ndim == 2 and not param.is_contiguous() and param.t().is_contiguous()
+        data = param.t() if transposed else param  # the checkpoint's row-major orientation
         if param.dtype not in TORCH_DTYPE_NAMES:
             raise UnmappedTensorError(f"tensor {name!r}: runtime dtype {param.dtype} has no safetensors name", name=name)
         ranks = range(self.tp_size)
@@ -245,13 +255,13 @@ class RuntimeLayout:
                 idx = mod._get_indices(mod.num_embeddings_padded, mod.org_vocab_size_padded, mod.num_embeddings, mod.org_vocab_size, r if tp > 1 else 0, tp)
                 spans.append((idx.org_vocab_start_index, idx.num_org_elements))
         else:  # norms, replicated linears, row-parallel biases: every rank holds the whole tensor
-            spans = [(0, param.shape[0])] * self.tp_size
+            spans = [(0, data.shape[0])] * self.tp_size
         extent = _span_tiles(tuple(spans))
-        shape = list(param.shape)
+        shape = list(data.shape)
         shape[split] = extent
-        local_rows = spans[self.tp_rank][1] if split == 0 else param.shape[0]
-        if extent < 0 or offset + local_rows > param.shape[0] or (split == 1 and spans[self.tp_rank][1] != param.shape[1]):
-            raise UnmappedTensorError(f"tensor {name!r}: derived spans {spans} do not fit runtime parameter {runtime!r} {list(param.shape)}", name=name)
+        local_rows = spans[self.tp_rank][1] if split == 0 else data.shape[0]
+        if extent < 0 or offset + local_rows > data.shape[0] or (split == 1 and spans[self.tp_rank][1] != data.shape[1]):
+            raise UnmappedTensorError(f"tensor {name!r}: derived spans {spans} do not fit runtime parameter {runtime!r} {list(data.shape)}", name=name)
         return Placement(
             name=name,
             runtime_name=runtime,
@@ -263,4 +273,5 @@ class RuntimeLayout:
             row_offset=offset,
             param=param,
             packed_by=tuple(self._packers.get(id(param), ())),
+            transposed=transposed,
         )

@@ -209,7 +209,7 @@ def stage_patches(io: WeightIO, steps: Sequence[Step]) -> StagedPatch:
     for group in by_param.values():
         t = time.perf_counter()
         param = places[group[0]].param
-        host = param.data.detach().to("cpu", copy=True)
+        host = param.data.detach().to("cpu", copy=True)  # strides kept: a column-major FP8 weight stays addressable through .t()
         timing["build_s"] += time.perf_counter() - t
         written = False
         for n in group:

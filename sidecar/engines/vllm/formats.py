@@ -1,0 +1,46 @@
+"""Which served-view formats this vLLM adapter maps, and the refusal of the others by name.
+
+Mapped (checked on real vLLM, ``tests/sidecar/test_vllm_fp8.py``): ``bf16`` and ``fp8``
+(compressed-tensors per-channel FP8). For ``fp8``, vLLM's CPU build holds each fused linear's
+weight as a float8_e4m3fn parameter [K, N] stored column-major, whose ``.t()`` is the
+checkpoint's concatenated q|k|v (gate|up) rows [N, K], and ``weight_scale`` float32 [N, 1],
+the checkpoint's per-channel scales concatenated in the same order: :mod:`.layout` addresses
+both like any fused row block (a column-major parameter through its ``.t()``).
+
+Refused: ``fp8-block`` (``weight_scale_inv``) and ``nvfp4`` (``weight_packed``,
+``weight_global_scale``). No engine here can serve them (vLLM's CPU block-FP8 kernel needs AMX;
+NVFP4 has no CPU kernel and needs a Blackwell GPU), so the runtime layout of those formats was
+never seen, and the adapter refuses their tensors by name instead of carrying mapping code
+nobody ran. Their recipes are checked at the codec level (``tests/trainer_client/test_recipes.py``).
+"""
+
+from __future__ import annotations
+
+from ...errors import UnmappedTensorError
+
+#: Checkpoint-name suffix -> the served-view recipe it belongs to, for recipes not mapped here.
+UNSERVABLE_SUFFIXES = {
+    ".weight_scale_inv": "fp8-block",
+    ".weight_packed": "nvfp4",
+    ".weight_global_scale": "nvfp4",
+    ".input_global_scale": "nvfp4",
+}
+#: Why each unmapped recipe is not served here.
+WHY = {
+    "fp8-block": "vLLM's CPU block-FP8 kernel needs AMX, which this host lacks",
+    "nvfp4": "NVFP4 has no CPU kernel in vLLM (it needs a Blackwell GPU)",
+}
+
+
+def refuse_unservable(name: str) -> None:
+    """Raise for a tensor of a served view this adapter does not map (see the module docstring).
+
+    Raises:
+        UnmappedTensorError: naming the tensor and its recipe, and what to publish instead.
+    """
+    for suffix, recipe in UNSERVABLE_SUFFIXES.items():
+        if name.endswith(suffix):
+            raise UnmappedTensorError(
+                f"tensor {name!r} belongs to a {recipe!r} served view, which the vLLM adapter does not serve ({WHY[recipe]}); publish served='fp8' or 'bf16' for vLLM here",
+                name=name,
+            )
