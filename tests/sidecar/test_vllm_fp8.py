@@ -136,3 +136,22 @@ def test_fp8_patches_in_place_equal_a_fresh_engine(fp8_run: Fp8Run):
     finally:
         fresh.stop()
     assert patched != at_v0
+
+
+@pytest.mark.parametrize(
+    ("name", "recipe"),
+    [
+        ("model.layers.3.mlp.down_proj.weight_scale_inv", "fp8-block"),
+        ("model.layers.0.self_attn.q_proj.weight_packed", "nvfp4"),
+        ("model.layers.0.self_attn.q_proj.weight_global_scale", "nvfp4"),
+    ],
+)
+def test_unservable_formats_are_refused_by_name(name: str, recipe: str):
+    from stitchboard.sidecar.engines.vllm.formats import refuse_unservable
+    from stitchboard.sidecar.errors import UnmappedTensorError
+
+    with pytest.raises(UnmappedTensorError, match=recipe) as info:
+        refuse_unservable(name)
+    assert info.value.details["name"] == name
+    refuse_unservable(name.rsplit(".", 1)[0] + ".weight")  # the fp8 and bf16 names pass
+    refuse_unservable(name.rsplit(".", 1)[0] + ".weight_scale")

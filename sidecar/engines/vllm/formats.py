@@ -5,7 +5,8 @@ Mapped (checked on real vLLM, ``tests/sidecar/test_vllm_fp8.py``): ``bf16`` and 
 weight as a float8_e4m3fn parameter [K, N] stored column-major, whose ``.t()`` is the
 checkpoint's concatenated q|k|v (gate|up) rows [N, K], and ``weight_scale`` float32 [N, 1],
 the checkpoint's per-channel scales concatenated in the same order: :mod:`.layout` addresses
-both like any fused row block (a column-major parameter through its ``.t()``).
+both like any fused row block (a column-major parameter through its ``.t()``). Checked at
+TP = 1; at TP > 1 the same spans apply through ``.t()`` but no FP8 engine was run with it.
 
 Refused: ``fp8-block`` (``weight_scale_inv``) and ``nvfp4`` (``weight_packed``,
 ``weight_global_scale``). No engine here can serve them (vLLM's CPU block-FP8 kernel needs AMX;
