@@ -98,17 +98,21 @@ class Reporter:
     Args:
         bulletin: base URL of the bulletin; token: a token with the ``replica`` scope (None: open bulletin).
         run: the run the replica follows.
-        source: builds the current report (called every :data:`CHECK_S`, on the event loop).
+        source: builds the current report (called every ``check_s``, on the event loop).
         min_interval_s: the least time between two reports that do not change the applied version, seconds.
         max_backoff_s: the longest wait after failed reports, seconds.
         http: an HTTP client to send with (default: one of its own, closed by :meth:`aclose`).
+        check_s: how often the report is rebuilt and compared, seconds.
     """
 
-    def __init__(self, bulletin: str, token: str | None, run: str, source: Callable[[], ReplicaReport], *, min_interval_s: float = 1.0, max_backoff_s: float = 60.0, http: httpx.AsyncClient | None = None) -> None:
+    def __init__(
+        self, bulletin: str, token: str | None, run: str, source: Callable[[], ReplicaReport], *, min_interval_s: float = 1.0, max_backoff_s: float = 60.0, http: httpx.AsyncClient | None = None, check_s: float = CHECK_S
+    ) -> None:
         self.run = run
         self.source = source
         self.min_interval_s = min_interval_s
         self.max_backoff_s = max_backoff_s
+        self.check_s = check_s
         self._owns_http = http is None
         headers = {"authorization": f"Bearer {token}"} if token else {}
         self._http = http or httpx.AsyncClient(base_url=bulletin.rstrip("/"), headers=headers, timeout=10.0)
@@ -182,7 +186,7 @@ class Reporter:
                     self.sent += 1
                     self.last_sent, changed_since = report, float("inf")
                     renew_at = time.monotonic() + accepted.renew_s
-            await asyncio.sleep(CHECK_S)
+            await asyncio.sleep(self.check_s)
 
     async def aclose(self) -> None:
         """Close the HTTP client if this reporter made it."""

@@ -20,18 +20,21 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import multiprocessing
 import os
 import statistics
 import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 import boto3
 import httpx
+import uvicorn
 from moto.server import ThreadedMotoServer
 
 from stitchboard.bulletin.app import create_app
@@ -47,7 +50,6 @@ from tests.bulletin.bulletin_helpers import S3_ENV
 from tests.bulletin.fleet_helpers import start_sidecar
 from tests.sidecar.fake_engine import FakeEngine
 from tests.sidecar.sidecar_helpers import Publisher, make_view, mutate
-from tests.support.app_server import AppServer
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -132,11 +134,12 @@ class SimulatedReplica:
         )  # fmt: skip
 
 
-async def _simulate(url: str, replicas: int, seconds: float, version_every_s: float, store: CountingStore) -> tuple[float, int]:
+async def _simulate(url: str, replicas: int, seconds: float, version_every_s: float, counts: Callable[[str], dict[str, int]]) -> tuple[dict[str, int], float, int]:
     clock = {"version": 1.0, "at": time.monotonic() - 10}
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=30) as http:
-        reporters = [Reporter(url, None, "fleet-bench", SimulatedReplica(f"sim-{i:04d}", clock), http=http) for i in range(replicas)]
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=60) as http:
+        # a check every second: the cadence differs from a sidecar's 0.1 s, what is sent does not
+        reporters = [Reporter(url, None, "fleet-bench", SimulatedReplica(f"sim-{i:04d}", clock), http=http, check_s=1.0) for i in range(replicas)]
         tasks = [asyncio.create_task(r.run_forever()) for r in reporters]
         while sum(r.sent > 0 for r in reporters) < replicas:  # every replica has its first report in
             await asyncio.sleep(0.2)
@@ -146,8 +149,8 @@ async def _simulate(url: str, replicas: int, seconds: float, version_every_s: fl
                 await http.get("/v1/runs/fleet-bench/fleet", params={"version": 10**6, "min_replicas": replicas, "wait_s": 30})
 
         waiter = asyncio.create_task(trainer())
-        await asyncio.sleep(1.0)
-        store.reset()
+        await asyncio.sleep(2.0)
+        await asyncio.to_thread(counts, "reset")
         sent_before = sum(r.sent for r in reporters)
         t0 = time.monotonic()
         next_version = t0
@@ -156,12 +159,13 @@ async def _simulate(url: str, replicas: int, seconds: float, version_every_s: fl
                 clock["version"], clock["at"] = clock["version"] + 1, now
                 next_version += version_every_s
             await asyncio.sleep(0.1)
+        measured = await asyncio.to_thread(counts, "read")
         elapsed = time.monotonic() - t0
         sent = sum(r.sent for r in reporters) - sent_before
         for t in [*tasks, waiter]:
             t.cancel()
         await asyncio.gather(*tasks, waiter, return_exceptions=True)
-        return elapsed, sent
+        return measured, elapsed, sent
 
 
 @contextlib.contextmanager
@@ -179,17 +183,53 @@ def _s3_settings() -> Iterator[BulletinSettings]:
         server.stop()
 
 
-def store_rate(kind: str, replicas: int, seconds: float, version_every_s: float) -> tuple[collections.Counter[str], float, int]:
-    """Store calls by method, seconds measured, and reports sent, with ``replicas`` simulated replicas over a ``kind`` ("file", "s3") store."""
+def _serve_counting(settings_json: str, port: int, conn: Connection) -> None:
+    """Child process: a bulletin on ``port`` over a :class:`CountingStore`; answers "reset"/"read" on ``conn``."""
+    os.environ.update(S3_ENV)
+    settings = BulletinSettings.model_validate_json(settings_json)
+    store = CountingStore(open_store(settings.store, settings))
+
+    def commands() -> None:
+        while True:
+            what = conn.recv()
+            if what == "reset":
+                store.reset()
+            conn.send(dict(store.counts))
+
+    threading.Thread(target=commands, daemon=True).start()
+    uvicorn.run(create_app(settings, store=store), host="127.0.0.1", port=port, log_level="warning")  # type: ignore[arg-type]
+
+
+def store_rate(kind: str, replicas: int, seconds: float, version_every_s: float) -> tuple[dict[str, int], float, int]:
+    """Store calls by method, seconds measured, and reports sent, with ``replicas`` simulated replicas over a ``kind`` ("file", "s3") store.
+
+    The bulletin runs in a child process (its store counts the calls); the replicas in this one.
+    """
     with tempfile.TemporaryDirectory() as folder, contextlib.ExitStack() as stack:
         settings = stack.enter_context(_s3_settings()) if kind == "s3" else BulletinSettings(store=f"file://{folder}/store")
-        store = CountingStore(open_store(settings.store, settings))
-        server = AppServer(create_app(settings, store=store))  # type: ignore[arg-type]
+        port = free_port()
+        ours, theirs = multiprocessing.Pipe()
+        lock = threading.Lock()
+
+        def counts(what: str) -> dict[str, int]:
+            with lock:
+                ours.send(what)
+                answer: dict[str, int] = ours.recv()
+                return answer
+
+        child = multiprocessing.get_context("spawn").Process(target=_serve_counting, args=(settings.model_dump_json(), port, theirs), daemon=True)
+        child.start()
         try:
-            elapsed, sent = asyncio.run(_simulate(server.url, replicas, seconds, version_every_s, store))
+            for _ in range(600):
+                try:
+                    if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    time.sleep(0.1)
+            return asyncio.run(_simulate(f"http://127.0.0.1:{port}", replicas, seconds, version_every_s, counts))
         finally:
-            server.stop()
-        return collections.Counter(store.counts), elapsed, sent
+            child.terminate()
+            child.join(10)
 
 
 def main() -> None:
@@ -209,7 +249,7 @@ def main() -> None:
     )
     counts, elapsed, sent = store_rate(args.store, args.replicas, args.seconds, args.version_every_s)
     total = sum(counts.values())
-    by_op = ", ".join(f"{op} {n / elapsed:.1f}/s" for op, n in counts.most_common())
+    by_op = ", ".join(f"{op} {n / elapsed:.1f}/s" for op, n in sorted(counts.items(), key=lambda kv: -kv[1]))
     print(f"  {args.replicas} simulated replicas over a {args.store} store (lease 30 s, renewed every 10 s; a version every {args.version_every_s:g} s; 1 trainer long-polling the fleet), {elapsed:.0f} s:")
     print(f"    reports accepted {sent / elapsed:.1f}/s; store requests {total / elapsed:.1f}/s ({by_op})")
 
