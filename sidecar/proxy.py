@@ -292,9 +292,11 @@ class Proxy:
             out: list[bytes] = []
             try:
                 async for chunk in response.aiter_raw():
-                    out = [await verified(event) for event in stamper.split(chunk)]
+                    for event in stamper.split(chunk):
+                        out.append(await verified(event))
                     if out:
                         yield b"".join(out)
+                        out = []
                 if check is not None and not vouched and not stamper.stamped:  # ended without [DONE]
                     await check.verify(None, start, check.now(), claims)
             except httpx.TransportError as exc:  # the engine broke off: the stamp, an error event, no [DONE]
@@ -305,7 +307,7 @@ class Proxy:
             except AnswerVersionMismatchError as exc:  # the events before the mismatch went out; then the error
                 log.warning("a streamed answer was withheld: %s", exc)
                 self.metrics.requests_rejected.labels(exc.type).inc()
-                yield stamper.error(exc.message, exc.type, exc.status)
+                yield b"".join(out) + stamper.error(exc.message, exc.type, exc.status)
                 return
             yield stamper.finish()
 
