@@ -67,6 +67,8 @@ class SidecarSource:
             at = sync.finished_at if sync is not None and sync.to_version == gate.applied else time.time()
             self.history.append((gate.applied, round(at, 3)))
         error = r.last_error
+        if error is not None and self.history and float(error["at"]) <= self.history[-1][1]:
+            error = None  # older than the version now held: it no longer says why the replica lags
         lag = None if gate.target is None else gate.target - (gate.applied if gate.applied is not None else -1)
         return ReplicaReport(
             replica_id=self.replica_id,
