@@ -36,6 +36,7 @@ def _cpu_reports_amx() -> bool:
 
 
 def main() -> int:
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]  # look for a real kernel, not at ./sgl_kernel
     target = Path(sysconfig.get_paths()["purelib"]) / "sgl_kernel"
     spec = importlib.util.find_spec("sgl_kernel")
     if spec is not None and spec.origin and not (target / "__init__.py").exists():

@@ -77,17 +77,19 @@ class Ranks:
         if self.group is None or slot.whole:
             return block.contiguous().reshape(-1).numpy()
         split, longest = slot.split_dim, max(length for _, length in slot.spans)
-        shape = list(block.shape)
-        shape[split] = longest
-        padded = torch.zeros(shape, dtype=block.dtype)
-        padded.narrow(split, 0, block.shape[split]).copy_(block)
+        unit = 1 if split == 0 else block.element_size()  # gathered as bytes (gloo has no 16-bit integers)
+        mine = block.contiguous().view(torch.uint8)
+        shape = list(mine.shape)
+        shape[split] = longest * unit
+        padded = torch.zeros(shape, dtype=torch.uint8)
+        padded.narrow(split, 0, mine.shape[split]).copy_(mine)
         parts = [torch.empty_like(padded) for _ in slot.spans]
         torch.distributed.all_gather(parts, padded, group=self.group)
         seen: dict[int, torch.Tensor] = {}
         for (start, length), part in zip(slot.spans, parts, strict=True):
             if length:
-                seen.setdefault(start, part.narrow(split, 0, length))
-        return torch.cat([seen[s] for s in sorted(seen)], dim=split).contiguous().reshape(-1).numpy()
+                seen.setdefault(start, part.narrow(split, 0, length * unit))
+        return torch.cat([seen[s] for s in sorted(seen)], dim=split).contiguous().reshape(-1).view(block.dtype).numpy()
 
     def checksum(self, slot: Slot) -> str:
         """xxh3-128 of the whole checkpoint tensor as the engine holds it now."""
@@ -101,6 +103,22 @@ def _local(slot: Slot, full: np.ndarray) -> np.ndarray:
     start, length = slot.spans[slot.tp_rank]
     grid = full.reshape(rows, cols)
     return (grid[start : start + length] if slot.split_dim == 0 else grid[:, start : start + length]).reshape(-1)
+
+
+def _block_index(slot: Slot, positions: np.ndarray) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+    """The checkpoint flat ``positions`` (int64, increasing) this rank holds: themselves, and their
+    rows and columns in :meth:`Slot.bits` (int64 tensors)."""
+    cols = slot.shape[1] if len(slot.shape) == 2 else 1
+    start, length = slot.spans[slot.tp_rank]
+    row, col = np.divmod(positions, cols)
+    along = row if slot.split_dim == 0 else col
+    keep = (along >= start) & (along < start + length)
+    row, col = row[keep], col[keep]
+    if slot.split_dim == 0:
+        row = row - start
+    else:
+        col = col - start
+    return positions[keep], torch.from_numpy(row), torch.from_numpy(col)
 
 
 def read_files(paths: Sequence[str], digests: Sequence[str]) -> tuple[list[bytes], int]:
@@ -173,25 +191,26 @@ def stage(ranks: Ranks, steps: Sequence[tuple[Sequence[str], Sequence[str]]]) ->
     elements = 0
     for name, slot in slots.items():
         t = time.perf_counter()
-        old_block = slot.bits().contiguous().clone()
-        full = ranks.whole(slot, old_block).copy()
+        full = ranks.whole(slot, slot.bits()).copy()  # the whole tensor's bits, updated step by step below
         report["check_s"] += time.perf_counter() - t
-        target = None
+        target, touched = None, []
         for i, step in enumerate(chain):
             if name not in step:
                 continue
             patch, entry = step[name]
+            t = time.perf_counter()
             have = xxhash.xxh3_128_hexdigest(full.view(np.uint8).data)
+            report["check_s"] += time.perf_counter() - t
             if have == entry.target[XXH3] and patch.encoding == "overwrite":  # type: ignore[attr-defined]
                 target = have
                 continue
             if have != entry.base[XXH3]:  # type: ignore[attr-defined]
                 raise BaseMismatchError(f"tensor {name!r} is not the base of step {i + 1} of this update (xxh3 {have} != {entry.base[XXH3]})", name=name)  # type: ignore[attr-defined]
             t = time.perf_counter()
-            base = RawTensor(slot.dtype, slot.shape, full.view(bits_type(slot.dtype)))
-            delta = patch.delta(name, base, base_verified=True)
+            delta = patch.delta(name, RawTensor(slot.dtype, slot.shape, full.view(bits_type(slot.dtype))), base_verified=True)
             values = delta.values.view(full.dtype)
             full[delta.positions] = (full[delta.positions] ^ values) if delta.encoding == "xor" else values
+            touched.append(delta.positions)
             elements += int(delta.positions.size)
             report["decode_s"] += time.perf_counter() - t
             target = entry.target[XXH3]  # type: ignore[attr-defined]
@@ -199,11 +218,12 @@ def stage(ranks: Ranks, steps: Sequence[tuple[Sequence[str], Sequence[str]]]) ->
             if xxhash.xxh3_128_hexdigest(full.view(np.uint8).data) != target:
                 raise TargetMismatchError(f"tensor {name!r}: applying step {i + 1} to the engine's bits does not give the target checksum", name=name)
             report["check_s"] += time.perf_counter() - t
-        new_local = torch.from_numpy(_local(slot, full).copy()).reshape(old_block.shape)
-        changed = (new_local != old_block).nonzero()
-        if changed.numel():
-            rows, cols = changed[:, 0].contiguous(), changed[:, 1].contiguous()
-            writes.append(_Write(slot, rows, cols, new_local[rows, cols], old_block[rows, cols], str(target)))
+        if not touched:
+            continue
+        positions = touched[0] if len(touched) == 1 else np.unique(np.concatenate(touched))
+        selected, rows, cols = _block_index(slot, positions)
+        if rows.numel():
+            writes.append(_Write(slot, rows, cols, torch.from_numpy(full[selected]), slot.bits()[rows, cols], str(target)))
     report.update(tensors=len(writes), elements=elements, rank_elements=int(sum(w.rows.numel() for w in writes)))
     return writes, report
 

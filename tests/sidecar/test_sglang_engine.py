@@ -1,0 +1,146 @@
+"""The SGLang adapter and loader on real SGLang servers (CPU): refusals, and TP = 2 head padding.
+
+Patches are encoded here with the codec (``cond``, the publisher's default, which decodes only
+against the whole base tensor: at TP = 2 every rank decodes it on the gathered tensor) from the
+served views of real AdamW steps (:class:`tests.support.training.CpuTrainer`) and handed to the
+adapter as files, as the sidecar does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from stitchboard.proto.checkpoint import save_checkpoint
+from stitchboard.proto.codec import checksum
+from stitchboard.proto.container import RawTensor
+from stitchboard.proto.diff import diff_views
+from stitchboard.sidecar.engines.sglang.adapter import SglangEngine
+from stitchboard.sidecar.errors import ApplyRefusedError, EngineStateError
+from tests.sidecar.sglang_helpers import SglangServer, require_sglang
+from tests.sidecar.vllm_fixtures import copy_model_files
+
+pytestmark = pytest.mark.slow
+
+Views = dict[int, dict[str, RawTensor]]
+
+
+@pytest.fixture(scope="module")
+def views(smollm2_dir: Path) -> Views:
+    """Served views of versions 0, 1, 2: the checkpoint, then after each of two real AdamW steps."""
+    require_sglang()
+    import torch
+
+    from tests.support.training import CpuTrainer
+
+    def raw(view: dict) -> dict[str, RawTensor]:
+        return {n: RawTensor("BF16", tuple(t.shape), t.contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1)) for n, t in view.items()}
+
+    trainer = CpuTrainer(smollm2_dir, batch_size=1, seq_len=32)
+    out = {0: raw(trainer.served_view())}
+    for v in (1, 2):
+        trainer.step()
+        out[v] = raw(trainer.served_view())
+    return out
+
+
+def write_patch(folder: Path, base: dict[str, RawTensor], target: dict[str, RawTensor], name: str) -> str:
+    """Encode ``base`` -> ``target`` (cond) into ``folder/name``; returns the path."""
+    path = folder / name
+    path.write_bytes(diff_views(base, target, "cond").patch)
+    return str(path)
+
+
+def sums(view: dict[str, RawTensor]) -> dict[str, str]:
+    return {n: checksum(t) for n, t in view.items()}
+
+
+@pytest.fixture
+def adapter(sglang_engine: SglangServer, sglang_workdir: Path) -> Iterator[SglangEngine]:
+    engine = SglangEngine(sglang_engine.url, sglang_workdir / "records", timeout_s=60)
+    yield engine
+    engine.close()
+
+
+def commit(engine: SglangEngine, paths: list[str], start: int, end: int) -> dict:
+    """What the sidecar does for one delta: check while serving, pause, write, flush, resume."""
+    engine.stage_patches([(paths, start, end)])
+    engine.pause()
+    try:
+        report = engine.commit_staged(end)
+        engine.reset_prefix_cache()
+    finally:
+        engine.resume()
+    return report
+
+
+def test_patches_the_engine_cannot_place_or_whose_base_differs_are_refused_and_the_server_keeps_serving(sglang_engine, adapter, views, sglang_workdir, smollm2_dir):
+    """A patch naming a tensor SGLang has no place for, one of the wrong shape and one on another
+    base are refused before any write (the loader never raises: the server stays up, holding its
+    bits and its answers); a snapshot load then a real step commit verified."""
+    adapter.pause()
+    try:
+        adapter.load_snapshot([str(smollm2_dir / "model.safetensors")], 0, sums(views[0]))
+        adapter.reset_prefix_cache()
+    finally:
+        adapter.resume()
+    before = sglang_engine.greedy()
+    name = "model.layers.0.self_attn.q_proj.weight"
+    q = views[0][name]
+    stray = {"model.layers.0.self_attn.q_proj.bias": RawTensor("BF16", (576,), np.arange(576, dtype=np.uint16))}
+    moved = {k: RawTensor(t.dtype, t.shape, t.bits ^ np.uint16(1)) for k, t in stray.items()}
+    wrong_shape = {name: RawTensor("BF16", (q.shape[0] // 2, q.shape[1] * 2), q.bits)}
+    cases = {
+        "UnmappedTensor": write_patch(sglang_workdir, stray, moved, "unmapped.patch"),
+        "TensorSetMismatch": write_patch(sglang_workdir, wrong_shape, {name: RawTensor("BF16", wrong_shape[name].shape, views[1][name].bits)}, "shape.patch"),
+        "BaseMismatch": write_patch(sglang_workdir, {name: views[1][name]}, {name: views[2][name]}, "base.patch"),
+    }
+    for cause, path in cases.items():
+        with pytest.raises(ApplyRefusedError) as refused:
+            commit(adapter, [path], 0, 1)
+        assert refused.value.details["cause"] == cause, refused.value
+        assert sglang_engine.proc.poll() is None, "the server died"
+    with pytest.raises(EngineStateError):
+        commit(adapter, [cases["BaseMismatch"]], 1, 2)  # the engine holds version 0, not 1
+    state = adapter.state()
+    assert (state.version, state.phase) == (0, "idle")
+    assert adapter.checksums(sorted(views[0])) == sums(views[0])
+    assert sglang_engine.greedy() == before
+    report = commit(adapter, [write_patch(sglang_workdir, views[0], views[1], "v1.patch")], 0, 1)
+    assert report["tensors"] > 0 and report["verify_s"] >= 0
+    assert adapter.state().version == 1 and adapter.checksums(sorted(views[1])) == sums(views[1])
+
+
+def test_tp2_head_padding_patched_equals_a_fresh_tp2_server(views, smollm2_dir, tmp_path):
+    """TP = 2 pads SmolLM2's 9 query / 3 KV heads to 12 / 4 (per rank qkv_proj [640, 576], o_proj
+    [576, 384]): two real steps applied through the loader on both ranks give, bit for bit, the
+    greedy answers of a fresh TP = 2 server started from version 2's checkpoint; the padding is
+    never addressed (every tensor's checksum is the target's, gathered over the ranks)."""
+    require_sglang()
+    engine = SglangServer(smollm2_dir, tmp_path / "tp2.log", tp=2)
+    try:
+        engine.wait_ready()
+        adapter = SglangEngine(engine.url, tmp_path / "records", timeout_s=120)
+        try:
+            adapter.set_version(0, None)
+            assert adapter.checksums(sorted(views[0])) == sums(views[0])
+            for v in (1, 2):
+                commit(adapter, [write_patch(tmp_path, views[v - 1], views[v], f"v{v}.patch")], v - 1, v)
+            assert adapter.state().version == 2 and adapter.checksums(sorted(views[2])) == sums(views[2])
+            patched = engine.greedy()
+        finally:
+            adapter.close()
+    finally:
+        engine.stop()
+    folder = tmp_path / "checkpoint-v2"
+    save_checkpoint(folder, views[2])
+    copy_model_files(smollm2_dir, folder)
+    fresh = SglangServer(folder, tmp_path / "fresh-tp2.log", tp=2, loader=False)
+    try:
+        fresh.wait_ready()
+        assert patched == fresh.greedy(), "the patched TP = 2 engine differs from a fresh TP = 2 engine at version 2"
+    finally:
+        fresh.stop()
