@@ -71,7 +71,7 @@ def create_app(settings: SidecarSettings, engine: EngineAdapter | None = None, c
         gate = Gate()
         fetcher = Fetcher(client, settings.run, Path(settings.handoff_dir) / f"sidecar-{settings.port}", settings.download_concurrency)
         reconciler = Reconciler(settings, client, engine, gate, metrics, fetcher)
-        proxy = Proxy(settings, gate, metrics, check_engine=reconciler.check_engine)
+        proxy = Proxy(settings, gate, metrics, check_engine=reconciler.check_engine, spans=reconciler.spans, salter=reconciler.salter)
         app.state.gate, app.state.reconciler, app.state.proxy = gate, reconciler, proxy
         task = asyncio.create_task(reconciler.run(), name="stitch-reconciler")
         reporter = Reporter.for_sidecar(settings, reconciler, gate) if settings.report else None  # the fleet view (sidecar/report.py)

@@ -39,6 +39,7 @@ def run_sidecar(
     port: Annotated[int | None, typer.Option(help="TCP port (env STITCH_SIDECAR_PORT, default 8000)")] = None,
     boot_version: Annotated[int | None, typer.Option(help="published version the engine's boot checkpoint is; omit to load the nearest anchor (env STITCH_SIDECAR_BOOT_VERSION)")] = None,
     handoff_dir: Annotated[str | None, typer.Option(help="memory-backed folder shared with the engine (env STITCH_SIDECAR_HANDOFF_DIR, default /dev/shm/stitchboard)")] = None,
+    salt_cache: Annotated[bool | None, typer.Option("--salt-cache/--reset-cache", help="salt the prefix cache by version instead of resetting it at every commit (env STITCH_SIDECAR_SALT_CACHE, default reset)")] = None,
     log_level: Annotated[str | None, typer.Option(help="log level (env STITCH_SIDECAR_LOG_LEVEL, default info)")] = None,
 ) -> None:
     """Follow RUN at the bulletin, apply its versions to the engine, and proxy its OpenAI API (other settings: STITCH_SIDECAR_* env vars, see stitchboard.sidecar.settings)."""
@@ -52,6 +53,7 @@ def run_sidecar(
         port=port,
         boot_version=boot_version,
         handoff_dir=handoff_dir,
+        salt_cache=salt_cache,
         log_level=log_level,
     )
     from .app import create_app

@@ -43,7 +43,9 @@ from .errors import AnswerVersionMismatchError, BodyTooLargeError, EngineUnavail
 from .gate import BODY_FIELD, Gate, parse_constraint
 from .metrics import SidecarMetrics
 from .routes import route_table
+from .salt import CacheSalter
 from .settings import SidecarSettings
+from .spans import WANT_FIELD, SpanLedger, Spans, SpanStamper, wants_spans
 from .stamps import SseStamper, event_data, stamp_answer
 
 T = TypeVar("T")
@@ -131,8 +133,18 @@ class Proxy:
             answers of engines that report their own weight version are checked with it.
     """
 
-    def __init__(self, settings: SidecarSettings, gate: Gate, metrics: SidecarMetrics, check_engine: Callable[[], Awaitable[str | None]] | None = None) -> None:
+    def __init__(
+        self,
+        settings: SidecarSettings,
+        gate: Gate,
+        metrics: SidecarMetrics,
+        check_engine: Callable[[], Awaitable[str | None]] | None = None,
+        spans: SpanLedger | None = None,
+        salter: CacheSalter | None = None,
+    ) -> None:
         self.settings = settings
+        self.spans = spans or SpanLedger()  # shared with the reconciler (per-token version spans, :mod:`.spans`)
+        self.salter = salter or CacheSalter(settings.salt_cache, settings.engine)  # the cache salt (:mod:`.salt`)
         self.gate = gate
         self.metrics = metrics
         self.routes = route_table(settings.engine)
@@ -211,10 +223,9 @@ class Proxy:
                 payload = json.loads(body)
             except ValueError:
                 payload = None  # the engine answers the malformed body itself
-        had_field = isinstance(payload, dict) and BODY_FIELD in payload
+        had_field = isinstance(payload, dict) and (BODY_FIELD in payload or WANT_FIELD in payload)
         constraint = parse_constraint(request.headers, payload)
-        if had_field:
-            body = json.dumps(payload).encode()
+        want = wants_spans(request.headers, payload, counted=not self.routes.reports_versions)
         wait_s = min(constraint.wait_s if constraint.wait_s is not None else self.settings.request_wait_s, self.settings.max_request_wait_s)
         try:
             start, held, claims = await self._unless_gone(request, self.gate.admit(constraint, wait_s))
@@ -223,6 +234,9 @@ class Proxy:
         self.metrics.in_flight.set(self.gate.in_flight)
         if held:
             self.metrics.requests_held.inc()
+        spans = Spans(self.spans, self.routes.reports_versions, start, path, payload, request.headers.get("x-request-id")) if want else None
+        if self.salter.salt(path, payload, start) or had_field or (spans is not None and spans.changed_body):
+            body = json.dumps(payload).encode()
         released = False
 
         def release() -> int | None:
@@ -230,12 +244,17 @@ class Proxy:
             if released:
                 return self.gate.applied
             released = True
+            if spans is not None:
+                spans.forget()
             end = self.gate.release()
             self.metrics.in_flight.set(self.gate.in_flight)
             return end
 
         try:
-            response = await self._unless_gone(request, self._open(self._upstream_request(request, path, body)))
+            upstream = self._upstream_request(request, path, body)
+            if spans is not None and spans.request_id is not None:
+                upstream.headers["x-request-id"] = spans.request_id
+            response = await self._unless_gone(request, self._open(upstream))
         except ClientGone:
             release()
             return Response(status_code=499)
@@ -246,13 +265,13 @@ class Proxy:
         headers[START_HEADER] = _stamp(start)
         if response.is_stream_consumed:
             try:
-                return await self._plain_answer(response, headers, start, claims, release)
+                return await self._plain_answer(response, headers, start, claims, release, spans)
             except BaseException:
                 release()
                 raise
-        return self._streamed_answer(response, headers, start, claims, release, path)
+        return self._streamed_answer(response, headers, start, claims, release, path, spans)
 
-    async def _plain_answer(self, response: httpx.Response, headers: dict[str, str], start: int, claims: int, release: Callable[[], int | None]) -> Response:
+    async def _plain_answer(self, response: httpx.Response, headers: dict[str, str], start: int, claims: int, release: Callable[[], int | None], spans: Spans | None = None) -> Response:
         content = response.content
         answer: Any = None
         if response.is_success and "json" in response.headers.get("content-type", ""):
@@ -262,14 +281,17 @@ class Proxy:
                 answer = None
         if self.versions is not None and response.is_success:
             await self.versions.verify(reported_versions(answer), start, self.versions.now(), claims)
+        if spans is not None and response.is_success:
+            spans.attach(answer)
         end = release()
         headers[END_HEADER] = _stamp(end)
         if stamp_answer(answer, start, end):
             content = json.dumps(answer).encode()
         return Response(content, status_code=response.status_code, headers=headers)
 
-    def _streamed_answer(self, response: httpx.Response, headers: dict[str, str], start: int, claims: int, release: Callable[[], int | None], path: str) -> Response:
-        stamper = SseStamper(start, lambda: self.gate.applied, _finished_output if path in self.routes.final_in_place else None)
+    def _streamed_answer(self, response: httpx.Response, headers: dict[str, str], start: int, claims: int, release: Callable[[], int | None], path: str, spans: Spans | None = None) -> Response:
+        final = _finished_output if path in self.routes.final_in_place else None
+        stamper = SseStamper(start, lambda: self.gate.applied, final) if spans is None else SpanStamper(start, lambda: self.gate.applied, final, lambda: spans.streamed(self.gate.applied))
         check = self.versions
         vouched = check is None  # a reported version was checked, or no check applies
 
@@ -286,6 +308,10 @@ class Proxy:
                     if (reported := reported_versions(decoded)) is not None:
                         vouched = True
                         await check.verify(reported, start, check.now(), claims)
+            if spans is not None and data not in (None, b"[DONE]"):
+                decoded = decoded if decoded is not None else _json_or_none(data)
+                if not spans.see_event(decoded):
+                    return b""  # the usage chunk the sidecar asked for (the client did not)
             return stamper.emit(event, decoded)
 
         async def events() -> AsyncIterator[bytes]:

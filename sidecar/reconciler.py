@@ -50,6 +50,8 @@ from .claim import ClaimKeeper
 from .errors import ApplyRefusedError, EngineChangedError, EngineVersionMismatchError, PlanRefusedError, StagingError
 from .fetch import FetchedPlan
 from .rebase import build_rebase
+from .salt import CacheSalter
+from .spans import SpanLedger
 
 log = logging.getLogger("stitchboard.sidecar")
 
@@ -61,7 +63,39 @@ __all__ = ["COMMIT_STATES", "FAULT_EXIT_CODE", "Reconciler"]
 
 class Reconciler(ClaimKeeper):
     """Follows one run at the bulletin and applies its versions to one engine (arguments: see
-    :class:`~.claim.ClaimKeeper`)."""
+    :class:`~.claim.ClaimKeeper`).
+
+    ``spans`` (requests that want per-token version spans) and ``salter`` (the cache salt) are
+    shared with the proxy: the engine's output-token counts are read at each pause for the
+    former (:mod:`.spans`), and the latter says whether a commit resets the prefix cache (:mod:`.salt`).
+    """
+
+    _spans: SpanLedger | None = None
+    _salter: CacheSalter | None = None
+    _pause_counts: dict[str, int] | None = None
+
+    @property
+    def spans(self) -> SpanLedger:
+        """The requests in flight that want spans (shared with the proxy)."""
+        if self._spans is None:
+            self._spans = SpanLedger()
+        return self._spans
+
+    @property
+    def salter(self) -> CacheSalter:
+        """The cache salt (shared with the proxy)."""
+        if self._salter is None:
+            self._salter = CacheSalter(self.settings.salt_cache, self.settings.engine)
+        return self._salter
+
+    async def _read_counts(self) -> None:
+        # In the pause: the engine's output-token counts of the marked requests (vLLM; SGLang reports its own spans).
+        counts = getattr(self.engine, "output_counts", None)
+        try:
+            self._pause_counts = await self._io(counts) if counts is not None and self.spans.wanted() else {}
+        except Exception as exc:  # noqa: BLE001 - spans are lost for these requests, the commit goes on
+            log.warning("the engine could not count output tokens at the pause (the requests in flight get no spans): %r", exc)
+            self._pause_counts = None
 
     def _fault(self, phase: str) -> None:
         # Crash tests: exit the process at once when the fault_phase setting names ``phase``.
@@ -239,6 +273,7 @@ class Reconciler(ClaimKeeper):
             await self._io(self.engine.pause)
             paused_at = time.perf_counter()
             self._fault("paused")
+            await self._read_counts()
             try:
                 apply_s = await self._apply(staged, prepared)
             except Exception as exc:  # any apply failure leads to the anchor, unless nothing was written
@@ -346,7 +381,9 @@ class Reconciler(ClaimKeeper):
         held = (await self._io(self.engine.state)).version
         if held != staged.to_version:
             raise EngineVersionMismatchError(f"after applying, the engine records version {held}, expected {staged.to_version}")
-        await self._io(self.engine.reset_prefix_cache)
+        if self.gate.applied is None or self.salter.needs_reset(self.gate.in_flight):
+            await self._io(self.engine.reset_prefix_cache)
+            self.salter.was_reset()
         seconds = time.perf_counter() - start
         self.metrics.apply_seconds.observe(seconds)
         return seconds
@@ -360,6 +397,8 @@ class Reconciler(ClaimKeeper):
         self.metrics.refused_version.set(-1)
         if not flipped:
             self.pause_by_route[route] = pause_s
+            self.spans.commit(staged.to_version, self._pause_counts)
+        self._pause_counts = None
         self._publish()
         total = time.perf_counter() - seen
         self.last_sync = SyncReport(

@@ -216,3 +216,16 @@ class VllmEngine:
         answer = self._request("POST", "/reset_prefix_cache", params={"reset_running_requests": "true"})
         if not (isinstance(answer, dict) and answer.get("success")):
             raise EngineRequestError(f"engine could not reset its prefix cache: {answer}", path="/reset_prefix_cache")
+
+    def output_counts(self) -> dict[str, int]:
+        """Output tokens so far of the requests the sidecar marked (``X-Request-Id`` holding
+        ``stitch-<32 hex>``), by mark: rank 0's count (every rank runs the same requests); call it
+        while the engine is paused.
+
+        Raises:
+            EngineUnavailableError, EngineRequestError: the engine does not answer or cannot count.
+        """
+        counts = (self._checked("stitch_output_counts", {})[0].report or {}).get("output_tokens")
+        if not isinstance(counts, dict):
+            raise EngineRequestError(f"stitch_output_counts answered no counts: {counts!r}", path="/collective_rpc")
+        return {str(k): int(v) for k, v in counts.items()}

@@ -25,6 +25,8 @@ JSON dict: ``{"ok": true, "state": {...}, ...}`` or ``{"ok": false, "error": {"t
   commit the patch files of one version in one call; refused unless the engine holds F.
 * ``stitch_load_snapshot('{"paths": [...], "version": V, "checksums": {name: xxh3}}')``.
 * ``stitch_checksums('{"names": [...]}')``: ``checksums`` {name: xxh3-128 hex} as held now.
+* ``stitch_output_counts("{}")``: ``report`` ``{"output_tokens": {mark: count}}``, the output
+  tokens of the sidecar's marked requests so far (read at a pause: :mod:`.token_counts`).
 
 TP > 1: the ranks gather tensors on a gloo group of stitchboard's own. A step one rank can fail
 alone (reading a hand-off file, mapping a name, writing) ends with an agreement between the
@@ -63,6 +65,7 @@ from stitchboard.proto.errors import StitchError
 
 from ...errors import ApplyFailedError, EngineStateError
 from .layout import RuntimeLayout
+from .token_counts import output_counts, track_finished
 from .update import StagingJob, apply_patch_files, commit_staged, parse_steps
 from .weights import WeightIO, load_snapshot_files
 
@@ -106,6 +109,7 @@ def _keep_cpu_linear_weights() -> None:
 
 
 _keep_cpu_linear_weights()
+track_finished()
 
 
 def _fault(phase: str, version: int) -> None:
@@ -333,3 +337,8 @@ class StitchWorkerExtension:
             return {"checksums": self._stitch_weights().checksums(names)}
 
         return self._stitch_call(request, run)
+
+    def stitch_output_counts(self, request: str = "{}") -> dict[str, Any]:
+        """``{"ok": true, "state", "report": {"output_tokens": {mark: count}}}``: output tokens of
+        the marked requests the engine holds or finished last (see :mod:`.token_counts`)."""
+        return self._stitch_call(request, lambda args: {"report": {"output_tokens": output_counts(self.model_runner)}})  # type: ignore[attr-defined]

@@ -1,0 +1,72 @@
+"""Output-token counts of the requests inside vLLM, read in the worker at a pause (vLLM worker processes).
+
+The sidecar tags a request that asks for per-token version spans with an ``X-Request-Id``
+holding a mark (``stitch-`` and 32 hex digits, :data:`MARK`); vLLM builds its engine request id
+from it (``cmpl-<id>-<8 random>``, ``chatcmpl-<id>-...``). While the engine is paused no step
+runs, so the length of each request's ``output_token_ids`` in the model runner is the number of
+output tokens generated under the weights held before the commit: the boundary of its spans.
+
+A request that finished inside the engine is dropped from the runner's state at the next step,
+possibly before its answer reaches the sidecar: :func:`track_finished` (installed when this
+module is imported, as the worker extension does) keeps the final count of the last
+:data:`FINISHED_KEPT` finished marked requests, so that such a request counts as finished (all its
+tokens before the boundary) rather than as not started (none).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from typing import Any
+
+#: The mark the sidecar puts into the request ids it wants counts of.
+MARK = re.compile(r"stitch-[0-9a-f]{32}")
+#: How many finished marked requests' final counts are kept.
+FINISHED_KEPT = 4096
+
+_finished: OrderedDict[str, int] = OrderedDict()
+
+
+def _remember_finished(runner: Any, scheduler_output: Any) -> None:
+    for req_id in getattr(scheduler_output, "finished_req_ids", ()) or ():
+        state = runner.requests.get(req_id)
+        match = MARK.search(req_id)
+        if state is not None and match is not None:
+            _finished[match.group(0)] = len(state.output_token_ids)
+            _finished.move_to_end(match.group(0))
+            while len(_finished) > FINISHED_KEPT:
+                _finished.popitem(last=False)
+
+
+def track_finished() -> None:
+    """Wrap vLLM's ``GPUModelRunner._update_states`` (the CPU runner inherits it) so that the final
+    count of every finished marked request is kept. No-op without vLLM or when already wrapped."""
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except ImportError:
+        return
+    original = GPUModelRunner._update_states
+    if getattr(original, "_stitch_tracks_finished", False):
+        return
+
+    def update_states(self: Any, scheduler_output: Any) -> Any:
+        _remember_finished(self, scheduler_output)
+        return original(self, scheduler_output)
+
+    update_states._stitch_tracks_finished = True  # type: ignore[attr-defined]
+    GPUModelRunner._update_states = update_states  # type: ignore[method-assign]
+
+
+def output_counts(runner: Any) -> dict[str, int]:
+    """Mark -> output tokens generated so far, of every marked request the model runner holds
+    (running, preempted or waiting for its next step) and of the last finished ones.
+
+    Args:
+        runner: the worker's model runner (``worker.model_runner``), read while the engine is paused.
+    """
+    counts = dict(_finished)
+    for req_id, state in runner.requests.items():
+        match = MARK.search(req_id)
+        if match is not None:
+            counts[match.group(0)] = len(state.output_token_ids)
+    return counts
