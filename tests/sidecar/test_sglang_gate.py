@@ -33,13 +33,13 @@ import pytest
 from stitchboard.bulletin.app import create_app as create_bulletin
 from stitchboard.bulletin.client import BulletinClient
 from stitchboard.bulletin.settings import BulletinSettings
-from stitchboard.demo.processes import ManagedProcess, ProcessGroup, free_port
 from stitchboard.proto.checkpoint import save_checkpoint
 from stitchboard.proto.container import read_safetensors
 from stitchboard.sidecar.app import create_app as create_sidecar
 from stitchboard.sidecar.client import SidecarClient
 from stitchboard.sidecar.settings import SidecarSettings
 from tests.sidecar.fake_sglang import SGLANG_CONTROL_ROUTES
+from tests.sidecar.sglang_helpers import SglangServer, require_sglang
 from tests.sidecar.sidecar_helpers import AppServer, Publisher, mutate, wait_for
 from tests.sidecar.vllm_fixtures import copy_model_files
 
@@ -51,14 +51,12 @@ LONG_PROMPT = "Notes. " + " ".join(f"Item {i}: the {w} river flows past the old 
 
 @dataclass
 class Stack:
-    """The module's bulletin, publisher, SGLang engine and sidecar."""
+    """The module's bulletin, publisher, SGLang engine and sidecar, and the oracle server."""
 
-    procs: ProcessGroup
     publisher: Publisher
     engine_url: str
     sidecar: AppServer
     http: httpx.Client
-    stub_log: Path
     workdir: Path
     model_dir: Path
     fresh_url: str  # a plain SGLang (no stitchboard loader) booted from the checkpoint: the oracle
@@ -68,53 +66,35 @@ class Stack:
             client.wait_applied(version, 120)
 
 
-def _sglang():
-    try:
-        from stitchboard.sidecar.engines.sglang.launch import sglang_command, sglang_env, sglang_python
-    except ImportError as exc:
-        pytest.skip(f"the SGLang launch module is not importable: {exc}")
-    if not Path(sglang_python()).exists():
-        pytest.skip(f"no SGLang environment at {sglang_python()} (make venv-sglang)")
-    return sglang_command, sglang_env
-
-
-def _start_sglang(procs: ProcessGroup, name: str, model_dir: Path, stub_log: Path, *, loader: bool) -> tuple[ManagedProcess, str]:
-    sglang_command, sglang_env = _sglang()
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    return procs.start(name, sglang_command(model_dir, port, loader=loader), f"{url}/health", env=sglang_env(stub_log=stub_log)), url
-
-
 @pytest.fixture(scope="module")
-def stack(smollm2_dir: Path, tmp_path_factory) -> Iterator[Stack]:
-    _sglang()
-    workdir = tmp_path_factory.mktemp("sglang-gate")
-    stub_log = workdir / "sgl_kernel_stub.log"
-    bulletin = AppServer(create_bulletin(BulletinSettings(store=f"file://{workdir / 'store'}", poll_interval_s=0.05)))
+def stack(smollm2_dir: Path, sglang_workdir: Path) -> Iterator[Stack]:
+    require_sglang()
+    bulletin = AppServer(create_bulletin(BulletinSettings(store=f"file://{sglang_workdir / 'store'}", poll_interval_s=0.05)))
     client = BulletinClient(bulletin.url, retries=1, backoff_s=0.01)
-    publisher = Publisher(client, f"run-{uuid.uuid4().hex[:8]}", workdir)
+    publisher = Publisher(client, f"run-{uuid.uuid4().hex[:8]}", sglang_workdir)
     publisher.publish(read_safetensors(smollm2_dir / "model.safetensors")[1])
-    with ProcessGroup(workdir / "logs") as procs:
-        engine, engine_url = _start_sglang(procs, "sglang", smollm2_dir, stub_log, loader=True)
-        fresh, fresh_url = _start_sglang(procs, "sglang-fresh", smollm2_dir, stub_log, loader=False)  # both start at once
-        engine.wait_healthy(600)
-        fresh.wait_healthy(600)
+    engine = SglangServer(smollm2_dir, sglang_workdir / "engine.log")
+    fresh = SglangServer(smollm2_dir, sglang_workdir / "fresh.log", loader=False)  # both start at once
+    try:
+        engine.wait_ready()
+        fresh.wait_ready()
         settings = SidecarSettings(
-            bulletin=bulletin.url, run=publisher.run, engine="sglang", engine_url=engine_url, boot_version=0, handoff_dir=str(workdir / "handoff"), poll_wait_s=5.0, request_wait_s=5.0, retry_after_s=1
+            bulletin=bulletin.url, run=publisher.run, engine="sglang", engine_url=engine.url, boot_version=0, handoff_dir=str(sglang_workdir / "handoff"), poll_wait_s=5.0, request_wait_s=5.0, retry_after_s=1
         )
         sidecar = AppServer(create_sidecar(settings, client=client))
         http = httpx.Client(base_url=sidecar.url, timeout=300)
-        stack = Stack(procs, publisher, engine_url, sidecar, http, stub_log, workdir, smollm2_dir, fresh_url)
         try:
+            stack = Stack(publisher, engine.url, sidecar, http, sglang_workdir, smollm2_dir, fresh.url)
             stack.applied(0)
             yield stack
         finally:
             http.close()
             sidecar.stop()
-    client.close()
-    bulletin.stop()
-    calls = stub_log.read_text().splitlines() if stub_log.exists() else []
-    assert not calls, f"the sgl_kernel stand-in was called: {calls[:3]}"
+    finally:
+        client.close()
+        bulletin.stop()
+        fresh.stop()  # each fails the test if the sgl_kernel stand-in was called
+        engine.stop()
 
 
 def _generate(http: httpx.Client, text: str, tokens: int, headers: dict | None = None, **extra) -> httpx.Response:

@@ -44,10 +44,10 @@ def sg_start(sc_bulletin, sc_publisher, tmp_path) -> Iterator[Callable[..., Side
             "retry_after_s": 1,
             **overrides,
         }
-        settings = SidecarSettings(**values).model_copy(update={"engine": "sglang"})
+        settings = SidecarSettings(**values, engine="sglang")
         client = BulletinClient(sc_bulletin.url, retries=1, backoff_s=0.01)
-        sidecar = Sidecar(AppServer(create_sidecar(settings, engine=engine, client=client)), engine, httpx.Client(base_url="http://x", timeout=30))
-        sidecar.http = httpx.Client(base_url=sidecar.url, timeout=30)
+        server = AppServer(create_sidecar(settings, engine=engine, client=client))
+        sidecar = Sidecar(server, engine, httpx.Client(base_url=server.url, timeout=30))
         servers.append((sidecar, engine_server, client))
         return sidecar
 
