@@ -20,6 +20,10 @@ Checkpoint names (DESIGN.md invariant 10) are the names an HF loader expects:
 
 Only ``state_dict`` entries are published: persistent parameters and buffers, not the
 non-persistent buffers (e.g. rotary ``inv_freq``) that a loader recomputes.
+
+Quantized served views (FP8, NVFP4) are made from this bf16 view by the recipes of
+:mod:`.recipes` (``Publisher(served=...)``); a per-tensor cast to an fp8 dtype is not one of
+them (no scales) and the publishers refuse it.
 """
 
 from __future__ import annotations
