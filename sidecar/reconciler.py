@@ -73,6 +73,7 @@ class Reconciler(ClaimKeeper):
     _spans: SpanLedger | None = None
     _salter: CacheSalter | None = None
     _pause_counts: dict[str, int] | None = None
+    _keep_cache = False  # this commit's pause kept the prefix cache (salted, nothing old in flight)
 
     @property
     def spans(self) -> SpanLedger:
@@ -270,7 +271,9 @@ class Reconciler(ClaimKeeper):
         self.gate.set_committing(True)
         paused_at = None
         try:
-            await self._io(self.engine.pause)
+            keep = getattr(self.engine, "pause_keeping_cache", None)
+            self._keep_cache = keep is not None and not self.salter.needs_reset(self.gate.in_flight)
+            await self._io(keep if self._keep_cache else self.engine.pause)
             paused_at = time.perf_counter()
             self._fault("paused")
             await self._read_counts()
@@ -381,7 +384,7 @@ class Reconciler(ClaimKeeper):
         held = (await self._io(self.engine.state)).version
         if held != staged.to_version:
             raise EngineVersionMismatchError(f"after applying, the engine records version {held}, expected {staged.to_version}")
-        if self.gate.applied is None or self.salter.needs_reset(self.gate.in_flight):
+        if self.gate.applied is None or not self._keep_cache:
             await self._io(self.engine.reset_prefix_cache)
             self.salter.was_reset()
         seconds = time.perf_counter() - start
@@ -398,7 +401,7 @@ class Reconciler(ClaimKeeper):
         if not flipped:
             self.pause_by_route[route] = pause_s
             self.spans.commit(staged.to_version, self._pause_counts)
-        self._pause_counts = None
+        self._pause_counts, self._keep_cache = None, False
         self._publish()
         total = time.perf_counter() - seen
         self.last_sync = SyncReport(

@@ -5,7 +5,8 @@ every request the proxy admits to vLLM's ``/v1/completions`` or ``/v1/chat/compl
 the body field ``cache_salt`` = ``stitch-v<version it is admitted under>`` (a client's own salt
 is kept in front: ``<salt>|stitch-v<N>``). vLLM mixes the salt into the hash of the first
 cached block, so a request reuses only KV computed for requests admitted under the same
-version, and the prefix cache need not be reset at a commit.
+version, and the prefix cache need not be reset at a commit: the engine is paused with
+``clear_cache=false`` (vLLM's plain pause resets the cache itself) and not reset after the write.
 
 The reset is still made when it is the only way to keep KV of other weights out of use:
 

@@ -101,6 +101,11 @@ class VllmEngine:
         """``POST /pause?mode=keep``: requests in flight are frozen and kept (never aborted)."""
         self._request("POST", "/pause", params={"mode": "keep"})
 
+    def pause_keeping_cache(self) -> None:
+        """``POST /pause?mode=keep&clear_cache=false``: as :meth:`pause`, but the prefix cache is kept
+        (a plain pause resets it, running requests preempted); for the version-salted cache (:mod:`stitchboard.sidecar.salt`)."""
+        self._request("POST", "/pause", params={"mode": "keep", "clear_cache": "false"})
+
     def resume(self) -> None:
         """``POST /resume``."""
         self._request("POST", "/resume")
