@@ -1,0 +1,151 @@
+"""Per-token version spans and the version-salted prefix cache, through the sidecar in front of a real vLLM (CPU).
+
+* Spans: a streamed and a plain greedy completion in flight across a commit ask for
+  ``return_weight_versions``; their spans split at the engine's own count of output tokens at
+  the pause (``b``). The tokens before ``b`` equal the old version's greedy answer to the same
+  prompt, and the tokens from ``b`` on equal the new version's greedy continuation of the
+  prompt and those ``b`` tokens (the reset recomputes the request's KV under the new weights):
+  token ``b`` bit for bit; later ones may part from it in a batch (the two requests decode
+  together, the continuation alone: vLLM's CPU GEMMs round differently by batch shape).
+* Salt (``salt_cache``): one long prompt at three versions. At each version its first answer
+  reuses nothing cached under another version (the engine's prefix-cache hit counter) and is
+  bit for bit (token ids and logprobs) the answer computed with nothing cached (a salt no request
+  ever used), its second answer hits the cache and has the same tokens (its logprobs differ in
+  the last bits: vLLM's CPU prefill of the suffix alone runs other GEMM shapes than the whole
+  prompt's, with or without stitchboard); the old version's blocks are still cached (the commit
+  did not reset: a request sent to the engine with the old salt hits them).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+
+import httpx
+import pytest
+
+from tests.sidecar.commit_overlap import LongRequests
+from tests.support.vllm_server import require_vllm
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "Once upon a time, in a small village by the sea,"
+LONG_PROMPT = " ".join(f"Item {i}: the harbour master counted {i * 7 % 13} boats and {i * 5 % 11} nets." for i in range(24))
+
+
+@pytest.fixture(autouse=True)
+def _needs_vllm() -> None:
+    require_vllm()
+
+
+def _complete(url: str, model: str, prompt: str | list[int], tokens: int, **body) -> dict:
+    r = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "return_token_ids": True, **body}, timeout=600)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+class SpanRequests(LongRequests):
+    """:class:`LongRequests` asking for spans and token ids."""
+
+    def __init__(self, url: str, model: str, prompt: str, tokens: int) -> None:
+        self.extra = {"return_weight_versions": True, "return_token_ids": True}
+        super().__init__(url, model, prompt, tokens)
+
+    def _stream(self) -> None:
+        self.body = {**self.body, **self.extra}
+        super()._stream()
+
+    def _plain(self) -> None:
+        self.plain = httpx.post(self.url, json={**self.body, **self.extra}, timeout=600)
+        if self.plain.status_code != 200:
+            self.failures.append(f"plain: {self.plain.status_code} {self.plain.text[:2000]}")
+
+
+def _check_crossing(spans: list[dict], ids: list[int], v: int, old: list[int], continued) -> int:
+    assert [s["version"] for s in spans] == [v, v + 1] and spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == len(ids), spans
+    b = spans[0]["end"]
+    assert 0 < b < len(ids), spans
+    assert ids[:b] == old[:b], "the tokens before the boundary are not the old version's greedy tokens"
+    after = continued(b)
+    agree = next((i for i, (x, y) in enumerate(zip(ids[b:], after, strict=False)) if x != y), len(after))
+    assert agree > 0, f"token {b}, the first after the commit, is not the new version's greedy continuation of the tokens before it"
+    print(f"boundary {b}: {agree} of the {len(after)} tokens after it equal the new version's greedy continuation computed alone")
+    return b
+
+
+def test_spans_of_requests_crossing_a_commit_split_at_the_engines_count(vllm_run_engine, vllm_run, vllm_sidecars):
+    """Both requests cross the commit: spans [v: 0..b), [v+1: b..n) with b the engine's count at the pause."""
+    sidecar = vllm_sidecars(vllm_run_engine.url)
+    model, tokens = vllm_run_engine.model, 240
+    v = vllm_run.latest
+    sidecar.wait_applied(v)
+    single = _complete(sidecar.url, model, PROMPT, 4, return_weight_versions=True)
+    assert single["weight_versions"] == [{"version": v, "start": 0, "end": 4}] and single["weight_version_start"] == v
+    old = _complete(sidecar.url, model, PROMPT, tokens)["choices"][0]["token_ids"]
+    prompt_ids = _complete(sidecar.url, model, PROMPT, 1, echo=True)["choices"][0]["prompt_token_ids"]
+    vllm_run.train()
+    held = vllm_run.publish_held()
+    try:
+        held.wait_ready()
+        requests = SpanRequests(sidecar.url, model, PROMPT, tokens)
+        requests.wait_generating(sidecar.status)
+    except BaseException:
+        held.abort()
+        raise
+    assert held.commit() == v + 1
+    sidecar.wait_applied(v + 1)
+    crossed = requests.alive()
+    requests.join()
+    assert not requests.failures, requests.failures
+    if not crossed:
+        pytest.fail(f"the requests ended before version {v + 1} was applied ({len(requests.events)} events): the commit did not overlap them")
+
+    def continued(b: int) -> list[int]:
+        return _complete(sidecar.url, model, prompt_ids + old[:b], tokens - b, weight_version={"exact_version": v + 1})["choices"][0]["token_ids"]
+
+    plain = requests.plain.json()
+    b_plain = _check_crossing(plain["weight_versions"], plain["choices"][0]["token_ids"], v, old, continued)
+    events = requests.events
+    stream_ids = [t for e in events for c in e.get("choices", []) for t in c.get("token_ids") or []]
+    b_stream = _check_crossing(events[-1]["weight_versions"], stream_ids, v, old, continued)
+    assert (events[-1]["weight_version_start"], events[-1]["weight_version_end"]) == (v, v + 1)
+    print(f"boundaries: plain {b_plain}, stream {b_stream} of {tokens} tokens")
+
+
+def _engine_counter(engine_url: str, name: str) -> float:
+    text = httpx.get(f"{engine_url}/metrics", timeout=30).text
+    return sum(float(m.group(1)) for m in re.finditer(rf"^vllm:{name}_total(?:{{[^}}]*}})? ([0-9.e+]+)$", text, re.MULTILINE))
+
+
+def _long_answer(url: str, model: str, engine_url: str, **body) -> tuple[dict, float]:
+    hits = _engine_counter(engine_url, "prefix_cache_hits")
+    r = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": LONG_PROMPT, "max_tokens": 4, "temperature": 0, "logprobs": 5, "return_token_ids": True, **body}, timeout=600)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    time.sleep(0.5)  # the engine's counters are updated just after its answer
+    return {"ids": choice["token_ids"], "logprobs": choice["logprobs"]}, _engine_counter(engine_url, "prefix_cache_hits") - hits
+
+
+def test_salted_prefix_cache_never_reuses_kv_across_versions(vllm_run_engine, vllm_run, vllm_sidecars):
+    """salt_cache: no commit resets the cache, yet no answer reuses KV of another version's weights."""
+    sidecar = vllm_sidecars(vllm_run_engine.url, salt_cache="true")
+    model, engine = vllm_run_engine.model, vllm_run_engine.url
+    answers = {}
+    for i in range(3):
+        if i:
+            vllm_run.step()
+        v = vllm_run.latest
+        sidecar.wait_applied(v)
+        first, first_hits = _long_answer(sidecar.url, model, engine)
+        assert first_hits == 0, f"version {v}: the long prompt reused {first_hits} tokens cached under another version"
+        again, again_hits = _long_answer(sidecar.url, model, engine)
+        assert again_hits > 0 and again["ids"] == first["ids"], f"version {v}: the second answer did not hit the version's cache ({again_hits}) or differs"
+        fresh, fresh_hits = _long_answer(sidecar.url, model, engine, cache_salt=f"oracle-{uuid.uuid4().hex}")
+        assert fresh_hits == 0 and fresh == first, f"version {v}: the salted answer differs from the one computed with nothing cached"
+        if i:
+            _, old_hits = _long_answer(engine, model, engine, cache_salt=f"stitch-v{v - 1}")
+            assert old_hits > 0, "the commit reset the prefix cache: the old version's blocks are gone"
+            _long_answer(engine, model, engine, cache_salt=f"oracle-{uuid.uuid4().hex}")  # keep nothing else
+        answers[v] = first
+    assert len({repr(a) for a in answers.values()}) == 3, "each version answers differently"
