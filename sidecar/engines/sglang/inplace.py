@@ -105,9 +105,9 @@ def _local(slot: Slot, full: np.ndarray) -> np.ndarray:
     return (grid[start : start + length] if slot.split_dim == 0 else grid[:, start : start + length]).reshape(-1)
 
 
-def _block_index(slot: Slot, positions: np.ndarray) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+def _block_index(slot: Slot, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The checkpoint flat ``positions`` (int64, increasing) this rank holds: themselves, and their
-    rows and columns in :meth:`Slot.bits` (int64 tensors)."""
+    flat indices into :meth:`Slot.flat_bits` (int64; padding is never among them)."""
     cols = slot.shape[1] if len(slot.shape) == 2 else 1
     start, length = slot.spans[slot.tp_rank]
     row, col = np.divmod(positions, cols)
@@ -118,7 +118,7 @@ def _block_index(slot: Slot, positions: np.ndarray) -> tuple[np.ndarray, torch.T
         row = row - start
     else:
         col = col - start
-    return positions[keep], torch.from_numpy(row), torch.from_numpy(col)
+    return positions[keep], slot.flat_index(row, col)
 
 
 def read_files(paths: Sequence[str], digests: Sequence[str]) -> tuple[list[bytes], int]:
@@ -141,10 +141,9 @@ def read_files(paths: Sequence[str], digests: Sequence[str]) -> tuple[list[bytes
 @dataclass
 class _Write:
     slot: Slot
-    rows: torch.Tensor  # int64 [k] into slot.bits()
-    cols: torch.Tensor  # int64 [k]
-    new: torch.Tensor  # bits [k]
-    old: torch.Tensor  # bits [k]
+    index: np.ndarray  # int64 [k] into slot.flat_bits()
+    new: np.ndarray  # bits [k]
+    old: np.ndarray  # bits [k]
     target: str
 
 
@@ -186,7 +185,7 @@ def stage(ranks: Ranks, steps: Sequence[tuple[Sequence[str], Sequence[str]]]) ->
         return chain, slots, size
 
     chain, slots, size = ranks.agreed(read, "reading the patch files")
-    report = {"bytes": size, "read_s": time.perf_counter() - t0, "check_s": 0.0, "decode_s": 0.0}
+    report = {"bytes": size, "read_s": time.perf_counter() - t0, "check_s": 0.0, "decode_s": 0.0, "index_s": 0.0}
     writes: list[_Write] = []
     elements = 0
     for name, slot in slots.items():
@@ -220,11 +219,13 @@ def stage(ranks: Ranks, steps: Sequence[tuple[Sequence[str], Sequence[str]]]) ->
             report["check_s"] += time.perf_counter() - t
         if not touched:
             continue
+        t = time.perf_counter()
         positions = touched[0] if len(touched) == 1 else np.unique(np.concatenate(touched))
-        selected, rows, cols = _block_index(slot, positions)
-        if rows.numel():
-            writes.append(_Write(slot, rows, cols, torch.from_numpy(full[selected]), slot.bits()[rows, cols], str(target)))
-    report.update(tensors=len(writes), elements=elements, rank_elements=int(sum(w.rows.numel() for w in writes)))
+        selected, index = _block_index(slot, positions)
+        if index.size:
+            writes.append(_Write(slot, index, full[selected], slot.gather(index), str(target)))
+        report["index_s"] += time.perf_counter() - t
+    report.update(tensors=len(writes), elements=elements, rank_elements=int(sum(w.index.size for w in writes)))
     return writes, report
 
 
@@ -245,7 +246,7 @@ def commit(ranks: Ranks, writes: list[_Write], hook: PhaseHook, what: str) -> di
 
         def write() -> None:
             for i, w in enumerate(writes):
-                w.slot.bits()[w.rows, w.cols] = w.new
+                w.slot.scatter(w.index, w.new)
                 if i == len(writes) // 2:
                     hook("half-written")
 
@@ -261,7 +262,7 @@ def commit(ranks: Ranks, writes: list[_Write], hook: PhaseHook, what: str) -> di
         restored = True
         try:
             for w in reversed(writes):
-                w.slot.bits()[w.rows, w.cols] = w.old
+                w.slot.scatter(w.index, w.old)
         except Exception:  # noqa: BLE001 - reported as restored=False
             restored = False
         raise ApplyFailedError.after_write(what, exc, restored=restored) from exc

@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from ...errors import UnmappedTensorError
@@ -78,6 +79,29 @@ class Slot:
         rows, cols = (self.shape[0], self.shape[1]) if len(self.shape) == 2 else (self.shape[0], 1)
         length = self.spans[self.tp_rank][1]
         return (length, cols) if self.split_dim == 0 else (rows, length)
+
+    def flat_bits(self) -> torch.Tensor:
+        """The whole runtime parameter's raw bits, flat (a view; index it with :meth:`flat_index`)."""
+        return self.param.data.view(BITS[self.param.element_size()]).view(-1)
+
+    def flat_index(self, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+        """Flat indices (int64) into :meth:`flat_bits` of this rank's block elements (``rows``,
+        ``cols``: int64 coordinates in the block)."""
+        width = self.param.shape[1] if self.param.ndim == 2 else 1
+        return (rows + self.row_offset) * width + (cols + self.col_offset)
+
+    def gather(self, index: np.ndarray) -> np.ndarray:
+        """The live bits at flat ``index`` (a copy; numpy on the parameter's memory on the CPU)."""
+        flat = self.flat_bits()
+        return flat.numpy()[index] if flat.device.type == "cpu" else flat[torch.from_numpy(index).to(flat.device)].cpu().numpy()
+
+    def scatter(self, index: np.ndarray, values: np.ndarray) -> None:
+        """Write ``values`` at flat ``index`` of the live parameter, in place."""
+        flat = self.flat_bits()
+        if flat.device.type == "cpu":
+            flat.numpy()[index] = values
+        else:
+            flat[torch.from_numpy(index).to(flat.device)] = torch.from_numpy(values).to(flat.device)
 
     def bits(self) -> torch.Tensor:
         """This rank's block of the live parameter as raw integer bits, [rows, cols]: a view

@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 import uuid
 from typing import Any
 
@@ -125,7 +126,9 @@ def _run(model: torch.nn.Module, req: dict[str, Any]) -> dict[str, Any]:
     if op == "apply":
         if _phase != "idle":
             raise EngineStateError(f"the engine is in phase {_phase!r} and holds no verified version: load a snapshot", held=None, phase=_phase)
+        t = time.perf_counter()
         writes, report = stage(ranks, [(s["paths"], s["digests"]) for s in req["steps"]])
+        report["stage_s"] = time.perf_counter() - t
         try:
             report.update(commit(ranks, writes, _fault(what), f"writing versions {what}"))
         except StitchError as exc:
