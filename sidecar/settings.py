@@ -21,8 +21,10 @@ import os
 import tempfile
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from stitchboard.proto.fleet import check_replica_id
 
 
 def default_handoff_dir() -> str:
@@ -77,3 +79,9 @@ class SidecarSettings(BaseSettings):
 
     log_level: str = Field("info", description="Log level of the sidecar and uvicorn.")
     fault_phase: Literal["paused"] | None = Field(None, description="Crash tests only: exit the process (status 86) at this phase of a commit; 'paused': right after pausing the engine. None: never.")
+
+    @field_validator("replica_id")
+    @classmethod
+    def _valid_replica_id(cls, value: str | None) -> str | None:
+        # The id is a path segment of the bulletin's replica routes: refuse a bad one at start, not at every report.
+        return None if value is None else check_replica_id(value)

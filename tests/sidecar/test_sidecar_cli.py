@@ -22,6 +22,13 @@ def test_missing_settings_exit_2_with_the_names(monkeypatch):
     assert "bulletin: Field required" in result.output
 
 
+def test_replica_id_option_is_checked_like_its_setting(monkeypatch):
+    monkeypatch.setenv("STITCH_SIDECAR_BULLETIN", "http://127.0.0.1:9")
+    result = CliRunner().invoke(app, ["run", "--run", "r1", "--replica-id", "no spaces/allowed"])
+    assert result.exit_code == 2
+    assert "replica_id" in result.output
+
+
 def test_process_serves_status_while_the_engine_is_down(sc_bulletin, sc_publisher, tmp_path):
     port = free_port()
     env = {
