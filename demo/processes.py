@@ -8,6 +8,7 @@ period) when its ``with`` block ends, whether normally, on an error or on Ctrl-C
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -32,8 +33,33 @@ def free_socket() -> socket.socket:
     return sock
 
 
+def _ephemeral_low() -> int:
+    # The kernel hands out ports from ip_local_port_range to every socket bound to port 0 and to
+    # every outgoing connection (engines' gloo/NCCL peers among them).
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now, for a server about to start (another process could take it first)."""
+    """A TCP port free on 127.0.0.1 right now, for a server about to start in another process.
+
+    Drawn below the kernel's ephemeral range: a port the kernel picked (``bind(0)``) could be
+    handed to another starting process's own sockets (seen: an engine's gloo peer took the port
+    a second SGLang server was about to bind) between this call and the server's bind.
+    Falls back to a kernel-picked port when no port below the range is free.
+    """
+    rng = random.Random()
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = rng.randrange(10000, max(10001, low))
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with free_socket() as sock:
         return sock.getsockname()[1]
 
@@ -71,6 +97,8 @@ class ManagedProcess:
         while time.monotonic() - t0 < timeout_s:
             if self.proc.poll() is not None:
                 raise DemoError(f"{self.name} exited with status {self.proc.returncode}; log {self.log_path}:\n{self.log_tail()}")
+            if "error while attempting to bind on address" in self.log_tail():  # uvicorn gave up the port; the process may linger
+                raise DemoError(f"{self.name} could not bind its port (another process took it); log {self.log_path}:\n{self.log_tail()}")
             try:
                 if httpx.get(self.health_url, timeout=2).status_code == 200:
                     return time.monotonic() - t0
