@@ -88,12 +88,16 @@ def test_sglang_spans_of_requests_crossing_a_commit(stack):
     def stream() -> None:
         payload = {"text": STREAM_PROMPT, "sampling_params": {"max_new_tokens": TOKENS, "temperature": 0, "ignore_eos": True}, "stream": True, "return_weight_versions": True}
         with http.stream("POST", "/generate", json=payload) as r:
-            events.extend(line[len("data: ") :] for line in r.iter_lines() if line)
+            for line in r.iter_lines():
+                if line:
+                    events.append(line[len("data: ") :])
 
     stream_t = threading.Thread(target=stream, daemon=True)
     plain_t.start()
     stream_t.start()
-    wait_for(lambda: http.get("/v1/stitch/status").json()["requests_in_flight"] == 2, 120, "both requests decoding")
+    # Both admitted, and the stream's first tokens out (on a slow machine a commit before the first
+    # decode step would leave every token under the new version: no split to check).
+    wait_for(lambda: http.get("/v1/stitch/status").json()["requests_in_flight"] == 2 and len(events) >= 4, 120, "both requests decoding")
     publisher.publish(mutate(publisher.views[-1], 5))
     plain_t.join(180)
     stream_t.join(180)
