@@ -84,8 +84,10 @@ class ManagedProcess:
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, start_new_session=True)
 
     def log_tail(self, chars: int = 3000) -> str:
-        """The last ``chars`` characters of the log."""
-        return self.log_path.read_text(errors="replace")[-chars:]
+        """The last ``chars`` characters of the log (reads only its last ``4 * chars`` bytes)."""
+        with open(self.log_path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 4 * chars))
+            return f.read().decode(errors="replace")[-chars:]
 
     def wait_healthy(self, timeout_s: float) -> float:
         """Poll the health URL until it answers 200; returns the seconds waited.
