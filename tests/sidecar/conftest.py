@@ -91,7 +91,7 @@ def sc_start(sc_bulletin: AppServer, sc_publisher: Publisher, tmp_path: Path) ->
     started: list[tuple[Sidecar | None, AppServer]] = []
     clients: list[BulletinClient] = []
 
-    def start(engine: FakeEngine, client: BulletinClient | None = None, **overrides) -> Sidecar:
+    def start(engine: FakeEngine, /, client: BulletinClient | None = None, **overrides) -> Sidecar:
         if not engine.url:
             engine_server = AppServer(engine.app())
             engine.url = engine_server.url

@@ -9,53 +9,20 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
-import httpx
 import pytest
 
-from stitchboard.bulletin.client import BulletinClient
-from stitchboard.sidecar.app import create_app as create_sidecar
-from stitchboard.sidecar.settings import SidecarSettings
 from tests.sidecar.conftest import Sidecar
 from tests.sidecar.fake_engine import CONTROL_ROUTES
 from tests.sidecar.fake_sglang import SGLANG_CONTROL_ROUTES, FakeSglang
-from tests.sidecar.sidecar_helpers import AppServer, make_view, wait_for
+from tests.sidecar.sidecar_helpers import make_view, wait_for
 
 
 @pytest.fixture
-def sg_start(sc_bulletin, sc_publisher, tmp_path) -> Iterator[Callable[..., Sidecar]]:
-    """Factory: a sidecar with ``engine=sglang`` over a :class:`FakeSglang` (both served on loopback)."""
-    servers: list = []
-
-    def start(engine: FakeSglang, **overrides) -> Sidecar:
-        engine_server = AppServer(engine.app())
-        engine.url = engine_server.url
-        values = {
-            "bulletin": sc_bulletin.url,
-            "run": sc_publisher.run,
-            "engine_url": engine.url,
-            "handoff_dir": str(tmp_path / "handoff"),
-            "poll_wait_s": 5.0,
-            "retry_backoff_s": 0.05,
-            "max_backoff_s": 0.2,
-            "request_wait_s": 5.0,
-            "bulletin_retries": 1,
-            "retry_after_s": 1,
-            **overrides,
-        }
-        settings = SidecarSettings(**values, engine="sglang")
-        client = BulletinClient(sc_bulletin.url, retries=1, backoff_s=0.01)
-        server = AppServer(create_sidecar(settings, engine=engine, client=client))
-        sidecar = Sidecar(server, engine, httpx.Client(base_url=server.url, timeout=30))
-        servers.append((sidecar, engine_server, client))
-        return sidecar
-
-    yield start
-    for sidecar, engine_server, client in reversed(servers):
-        sidecar.stop()
-        engine_server.stop()
-        client.close()
+def sg_start(sc_start) -> Callable[..., Sidecar]:
+    """Factory: a sidecar with ``engine=sglang`` over a :class:`FakeSglang` (``sc_start`` with that setting)."""
+    return lambda engine, **overrides: sc_start(engine, engine="sglang", **overrides)
 
 
 @pytest.fixture
