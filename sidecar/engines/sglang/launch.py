@@ -32,7 +32,17 @@ def sglang_python() -> str:
     return str(Path(__file__).resolve().parents[3] / ".venv-sglang" / "bin" / "python")
 
 
-def sglang_command(model_dir: str | os.PathLike[str], port: int, *, tp: int = 1, loader: bool = True, served_model_name: str | None = None, python: str | None = None) -> list[str]:
+def cpu_host() -> bool:
+    """Whether SGLang must run its CPU engine here: no CUDA device visible to this process's torch
+    (or no torch), the same test :func:`..vllm.launch.vllm_env` makes."""
+    try:
+        import torch
+    except ImportError:
+        return True
+    return not torch.cuda.is_available()
+
+
+def sglang_command(model_dir: str | os.PathLike[str], port: int, *, tp: int = 1, loader: bool = True, served_model_name: str | None = None, python: str | None = None, cpu: bool | None = None) -> list[str]:
     """The argv of an SGLang server on ``127.0.0.1:port`` serving ``model_dir``.
 
     Args:
@@ -42,11 +52,15 @@ def sglang_command(model_dir: str | os.PathLike[str], port: int, *, tp: int = 1,
         loader: register stitchboard's custom weight loader (a plain engine for oracles: False).
         served_model_name: the model name clients send (default: ``model_dir``).
         python: interpreter with SGLang installed (default :func:`sglang_python`).
+        cpu: run SGLang's CPU engine with the settings above (default :func:`cpu_host`); False
+            leaves device, scheduling and KV cache size to SGLang (a CUDA host).
     """
     cmd = [
         python or sglang_python(), "-m", "sglang.launch_server", "--model-path", str(Path(model_dir)), "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", "bfloat16", "--device", "cpu", "--disable-overlap-schedule", "--max-total-tokens", "8192", "--sleep-on-idle", "--tp", str(tp),
+        "--dtype", "bfloat16", "--tp", str(tp),
     ]  # fmt: skip
+    if cpu_host() if cpu is None else cpu:
+        cmd += ["--device", "cpu", "--disable-overlap-schedule", "--max-total-tokens", "8192", "--sleep-on-idle"]
     if served_model_name:
         cmd += ["--served-model-name", served_model_name]
     if loader:
@@ -54,13 +68,17 @@ def sglang_command(model_dir: str | os.PathLike[str], port: int, *, tp: int = 1,
     return cmd
 
 
-def sglang_env(tp: int = 1, stub_log: str | os.PathLike[str] | None = None) -> dict[str, str]:
-    """Environment variables for :func:`sglang_command` on a CPU host (to add to the current one).
+def sglang_env(tp: int = 1, stub_log: str | os.PathLike[str] | None = None, cpu: bool | None = None) -> dict[str, str]:
+    """Environment variables for :func:`sglang_command` (to add to the current one); none on a
+    CUDA host.
 
     Args:
         tp: as given to :func:`sglang_command`.
         stub_log: file the ``sgl_kernel`` stand-in records calls in (checked empty by the caller).
+        cpu: as given to :func:`sglang_command`.
     """
+    if not (cpu_host() if cpu is None else cpu):
+        return {}
     env = {"SGLANG_USE_CPU_ENGINE": "1", "SGLANG_NCCL_SO_PATH": "/nonexistent/stitchboard-no-nccl/libnccl.so.2"}
     if tp > 1:
         env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(r % max(1, os.cpu_count() or 1)) for r in range(tp))
