@@ -18,6 +18,11 @@ Checkpoint names (DESIGN.md invariant 10) are the names an HF loader expects:
   ``state_dict`` order, which for HF models is the input embedding. So a tied SmolLM2 or Llama
   publishes ``model.embed_tokens.weight`` only, exactly as its checkpoint holds it.
 
+A transformers model that fuses tensors when it loads (transformers 5 MoE experts:
+``mlp.experts.gate_up_proj`` [E, 2I, H]) publishes them under its checkpoint's names, split
+per expert as ``save_pretrained`` writes them (``...experts.E.gate_proj.weight``; Mixtral's
+``block_sparse_moe.experts.E.w1.weight``), through transformers' own reverse conversion.
+
 Only ``state_dict`` entries are published: persistent parameters and buffers, not the
 non-persistent buffers (e.g. rotary ``inv_freq``) that a loader recomputes.
 
@@ -90,6 +95,29 @@ def _storage_key(t: torch.Tensor) -> tuple | None:
     return (local.device, local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape), tuple(local.stride()), local.dtype)
 
 
+def _reverted_hf_state(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` under the checkpoint names of a transformers model that fuses tensors at load.
+
+    transformers 5 holds MoE experts fused (``mlp.experts.gate_up_proj`` [E, 2I, H]) and
+    renames some modules (Mixtral's ``block_sparse_moe``); its ``save_pretrained`` reverts that
+    (``revert_weight_conversion``) and so does this, giving per-expert tensors (copies) under
+    the names the checkpoint holds. Models whose names do not change (dense Llama/Qwen) keep
+    ``state`` as it is (the live tensors).
+    """
+    if not any(t.ndim == 3 for t in state.values()):  # fused experts are [E, rows, cols]
+        return state
+    try:
+        from transformers import PreTrainedModel
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return state
+    if not isinstance(module, PreTrainedModel):
+        return state
+    with torch.no_grad():
+        reverted = revert_weight_conversion(module, {k: v.detach() for k, v in state.items()})
+    return state if set(reverted) == set(state) else dict(reverted)
+
+
 def checkpoint_state(model_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Checkpoint name -> tensor of a model (its ``state_dict``) or a state dict.
 
@@ -108,6 +136,7 @@ def checkpoint_state(model_or_state_dict: torch.nn.Module | Mapping[str, torch.T
         module = getattr(module, "_orig_mod", module)
         tied_keys = getattr(module, "_tied_weights_keys", None) or ()
         dropped = {checkpoint_name(k) for k in tied_keys} if not isinstance(tied_keys, str) else {tied_keys}
+        state = _reverted_hf_state(module, state)
     else:
         state, dropped = dict(model_or_state_dict), set()
     groups: dict[tuple, list[str]] = {}

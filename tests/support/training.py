@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from stitchboard.trainer_client.served_view import checkpoint_state
+
 #: 482 tokens of plain English prose (SmolLM2 tokenizer); the batch is cut from its start.
 TRAINING_TEXT = """\
 The lighthouse stood at the end of a long spit of sand, and for most of the year the keeper \
@@ -131,6 +133,8 @@ class CpuTrainer:
             ``{checkpoint name: tensor}``, bf16, same shapes as the parameters, rounded to
             nearest even from the float32 masters; fresh copies, not views of the model. The
             names are exactly the keys of the checkpoint's ``model.safetensors`` (272 tensors):
-            the tied output embedding appears once, as ``model.embed_tokens.weight``.
+            the tied output embedding appears once, as ``model.embed_tokens.weight``. For
+            a MoE checkpoint (:mod:`stitchboard.demo.moe_models`), the per-expert checkpoint
+            names, as the trainer SDK publishes them.
         """
-        return {name: param.detach().to(torch.bfloat16) for name, param in self.model.named_parameters()}
+        return {name: t.to(torch.bfloat16, copy=True) for name, t in checkpoint_state(self.model).items()}
