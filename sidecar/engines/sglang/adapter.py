@@ -220,6 +220,11 @@ class SglangEngine:
         waiting queue, recomputed after the resume), never aborted."""
         self._request("POST", "/pause_generation", json={"mode": "retract"})
 
+    def pause_keeping_cache(self) -> None:
+        """As :meth:`pause` (a retract leaves the radix cache as it is): its presence tells the
+        sidecar that a version-salted commit may skip ``/flush_cache`` (:mod:`stitchboard.sidecar.salt`)."""
+        self.pause()
+
     def resume(self) -> None:
         """``POST /continue_generation``."""
         self._request("POST", "/continue_generation", json={})
