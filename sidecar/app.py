@@ -40,6 +40,7 @@ from .metrics import SidecarMetrics
 from .proxy import Proxy, read_body
 from .reconciler import Reconciler
 from .report import Reporter
+from .routed_experts import RoutingSource
 from .routes import normalise_path
 from .settings import SidecarSettings
 
@@ -71,7 +72,8 @@ def create_app(settings: SidecarSettings, engine: EngineAdapter | None = None, c
         gate = Gate()
         fetcher = Fetcher(client, settings.run, Path(settings.handoff_dir) / f"sidecar-{settings.port}", settings.download_concurrency)
         reconciler = Reconciler(settings, client, engine, gate, metrics, fetcher)
-        proxy = Proxy(settings, gate, metrics, check_engine=reconciler.check_engine, spans=reconciler.spans, salter=reconciler.salter)
+        routing = RoutingSource(engine.routed_experts, settings.engine_call_timeout_s) if hasattr(engine, "routed_experts") else None  # vLLM: routing replay
+        proxy = Proxy(settings, gate, metrics, check_engine=reconciler.check_engine, spans=reconciler.spans, salter=reconciler.salter, routing=routing)
         app.state.gate, app.state.reconciler, app.state.proxy = gate, reconciler, proxy
         task = asyncio.create_task(reconciler.run(), name="stitch-reconciler")
         reporter = Reporter.for_sidecar(settings, reconciler, gate) if settings.report else None  # the fleet view (sidecar/report.py)

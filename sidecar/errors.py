@@ -12,6 +12,7 @@ error body (``{"type": ..., "message": ..., <details>}``, see
     ├── RouteForbiddenError           403  engine control / dev route: only the sidecar changes weights
     ├── InvalidPathError              400  a path with dot segments ('.', '..', also percent-encoded)
     ├── BodyTooLargeError             413  a request body over the max_body_bytes setting
+    ├── RoutedExpertsRefusedError     400  return_routed_experts malformed, or not served for this model/route
     ├── NotReadyError                 503  no verified version applied (starting, recovering, unhealthy)
     ├── EngineUnavailableError        503  the engine does not answer
     ├── AnswerVersionMismatchError    503  an engine answer names weights the sidecar did not hold (not delivered)
@@ -90,6 +91,15 @@ class BodyTooLargeError(SidecarError):
 
     type = "BodyTooLarge"
     status = 413
+
+
+class RoutedExpertsRefusedError(SidecarError):
+    """A request asks for its routed experts in a way the sidecar cannot serve: a malformed field,
+    several outputs, a route without routing, or a model without mixture-of-experts layers
+    (details: ``model``)."""
+
+    type = "RoutedExpertsRefused"
+    status = 400
 
 
 class NotReadyError(SidecarError):

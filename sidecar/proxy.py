@@ -42,6 +42,7 @@ from .answer_versions import AnswerVersionCheck, reported_versions
 from .errors import AnswerVersionMismatchError, BodyTooLargeError, EngineUnavailableError
 from .gate import BODY_FIELD, Gate, parse_constraint
 from .metrics import SidecarMetrics
+from .routed_experts import RoutedExperts, RoutingSource, wants_routing
 from .routes import route_table
 from .salt import CacheSalter
 from .settings import SidecarSettings
@@ -141,7 +142,9 @@ class Proxy:
         check_engine: Callable[[], Awaitable[str | None]] | None = None,
         spans: SpanLedger | None = None,
         salter: CacheSalter | None = None,
+        routing: RoutingSource | None = None,
     ) -> None:
+        self.routing = routing  # the engine's routed experts (vLLM; :mod:`.routed_experts`); None: the field passes to the engine
         self.settings = settings
         self.spans = spans or SpanLedger()  # shared with the reconciler (per-token version spans, :mod:`.spans`)
         self.salter = salter or CacheSalter(settings.salt_cache, settings.engine)  # the cache salt (:mod:`.salt`)
@@ -226,6 +229,9 @@ class Proxy:
         had_field = isinstance(payload, dict) and (BODY_FIELD in payload or WANT_FIELD in payload)
         constraint = parse_constraint(request.headers, payload)
         want = wants_spans(request.headers, payload, counted=not self.routes.reports_versions)
+        start_len = wants_routing(request.headers, payload, path) if self.routing is not None else None
+        if self.routing is not None and start_len is not None:
+            await self.routing.require_moe()
         wait_s = min(constraint.wait_s if constraint.wait_s is not None else self.settings.request_wait_s, self.settings.max_request_wait_s)
         try:
             start, held, claims = await self._unless_gone(request, self.gate.admit(constraint, wait_s))
@@ -234,8 +240,10 @@ class Proxy:
         self.metrics.in_flight.set(self.gate.in_flight)
         if held:
             self.metrics.requests_held.inc()
-        spans = Spans(self.spans, self.routes.reports_versions, start, path, payload, request.headers.get("x-request-id")) if want else None
-        if self.salter.salt(path, payload, start) or had_field or (spans is not None and spans.changed_body):
+        routed = RoutedExperts(self.routing, start_len, payload, request.headers.get("x-request-id")) if self.routing is not None and start_len is not None else None
+        client_id = routed.request_id if routed is not None else request.headers.get("x-request-id")
+        spans = Spans(self.spans, self.routes.reports_versions, start, path, payload, client_id) if want else None
+        if self.salter.salt(path, payload, start) or had_field or routed is not None or (spans is not None and spans.changed_body):
             body = json.dumps(payload).encode()
         released = False
 
@@ -254,6 +262,8 @@ class Proxy:
             upstream = self._upstream_request(request, path, body)
             if spans is not None and spans.request_id is not None:
                 upstream.headers["x-request-id"] = spans.request_id
+            elif routed is not None:
+                upstream.headers["x-request-id"] = routed.request_id
             response = await self._unless_gone(request, self._open(upstream))
         except ClientGone:
             release()
@@ -265,13 +275,15 @@ class Proxy:
         headers[START_HEADER] = _stamp(start)
         if response.is_stream_consumed:
             try:
-                return await self._plain_answer(response, headers, start, claims, release, spans)
+                return await self._plain_answer(response, headers, start, claims, release, spans, routed)
             except BaseException:
                 release()
                 raise
-        return self._streamed_answer(response, headers, start, claims, release, path, spans)
+        return self._streamed_answer(response, headers, start, claims, release, path, spans, routed)
 
-    async def _plain_answer(self, response: httpx.Response, headers: dict[str, str], start: int, claims: int, release: Callable[[], int | None], spans: Spans | None = None) -> Response:
+    async def _plain_answer(
+        self, response: httpx.Response, headers: dict[str, str], start: int, claims: int, release: Callable[[], int | None], spans: Spans | None = None, routed: RoutedExperts | None = None
+    ) -> Response:
         content = response.content
         answer: Any = None
         if response.is_success and "json" in response.headers.get("content-type", ""):
@@ -283,13 +295,17 @@ class Proxy:
             await self.versions.verify(reported_versions(answer), start, self.versions.now(), claims)
         if spans is not None and response.is_success:
             spans.attach(answer)
+        if routed is not None and response.is_success:
+            await routed.attach(answer)
         end = release()
         headers[END_HEADER] = _stamp(end)
         if stamp_answer(answer, start, end):
             content = json.dumps(answer).encode()
         return Response(content, status_code=response.status_code, headers=headers)
 
-    def _streamed_answer(self, response: httpx.Response, headers: dict[str, str], start: int, claims: int, release: Callable[[], int | None], path: str, spans: Spans | None = None) -> Response:
+    def _streamed_answer(
+        self, response: httpx.Response, headers: dict[str, str], start: int, claims: int, release: Callable[[], int | None], path: str, spans: Spans | None = None, routed: RoutedExperts | None = None
+    ) -> Response:
         final = _finished_output if path in self.routes.final_in_place else None
         stamper = SseStamper(start, lambda: self.gate.applied, final) if spans is None else SpanStamper(start, lambda: self.gate.applied, final, lambda: spans.streamed(self.gate.applied))
         check = self.versions
@@ -308,11 +324,17 @@ class Proxy:
                     if (reported := reported_versions(decoded)) is not None:
                         vouched = True
                         await check.verify(reported, start, check.now(), claims)
+            keep = True  # False: the usage chunk only the sidecar asked for (for the routing's length)
+            if routed is not None and data not in (None, b"[DONE]"):
+                decoded = decoded if decoded is not None else _json_or_none(data)
+                keep = routed.see_event(decoded)
+            elif routed is not None and data == b"[DONE]" and not stamper.stamped:
+                stamper.extra = await routed.fields()
             if spans is not None and data not in (None, b"[DONE]"):
                 decoded = decoded if decoded is not None else _json_or_none(data)
                 if not spans.see_event(decoded):
                     return b""  # the usage chunk the sidecar asked for (the client did not)
-            return stamper.emit(event, decoded)
+            return stamper.emit(event, decoded) if keep else b""
 
         async def events() -> AsyncIterator[bytes]:
             out: list[bytes] = []
@@ -325,6 +347,8 @@ class Proxy:
                         out = []
                 if check is not None and not vouched and not stamper.stamped:  # ended without [DONE]
                     await check.verify(None, start, check.now(), claims)
+                if routed is not None and not stamper.stamped:
+                    stamper.extra = await routed.fields()
             except httpx.TransportError as exc:  # the engine broke off: the stamp, an error event, no [DONE]
                 log.warning("the engine broke off a streamed answer: %r", exc)
                 message = f"the engine at {self.settings.engine_url} broke off the stream ({type(exc).__name__}): the answer is incomplete; retry the request"

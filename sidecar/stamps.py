@@ -72,6 +72,7 @@ class SseStamper:
         self.buf = b""
         self.last_data: bytes | None = None
         self.stamped = False
+        self.extra: dict[str, Any] = {}  # more fields for the stamp event (set before it is made)
 
     def split(self, chunk: bytes) -> list[bytes]:
         """The events ``chunk`` completes (each with its terminator); the rest is kept."""
@@ -107,7 +108,7 @@ class SseStamper:
             shape = {k: last[k] for k in ("id", "object", "created", "model") if k in last}
             if "choices" in last:
                 shape["choices"] = []
-        return _event({**shape, START_FIELD: self.start, END_FIELD: self.end()})
+        return _event({**shape, **self.extra, START_FIELD: self.start, END_FIELD: self.end()})
 
     def finish(self) -> bytes:
         """Bytes to send at the end of the stream (the rest, and the stamp if none was sent)."""

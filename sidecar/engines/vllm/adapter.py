@@ -234,3 +234,16 @@ class VllmEngine:
         if not isinstance(counts, dict):
             raise EngineRequestError(f"stitch_output_counts answered no counts: {counts!r}", path="/collective_rpc")
         return {str(k): int(v) for k, v in counts.items()}
+
+    def routed_experts(self, marks: list[str]) -> dict[str, Any]:
+        """Rank 0's report of the routing captured for the marked requests ``marks``, handed over
+        once (see :func:`.routing.take`; every rank routes alike); ``[]``: whether the model has
+        MoE layers.
+
+        Raises:
+            EngineUnavailableError, EngineRequestError: the engine does not answer or refuses.
+        """
+        report = self._checked("stitch_routed_experts", {"marks": marks})[0].report
+        if not isinstance(report, dict):
+            raise EngineRequestError(f"stitch_routed_experts answered no report: {report!r}", path="/collective_rpc")
+        return report

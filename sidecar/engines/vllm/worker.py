@@ -27,6 +27,8 @@ JSON dict: ``{"ok": true, "state": {...}, ...}`` or ``{"ok": false, "error": {"t
 * ``stitch_checksums('{"names": [...]}')``: ``checksums`` {name: xxh3-128 hex} as held now.
 * ``stitch_output_counts("{}")``: ``report`` ``{"output_tokens": {mark: count}}``, the output
   tokens of the sidecar's marked requests so far (read at a pause: :mod:`.token_counts`).
+* ``stitch_routed_experts('{"marks": [...]}')``: ``report``: the experts the marked requests'
+  tokens were routed to during generation, handed over once (:mod:`.routing`).
 
 TP > 1: the ranks gather tensors on a gloo group of stitchboard's own. A step one rank can fail
 alone (reading a hand-off file, mapping a name, writing) ends with an agreement between the
@@ -64,6 +66,7 @@ from stitchboard.proto.env import env_setting
 from stitchboard.proto.errors import StitchError
 
 from ...errors import ApplyFailedError, EngineStateError
+from . import routing
 from .layout import RuntimeLayout
 from .token_counts import output_counts, track_finished
 from .update import StagingJob, apply_patch_files, commit_staged, parse_steps
@@ -110,6 +113,7 @@ def _keep_cpu_linear_weights() -> None:
 
 _keep_cpu_linear_weights()
 track_finished()
+routing.track_routing()
 
 
 def _fault(phase: str, version: int) -> None:
@@ -159,6 +163,7 @@ class StitchWorkerExtension:
         return self._stitch_io
 
     def _stitch_state(self) -> dict[str, Any]:
+        routing.note_version(self._stitch_version)  # every version change happens inside a call, before its answer
         return {"version": self._stitch_version, "phase": self._stitch_phase, "instance": INSTANCE_ID}
 
     def _stitch_call(self, request: str, run: Any) -> dict[str, Any]:
@@ -342,3 +347,15 @@ class StitchWorkerExtension:
         """``{"ok": true, "state", "report": {"output_tokens": {mark: count}}}``: output tokens of
         the marked requests the engine holds or finished last (see :mod:`.token_counts`)."""
         return self._stitch_call(request, lambda args: {"report": {"output_tokens": output_counts(self.model_runner)}})  # type: ignore[attr-defined]
+
+    def stitch_routed_experts(self, request: str) -> dict[str, Any]:
+        """``{"ok": true, "state", "report": {...}}``: the routing captured for ``marks`` (see
+        :func:`.routing.take`), forgotten afterwards."""
+
+        def run(args: dict[str, Any]) -> dict[str, Any]:
+            marks = args.get("marks")
+            if not isinstance(marks, list) or not all(isinstance(m, str) for m in marks):
+                raise ValueError("marks must be a list of request marks")
+            return {"report": routing.take(self.model_runner, marks)}  # type: ignore[attr-defined]
+
+        return self._stitch_call(request, run)
