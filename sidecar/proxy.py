@@ -46,7 +46,7 @@ from .routed_experts import RoutedExperts, RoutingSource, wants_routing
 from .routes import route_table
 from .salt import CacheSalter
 from .settings import SidecarSettings
-from .spans import WANT_FIELD, SpanLedger, Spans, SpanStamper, wants_spans
+from .spans import DROP, EDITED, WANT_FIELD, SpanLedger, Spans, SpanStamper, wants_spans
 from .stamps import SseStamper, event_data, stamp_answer
 
 T = TypeVar("T")
@@ -228,7 +228,7 @@ class Proxy:
                 payload = None  # the engine answers the malformed body itself
         had_field = isinstance(payload, dict) and (BODY_FIELD in payload or WANT_FIELD in payload)
         constraint = parse_constraint(request.headers, payload)
-        want = wants_spans(request.headers, payload, counted=not self.routes.reports_versions)
+        want = wants_spans(request.headers, payload)
         start_len = wants_routing(request.headers, payload, path) if self.routing is not None else None
         if self.routing is not None and start_len is not None:
             await self.routing.require_moe()
@@ -332,8 +332,11 @@ class Proxy:
                 stamper.extra = await routed.fields()
             if spans is not None and data not in (None, b"[DONE]"):
                 decoded = decoded if decoded is not None else _json_or_none(data)
-                if not spans.see_event(decoded):
+                seen = spans.see_event(decoded)
+                if seen == DROP:
                     return b""  # the usage chunk the sidecar asked for (the client did not)
+                if seen == EDITED:
+                    event = b"data: " + json.dumps(decoded, separators=(",", ":")).encode() + b"\n\n"
             return stamper.emit(event, decoded) if keep else b""
 
         async def events() -> AsyncIterator[bytes]:

@@ -90,10 +90,10 @@ class Reconciler(ClaimKeeper):
         return self._salter
 
     async def _read_counts(self) -> None:
-        # In the pause: the engine's output-token counts of the marked requests (vLLM; SGLang reports its own spans).
+        # In the pause: the engine's output-token counts of the marked requests (None: an engine that cannot count).
         counts = getattr(self.engine, "output_counts", None)
         try:
-            self._pause_counts = await self._io(counts) if counts is not None and self.spans.wanted() else {}
+            self._pause_counts = {} if not self.spans.wanted() else None if counts is None else await self._io(counts)
         except Exception as exc:  # noqa: BLE001 - spans are lost for these requests, the commit goes on
             log.warning("the engine could not count output tokens at the pause (the requests in flight get no spans): %r", exc)
             self._pause_counts = None

@@ -1,23 +1,27 @@
 """The prefix cache salted by version, instead of reset at every commit (sidecar process).
 
 With the ``salt_cache`` setting (``--salt-cache``; off by default, see the README's figures),
-every request the proxy admits to vLLM's ``/v1/completions`` or ``/v1/chat/completions`` gets
-the body field ``cache_salt`` = ``stitch-v<version it is admitted under>`` (a client's own salt
-is kept in front: ``<salt>|stitch-v<N>``). vLLM mixes the salt into the hash of the first
-cached block, so a request reuses only KV computed for requests admitted under the same
-version, and the prefix cache need not be reset at a commit: the engine is paused with
-``clear_cache=false`` (vLLM's plain pause resets the cache itself) and not reset after the write.
+every request the proxy admits to a salted route gets the body field ``cache_salt`` =
+``stitch-v<version it is admitted under>`` (a client's own salt is kept in front:
+``<salt>|stitch-v<N>``; a list of salts, one per prompt of a batch, is salted item by item):
 
-The reset is still made when it is the only way to keep KV of other weights out of use:
+* vLLM: ``/v1/completions`` and ``/v1/chat/completions``. vLLM mixes the salt into the hash of
+  the first cached block; the engine is paused with ``clear_cache=false`` (vLLM's plain pause
+  resets the cache itself) and not reset after the write.
+* SGLang (0.5.23): ``/generate``, ``/v1/completions`` and ``/v1/chat/completions``. Its radix
+  cache keys every node on ``(extra_key, cache_salt, tokens)``, so prefixes of different salts
+  never share a node; the commit's retract pause leaves the radix cache as it is, and the
+  ``/flush_cache`` after the write is skipped.
+
+So a request reuses only KV computed for requests admitted under the same version. The reset is
+still made when it is the only way to keep KV of other weights out of use:
 
 * requests admitted under the old version are still in flight at the commit (the gate's
   ``in_flight``): their cached or computed KV carries the old salt and they run on under the new
-  weights, so vLLM's reset (running requests preempted and recomputed) is needed;
-* a request without a salt (another route, or another engine kind) was admitted since the last
-  reset: its blocks are reachable from any version.
-
-SGLang 0.5.23 has the same namespace (``extra_key`` on ``/generate`` and its OpenAI routes), but
-the sidecar does not salt it yet: SGLang keeps its flush at every commit.
+  weights (vLLM preempts and recomputes them at its reset; SGLang's retracted requests would
+  match their own old-salt prefixes again unless the cache is flushed);
+* a request without a salt (another route, a body the sidecar cannot salt) was admitted since
+  the last reset: its KV is reachable from any version.
 """
 
 from __future__ import annotations
@@ -25,7 +29,15 @@ from __future__ import annotations
 from typing import Any
 
 SALT_FIELD = "cache_salt"
-SALTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+#: The routes salted, per engine kind.
+SALTED_PATHS = {
+    "vllm": frozenset({"/v1/completions", "/v1/chat/completions"}),
+    "sglang": frozenset({"/generate", "/v1/completions", "/v1/chat/completions"}),
+}
+
+
+def _salted(own: str | None, version: int) -> str:
+    return f"{own}|stitch-v{version}" if own else f"stitch-v{version}"
 
 
 class CacheSalter:
@@ -33,11 +45,12 @@ class CacheSalter:
 
     Args:
         enabled: the ``salt_cache`` setting.
-        engine: the engine kind (only ``vllm`` is salted).
+        engine: the engine kind (``vllm`` and ``sglang`` are salted; any other kind never is).
     """
 
     def __init__(self, enabled: bool, engine: str) -> None:
-        self.enabled = enabled and engine == "vllm"
+        self.paths = SALTED_PATHS.get(engine, frozenset())
+        self.enabled = enabled and bool(self.paths)
         self.unsalted_since_reset = False
 
     def salt(self, path: str, payload: Any, version: int) -> bool:
@@ -45,11 +58,11 @@ class CacheSalter:
         whether it did. A model request it cannot salt is remembered (the next commit resets)."""
         if not self.enabled:
             return False
-        if path not in SALTED_PATHS or not isinstance(payload, dict) or not isinstance(payload.get(SALT_FIELD, ""), str):
+        own = payload.get(SALT_FIELD) if isinstance(payload, dict) else None
+        if path not in self.paths or not isinstance(payload, dict) or not (own is None or isinstance(own, str) or (isinstance(own, list) and all(isinstance(s, str) for s in own))):
             self.unsalted_since_reset = True
             return False
-        own = payload.get(SALT_FIELD)
-        payload[SALT_FIELD] = f"{own}|stitch-v{version}" if own else f"stitch-v{version}"
+        payload[SALT_FIELD] = [_salted(s, version) for s in own] if isinstance(own, list) else _salted(own, version)
         return True
 
     def needs_reset(self, in_flight: int) -> bool:

@@ -69,7 +69,7 @@ class SidecarSettings(BaseSettings):
         1.0, gt=0, description="How often the sidecar checks that the engine is still the instance, at the version, it verified (also at every /health and before every commit), seconds."
     )
     retry_after_s: int = Field(2, ge=1, description="Retry-After of answers a retry can fix (503, 409 WeightVersionNotReady), seconds.")
-    salt_cache: bool = Field(False, description="Salt each request's prefix-cache key by the version it is admitted under (vLLM cache_salt) instead of resetting the cache at every commit (sidecar/salt.py).")
+    salt_cache: bool = Field(False, description="Salt each request's prefix-cache key by the version it is admitted under (cache_salt, vLLM and SGLang) instead of resetting the cache at every commit (sidecar/salt.py).")
     max_body_bytes: int = Field(64 * 1024 * 1024, ge=1, description="Largest request body the proxy reads, bytes; larger ones get 413.")
 
     replica_id: str | None = Field(None, description="Stable id of this replica in the bulletin's fleet view (1-128 of [A-Za-z0-9._-]); None: '<host name>-<port>'.")

@@ -1,8 +1,8 @@
 """Per-token version spans and the version-salted prefix cache, through the sidecar in front of a real vLLM (CPU).
 
-* Spans: a streamed and a plain greedy completion in flight across a commit ask for
-  ``return_weight_versions``; their spans split at the engine's own count of output tokens at
-  the pause (``b``). The tokens before ``b`` equal the old version's greedy answer to the same
+* Spans: a streamed (``n`` 2, both greedy: spans per choice, each split at its own child request's count)
+  and a plain greedy completion in flight across a commit ask for ``return_weight_versions``;
+  their spans split at the engine's own count of output tokens at the pause (``b``). The tokens before ``b`` equal the old version's greedy answer to the same
   prompt, and the tokens from ``b`` on equal the new version's greedy continuation of the
   prompt and those ``b`` tokens (the reset recomputes the request's KV under the new weights):
   token ``b`` bit for bit; later ones may part from it in a batch (the two requests decode
@@ -18,6 +18,8 @@
 
 from __future__ import annotations
 
+import functools
+import json
 import re
 import time
 import uuid
@@ -31,6 +33,8 @@ from tests.support.vllm_server import require_vllm
 pytestmark = pytest.mark.slow
 
 PROMPT = "Once upon a time, in a small village by the sea,"
+#: Two greedy choices (vLLM refuses ``n`` > 1 at temperature 0; top-k 1 samples the argmax).
+TWO_GREEDY = {"n": 2, "temperature": 1.0, "top_k": 1}
 LONG_PROMPT = " ".join(f"Item {i}: the harbour master counted {i * 7 % 13} boats and {i * 5 % 11} nets." for i in range(24))
 
 
@@ -53,8 +57,14 @@ class SpanRequests(LongRequests):
         super().__init__(url, model, prompt, tokens)
 
     def _stream(self) -> None:
-        self.body = {**self.body, **self.extra}
-        super()._stream()
+        body = {**self.body, **self.extra, **TWO_GREEDY, "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", self.url, json=body, timeout=600) as r:
+            if r.status_code != 200:
+                self.failures.append(f"streamed: {r.status_code} {r.read().decode(errors='replace')[:2000]}")
+                return
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    self.events.append(json.loads(line[6:]))
 
     def _plain(self) -> None:
         self.plain = httpx.post(self.url, json={**self.body, **self.extra}, timeout=600)
@@ -82,6 +92,8 @@ def test_spans_of_requests_crossing_a_commit_split_at_the_engines_count(vllm_run
     sidecar.wait_applied(v)
     single = _complete(sidecar.url, model, PROMPT, 4, return_weight_versions=True)
     assert single["weight_versions"] == [{"version": v, "start": 0, "end": 4}] and single["weight_version_start"] == v
+    pair = _complete(sidecar.url, model, PROMPT, 4, return_weight_versions=True, **TWO_GREEDY)
+    assert pair["weight_versions"] is None and [c["weight_versions"] for c in pair["choices"]] == [[{"version": v, "start": 0, "end": 4}]] * 2, pair
     old = _complete(sidecar.url, model, PROMPT, tokens)["choices"][0]["token_ids"]
     prompt_ids = _complete(sidecar.url, model, PROMPT, 1, echo=True)["choices"][0]["prompt_token_ids"]
     vllm_run.train()
@@ -101,16 +113,21 @@ def test_spans_of_requests_crossing_a_commit_split_at_the_engines_count(vllm_run
     if not crossed:
         pytest.fail(f"the requests ended before version {v + 1} was applied ({len(requests.events)} events): the commit did not overlap them")
 
+    @functools.cache
     def continued(b: int) -> list[int]:
         return _complete(sidecar.url, model, prompt_ids + old[:b], tokens - b, weight_version={"exact_version": v + 1})["choices"][0]["token_ids"]
 
     plain = requests.plain.json()
     b_plain = _check_crossing(plain["weight_versions"], plain["choices"][0]["token_ids"], v, old, continued)
     events = requests.events
-    stream_ids = [t for e in events for c in e.get("choices", []) for t in c.get("token_ids") or []]
-    b_stream = _check_crossing(events[-1]["weight_versions"], stream_ids, v, old, continued)
-    assert (events[-1]["weight_version_start"], events[-1]["weight_version_end"]) == (v, v + 1)
-    print(f"boundaries: plain {b_plain}, stream {b_stream} of {tokens} tokens")
+    stamp = events[-1]
+    assert stamp["weight_versions"] is None and [c["index"] for c in stamp["choices"]] == [0, 1], stamp
+    b_stream = []
+    for choice in stamp["choices"]:
+        ids = [t for e in events[:-1] for c in e.get("choices", []) if c["index"] == choice["index"] for t in c.get("token_ids") or []]
+        b_stream.append(_check_crossing(choice["weight_versions"], ids, v, old, continued))
+    assert (stamp["weight_version_start"], stamp["weight_version_end"]) == (v, v + 1)
+    print(f"boundaries: plain {b_plain}, stream (n 2) {b_stream} of {tokens} tokens")
 
 
 def _engine_counter(engine_url: str, name: str) -> float:

@@ -1,10 +1,13 @@
 """Output-token counts of the requests inside vLLM, read in the worker at a pause (vLLM worker processes).
 
 The sidecar tags a request that asks for per-token version spans with an ``X-Request-Id``
-holding a mark (``stitch-`` and 32 hex digits, :data:`MARK`); vLLM builds its engine request id
-from it (``cmpl-<id>-<8 random>``, ``chatcmpl-<id>-...``). While the engine is paused no step
-runs, so the length of each request's ``output_token_ids`` in the model runner is the number of
-output tokens generated under the weights held before the commit: the boundary of its spans.
+holding a mark (``stitch-`` and 32 hex digits, :data:`MARK`); vLLM 0.32 builds its engine
+request ids from it: ``cmpl-<id>-<prompt index>-<8 random>`` per prompt of a completion,
+``chatcmpl-<id>-<8 random>`` for a chat, and with ``n`` > 1 one child request per choice,
+``<choice>_`` in front. Each output is counted under the key ``<mark>:<prompt>:<choice>``
+(:func:`output_key`; ``<mark>:0:0`` for a request with one output). While the engine is paused
+no step runs, so the length of each request's ``output_token_ids`` in the model runner is the
+number of output tokens generated under the weights held before the commit: the boundary of its spans.
 
 A request that finished inside the engine is dropped from the runner's state at the next step,
 possibly before its answer reaches the sidecar: :func:`track_finished` (installed when this
@@ -24,16 +27,31 @@ MARK = re.compile(r"stitch-[0-9a-f]{32}")
 #: How many finished marked requests' final counts are kept.
 FINISHED_KEPT = 4096
 
+_CHILD = re.compile(r"([0-9]+)_")
 _finished: OrderedDict[str, int] = OrderedDict()
+
+
+def output_key(req_id: str) -> str | None:
+    """``<mark>:<prompt>:<choice>`` of a vLLM engine request id holding a mark, else None."""
+    marks = list(MARK.finditer(req_id))
+    if not marks:
+        return None
+    mark = marks[-1]
+    child = _CHILD.match(req_id)
+    choice = int(child.group(1)) if child is not None else 0
+    base = req_id[child.end() :] if child is not None else req_id
+    tail = req_id[mark.end() :].split("-")[1:]  # completions: [prompt index, random]; chat: [random]
+    prompt = int(tail[0]) if base.startswith("cmpl-") and tail and tail[0].isdigit() else 0
+    return f"{mark.group(0)}:{prompt}:{choice}"
 
 
 def _remember_finished(runner: Any, scheduler_output: Any) -> None:
     for req_id in getattr(scheduler_output, "finished_req_ids", ()) or ():
         state = runner.requests.get(req_id)
-        match = MARK.search(req_id)
-        if state is not None and match is not None:
-            _finished[match.group(0)] = len(state.output_token_ids)
-            _finished.move_to_end(match.group(0))
+        key = output_key(req_id)
+        if state is not None and key is not None:
+            _finished[key] = len(state.output_token_ids)
+            _finished.move_to_end(key)
             while len(_finished) > FINISHED_KEPT:
                 _finished.popitem(last=False)
 
@@ -58,15 +76,15 @@ def track_finished() -> None:
 
 
 def output_counts(runner: Any) -> dict[str, int]:
-    """Mark -> output tokens generated so far, of every marked request the model runner holds
-    (running, preempted or waiting for its next step) and of the last finished ones.
+    """Output key (:func:`output_key`) -> output tokens generated so far, of every marked request
+    the model runner holds (running, preempted or waiting for its next step) and of the last finished ones.
 
     Args:
         runner: the worker's model runner (``worker.model_runner``), read while the engine is paused.
     """
     counts = dict(_finished)
     for req_id, state in runner.requests.items():
-        match = MARK.search(req_id)
-        if match is not None:
-            counts[match.group(0)] = len(state.output_token_ids)
+        key = output_key(req_id)
+        if key is not None:
+            counts[key] = len(state.output_token_ids)
     return counts
