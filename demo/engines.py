@@ -10,6 +10,7 @@ from __future__ import annotations
 import shutil
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from stitchboard.sidecar.client import SidecarClient, stamps, version_headers
 from stitchboard.sidecar.engines.vllm.launch import vllm_command, vllm_env
 
 from .errors import DemoError
+from .moe_demo import ROUTING_FIELD, RoutingShape
 from .processes import ManagedProcess, ProcessGroup, free_port
 
 #: Name the engines serve the model under.
@@ -89,25 +91,44 @@ def start_rollout(procs: ProcessGroup, index: int, model_dir: Path, bulletin_url
     return Rollout(engine, sidecar, url)
 
 
-def sample(url: str, prompt_text: str, n: int, *, min_version: int, max_tokens: int, seed: int) -> tuple[list[str], tuple[int, int]]:
+def sample(url: str, prompt_text: str, n: int, *, min_version: int, max_tokens: int, seed: int, routing: RoutingShape | None = None) -> tuple[list[str], tuple[int, int], list[str]]:
     """``n`` sampled completions (temperature 1) of ``prompt_text`` through a sidecar.
 
+    Args:
+        routing: a MoE model's routing shape: each completion asks for its routed experts
+            (``return_routed_experts``, one output per request: ``n`` concurrent requests, seeds
+            ``seed .. seed + n - 1``) and its answer is checked (:meth:`RoutingShape.problem`).
+
     Returns:
-        The completion texts and the response's (weight_version_start, weight_version_end).
+        The completion texts, the (weight_version_start, weight_version_end) the answers spanned
+        and, with ``routing``, what each answer lacked of its routing (empty: all complete).
 
     Raises:
         DemoError: the sidecar answered an error.
     """
     body = {"model": SERVED_NAME, "prompt": prompt_text, "n": n, "max_tokens": max_tokens, "temperature": 1.0, "seed": seed}
+    if routing is None:
+        answers = [_complete(url, body, min_version)]
+    else:
+        bodies = [{**body, "n": 1, "seed": seed + j, ROUTING_FIELD: True} for j in range(n)]
+        with ThreadPoolExecutor(max_workers=n) as pool:
+            answers = list(pool.map(lambda b: _complete(url, b, min_version), bodies))
+    starts, ends = [], []
+    for start, end in map(stamps, answers):
+        if start is None or end is None:
+            raise DemoError(f"sampling through {url}: the answer was stamped with no version ({start}, {end})")
+        starts.append(start)
+        ends.append(end)
+    problems = [p for a in answers if routing is not None and (p := routing.problem(a)) is not None]
+    return [c["text"] for a in answers for c in a["choices"]], (min(starts), max(ends)), problems
+
+
+def _complete(url: str, body: dict, min_version: int) -> dict:
     with SidecarClient(url) as sidecar:
         resp = sidecar.complete(body, min_version=min_version, wait_s=300)
     if resp.status_code != 200:
         raise DemoError(f"sampling through {url} failed: {resp.status_code} {resp.text[:500]}")
-    data = resp.json()
-    start, end = stamps(data)
-    if start is None or end is None:
-        raise DemoError(f"sampling through {url}: the answer was stamped with no version ({start}, {end})")
-    return [c["text"] for c in data["choices"]], (start, end)
+    return resp.json()
 
 
 def greedy(url: str, *, exact_version: int | None = None, model: str = SERVED_NAME, prompts: tuple[str, ...] = ORACLE_PROMPTS, max_tokens: int = 8) -> list[dict]:

@@ -11,15 +11,17 @@ Sequence (:func:`run_demo`):
 4. ``engines`` engine servers with stitchboard's in-engine code (vLLM's worker extension,
    SGLang's custom weight loader), each behind a sidecar booted at version 0;
 5. per step: sample a group of completions per prompt through the sidecars (min version = the
-   last published one), score them, one GRPO step with AdamW on fp32 master weights, publish,
-   wait until every sidecar applied it; one table row;
+   last published one; on a MoE model each asks for its routed experts), score them (the
+   counting task; a MoE preset: :func:`.moe_demo.parity_reward`), one GRPO step with AdamW on
+   fp32 master weights, publish, wait until every sidecar applied it; one table row;
 6. the oracle: greedy completions with logprobs pinned to the last version on every engine
    must equal, bit for bit, those of a fresh engine of the same kind loaded from that version's
    full checkpoint pulled from the bulletin, and differ from version 0's; with SGLang, the
    ``sgl_kernel`` stand-in (CPU hosts) must have recorded no call;
 7. the fleet view: the sidecars' reports show every engine at the last version, through the
    trainer's ``wait_for_fleet`` and on the bulletin's status page read in a headless Chromium
-   (screenshot ``status.png`` beside ``sync.png``; :mod:`.fleet_check`).
+   (screenshot ``status.png`` beside ``sync.png``; :mod:`.fleet_check`);
+8. on a MoE model: every sampled completion came back with its routing (:mod:`.moe_demo`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from .engines import greedy, sample, start_engine, start_rollout, stitchboard_cl
 from .fleet_check import CHECK as FLEET_CHECK
 from .fleet_check import check_fleet
 from .grpo import Sample, policy_gradient_step
+from .moe_demo import ROUTING_CHECK, RoutingShape, completion_reward
 from .processes import ProcessGroup, free_port
 from .smollm2 import build_smollm2_checkpoint
 from .task import prompts_for_step, reward
@@ -55,6 +58,9 @@ class DemoConfig:
     steps: int = 3
     engines: int = 1
     model_dir: Path | None = None
+    #: the built-in preset ``model_dir`` was built from (``tiny-qwen3-moe``, ``tiny-mixtral``): its
+    #: rollouts are scored with :func:`.moe_demo.parity_reward` (a random model has no counting spread)
+    preset: str | None = None
     prompts_per_step: int = 4
     group_size: int = 4
     max_tokens: int = 24
@@ -80,6 +86,9 @@ class StepRow:
     mean_reward: float
     loss: float
     versions_seen: list[list[int]]
+    #: completions sampled, and what their answers lacked of their routing (asked on MoE models only)
+    completions: int = 0
+    routing_problems: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -143,8 +152,9 @@ def run_demo(cfg: DemoConfig, on_row=lambda row: None, on_event=lambda text: Non
             on_event(f"{cfg.engines} engine(s) ready behind sidecars {[r.url for r in rollouts]}")
             before = greedy(rollouts[0].url, exact_version=0)
             version = 0
+            routing = RoutingShape.of(model_dir)
             for step in range(1, cfg.steps + 1):
-                row = _train_step(cfg, step, version, rollouts, model, tokenizer, optimizer, publisher)
+                row = _train_step(cfg, step, version, rollouts, model, tokenizer, optimizer, publisher, routing)
                 version = row.version
                 result.rows.append(row)
                 on_row(row)
@@ -167,6 +177,11 @@ def run_demo(cfg: DemoConfig, on_row=lambda row: None, on_event=lambda text: Non
             result.checks["sgl_kernel stand-in never called"] = not calls
             result.reasons += [f"sgl_kernel stand-in: {line}" for line in calls[:3]]
         result.checks[FLEET_CHECK] = not fleet_problems
+        if routing is not None:
+            problems = [p for r in result.rows for p in r.routing_problems]
+            result.checks[ROUTING_CHECK] = bool(result.rows) and not problems
+            if problems:
+                result.reasons.append(f"{len(problems)} of {sum(r.completions for r in result.rows)} sampled answers lacked their routing, e.g. {problems[0]}")
         result.reasons += fleet_problems
         _check(result, before, after, reference, applied)
         if cfg.keep:
@@ -190,14 +205,15 @@ def _pause_seconds(status: SidecarStatus) -> float:
     return status.last_sync.pause_seconds if status.last_sync is not None else 0.0
 
 
-def _train_step(cfg, step, version, rollouts, model, tokenizer, optimizer, publisher) -> StepRow:
-    samples, seen = [], set()
+def _train_step(cfg, step, version, rollouts, model, tokenizer, optimizer, publisher, routing=None) -> StepRow:
+    samples, seen, problems = [], set(), []
     for i, prompt in enumerate(prompts_for_step(step, cfg.prompts_per_step)):
         text = tokenizer.apply_chat_template([{"role": "user", "content": prompt.message}], tokenize=False, add_generation_prompt=True)
         url = rollouts[i % len(rollouts)].url
-        completions, stamps = sample(url, text, cfg.group_size, min_version=version, max_tokens=cfg.max_tokens, seed=cfg.seed * 100_000 + step * 100 + i)
+        completions, stamps, lacking = sample(url, text, cfg.group_size, min_version=version, max_tokens=cfg.max_tokens, seed=cfg.seed * 100_000 + step * 100 + i, routing=routing)
         seen.add(stamps)
-        samples += [Sample(text, c, reward(prompt, c), group=i) for c in completions]
+        problems += lacking
+        samples += [Sample(text, c, completion_reward(tokenizer, c) if cfg.preset else reward(prompt, c), group=i) for c in completions]
     loss = policy_gradient_step(model, tokenizer, optimizer, samples)
     t0 = time.monotonic()
     res = publisher.publish(model, step=step)
@@ -214,6 +230,8 @@ def _train_step(cfg, step, version, rollouts, model, tokenizer, optimizer, publi
         mean_reward=statistics.fmean(s.reward for s in samples),
         loss=loss,
         versions_seen=sorted([list(s) for s in seen]),
+        completions=len(samples),
+        routing_problems=problems,
     )
 
 
