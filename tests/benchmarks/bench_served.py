@@ -1,8 +1,10 @@
 """What each served view absorbs of real RL updates: changed elements and patch bytes per recipe.
 
-Run: ``python -m tests.benchmarks.bench_served [--steps N]`` (from the repo root, in .venv); the
-default 10 steps of SmolLM2-135M (fp32 masters, AdamW lr 3e-6, batch 1 x 32 tokens, the
-trainer of ``bench_codec``) take ~10 minutes on 2 cores.
+Run: ``python -m tests.benchmarks.bench_served [--steps N] [--model tiny-qwen3-moe]`` (from the
+repo root, in .venv); the default 10 steps of SmolLM2-135M (fp32 masters, AdamW lr 3e-6, batch
+1 x 32 tokens, the trainer of ``bench_codec``) take ~10 minutes on 2 cores. ``--model`` takes a
+MoE preset (:mod:`stitchboard.demo.moe_models`; its experts are quantized linear weights, its
+routers stay bf16) or a checkpoint folder.
 
 Per step and recipe (``bf16``, ``fp8``, ``fp8-block``, ``nvfp4``), each recipe applied to the
 same bf16 served view of the step: the % of the quantized linear weights' elements whose code
@@ -23,6 +25,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from stitchboard.demo.moe_demo import resolve_model
+from stitchboard.demo.moe_models import PRESETS
 from stitchboard.demo.smollm2 import build_smollm2_checkpoint
 from stitchboard.proto.container import RawTensor
 from stitchboard.proto.diff import diff_views
@@ -96,9 +100,12 @@ def table(rows: list[Row], bf16: dict[int, int], title: str) -> Table:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--model", help=f"a MoE preset ({', '.join(PRESETS)}) or a checkpoint folder (default: SmolLM2-135M)")
     args = parser.parse_args()
     console = Console(width=140)
-    trainer = CpuTrainer(build_smollm2_checkpoint(), batch_size=1, seq_len=32)
+    model_dir, preset = resolve_model(args.model)
+    trainer = CpuTrainer(model_dir or build_smollm2_checkpoint(), batch_size=1, seq_len=32)
+    model_name = preset or (model_dir.name if model_dir else "SmolLM2-135M")
     recipes = [get_recipe(n) for n in RECIPE_NAMES]
     prev = {r.name: r.apply({n: RawTensor(t.dtype, t.shape, t.bits.copy()) for n, t in raw_view(trainer.served_view()).items()}) for r in recipes}
     rows: list[Row] = []
@@ -111,7 +118,7 @@ def main() -> None:
             prev[r.name] = cur
         console.print(f"step {step}: " + ", ".join(f"{x.recipe} {x.patch_bytes:,} B" for x in rows[-len(recipes) :]))
     bf16 = {r.step: r.patch_bytes for r in rows if r.recipe == "bf16"}
-    console.print(table(rows, bf16, f"served views on {args.steps} real AdamW steps of SmolLM2-135M (lr 3e-6), cond patches"))
+    console.print(table(rows, bf16, f"served views on {args.steps} real AdamW steps of {model_name} (lr 3e-6), cond patches"))
     medians = []
     for name in RECIPE_NAMES:
         mine = [r for r in rows if r.recipe == name]
