@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .app import create_app
+from .gc_hold import freeze_startup_heap
 from .ledger import Ledger
 from .retention import collect_garbage
 from .settings import BulletinSettings
@@ -34,7 +35,10 @@ def serve(
 ) -> None:
     """Serve the REST API (all other settings: STITCH_BULLETIN_* env vars, see stitchboard.bulletin.settings)."""
     settings = _settings(store=store, host=host, port=port, log_level=log_level)
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level, timeout_graceful_shutdown=5)
+    served = create_app(settings)
+    freeze_startup_heap()  # full collections then walk only what serving creates (gc_hold.py)
+    access_log = settings.log_level.lower() in ("trace", "debug", "info")  # above info uvicorn drops its lines, but still formats them per answer
+    uvicorn.run(served, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=access_log, timeout_graceful_shutdown=5)
 
 
 @app.command()

@@ -24,6 +24,7 @@ from starlette.types import Receive, Scope, Send
 
 from stitchboard.proto.schema import VersionInfo, canonical_json
 
+from .gc_hold import COLLECTOR
 from .ledger import Ledger
 from .metrics import BulletinMetrics
 
@@ -105,6 +106,10 @@ class Watcher:
                 if waiter.sent is not None:
                     waiter.sent.set_result(None)
 
+    def _fan_out_done(self, task: asyncio.Task) -> None:
+        self._fan_outs.discard(task)
+        COLLECTOR.release()
+
     def note(self, info: VersionInfo | None) -> None:
         """Record a committed version (from a publish or a read); wakes waiters if it is newer. Loop thread only."""
         if info is None:
@@ -120,9 +125,10 @@ class Watcher:
             loop = asyncio.get_running_loop()
             for w in ready:
                 w.claimed, w.sent = True, loop.create_future()
+            COLLECTOR.acquire()  # no full collection over every connection's objects before the last answer (gc_hold.py)
             task = asyncio.create_task(self._fan_out(answer, ready))
             self._fan_outs.add(task)
-            task.add_done_callback(self._fan_outs.discard)
+            task.add_done_callback(self._fan_out_done)
         event = self._events.pop(info.run_id, None)
         if event is not None:
             event.set()

@@ -15,6 +15,7 @@ from stitchboard.proto.schema import Plan, VersionInfo, VersionManifest, check_p
 
 from .deps import BulletinState, Publish, Read
 from .errors import BulletinError, InvalidRequestError, NotFoundError, PayloadTooLargeError
+from .gc_hold import COLLECTOR
 from .ledger import run_key
 from .metrics import OTHER
 from .planner import make_plan
@@ -75,8 +76,9 @@ async def publish(run: str, request: Request, state: Publish) -> JSONResponse:
         loop.call_soon_threadsafe(state.watcher.note, committed)
 
     try:
-        manifest = await to_thread.run_sync(_parse, body, run, state.settings.max_files_per_version)
-        info, created = await to_thread.run_sync(state.ledger.publish, run, manifest, on_commit)
+        with COLLECTOR.held():  # no full collection between the publish and its long-polls' answers (gc_hold.py)
+            manifest = await to_thread.run_sync(_parse, body, run, state.settings.max_files_per_version)
+            info, created = await to_thread.run_sync(state.ledger.publish, run, manifest, on_commit)
     except BulletinError:
         state.metrics.publishes.labels(await to_thread.run_sync(_run_label, state, run), "rejected").inc()
         raise
