@@ -4,8 +4,16 @@ A ``/generate`` stream and a plain ``/v1/completions`` answer in flight across a
 ``return_weight_versions``: each carries ``weight_versions`` with integer versions, split where
 SGLang counted its output tokens at the commit (``b``, strictly inside the answer), and the
 tokens before ``b`` are the old version's greedy tokens for the same prompt. An answer that
-crossed nothing gets one span over all its tokens. (The OpenAI answer names no token ids: its
-spans are checked for their split only.)
+crossed nothing gets one span over all its tokens. (The plain OpenAI answer names no token ids:
+its spans are checked for their split only.) A streamed ``/v1/completions`` crossing the same
+commit (its chunks name no versions) is split at the count stitchboard's loader read in the
+paused engine: the tokens before it are the old version's greedy tokens, the one at it the new
+version's greedy continuation of the prompt and those tokens.
+
+With ``salt_cache`` the same long prompt at three versions reuses nothing cached under another
+version (SGLang's ``meta_info.cached_tokens``), equals bit for bit (token ids and logprobs) its
+answer computed with nothing cached, and hits within its version; the old version's prefix stays
+cached (the commit skipped ``/flush_cache``).
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ import json
 import threading
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -42,14 +51,14 @@ STREAM_PROMPT = "Count from 1 to 50: 1, 2,"
 PLAIN_PROMPT = "Once upon a time"
 
 
-@pytest.fixture
-def stack(smollm2_dir: Path, sglang_engine: SglangServer, sglang_workdir: Path) -> Iterator[tuple[httpx.Client, Publisher, str]]:
-    bulletin = AppServer(create_bulletin(BulletinSettings(store=f"file://{sglang_workdir / 'store'}", poll_interval_s=0.05)))
+@contextmanager
+def _serve(smollm2_dir: Path, engine: SglangServer, workdir: Path, **settings: object) -> Iterator[tuple[httpx.Client, Publisher, str]]:
+    bulletin = AppServer(create_bulletin(BulletinSettings(store=f"file://{workdir / 'store'}", poll_interval_s=0.05)))
     client = BulletinClient(bulletin.url, retries=1, backoff_s=0.01)
-    publisher = Publisher(client, f"run-{uuid.uuid4().hex[:8]}", sglang_workdir)
+    publisher = Publisher(client, f"run-{uuid.uuid4().hex[:8]}", workdir)
     publisher.publish(read_safetensors(smollm2_dir / "model.safetensors")[1])
-    settings = SidecarSettings(bulletin=bulletin.url, run=publisher.run, engine="sglang", engine_url=sglang_engine.url, boot_version=0, handoff_dir=str(sglang_workdir / "handoff"), poll_wait_s=5.0)
-    sidecar = AppServer(create_sidecar(settings, client=client))
+    config = SidecarSettings(bulletin=bulletin.url, run=publisher.run, engine="sglang", engine_url=engine.url, boot_version=0, handoff_dir=str(workdir / "handoff"), poll_wait_s=5.0, **settings)  # type: ignore[arg-type]
+    sidecar = AppServer(create_sidecar(config, client=client))
     http = httpx.Client(base_url=sidecar.url, timeout=300)
     try:
         with SidecarClient(sidecar.url) as sc:
@@ -60,6 +69,12 @@ def stack(smollm2_dir: Path, sglang_engine: SglangServer, sglang_workdir: Path) 
         sidecar.stop()
         client.close()
         bulletin.stop()
+
+
+@pytest.fixture
+def stack(smollm2_dir: Path, sglang_engine: SglangServer, sglang_workdir: Path) -> Iterator[tuple[httpx.Client, Publisher, str]]:
+    with _serve(smollm2_dir, sglang_engine, sglang_workdir) as served:
+        yield served
 
 
 def _generate_ids(http: httpx.Client, text: str) -> list[int]:
@@ -82,7 +97,6 @@ def test_sglang_spans_of_requests_crossing_a_commit(stack):
     old_stream = _generate_ids(http, STREAM_PROMPT)
     plain: dict = {}
     body = {"model": "x", "prompt": PLAIN_PROMPT, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True, "return_weight_versions": True}
-    plain_t = threading.Thread(target=lambda: plain.setdefault("r", http.post("/v1/completions", json=body)), daemon=True)
     events: list[str] = []
 
     def stream() -> None:
@@ -92,15 +106,24 @@ def test_sglang_spans_of_requests_crossing_a_commit(stack):
                 if line:
                     events.append(line[len("data: ") :])
 
-    stream_t = threading.Thread(target=stream, daemon=True)
-    plain_t.start()
-    stream_t.start()
-    # Both admitted, and the stream's first tokens out (on a slow machine a commit before the first
+    openai_events: list[dict] = []
+
+    def openai_stream() -> None:
+        payload = {"model": "x", "prompt": STREAM_PROMPT, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True, "stream": True, "return_token_ids": True, "return_weight_versions": True}
+        with http.stream("POST", "/v1/completions", json=payload) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    openai_events.append(json.loads(line[len("data: ") :]))
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (lambda: plain.setdefault("r", http.post("/v1/completions", json=body)), stream, openai_stream)]
+    for t in threads:
+        t.start()
+    # All admitted, and the streams' first tokens out (on a slow machine a commit before the first
     # decode step would leave every token under the new version: no split to check).
-    wait_for(lambda: http.get("/v1/stitch/status").json()["requests_in_flight"] == 2 and len(events) >= 4, 120, "both requests decoding")
+    wait_for(lambda: http.get("/v1/stitch/status").json()["requests_in_flight"] == 3 and len(events) >= 4 and len(openai_events) >= 4, 120, "the requests decoding")
     publisher.publish(mutate(publisher.views[-1], 5))
-    plain_t.join(180)
-    stream_t.join(180)
+    for t in threads:
+        t.join(180)
     final = json.loads(events[-2])
     assert events[-1] == "[DONE]" and (final["weight_version_start"], final["weight_version_end"]) == (0, 1), final
     b_stream = _check(final["weight_versions"], final["output_ids"], old_stream, 0, 1)
@@ -110,4 +133,46 @@ def test_sglang_spans_of_requests_crossing_a_commit(stack):
     assert [s["version"] for s in spans] == [0, 1] and spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == answer["usage"]["completion_tokens"] == TOKENS, spans
     b_plain = spans[0]["end"]
     assert 0 < b_plain < TOKENS
-    print(f"SGLang's boundaries: stream {b_stream}, plain {b_plain} of {TOKENS}")
+    # SGLang's OpenAI stream names no versions: split at the count stitchboard's loader read in the paused engine.
+    stamp = openai_events[-1]
+    assert (stamp["weight_version_start"], stamp["weight_version_end"]) == (0, 1) and all(e.get("usage") is None for e in openai_events), stamp
+    ids = [t for e in openai_events[:-1] for c in e["choices"] for t in c.get("token_ids") or []]
+    b_openai = _check(stamp["weight_versions"], ids, old_stream, 0, 1)
+    prompt_ids = openai_events[0]["choices"][0]["prompt_token_ids"]
+    after = http.post("/generate", json={"input_ids": prompt_ids + ids[:b_openai], "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+    assert after.status_code == 200 and after.json()["output_ids"] == [ids[b_openai]], "token b, the first after the commit, is not the new version's greedy continuation"
+    print(f"boundaries: SGLang's own: /generate stream {b_stream}, plain {b_plain}; counted: OpenAI stream {b_openai} of {TOKENS}")
+
+
+LONG_PROMPT = " ".join(f"Item {i}: the harbour master counted {i * 7 % 13} boats and {i * 5 % 11} nets." for i in range(16))
+
+
+def _long_answer(url: str, **body: object) -> tuple[dict, int]:
+    payload = {"text": LONG_PROMPT, "sampling_params": {"max_new_tokens": 4, "temperature": 0}, "return_logprob": True, **body}
+    r = httpx.post(f"{url}/generate", json=payload, timeout=300)
+    assert r.status_code == 200, r.text
+    info = r.json()["meta_info"]
+    return {"ids": r.json()["output_ids"], "logprobs": info["output_token_logprobs"]}, info["cached_tokens"]
+
+
+def test_sglang_salted_prefix_cache_never_reuses_kv_across_versions(smollm2_dir, sglang_engine, sglang_workdir):
+    """salt_cache on SGLang: no commit flushes the radix cache, yet no answer reuses KV of another version."""
+    (sglang_workdir / "salted").mkdir(exist_ok=True)
+    with _serve(smollm2_dir, sglang_engine, sglang_workdir / "salted", salt_cache=True) as (_, publisher, url):
+        answers = {}
+        for v in range(3):
+            if v:
+                publisher.publish(mutate(publisher.views[-1], 20 + v))
+                with SidecarClient(url) as sc:
+                    sc.wait_applied(v, 120)
+            first, first_hits = _long_answer(url)
+            assert first_hits == 0, f"version {v}: the long prompt reused {first_hits} tokens cached under another version"
+            again, again_hits = _long_answer(url)
+            assert again_hits > 0 and again["ids"] == first["ids"], f"version {v}: the second answer did not hit the version's cache ({again_hits}) or differs"
+            fresh, fresh_hits = _long_answer(url, cache_salt=f"oracle-{uuid.uuid4().hex}")
+            assert fresh_hits == 0 and fresh == first, f"version {v}: the salted answer differs from the one computed with nothing cached"
+            if v:
+                _, old_hits = _long_answer(sglang_engine.url, cache_salt=f"stitch-v{v - 1}")
+                assert old_hits > 0, "the commit flushed the radix cache: the old version's prefix is gone"
+            answers[v] = first
+        assert len({repr(a) for a in answers.values()}) == 3, "each version answers differently"

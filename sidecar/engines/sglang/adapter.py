@@ -225,6 +225,18 @@ class SglangEngine:
         sidecar that a version-salted commit may skip ``/flush_cache`` (:mod:`stitchboard.sidecar.salt`)."""
         self.pause()
 
+    def output_counts(self) -> dict[str, int]:
+        """Output tokens so far of the streamed requests the sidecar marked (``rid`` holding
+        ``stitch-<32 hex>``), by output key (:mod:`.token_counts`); rank 0's. Call it while paused.
+
+        Raises:
+            EngineUnavailableError, EngineRequestError: the engine does not answer or cannot count.
+        """
+        counts = (self._call("output_counts", {}, timeout=self.timeout_s * 6)[0].report or {}).get("output_tokens")
+        if not isinstance(counts, dict):
+            raise EngineRequestError(f"the loader answered no counts: {counts!r}", path="/update_weights_from_tensor")
+        return {str(k): int(v) for k, v in counts.items()}
+
     def resume(self) -> None:
         """``POST /continue_generation``."""
         self._request("POST", "/continue_generation", json={})

@@ -12,6 +12,7 @@ and their sha256 digests, and the loader reads them itself. Requests (``op``)::
     {"op": "apply", "steps": [{"paths": [...], "digests": [...]}, ...], "what": "1->2"}
     {"op": "load_snapshot", "paths": [...], "digests": [...], "checksums": {name: xxh3}}
     {"op": "checksums", "names": [...]}
+    {"op": "output_counts"}   (at a pause: the marked requests' output tokens, :mod:`.token_counts`)
 
 plus ``id`` (the request id), ``record_dir`` (where the answers go) and ``held`` (the version the
 caller reads from SGLang's ``weight_version``, echoed in the state). **An exception raised here
@@ -46,6 +47,7 @@ from stitchboard.proto.env import env_setting
 from stitchboard.proto.errors import StitchError
 
 from ...errors import EngineStateError
+from .token_counts import output_counts, track_finished
 
 log = logging.getLogger("stitchboard.sidecar.engines.sglang.loader")
 
@@ -60,6 +62,7 @@ FAULT_PHASES = ("staged", "half-written", "written-unverified")
 FAULT_EXIT_CODE = 86
 #: This process's instance id.
 INSTANCE_ID = uuid.uuid4().hex
+track_finished()  # the final counts of finished marked requests (:mod:`.token_counts`)
 
 _phase = "idle"
 _ranks: Any = None
@@ -119,6 +122,8 @@ def _run(model: torch.nn.Module, req: dict[str, Any]) -> dict[str, Any]:
     op = req.get("op")
     if op == "state":
         return {}
+    if op == "output_counts":
+        return {"report": {"output_tokens": output_counts()}}
     ranks = _get_ranks(model)
     if op == "checksums":
         return {"checksums": {n: ranks.checksum(ranks.layout.place(n)) for n in req["names"]}}
