@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from stitchboard.sidecar.engines.sglang.token_counts import output_key as sglang_output_key
 from stitchboard.sidecar.engines.vllm.token_counts import output_key
 from stitchboard.sidecar.errors import InvalidVersionConstraintError
 from stitchboard.sidecar.salt import CacheSalter
@@ -129,3 +130,16 @@ def test_salted_commits_reset_only_when_old_kv_could_still_be_used():
     batch = {"text": ["a", "b"], "cache_salt": ["mine", ""]}
     assert sglang.salt("/generate", batch, 3) and batch["cache_salt"] == ["mine|stitch-v3", "stitch-v3"]
     assert not sglang.salt("/generate", {"text": "a", "cache_salt": 5}, 3) and sglang.needs_reset(0), "a salt it cannot extend"
+
+
+def test_sglang_openai_streams_are_counted_by_their_rid():
+    ledger = SpanLedger()
+    body = {"prompt": "x", "stream": True, "rid": "mine"}
+    spans = Spans(ledger, True, 4, "/v1/completions", body, None)
+    assert body["rid"] == spans.request_id and body["rid"].startswith("mine-stitch-") and not spans.engine_reports
+    assert sglang_output_key(body["rid"]) == f"{body['rid'][-39:]}:0:0" and sglang_output_key(body["rid"] + "_3").endswith(":0:3")
+    ledger.commit(5, {f"{body['rid'][-39:]}:0:0": 2})
+    spans.see_event({"choices": [], "usage": {"completion_tokens": 6}})
+    assert spans.streamed(5) == ([{"version": 4, "start": 0, "end": 2}, {"version": 5, "start": 2, "end": 6}], None)
+    for plain in ({"prompt": "x"}, {"prompt": "x", "stream": True, "n": 2}, {"text": "x", "stream": True}):
+        assert Spans(ledger, True, 4, "/generate" if "text" in plain else "/v1/completions", plain, None).engine_reports, f"SGLang reports its own spans (or none): {plain}"

@@ -223,9 +223,9 @@ class VllmEngine:
             raise EngineRequestError(f"engine could not reset its prefix cache: {answer}", path="/reset_prefix_cache")
 
     def output_counts(self) -> dict[str, int]:
-        """Output tokens so far of the requests the sidecar marked (``X-Request-Id`` holding
-        ``stitch-<32 hex>``), by mark: rank 0's count (every rank runs the same requests); call it
-        while the engine is paused.
+        """Output tokens so far of each output of the requests the sidecar marked (``X-Request-Id``
+        holding ``stitch-<32 hex>``), by output key ``<mark>:<prompt>:<choice>`` (:mod:`.token_counts`):
+        rank 0's count (every rank runs the same requests); call it while the engine is paused.
 
         Raises:
             EngineUnavailableError, EngineRequestError: the engine does not answer or cannot count.

@@ -25,8 +25,8 @@ JSON dict: ``{"ok": true, "state": {...}, ...}`` or ``{"ok": false, "error": {"t
   commit the patch files of one version in one call; refused unless the engine holds F.
 * ``stitch_load_snapshot('{"paths": [...], "version": V, "checksums": {name: xxh3}}')``.
 * ``stitch_checksums('{"names": [...]}')``: ``checksums`` {name: xxh3-128 hex} as held now.
-* ``stitch_output_counts("{}")``: ``report`` ``{"output_tokens": {mark: count}}``, the output
-  tokens of the sidecar's marked requests so far (read at a pause: :mod:`.token_counts`).
+* ``stitch_output_counts("{}")``: ``report`` ``{"output_tokens": {key: count}}``, the output
+  tokens so far of each output of the sidecar's marked requests (key ``<mark>:<prompt>:<choice>``; read at a pause: :mod:`.token_counts`).
 * ``stitch_routed_experts('{"marks": [...]}')``: ``report``: the experts the marked requests'
   tokens were routed to during generation, handed over once (:mod:`.routing`).
 
@@ -344,8 +344,8 @@ class StitchWorkerExtension:
         return self._stitch_call(request, run)
 
     def stitch_output_counts(self, request: str = "{}") -> dict[str, Any]:
-        """``{"ok": true, "state", "report": {"output_tokens": {mark: count}}}``: output tokens of
-        the marked requests the engine holds or finished last (see :mod:`.token_counts`)."""
+        """``{"ok": true, "state", "report": {"output_tokens": {key: count}}}``: output tokens of
+        each output of the marked requests the engine holds or finished last (see :mod:`.token_counts`)."""
         return self._stitch_call(request, lambda args: {"report": {"output_tokens": output_counts(self.model_runner)}})  # type: ignore[attr-defined]
 
     def stitch_routed_experts(self, request: str) -> dict[str, Any]:
