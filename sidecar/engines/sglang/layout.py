@@ -4,7 +4,8 @@ DESIGN.md invariant 10: patches name checkpoint tensors; this module is the only
 SGLang's runtime layout. Everything is derived from the loaded model itself:
 
 * names: the model's ``stacked_params_mapping`` (``(".qkv_proj", ".q_proj", "q")``,
-  ``(".gate_up_proj", ".gate_proj", 0)``...), else the name as is; a tied ``lm_head`` is the
+  ``(".gate_up_proj", ".gate_proj", 0)``...), else (a model keeping it inside ``load_weights``)
+  the fused sibling of :data:`STACKED` the model has, else the name as is; a tied ``lm_head`` is the
   embedding's parameter (the checkpoint lists only ``model.embed_tokens.weight``);
 * fused row blocks: ``QKVParallelLinear`` per-rank shard sizes (``q_proj_shard_size``,
   ``kv_proj_shard_size``: q, then k, then v rows), ``MergedColumnParallelLinear``
@@ -18,6 +19,7 @@ SGLang's runtime layout. Everything is derived from the loaded model itself:
 * tensor-parallel slices: column-parallel layers hold output rows, row-parallel layers
   (``o_proj``, ``down_proj``) input columns, vocab-parallel embeddings the rows their
   ``shard_indices`` name;
+* per-expert tensors of a fused MoE layer: :mod:`.experts`;
 * everything else (norms) is held whole by every rank.
 
 A :class:`Slot` is one checkpoint tensor on this rank: a 2-D block of the runtime parameter
@@ -37,6 +39,9 @@ from ...errors import UnmappedTensorError
 
 #: torch dtype -> safetensors dtype name (the codec's names, see proto/dtypes.py).
 DTYPE_NAMES: dict[torch.dtype, str] = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64"}
+#: Checkpoint projection -> (fused sibling, shard) as SGLang's models stack them, for models whose
+#: ``stacked_params_mapping`` is local to ``load_weights`` (Qwen3-MoE, Mixtral; Llama keeps it).
+STACKED: dict[str, tuple[str, str | int]] = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"), "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 #: element size in bytes -> torch integer dtype used to address raw bits.
 BITS: dict[int, torch.dtype] = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -93,7 +98,7 @@ class Slot:
     def gather(self, index: np.ndarray) -> np.ndarray:
         """The live bits at flat ``index`` (a copy; numpy on the parameter's memory on the CPU)."""
         flat = self.flat_bits()
-        return flat.numpy()[index] if flat.device.type == "cpu" else flat[torch.from_numpy(index).to(flat.device)].cpu().numpy()
+        return np.take(flat.numpy(), index) if flat.device.type == "cpu" else flat[torch.from_numpy(index).to(flat.device)].cpu().numpy()
 
     def scatter(self, index: np.ndarray, values: np.ndarray) -> None:
         """Write ``values`` at flat ``index`` of the live parameter, in place."""
@@ -143,6 +148,11 @@ class SglangLayout:
         for fused, part, shard in getattr(self.model, "stacked_params_mapping", ()):
             if part in name:
                 return name.replace(part, fused, 1), shard
+        *head, leaf, kind = name.split(".")
+        if name not in self.params and leaf in STACKED:  # a model keeping its mapping inside load_weights
+            fused, shard = STACKED[leaf]
+            if (stacked := ".".join([*head, fused, kind])) in self.params:
+                return stacked, shard  # _build checks the fused module's class
         return name, None
 
     def place(self, name: str) -> Slot:
@@ -174,6 +184,10 @@ class SglangLayout:
         )
         from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
+        from .experts import expert_slot  # fused MoE experts (experts.py): w13 / w2 per expert
+
+        if (expert := expert_slot(self, name)) is not None:
+            return expert
         runtime, shard = self._runtime_name(name)
         param, mod = self.params.get(runtime), self._owner.get(runtime)
         if param is None or mod is None:
