@@ -11,7 +11,8 @@ knows vLLM's runtime layout. The mapping is derived from the loaded model itself
 * tensor-parallel slices: column-parallel layers hold output rows ``[r * n, (r + 1) * n)`` of
   each shard, row-parallel layers (``o_proj``, ``down_proj``) input columns, vocab-parallel
   embeddings the vocab rows their ``shard_indices`` name (padding rows are never addressed);
-* everything else (norms, replicated linears) is held whole by every rank.
+* everything else (norms, replicated linears) is held whole by every rank;
+* MoE experts: :mod:`.experts` (given to :class:`RuntimeLayout` by the worker).
 
 A :class:`Placement` describes, for one checkpoint tensor, every TP rank's span along the split
 dimension (so any rank can reassemble the full tensor from gathered blocks) and this rank's
@@ -21,6 +22,7 @@ block: a contiguous row range of the runtime parameter.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -107,6 +109,14 @@ class Placement:
         """The block's raw bits as a flat integer tensor (int16 for bf16...); a view."""
         return self.block(data).reshape(-1).view(BITS_TORCH[self.param.element_size()])
 
+    def write_bits(self, index: torch.Tensor, values: torch.Tensor) -> None:
+        """Write raw bits ``values`` at flat indices ``index`` of :meth:`block_bits`, in place."""
+        self.block_bits()[index] = values
+
+    def write_block(self, values: torch.Tensor) -> None:
+        """Overwrite the whole block with ``values`` (``block_shape``, same element size)."""
+        self.block().view(values.dtype).copy_(values)
+
     def local_indices(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Select the positions this rank holds and map them into its block.
 
@@ -138,18 +148,35 @@ def _span_tiles(spans: tuple[tuple[int, int], ...]) -> int:
     return end
 
 
+class ExpertResolver(Protocol):
+    """Places per-expert checkpoint tensors (:class:`.experts.ExpertLayout`)."""
+
+    def __contains__(self, name: str) -> bool: ...
+
+    def place(self, name: str) -> Placement: ...
+
+
+class _NoExperts:
+    def __contains__(self, name: str) -> bool:
+        return False
+
+    def place(self, name: str) -> Placement:
+        raise KeyError(name)
+
+
 class RuntimeLayout:
     """Checkpoint name -> :class:`Placement` for one loaded vLLM model on one TP rank.
 
     Args:
         model: the vLLM ``nn.Module`` (``worker.get_model()``).
         tp_rank, tp_size: this rank and the tensor-parallel world size.
+        experts: places MoE expert tensors (checked before the dense mapping); none by default.
 
     Placements are built lazily and cached (:meth:`place`); :meth:`runtime_params` lists every
     runtime parameter so a snapshot load can check that it covers all of them.
     """
 
-    def __init__(self, model: torch.nn.Module, tp_rank: int, tp_size: int) -> None:
+    def __init__(self, model: torch.nn.Module, tp_rank: int, tp_size: int, experts: ExpertResolver | None = None) -> None:
         self.model = model
         self.tp_rank = tp_rank
         self.tp_size = tp_size
@@ -164,6 +191,7 @@ class RuntimeLayout:
             if isinstance(weight, torch.Tensor) and hasattr(mod, "cpu_linear"):
                 self._packers.setdefault(id(weight), []).append(mod)
         self._cache: dict[str, Placement] = {}
+        self._experts: ExpertResolver = experts if experts is not None else _NoExperts()
 
     def runtime_params(self) -> list[str]:
         """Names of every runtime parameter of the model."""
@@ -196,7 +224,8 @@ class RuntimeLayout:
         """
         if name not in self._cache:
             refuse_unservable(name)
-            self._cache[name] = self._build(name)
+            expert = name if name in self._experts else self._runtime_name(name)[0]
+            self._cache[name] = self._experts.place(expert) if expert in self._experts else self._build(name)
         return self._cache[name]
 
     def _build(self, name: str) -> Placement:

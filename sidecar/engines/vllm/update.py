@@ -270,7 +270,7 @@ def stage_patches(io: WeightIO, steps: Sequence[Step]) -> StagedPatch:
 def _write(staged: StagedPatch, hook: PhaseHook) -> None:
     """Write this rank's new bits into the live parameters (``half-written`` hook halfway)."""
     for i, w in enumerate(staged.writes):
-        w.placement.block_bits()[w.index] = w.new
+        w.placement.write_bits(w.index, w.new)
         if i == len(staged.writes) // 2:
             hook("half-written")
 
@@ -315,7 +315,7 @@ def commit_staged(io: WeightIO, staged: StagedPatch, hook: PhaseHook) -> dict:
         restored = True
         try:
             for w in reversed(staged.writes):
-                w.placement.block_bits()[w.index] = w.old
+                w.placement.write_bits(w.index, w.old)
             for module, linear in old_packs:
                 module.cpu_linear = linear
         except Exception:

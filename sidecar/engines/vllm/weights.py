@@ -217,7 +217,7 @@ def _write_snapshot(io: WeightIO, tensors: dict[str, RawTensor], places: dict[st
     for name, p in places.items():
         start, length = p.local_span
         full = torch.from_numpy(tensors[name].bits.view(f"i{tensors[name].bits.itemsize}")).reshape(p.shape)
-        p.block().view(full.dtype).copy_(full.narrow(p.split_dim, start, length))
+        p.write_block(full.narrow(p.split_dim, start, length).contiguous())
 
 
 def load_snapshot_files(io: WeightIO, paths: Sequence[str], checksums: dict[str, str], hook: PhaseHook) -> dict:

@@ -67,6 +67,7 @@ from stitchboard.proto.errors import StitchError
 
 from ...errors import ApplyFailedError, EngineStateError
 from . import routing
+from .experts import ExpertLayout
 from .layout import RuntimeLayout
 from .token_counts import output_counts, track_finished
 from .update import StagingJob, apply_patch_files, commit_staged, parse_steps
@@ -156,7 +157,7 @@ class StitchWorkerExtension:
             from vllm.platforms import current_platform
 
             rank, size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
-            layout = RuntimeLayout(self.get_model(), rank, size)
+            layout = RuntimeLayout(self.get_model(), rank, size, experts=ExpertLayout(self.get_model(), rank))
             # A group of our own: staging runs collectives from a background thread.
             group = torch.distributed.new_group(get_tp_group().ranks, backend="gloo", timeout=COLLECTIVE_TIMEOUT) if size > 1 else None
             self._stitch_io = WeightIO(layout, group, repack=current_platform.is_cpu())
