@@ -7,19 +7,24 @@ the loader, one small request tensor per rank naming hand-off files and their sh
 patch bytes) -> ``/end_weight_update`` (always, in a ``finally``); each rank writes its answer
 to a record file under ``record_dir``, parsed like the vLLM worker's (:mod:`..rpc`).
 
-* Version: SGLang's own ``weight_version`` (``GET /model_info``), set by a second update call in
-  the same session once every rank reported success (SGLang sets it after any call its loader
-  returns from, so it is never passed with the write itself). ``/update_weight_version`` is
-  never called (it aborts requests by default).
+* Version: SGLang's own ``weight_version`` (``GET /model_info``), passed with the write itself.
+  SGLang sets it after any call its loader returns from (the loader never raises), so when a
+  rank reports a failure a second call in the same session sets it back to the version held
+  before, or to :data:`UNVERIFIED` when the old bits may be gone; the engine is paused
+  meanwhile, and a restarted sidecar takes a recorded version only once the engine's checksums
+  match it. ``/update_weight_version`` is never called (it aborts requests by default).
 * Commit: ``/pause_generation`` mode ``retract`` (never ``abort``): running requests go back to
   the waiting queue and their KV is freed; the write; ``/flush_cache`` (it succeeds while
   retracted requests wait, since the scheduler is paused); ``/continue_generation``. Retracted
   requests recompute their KV under the new weights, and nothing admitted later can match a
   prefix computed under the old ones: the radix cache was emptied inside the pause.
 * Staging while serving: SGLang runs any update call under its model-update writer lock, which
-  waits for every request in flight and holds new ones, unless the engine is paused. So
-  :meth:`stage_patches` checks the hand-off files here (sha256, patch format) while the engine
-  serves, and the engine decodes, checks and writes them inside the pause.
+  waits for every request in flight and holds new ones, unless the engine is paused. At TP = 1
+  :meth:`stage_patches` hands the files to the loader's stager thread (:mod:`.stager`, its
+  socket named in the rank records), which decodes and checks them on the live weights while
+  the engine serves; the paused update call then only writes, reads the written elements back
+  and records. At TP > 1 (or with no stager) the files are checked here (sha256, patch format)
+  and the engine decodes, checks, writes and verifies them inside the pause.
 * Instance: each rank's loader draws an id when its process first imports it; records carry the
   process id and start time, so a record whose process is gone (the server restarted) is
   noticed from the records alone, without a call into the engine (an update call would wait
@@ -32,6 +37,7 @@ import base64
 import hashlib
 import io
 import json
+import logging
 import os
 import pickle
 import time
@@ -44,10 +50,13 @@ import httpx
 
 from stitchboard.proto.decode import read_patch
 
-from ...errors import EngineRequestError, EngineStateError, EngineUnavailableError
+from ...errors import ApplyFailedError, EngineRequestError, EngineStateError, EngineUnavailableError
 from ..base import EngineState
 from ..rpc import RankAnswer, combine, parse_answers, raise_if_failed
 from .loader import LOADER_PATH, REQUEST_NAME, process_start
+from .stager import ask
+
+log = logging.getLogger("stitchboard.sidecar.engines.sglang.adapter")
 
 #: ``weight_version`` given to an engine whose label must not be trusted (not an integer).
 UNVERIFIED = "stitchboard-unverified"
@@ -94,6 +103,7 @@ class SglangEngine:
         self._http = httpx.Client(base_url=self.engine_url, timeout=timeout_s)
         self._tp: int | None = None
         self._staged: list[tuple[list[str], list[str], int, int]] = []
+        self._plan: str | None = None
 
     def close(self) -> None:
         """Close the HTTP connection pool."""
@@ -150,27 +160,37 @@ class SglangEngine:
             records.append(record.get("answer"))
         return parse_answers("stitchboard loader", records)
 
-    def _call(self, op: str, args: dict[str, Any], *, timeout: float | None = None, then_version: int | None = None, instance: str | None = None) -> list[RankAnswer]:
-        """One loader request on every rank in one session; with ``then_version``, once every
-        rank succeeded, SGLang's ``weight_version`` is set to it in the same session.
+    def _call(self, op: str, args: dict[str, Any], *, timeout: float | None = None, version: int | None = None, instance: str | None = None, held: int | None = None) -> list[RankAnswer]:
+        """One loader request on every rank in one session; with ``version``, SGLang's
+        ``weight_version`` is set to it by the same call (SGLang sets it after any call its loader
+        returns from: when a rank failed, or the engine is not ``instance``, a second call in the
+        session sets it back to ``held``, or to :data:`UNVERIFIED` when the old bits may be gone).
+
+        Args:
+            held: the version SGLang records now, echoed in the ranks' state (None: asked here).
 
         Raises:
             the rank's typed error (see :func:`..rpc.raise_if_failed`); EngineStateError when the
-            engine is not ``instance`` (nothing written; a version set on it is withdrawn).
+            engine is not ``instance`` (nothing written; the version set on it is withdrawn).
         """
         timeout = timeout or self.apply_timeout_s
         req_id = uuid.uuid4().hex
-        req = {"op": op, "id": req_id, "record_dir": str(self.record_dir), "held": None, **args}
+        req = {"op": op, "id": req_id, "record_dir": str(self.record_dir), "held": held, **args}
 
         def calls() -> list[RankAnswer]:
-            req["held"] = self._version()
-            self._update(req, timeout)
-            answers = self._answers(req_id)
-            if instance is not None and combine(answers).instance != instance:
-                raise EngineStateError(f"the engine restarted (instance {instance} -> {combine(answers).instance}): nothing is recorded on it", held=None, phase="idle")
-            raise_if_failed(op, answers)
-            if then_version is not None:
-                self._update({"op": "state", "id": uuid.uuid4().hex, "record_dir": str(self.record_dir), "held": then_version}, timeout, weight_version=str(then_version))
+            if req["held"] is None:
+                req["held"] = self._version()
+            self._update(req, timeout, weight_version=None if version is None else str(version))
+            try:
+                answers = self._answers(req_id)
+                if instance is not None and combine(answers).instance != instance:
+                    raise EngineStateError(f"the engine restarted (instance {instance} -> {combine(answers).instance}): nothing is recorded on it", held=None, phase="idle")
+                raise_if_failed(op, answers)
+            except Exception as exc:
+                if version is not None:
+                    kept = req["held"] is not None and instance is None and not (isinstance(exc, ApplyFailedError) and not exc.details.get("restored"))
+                    self._update({"op": "state", "id": uuid.uuid4().hex, "record_dir": str(self.record_dir)}, timeout, weight_version=str(req["held"]) if kept else UNVERIFIED)
+                raise
             return answers
 
         self.record_dir.mkdir(parents=True, exist_ok=True)
@@ -242,45 +262,75 @@ class SglangEngine:
         self._request("POST", "/continue_generation", json={})
 
     def stage_patches(self, steps: Sequence[tuple[Sequence[str], int, int]]) -> dict[str, Any]:
-        """Check the steps' hand-off files while the engine serves (sha256 taken, patch format
-        parsed); the engine decodes and writes them in :meth:`commit_staged` (see the module doc).
+        """Stage the steps while the engine serves: at TP = 1, the loader's stager thread decodes
+        and checks them on the live weights (base and target checksums; nothing written) and keeps
+        the writes for :meth:`commit_staged`; else (TP > 1, or no stager) the files are checked
+        here (sha256, patch format) and the engine stages them in the pause (see the module doc).
+
+        Returns:
+            ``files``, ``rpc_s``, ``in_engine`` (staged by the stager) and its report (``read_s``,
+            ``check_s``, ``decode_s``, ``index_s``, ``stage_s``, ``elements``...).
 
         Raises:
-            PatchFormatError: a file is not a valid patch (nothing sent to the engine).
-            OSError: a file cannot be read.
+            EngineStateError: the engine does not hold the first step's base version.
+            ApplyRefusedError: the stager refused the steps (``cause``: ``BaseMismatch``,
+                ``UnmappedTensor``...); nothing written. PatchFormatError: a file is not a
+                valid patch. OSError: a file cannot be read.
         """
         t = time.perf_counter()
+        self._staged, self._plan = [], None
+        held = self._version()
+        if steps and held != steps[0][1]:
+            raise EngineStateError(f"the engine holds version {held}, the update is from version {steps[0][1]}", held=held, phase="idle")
+        records = self._live_records() if self._tp_size() == 1 else None
+        address = records[0].get("stage_socket") if records else None
         staged = []
         for paths, start, end in steps:
             digests = []
             for path in paths:
                 data = Path(path).read_bytes()
-                read_patch(data, what=os.path.basename(path))
+                if not address:
+                    read_patch(data, what=os.path.basename(path))
                 digests.append(hashlib.sha256(data).hexdigest())
             staged.append((list(paths), digests, start, end))
+        report: dict[str, Any] = {"files": sum(len(s[0]) for s in staged), "in_engine": False}
+        if isinstance(address, str):
+            plan = uuid.uuid4().hex
+            req = {"op": "stage", "id": plan, "held": held, "steps": [{"paths": p, "digests": d} for p, d, _, _ in staged]}
+            try:
+                answer = ask(address, req, self.apply_timeout_s)
+            except (OSError, ValueError) as exc:  # a stager that is gone: the engine stages in the pause
+                log.warning("the engine's stager at %r did not answer (%s): the update is staged in the pause", address, exc)
+            else:
+                answers = parse_answers("stitchboard stager", [answer])
+                raise_if_failed("stage", answers)
+                self._plan = plan
+                report.update(answers[0].report or {}, in_engine=True)
         self._staged = staged
-        return {"files": sum(len(s[0]) for s in staged), "rpc_s": time.perf_counter() - t}
+        return {**report, "rpc_s": time.perf_counter() - t}
 
     def commit_staged(self, to_version: int) -> dict[str, Any]:
-        """Apply the staged steps in one loader call (engine paused), then record ``to_version``.
+        """Apply the staged steps in one loader call (engine paused), recording ``to_version`` in
+        the same call: the stager's plan when it is still current (written, read back), else the
+        steps are staged, written and verified in the pause.
 
         Raises:
             EngineStateError: nothing staged for ``to_version``, or the engine does not hold the
                 first step's base. ApplyRefusedError / ApplyFailedError: as :meth:`apply_patch`.
         """
-        staged, self._staged = self._staged, []
+        staged, plan, self._staged, self._plan = self._staged, self._plan, [], None
         if not staged or staged[-1][3] != to_version:
             raise EngineStateError(f"no staged update ends at version {to_version}", held=None, phase="idle")
-        return self._apply(staged)
+        return self._apply(staged, plan)
 
-    def _apply(self, steps: list[tuple[list[str], list[str], int, int]]) -> dict[str, Any]:
+    def _apply(self, steps: list[tuple[list[str], list[str], int, int]], plan: str | None = None) -> dict[str, Any]:
         start, end = steps[0][2], steps[-1][3]
         held = self._version()
         if held != start:
             raise EngineStateError(f"the engine holds version {held}, the update is from version {start}", held=held, phase="idle")
         t = time.perf_counter()
-        args = {"steps": [{"paths": p, "digests": d} for p, d, _, _ in steps], "what": f"{start}->{end}"}
-        answers = self._call("apply", args, then_version=end)
+        args = {"steps": [{"paths": p, "digests": d} for p, d, _, _ in steps], "what": f"{start}->{end}", "plan": plan}
+        answers = self._call("apply", args, version=end, held=held)
         return {**(answers[0].report or {}), "rpc_s": time.perf_counter() - t}
 
     def apply_patch(self, handoff_path: str | Sequence[str], from_version: int, to_version: int) -> dict[str, Any]:
@@ -316,7 +366,7 @@ class SglangEngine:
             checksums = {name: checksum(t) for path in paths for name, t in read_safetensors(path)[1].items()}
         t = time.perf_counter()
         args = {"paths": list(paths), "digests": [_sha256(p) for p in paths], "checksums": checksums, "what": f"snapshot->{version}"}
-        answers = self._call("load_snapshot", args, then_version=version)
+        answers = self._call("load_snapshot", args, version=version)
         return {**(answers[0].report or {}), "rpc_s": time.perf_counter() - t}
 
     def set_version(self, version: int, base: int | None = None) -> None:
@@ -329,11 +379,7 @@ class SglangEngine:
         state = self.state()
         if state.phase not in ("idle", "paused") or state.version != base:
             raise EngineStateError(f"the engine records version {state.version} (phase {state.phase}), not {base}: version {version} is not recorded", held=state.version, phase=state.phase)
-        try:
-            self._call("state", {}, then_version=version, instance=state.instance)
-        except EngineStateError:
-            self._session(lambda: self._update({"op": "state", "id": uuid.uuid4().hex, "record_dir": str(self.record_dir)}, self.apply_timeout_s, weight_version=UNVERIFIED))
-            raise
+        self._call("state", {}, version=version, instance=state.instance)
 
     def checksums(self, names: Sequence[str]) -> dict[str, str]:
         """xxh3-128 of the named checkpoint tensors as the engine holds them."""

@@ -1,7 +1,8 @@
 """Bit-exact in-place updates of one SGLang TP rank's live weights (runs in the scheduler process).
 
 Called by :mod:`.loader` inside SGLang's ``update_weights_from_tensor`` (engine paused, all ranks
-in step). Patches are read and decoded with :mod:`stitchboard.proto.decode` (``xor``,
+in step); at TP = 1 :func:`stage` also runs in the loader's stager thread while the engine serves
+(reads only; :func:`commit` then reads the written elements back, ``verify="written"``). Patches are read and decoded with :mod:`stitchboard.proto.decode` (``xor``,
 ``overwrite``, ``cond``: a ``cond`` delta decodes against the whole base tensor). Checksums are
 of whole checkpoint tensors: at TP > 1 every rank all-gathers a split tensor's blocks over the TP
 group's gloo group and reassembles it (padding never included), so every rank reaches the same
@@ -18,6 +19,7 @@ import hashlib
 import os
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -229,8 +231,50 @@ def stage(ranks: Ranks, steps: Sequence[tuple[Sequence[str], Sequence[str]]]) ->
     return writes, report
 
 
-def commit(ranks: Ranks, writes: list[_Write], hook: PhaseHook, what: str) -> dict:
-    """Write staged changes in place, verify every written tensor's target checksum; or restore.
+#: The second thread of :func:`_on_two_threads` (numpy gathers and scatters run without the GIL).
+_HELPER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stitchboard-inplace")
+
+
+def _on_two_threads(writes: list[_Write], fn: Callable[[_Write], None]) -> None:
+    """``fn`` on every write, split by element count between this thread and a helper (the engine
+    is paused: its cores are free); returns once both halves ended, raising the first error."""
+    if not writes:
+        return
+    sizes = np.cumsum([w.index.size for w in writes])
+    split = int(np.searchsorted(sizes, sizes[-1] / 2)) + 1 if len(writes) > 1 else 1
+
+    def others() -> None:
+        for w in writes[split:]:
+            fn(w)
+
+    rest = _HELPER.submit(others)
+    try:
+        for w in writes[:split]:
+            fn(w)
+    finally:
+        error = rest.exception()  # waits: nothing may run on after this returns
+    if error is not None:
+        raise error
+
+
+def _scatter(w: _Write) -> None:
+    w.slot.scatter(w.index, w.new)
+
+
+def _read_back(w: _Write) -> None:
+    # Raises TargetMismatchError when the written elements of ``w`` differ from the new bits.
+    if not np.array_equal(w.slot.gather(w.index), w.new):
+        raise TargetMismatchError(f"tensor {w.slot.name!r}: the written elements do not read back as the new bits", name=w.slot.name)
+
+
+def commit(ranks: Ranks, writes: list[_Write], hook: PhaseHook, what: str, verify: str = "full") -> dict:
+    """Write staged changes in place and verify them; or restore.
+
+    Args:
+        verify: ``full``: every written tensor's target checksum on the live weights (the whole
+            tensor read); ``written``: the written elements read back hold the new bits (the
+            rest is what :func:`stage` checked against the base checksum, untouched since: the
+            caller's guarantee, see :mod:`.loader`).
 
     Returns:
         Seconds ``write_s`` and ``verify_s``.
@@ -245,16 +289,18 @@ def commit(ranks: Ranks, writes: list[_Write], hook: PhaseHook, what: str) -> di
         t = time.perf_counter()
 
         def write() -> None:
-            for i, w in enumerate(writes):
-                w.slot.scatter(w.index, w.new)
-                if i == len(writes) // 2:
-                    hook("half-written")
+            half = len(writes) // 2 + 1
+            _on_two_threads(writes[:half], _scatter)
+            hook("half-written")
+            _on_two_threads(writes[half:], _scatter)
 
         ranks.agreed(write, "writing the update")
         timing["write_s"] = time.perf_counter() - t
         hook("written-unverified")
         t = time.perf_counter()
-        for w in writes:
+        if verify == "written":
+            ranks.agreed(lambda: _on_two_threads(writes, _read_back), "verifying the written elements")
+        for w in writes if verify == "full" else ():
             if ranks.checksum(w.slot) != w.target:
                 raise TargetMismatchError(f"tensor {w.slot.name!r} does not match its target checksum after the write", name=w.slot.name)
         timing["verify_s"] = time.perf_counter() - t

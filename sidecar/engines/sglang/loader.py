@@ -9,7 +9,7 @@ a JSON request. Patch and snapshot bytes never travel over HTTP: the request nam
 and their sha256 digests, and the loader reads them itself. Requests (``op``)::
 
     {"op": "state"}
-    {"op": "apply", "steps": [{"paths": [...], "digests": [...]}, ...], "what": "1->2"}
+    {"op": "apply", "steps": [{"paths": [...], "digests": [...]}, ...], "what": "1->2", "plan": id?}
     {"op": "load_snapshot", "paths": [...], "digests": [...], "checksums": {name: xxh3}}
     {"op": "checksums", "names": [...]}
     {"op": "output_counts"}   (at a pause: the marked requests' output tokens, :mod:`.token_counts`)
@@ -21,6 +21,17 @@ of :class:`~stitchboard.sidecar.engines.rpc.RankAnswer`, to ``<record_dir>/rank<
 the request id and the process's pid and start time (so that the sidecar can tell a record of a
 process that is gone). Everything that can be refused is checked before the first write
 (:mod:`.inplace`); a failure after it writes the old bits back.
+
+Staging while serving (TP = 1): the first call of a process starts a :class:`.stager.StageServer`
+thread whose address every record carries (``stage_socket``). A ``stage`` request to it (the
+``apply`` request's fields, with ``id``) runs :func:`.inplace.stage` on the live weights (reads
+only) and keeps the writes as the process's one staged plan; an ``apply`` naming that ``plan``
+then only writes, reads the written elements back and records. What staging checked still holds
+at the write: staging and every loader write hold one lock, every write op bumps a generation,
+and a plan staged under another generation is not used (the apply stages again in the pause);
+nothing else writes SGLang's weights (its own weight routes are refused by the sidecar's proxy,
+the engine listens on loopback) and an engine restart is caught by the instance check. A plan
+that is missing or stale is never an error: the apply stages in the pause, as at TP > 1.
 
 State of this process: ``instance`` (a random id drawn when SGLang first imports this module,
 at the first update call of the process: a restarted engine has a new one) and ``phase``
@@ -37,8 +48,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -66,6 +79,21 @@ track_finished()  # the final counts of finished marked requests (:mod:`.token_c
 
 _phase = "idle"
 _ranks: Any = None
+#: Held by staging and by every write of the loader; ``_generation`` counts the write ops.
+_lock = threading.Lock()
+_generation = 0
+_stager: Any = None
+
+
+@dataclass
+class _Plan:
+    id: str
+    generation: int
+    writes: list
+    report: dict[str, Any]
+
+
+_plan: _Plan | None = None
 
 
 def process_start(pid: int) -> str:
@@ -116,14 +144,19 @@ def _error(exc: BaseException) -> dict[str, Any]:
 
 def _run(model: torch.nn.Module, req: dict[str, Any]) -> dict[str, Any]:
     """Run one request on this rank; returns the answer's extra fields (raises on failure)."""
-    global _phase
-    from .inplace import commit, load_snapshot, stage
-
     op = req.get("op")
     if op == "state":
         return {}
     if op == "output_counts":
         return {"report": {"output_tokens": output_counts()}}
+    with _lock:
+        return _locked(model, req, op)
+
+
+def _locked(model: torch.nn.Module, req: dict[str, Any], op: object) -> dict[str, Any]:
+    global _phase, _generation, _plan
+    from .inplace import commit, load_snapshot, stage
+
     ranks = _get_ranks(model)
     if op == "checksums":
         return {"checksums": {n: ranks.checksum(ranks.layout.place(n)) for n in req["names"]}}
@@ -131,17 +164,24 @@ def _run(model: torch.nn.Module, req: dict[str, Any]) -> dict[str, Any]:
     if op == "apply":
         if _phase != "idle":
             raise EngineStateError(f"the engine is in phase {_phase!r} and holds no verified version: load a snapshot", held=None, phase=_phase)
+        plan, _plan = _plan, None
         t = time.perf_counter()
-        writes, report = stage(ranks, [(s["paths"], s["digests"]) for s in req["steps"]])
+        if plan is not None and plan.id == req.get("plan") and plan.generation == _generation:
+            writes, report, verify = plan.writes, {**plan.report, "staged_while_serving": True}, "written"
+        else:
+            writes, report = stage(ranks, [(s["paths"], s["digests"]) for s in req["steps"]])
+            report["staged_while_serving"], verify = False, "full"
         report["stage_s"] = time.perf_counter() - t
+        _generation += 1
         try:
-            report.update(commit(ranks, writes, _fault(what), f"writing versions {what}"))
+            report.update(commit(ranks, writes, _fault(what), f"writing versions {what}", verify=verify))
         except StitchError as exc:
             if not exc.details.get("restored", True):
                 _phase = "failed"
             raise
         return {"report": report}
     if op == "load_snapshot":
+        _generation += 1
         try:
             report = load_snapshot(ranks, req["paths"], req["digests"], req["checksums"], _fault(what))
         except StitchError as exc:
@@ -151,6 +191,51 @@ def _run(model: torch.nn.Module, req: dict[str, Any]) -> dict[str, Any]:
         _phase = "idle"
         return {"report": report}
     raise ValueError(f"unknown op {op!r}")
+
+
+def _staging(model: torch.nn.Module, req: dict[str, Any]) -> dict[str, Any]:
+    """The stager thread's handler: stage ``req``'s steps on the live weights and keep them as the
+    process's plan ``req["id"]`` (the answer as :func:`load` records it). Never raises."""
+    global _plan
+    try:
+        from .inplace import stage
+
+        if _phase != "idle":
+            raise EngineStateError(f"the engine is in phase {_phase!r} and holds no verified version: load a snapshot", held=None, phase=_phase)
+        with _lock:
+            _plan = None
+            t = time.perf_counter()
+            writes, report = stage(_get_ranks(model), [(s["paths"], s["digests"]) for s in req["steps"]])
+            report["stage_s"] = time.perf_counter() - t
+            _plan = _Plan(str(req["id"]), _generation, writes, report)
+        answer: dict[str, Any] = {"ok": True, "report": report}
+    except Exception as exc:  # noqa: BLE001 - answered, never raised
+        log.warning("stitchboard stager: %s: %s", type(exc).__name__, exc)
+        answer = {"ok": False, "error": _error(exc)}
+    held = req.get("held") if type(req.get("held")) is int else None
+    return {**answer, "state": {"version": held, "phase": _phase, "instance": INSTANCE_ID}}
+
+
+def _serve_staging(model: torch.nn.Module, record_dir: str, rank: int) -> str | None:
+    """Start (or move) this process's stager thread; its address, or None (not started: see the log)."""
+    global _stager
+    from .stager import StageServer, socket_address
+
+    address = socket_address(record_dir, rank, INSTANCE_ID)
+    if _stager is not None and _stager.address == address and _stager.is_alive():
+        return str(_stager.address)
+    with _lock:
+        _get_ranks(model)  # here, in SGLang's thread (it reads the TP rank from its context)
+    try:
+        server = StageServer(address, lambda req: _staging(model, req))
+    except OSError as exc:
+        log.warning("stitchboard loader: no staging while serving (cannot listen on %r: %s); updates stage in the pause", address, exc)
+        return None
+    if _stager is not None:
+        _stager.close()
+    _stager = server
+    server.start()
+    return address
 
 
 def _write_record(record_dir: str, rank: int, record: dict[str, Any]) -> None:
@@ -165,9 +250,9 @@ def _write_record(record_dir: str, rank: int, record: dict[str, Any]) -> None:
 def load(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
     """SGLang's custom weight loader entry point (see the module docstring). Never raises."""
     req: dict[str, Any] = {}
-    rank = 0
+    rank, size = 0, 1
     try:
-        rank = _tp()[0]
+        rank, size = _tp()[:2]
         tensors = dict(named_tensors)
         if set(tensors) != {REQUEST_NAME}:
             raise ValueError(f"expected one tensor named {REQUEST_NAME!r}, got {sorted(tensors)[:5]}")
@@ -183,7 +268,13 @@ def load(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Tensor]]) 
     if not isinstance(req.get("record_dir"), str):
         log.error("stitchboard loader: no record_dir, the answer is lost: %s", answer)
         return
+    stage_socket = None
+    if size == 1:
+        try:
+            stage_socket = _serve_staging(model, req["record_dir"], rank)
+        except Exception:  # never raise into SGLang: the updates stage in the pause
+            log.exception("stitchboard loader: could not start the stager")
     try:
-        _write_record(req["record_dir"], rank, {"request": req.get("id"), "pid": os.getpid(), "start": process_start(os.getpid()), "answer": answer})
+        _write_record(req["record_dir"], rank, {"request": req.get("id"), "pid": os.getpid(), "start": process_start(os.getpid()), "answer": answer, "stage_socket": stage_socket})
     except Exception:  # never raise into SGLang
         log.exception("stitchboard loader: could not write the answer record")
