@@ -1,0 +1,149 @@
+"""Fixtures of the real-vLLM MoE tests: tiny MoE runs trained with real AdamW steps, and their engines.
+
+:class:`MoeRun` is a bulletin on loopback and one run of a tiny MoE preset
+(:mod:`stitchboard.demo.moe_models`), published by the trainer SDK (``Publisher.publish(model)``:
+the transformers model holds its experts fused, the SDK publishes the checkpoint's per-expert
+names) from :class:`tests.support.training.CpuTrainer` steps; :meth:`MoeRun.step_one_expert`
+is a real AdamW step on the slice of one expert of one layer only. :func:`moe_engine` starts a
+vLLM server with the stitchboard extension on a preset (``moe_engines`` keeps one per preset and
+TP size for the session, so the oracle and routing tests can share them); the test brings it to
+version 0 with :func:`load_version_0`.
+
+Duck-typed for :class:`tests.sidecar.vllm_fixtures.SidecarProcess` (``bulletin.url``, ``run``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.vllm_server import VllmServer, require_vllm
+
+#: The AdamW learning rate of the MoE runs (weights ~N(0, 0.05): a few % of bf16 bits move per step).
+MOE_LR = 1e-5
+
+
+class MoeRun:
+    """A bulletin on loopback and one run of a MoE preset, published from real AdamW steps.
+
+    Args:
+        preset: ``tiny-qwen3-moe`` or ``tiny-mixtral``.
+        folder: where the bulletin's store, the publisher's work files and pulled versions go.
+    """
+
+    def __init__(self, preset: str, folder: Path) -> None:
+        from stitchboard.bulletin.app import create_app as create_bulletin
+        from stitchboard.bulletin.client import BulletinClient
+        from stitchboard.bulletin.settings import BulletinSettings
+        from stitchboard.demo.moe_models import moe_preset_checkpoint
+        from stitchboard.trainer_client.publisher import Publisher
+        from tests.sidecar.sidecar_helpers import AppServer
+        from tests.support.training import CpuTrainer
+
+        self.run = f"moe-{preset}"
+        self.folder = folder
+        self.model_dir = moe_preset_checkpoint(preset)
+        self.bulletin = AppServer(create_bulletin(BulletinSettings(store=f"file://{folder / 'store'}", poll_interval_s=0.05)))
+        self.client = BulletinClient(self.bulletin.url, retries=1, backoff_s=0.05)
+        self.trainer = CpuTrainer(self.model_dir, batch_size=2, seq_len=32, lr=MOE_LR)
+        self.publisher = Publisher(self.bulletin.url, self.run, client=self.client, workdir=folder / "publisher", assets=self.model_dir)
+        self.publisher.publish(self.trainer.model, step=0)
+
+    @property
+    def latest(self) -> int:
+        """The last published version."""
+        return self.publisher.last_version
+
+    def step(self) -> int:
+        """One AdamW step on every parameter, published; returns the new version."""
+        self.trainer.step()
+        return self.publisher.publish(self.trainer.model, step=self.trainer.steps).version
+
+    def step_one_expert(self, layer: int) -> tuple[int, int]:
+        """One AdamW step (a fresh optimizer, no weight decay) whose gradient is kept only on one
+        expert of layer ``layer`` (its gate, up and down rows: the routed expert with the largest
+        gradient), published; returns ``(version, expert)``."""
+        import torch
+
+        experts = self.trainer.model.model.layers[layer].mlp.experts
+        params = [experts.gate_up_proj, experts.down_proj]
+        optimizer = torch.optim.AdamW(params, lr=MOE_LR, weight_decay=0.0)
+        self.trainer.model.zero_grad(set_to_none=True)
+        ids = self.trainer.input_ids
+        self.trainer.model(input_ids=ids, labels=ids).loss.backward()
+        expert = int(params[0].grad.flatten(1).abs().sum(1).argmax())
+        for p in params:
+            keep = torch.zeros_like(p.grad)
+            keep[expert] = p.grad[expert]
+            p.grad = keep
+        optimizer.step()
+        self.trainer.model.zero_grad(set_to_none=True)
+        self.trainer.steps += 1
+        return self.publisher.publish(self.trainer.model, step=self.trainer.steps).version, expert
+
+    def sums(self, version: int) -> dict[str, str]:
+        """name -> xxh3-128 of every tensor of ``version``, from its manifest."""
+        return self.client.manifest(self.run, version).checksums()
+
+    def changed(self, version: int) -> set[str]:
+        """Checkpoint names whose bits changed from ``version - 1`` to ``version``."""
+        old, new = self.sums(version - 1), self.sums(version)
+        return {n for n in new if old[n] != new[n]}
+
+    def pull(self, version: int) -> Path:
+        """``stitchboard pull``'s folder of ``version`` (a plain checkpoint + assets), made once."""
+        from stitchboard.trainer_client.resume import pull_version
+
+        out = self.folder / f"pulled-v{version}"
+        if not out.exists():
+            pull_version(self.client, self.run, out, version)
+        return out
+
+    def close(self) -> None:
+        self.publisher.close()
+        self.client.close()
+        self.bulletin.stop()
+
+
+def load_version_0(engine: VllmServer, run: MoeRun) -> None:
+    """Make ``engine`` hold ``run``'s version 0 (the preset checkpoint) whatever it held, resumed."""
+    from stitchboard.sidecar.engines.vllm.adapter import VllmEngine
+
+    adapter = VllmEngine(engine.url, timeout_s=120)
+    try:
+        adapter.pause()
+        try:
+            adapter.load_snapshot([str(run.model_dir / "model.safetensors")], 0, run.sums(0))
+            adapter.reset_prefix_cache()
+        finally:
+            adapter.resume()
+    finally:
+        adapter.close()
+
+
+@pytest.fixture(scope="session")
+def moe_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., VllmServer]]:
+    """``get(preset, tp=1)``: the session's vLLM server (stitchboard extension) on a MoE preset,
+    started on first use (~30 s at TP 1 on 2 cores), stopped at the end of the session."""
+    require_vllm()
+    from stitchboard.demo.moe_models import moe_preset_checkpoint
+
+    folder = tmp_path_factory.mktemp("moe-engines")
+    engines: dict[tuple[str, int], VllmServer] = {}
+
+    def get(preset: str, tp: int = 1) -> VllmServer:
+        if (preset, tp) not in engines:
+            server = VllmServer(moe_preset_checkpoint(preset), folder / f"{preset}-tp{tp}.log", tp=tp)
+            try:
+                server.wait_ready()
+            except BaseException:
+                server.stop()
+                raise
+            engines[(preset, tp)] = server
+        return engines[(preset, tp)]
+
+    yield get
+    for server in engines.values():
+        server.stop()
