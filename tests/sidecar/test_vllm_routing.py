@@ -1,0 +1,293 @@
+"""Routing replay through the sidecar in front of a real vLLM (CPU) serving the tiny Qwen3-MoE.
+
+One engine (``A``, the worker extension loaded) serves the ``tiny-qwen3-moe`` preset behind a
+sidecar following a run on a loopback bulletin; versions change only the routers (every layer's
+``mlp.gate.weight`` redrawn from a seed), so each version routes differently. A second engine
+(``B``) is started fresh from version 1's full checkpoint; both start together.
+
+* The routing returned for a prompt (every position of prompt and output, SGLang's
+  ``sglext.routed_experts``) equals what the fresh engine ``B`` routes at the same version, and
+  changes with a version whose routers changed; streamed and plain answers carry the same rows.
+* A prompt already in the prefix cache is routed again (its rows are those of the uncached
+  answer; the engine's prefix-cache hit counter does not move).
+* A plain and a streamed request crossing a commit carry the old version for the rows read
+  before the engine's count at the pause and the new one after it; the old rows equal the old
+  version's routing of the same tokens and the first new row the new version's.
+* A dense model (the session's SmolLM2 engine) is refused with a 400 naming it.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.sidecar.commit_overlap import HeldPublish, LatchedClient, LongRequests
+from tests.sidecar.vllm_fixtures import SidecarProcess, copy_model_files
+from tests.support.vllm_server import VllmServer, require_vllm
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "Once upon a time, in a small village by the sea, " * 4  # ~50 tokens: three KV blocks of 16
+ASK = {"return_routed_experts": True}
+
+
+@pytest.fixture(autouse=True)
+def _needs_vllm() -> None:
+    require_vllm()
+
+
+class RouterRun:
+    """A bulletin on loopback and one run whose versions redraw the MoE routers (trainer SDK).
+
+    Args:
+        model_dir: the tiny MoE checkpoint (version 0).
+        folder: the bulletin's store and the publisher's work files.
+    """
+
+    def __init__(self, model_dir: Path, folder: Path) -> None:
+        from safetensors.torch import load_file
+
+        from stitchboard.bulletin.app import create_app as create_bulletin
+        from stitchboard.bulletin.settings import BulletinSettings
+        from stitchboard.trainer_client.publisher import Publisher
+        from tests.sidecar.sidecar_helpers import AppServer
+
+        self.run, self.model_dir, self.folder = "moe-routing", model_dir, folder
+        self.bulletin = AppServer(create_bulletin(BulletinSettings(store=f"file://{folder / 'store'}", poll_interval_s=0.05)))
+        self.client = LatchedClient(self.bulletin.url, retries=1, backoff_s=0.05)
+        self.publisher = Publisher(self.bulletin.url, self.run, client=self.client, workdir=folder / "publisher")
+        self.views = {0: load_file(str(model_dir / "model.safetensors"))}
+        self.publisher.publish(self.views[0], step=0)
+
+    def view(self, version: int) -> dict:
+        """Version ``version``'s tensors: version 0's with every router redrawn (seed = version)."""
+        import torch
+
+        if version not in self.views:
+            gen = torch.Generator().manual_seed(version)
+            view = dict(self.views[0])
+            for name in sorted(n for n in view if n.endswith(".mlp.gate.weight")):
+                view[name] = (torch.randn(view[name].shape, generator=gen) * 0.5).to(torch.bfloat16)
+            self.views[version] = view
+        return self.views[version]
+
+    def checkpoint(self, version: int) -> Path:
+        """A plain checkpoint folder of ``version`` (for a fresh engine)."""
+        from safetensors.torch import save_file
+
+        folder = self.folder / f"checkpoint-v{version}"
+        folder.mkdir()
+        save_file(self.view(version), str(folder / "model.safetensors"), metadata={"format": "pt"})
+        copy_model_files(self.model_dir, folder)
+        return folder
+
+    def publish(self) -> int:
+        """Publish the next version; returns it."""
+        version = self.publisher.last_version + 1
+        return self.publisher.publish(self.view(version), step=version).version
+
+    def close(self) -> None:
+        self.publisher.close()
+        self.client.close()
+        self.bulletin.stop()
+
+
+class Routing:
+    """The module's engines: ``a`` behind ``sidecar``, ``b`` fresh from version 1."""
+
+    def __init__(self, run: RouterRun, a: VllmServer, b: VllmServer, sidecar: SidecarProcess) -> None:
+        self.run, self.a, self.b, self.sidecar = run, a, b, sidecar
+
+
+@pytest.fixture(scope="module")
+def routing(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Routing]:
+    from stitchboard.demo.moe_models import moe_preset_checkpoint
+
+    folder = tmp_path_factory.mktemp("moe-routing")
+    run = RouterRun(moe_preset_checkpoint("tiny-qwen3-moe"), folder)
+    a = VllmServer(run.model_dir, folder / "engine-a.log")
+    b = VllmServer(run.checkpoint(1), folder / "engine-b.log")
+    sidecar = None
+    try:
+        a.wait_ready()
+        b.wait_ready()
+        sidecar = SidecarProcess(run, a.url, folder, {"STITCH_SIDECAR_BOOT_VERSION": "0"})
+        sidecar.proc.wait_healthy(300)
+        sidecar.wait_applied(0)
+        yield Routing(run, a, b, sidecar)
+    finally:
+        if sidecar is not None:
+            sidecar.stop()
+        a.stop()
+        b.stop()
+        run.close()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _rows(answer: dict) -> np.ndarray:
+    routed = answer["sglext"]["routed_experts"]
+    assert routed is not None, answer.get("routed_experts_error")
+    return np.frombuffer(base64.b64decode(routed), dtype=np.int32).reshape(-1, 2, 2)  # 2 layers, top-2
+
+
+def _complete(url: str, model: str, prompt: str | list[int], tokens: int, **body) -> dict:
+    r = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "return_token_ids": True, **body}, timeout=600)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _streamed(url: str, model: str, prompt: str, tokens: int, **body) -> tuple[list[int], dict]:
+    payload = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "return_token_ids": True, "stream": True, **body}
+    with httpx.stream("POST", f"{url}/v1/completions", json=payload, timeout=600) as r:
+        assert r.status_code == 200, r.read()
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert not any("usage" in e for e in events), "the usage chunk the sidecar asked for was sent on"
+    return [t for e in events[:-1] for c in e.get("choices", []) for t in c.get("token_ids") or []], events[-1]
+
+
+def _fresh_rows(engine: VllmServer, prompt: str, tokens: int) -> tuple[list[int], np.ndarray]:
+    """What engine ``engine`` (no sidecar) routes a marked request to, read from its worker."""
+    mark = f"stitch-routing-{uuid.uuid4().hex}"
+    r = httpx.post(
+        f"{engine.url}/v1/completions", headers={"x-request-id": mark}, json={"model": engine.model, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "return_token_ids": True}, timeout=600
+    )
+    assert r.status_code == 200, r.text
+    rpc = httpx.post(f"{engine.url}/collective_rpc", json={"method": "stitch_routed_experts", "args": [json.dumps({"marks": [mark]})]}, timeout=60).json()
+    report = rpc["results"][0]["report"]
+    capture = report["requests"][mark]
+    assert capture["start"] == 0
+    rows = np.frombuffer(base64.b64decode(capture["rows"]), dtype=np.int32).reshape(-1, report["num_layers"], report["top_k"])
+    return r.json()["choices"][0]["token_ids"], rows
+
+
+def _prefix_hits(engine_url: str) -> float:
+    text = httpx.get(f"{engine_url}/metrics", timeout=30).text
+    return sum(float(m.group(1)) for m in re.finditer(r"^vllm:prefix_cache_hits_total(?:{[^}]*})? ([0-9.e+]+)$", text, re.MULTILINE))
+
+
+def test_routing_equals_a_fresh_engines_and_changes_with_the_router(routing: Routing):
+    """Version 0, then 1: full-sequence rows equal engine B's at version 1, streamed = plain, cached prompts routed again."""
+    sidecar, model, tokens = routing.sidecar, routing.a.model, 12
+    plain = _complete(sidecar.url, model, PROMPT, tokens, **ASK)
+    n_prompt = plain["usage"]["prompt_tokens"]
+    rows0 = _rows(plain)
+    assert rows0.shape == (n_prompt + tokens - 1, 2, 2) and plain["routed_experts_weight_versions"] == [{"version": 0, "start": 0, "end": n_prompt + tokens - 1}]
+    assert ((rows0 >= 0) & (rows0 < 8)).all() and (rows0[:, :, 0] != rows0[:, :, 1]).all()
+    ids, stamp = _streamed(sidecar.url, model, PROMPT, tokens, **ASK)
+    assert ids == plain["choices"][0]["token_ids"] and np.array_equal(_rows(stamp), rows0)
+    assert stamp["routed_experts_weight_versions"] == plain["routed_experts_weight_versions"]
+    tail = _complete(sidecar.url, model, PROMPT, tokens, routed_experts_start_len=n_prompt, **ASK)
+    assert np.array_equal(_rows(tail), rows0[n_prompt:]) and tail["routed_experts_start_len"] == n_prompt
+
+    _complete(sidecar.url, model, PROMPT, 1)  # caches the prompt's blocks
+    hits = _prefix_hits(routing.a.url)
+    again = _complete(sidecar.url, model, PROMPT, tokens, **ASK)
+    time.sleep(0.5)  # the engine's counters are updated just after its answer
+    assert _prefix_hits(routing.a.url) == hits, "a request asking for its prompt's routing read the prefix cache"
+    assert np.array_equal(_rows(again), rows0)
+
+    assert routing.run.publish() == 1
+    sidecar.wait_applied(1)
+    one = _complete(sidecar.url, model, PROMPT, tokens, **ASK)
+    rows1 = _rows(one)
+    assert one["routed_experts_weight_versions"] == [{"version": 1, "start": 0, "end": n_prompt + tokens - 1}]
+    changed = float((rows1 != rows0).any(axis=(1, 2)).mean())
+    assert changed > 0.5, f"only {changed:.0%} of the positions route differently after the routers changed"
+    fresh_ids, fresh = _fresh_rows(routing.b, PROMPT, tokens)
+    assert fresh_ids == one["choices"][0]["token_ids"]
+    assert np.array_equal(fresh[: len(rows1)], rows1), "the patched engine routes otherwise than a fresh engine at the same version"
+    print(f"{len(rows1)} positions: {changed:.0%} routed differently after the routers changed; equal to the fresh engine's")
+
+
+class RoutedRequests(LongRequests):
+    """:class:`LongRequests` asking for routing, spans and token ids."""
+
+    def __init__(self, url: str, model: str, prompt: str, tokens: int) -> None:
+        self.extra = {**ASK, "return_weight_versions": True, "return_token_ids": True}
+        super().__init__(url, model, prompt, tokens)
+
+    def _stream(self) -> None:
+        self.body = {**self.body, **self.extra}
+        super()._stream()
+
+    def _plain(self) -> None:
+        self.plain = httpx.post(self.url, json={**self.body, **self.extra}, timeout=600)
+        if self.plain.status_code != 200:
+            self.failures.append(f"plain: {self.plain.status_code} {self.plain.text[:2000]}")
+
+    def wait_streaming(self, timeout_s: float = 300.0) -> None:
+        """Wait until the stream's first tokens arrived (the tiny model's 900 tokens take ~3 s:
+        waiting for both to be counted in flight too let the stream end first in a CI-like run)."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.events) < 3 and time.monotonic() < deadline:
+            assert self.threads[0].is_alive(), f"the stream ended before it was generating: {self.failures}"
+            time.sleep(0.02)
+        assert len(self.events) >= 3, f"the stream sent no tokens in {timeout_s} s"
+
+
+def _row_versions(spans: list[dict], n_prompt: int) -> list[dict]:
+    """The versions of the rows of an answer whose output tokens have ``spans``: output token ``i``
+    came from the forward pass that read position ``n_prompt - 1 + i`` (the prompt's rows from the first's)."""
+    return [{"version": s["version"], "start": 0 if i == 0 else n_prompt - 1 + s["start"], "end": n_prompt - 1 + s["end"]} for i, s in enumerate(spans)]
+
+
+def test_requests_crossing_a_commit_carry_each_rows_version(routing: Routing):
+    """Rows read before the engine's count at the pause carry version v, later ones v + 1 (the
+    stream crosses the commit; the plain answer, sent beside it, is checked the same way when it
+    crossed too, and in any case its rows' versions follow its spans)."""
+    sidecar, model, tokens, run = routing.sidecar, routing.a.model, 900, routing.run
+    v = run.publisher.last_version
+    sidecar.wait_applied(v)
+    before = _complete(sidecar.url, model, PROMPT, tokens, **ASK)
+    old_ids, old_rows, n_prompt = before["choices"][0]["token_ids"], _rows(before), before["usage"]["prompt_tokens"]
+    prompt_ids = _complete(sidecar.url, model, PROMPT, 1, echo=True)["choices"][0]["prompt_token_ids"]
+    held = HeldPublish(run.client, run.publish)
+    try:
+        held.wait_ready()
+        requests = RoutedRequests(sidecar.url, model, PROMPT, tokens)
+        requests.wait_streaming()
+    except BaseException:
+        held.abort()
+        raise
+    released = time.monotonic()
+    assert held.commit() == v + 1
+    sidecar.wait_applied(v + 1)
+    applied = time.monotonic() - released
+    requests.join()
+    assert not requests.failures, requests.failures
+    print(f"version {v + 1} applied {applied:.2f} s after its commit was released; requests done {time.monotonic() - released:.2f} s after")
+    stamp = requests.events[-1]
+    stream_ids = [t for e in requests.events[:-1] for c in e.get("choices", []) for t in c.get("token_ids") or []]
+    plain = requests.plain.json()
+    assert [s["version"] for s in stamp["weight_versions"]] == [v, v + 1], stamp["weight_versions"]
+    for name, answer, ids in (("plain", plain, plain["choices"][0]["token_ids"]), ("stream", stamp, stream_ids)):
+        spans, rows = answer["weight_versions"], _rows(answer)
+        assert answer["routed_experts_weight_versions"] == _row_versions(spans, n_prompt) and len(rows) == n_prompt + tokens - 1, (name, spans)
+        if len(spans) == 1:
+            print(f"{name}: did not cross the commit, rows all version {spans[0]['version']}")
+            continue
+        b = spans[0]["end"]  # output tokens [0, b) were made under v: read at positions < n_prompt - 1 + b
+        cut = n_prompt - 1 + b
+        assert ids[:b] == old_ids[:b] and np.array_equal(rows[:cut], old_rows[:cut]), f"{name}: the rows before the commit are not version {v}'s"
+        after = _complete(sidecar.url, model, prompt_ids + ids[:b], 1, routed_experts_start_len=cut, **ASK)
+        assert np.array_equal(rows[cut : cut + 1], _rows(after)), f"{name}: the first row after the commit is not version {v + 1}'s"
+        print(f"{name}: rows [0, {cut}) version {v}, [{cut}, {len(rows)}) version {v + 1}")
+
+
+def test_a_dense_model_is_refused_by_name(vllm_run_engine, vllm_sidecars):
+    """The session's SmolLM2 engine has no experts: 400 RoutedExpertsRefused naming the model."""
+    sidecar = vllm_sidecars(vllm_run_engine.url)
+    sidecar.wait_applied(0)
+    r = httpx.post(f"{sidecar.url}/v1/completions", json={"model": vllm_run_engine.model, "prompt": "Hi", "max_tokens": 2, **ASK}, timeout=60)
+    assert r.status_code == 400 and r.json()["type"] == "RoutedExpertsRefused", r.text
+    assert vllm_run_engine.model in r.json()["message"], r.text
