@@ -1,0 +1,115 @@
+"""MoE expert tensors patched in place on real SGLang (CPU): the bit-exact oracle through the adapter.
+
+The tiny Qwen3-MoE preset (expert width 80: SGLang's CPU path pads it to 96 at TP = 1, so every
+expert's gate and up rows and down columns have zero padding that is never addressed) is trained
+with real AdamW steps on the CPU and published by the trainer SDK under the checkpoint's
+per-expert names (:class:`tests.sidecar.moe_fixtures.MoeRun`). Patches between the published
+versions (``cond``, encoded with the codec from ``stitchboard pull``'s folders) go through the
+adapter and stitchboard's loader into the engine's fused ``w13_weight`` / ``w2_weight``
+(:mod:`stitchboard.sidecar.engines.sglang.experts`): two full steps in one catch-up commit, then
+a step touching a single expert of a single layer. The engine's greedy tokens and logprobs then
+equal those of a fresh SGLang started from the pulled folder of the last version and differ from
+version 0's; every tensor's checksum, read through the map in checkpoint coordinates, equals the
+manifest's.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from stitchboard.proto.checkpoint import load_checkpoint
+from stitchboard.proto.container import RawTensor
+from stitchboard.proto.diff import diff_views
+from stitchboard.sidecar.engines.sglang.adapter import SglangEngine
+from stitchboard.sidecar.errors import ApplyRefusedError
+from tests.sidecar.moe_fixtures import MoeRun
+from tests.sidecar.sglang_helpers import SglangServer, require_sglang
+
+pytestmark = pytest.mark.slow
+
+#: Tensor classes the first versions must change (substring of the checkpoint name).
+CLASSES = {"experts": ".experts.", "router": ".gate.weight", "attention": ".self_attn.", "embedding": "embed_tokens"}
+
+
+def patch_file(folder: Path, base: dict[str, RawTensor], target: dict[str, RawTensor], name: str) -> list[str]:
+    """``base`` -> ``target`` encoded (cond) into ``folder/name``; returns ``[path]``."""
+    path = folder / name
+    path.write_bytes(diff_views(base, target, "cond").patch)
+    return [str(path)]
+
+
+def commit(engine: SglangEngine, steps: list[tuple[list[str], int, int]]) -> dict:
+    """What the sidecar does for one plan: check while serving, pause, write, flush, resume."""
+    engine.stage_patches(steps)
+    engine.pause()
+    try:
+        report = engine.commit_staged(steps[-1][2])
+        engine.reset_prefix_cache()
+    finally:
+        engine.resume()
+    return report
+
+
+def test_qwen3_moe_expert_patches_equal_a_fresh_sglang(tmp_path: Path) -> None:
+    check_moe_oracle("tiny-qwen3-moe", 1, tmp_path)
+
+
+def check_moe_oracle(preset: str, tp: int, folder: Path) -> None:
+    """The oracle on ``preset`` at TP = ``tp`` (one patched server, one fresh server)."""
+    require_sglang()
+    run = MoeRun(preset, folder / "run")
+    try:
+        engine = SglangServer(run.model_dir, folder / "engine.log", tp=tp)
+        try:
+            engine.wait_ready()
+            adapter = SglangEngine(engine.url, folder / "records", timeout_s=120)
+            try:
+                adapter.set_version(0, None)
+                assert adapter.checksums(sorted(run.sums(0))) == run.sums(0), "the boot weights read through the map are not version 0's"
+                at_v0 = engine.greedy()
+                for _ in range(2):
+                    run.step()
+                touched = run.changed(1) | run.changed(2)
+                for what, mark in CLASSES.items():
+                    assert any(mark in n for n in touched), f"no {what} tensor changed in versions 1-2"
+                single, expert = run.step_one_expert(layer=1)
+                names = run.changed(single)
+                assert names and all(re.search(rf"layers\.1\.\w+\.experts\.{expert}\.", n) for n in names), names
+                views = {v: load_checkpoint(run.pull(v)) for v in range(single + 1)}
+
+                config = json.loads((run.model_dir / "config.json").read_text())
+                count = config.get("num_experts") or config["num_local_experts"]
+                real = min(names)
+                stray = {re.sub(r"\.experts\.\d+\.", f".experts.{count}.", real): views[0][real]}
+                moved = {n: RawTensor(t.dtype, t.shape, t.bits ^ np.uint16(1)) for n, t in stray.items()}
+                with pytest.raises(ApplyRefusedError) as refused:
+                    commit(adapter, [(patch_file(folder, stray, moved, "no-such-expert.patch"), 0, 1)])
+                assert refused.value.details["cause"] == "UnmappedTensor", refused.value
+                assert f"expert {count}" in str(refused.value), refused.value
+
+                report = commit(adapter, [(patch_file(folder, views[v - 1], views[v], f"v{v}.patch"), v - 1, v) for v in (1, 2)])
+                assert report["tensors"] > 0
+                assert adapter.checksums(sorted(run.sums(2))) == run.sums(2)
+                report = commit(adapter, [(patch_file(folder, views[2], views[single], f"v{single}.patch"), 2, single)])
+                assert report["tensors"] == len(names), report
+                assert adapter.state().version == single
+                assert adapter.checksums(sorted(run.sums(single))) == run.sums(single)
+                patched = engine.greedy()
+            finally:
+                adapter.close()
+        finally:
+            engine.stop()
+        assert patched != at_v0, "the patched engine answers as at version 0"
+        fresh = SglangServer(run.pull(single), folder / "fresh.log", tp=tp, loader=False)
+        try:
+            fresh.wait_ready()
+            assert patched == fresh.greedy(), f"the patched engine differs from a fresh SGLang at version {single} (TP = {tp})"
+        finally:
+            fresh.stop()
+    finally:
+        run.close()
