@@ -144,3 +144,33 @@ def test_tp2_head_padding_patched_equals_a_fresh_tp2_server(views, smollm2_dir, 
         assert patched == fresh.greedy(), "the patched TP = 2 engine differs from a fresh TP = 2 engine at version 2"
     finally:
         fresh.stop()
+
+
+def test_a_plan_staged_before_another_write_is_staged_again_in_the_pause(sglang_engine, adapter, views, sglang_workdir, smollm2_dir):
+    """At TP = 1 the loader's stager decodes and checks a patch while the engine serves and the
+    paused call only writes it; a loader write between the staging and the commit (here a
+    snapshot load of the same bits) makes the plan stale: the commit stages again in the pause
+    and ends verified all the same, and the next plan staged while serving is used."""
+
+    def snapshot() -> None:
+        adapter.pause()
+        try:
+            adapter.load_snapshot([str(smollm2_dir / "model.safetensors")], 0, sums(views[0]))
+            adapter.reset_prefix_cache()
+        finally:
+            adapter.resume()
+
+    snapshot()
+    staged = adapter.stage_patches([([write_patch(sglang_workdir, views[0], views[1], "stale.patch")], 0, 1)])
+    assert staged["in_engine"] and staged["decode_s"] > 0
+    adapter.pause()
+    try:
+        adapter.load_snapshot([str(smollm2_dir / "model.safetensors")], 0, sums(views[0]))
+        report = adapter.commit_staged(1)
+    finally:
+        adapter.resume()
+    assert report["staged_while_serving"] is False
+    assert adapter.state().version == 1 and adapter.checksums(sorted(views[1])) == sums(views[1])
+    report = commit(adapter, [write_patch(sglang_workdir, views[1], views[2], "fresh.patch")], 1, 2)
+    assert report["staged_while_serving"] is True
+    assert adapter.state().version == 2 and adapter.checksums(sorted(views[2])) == sums(views[2])
