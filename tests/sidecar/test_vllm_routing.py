@@ -7,7 +7,8 @@ sidecar following a run on a loopback bulletin; versions change only the routers
 
 * The routing returned for a prompt (every position of prompt and output, SGLang's
   ``sglext.routed_experts``) equals what the fresh engine ``B`` routes at the same version, and
-  changes with a version whose routers changed; streamed and plain answers carry the same rows.
+  changes with a version whose routers changed; streamed and plain answers carry the same rows
+  (``/v1/completions`` and ``/v1/chat/completions``, asked by body field or header).
 * A prompt already in the prefix cache is routed again (its rows are those of the uncached
   answer; the engine's prefix-cache hit counter does not move).
 * A plain and a streamed request crossing a commit carry the old version for the rows read
@@ -188,6 +189,13 @@ def test_routing_equals_a_fresh_engines_and_changes_with_the_router(routing: Rou
     assert stamp["routed_experts_weight_versions"] == plain["routed_experts_weight_versions"]
     tail = _complete(sidecar.url, model, PROMPT, tokens, routed_experts_start_len=n_prompt, **ASK)
     assert np.array_equal(_rows(tail), rows0[n_prompt:]) and tail["routed_experts_start_len"] == n_prompt
+    chat_body = {"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
+    chat = httpx.post(f"{sidecar.url}/v1/chat/completions", headers={"X-Stitch-Return-Routed-Experts": "1"}, json=chat_body, timeout=600).json()
+    chat_rows = chat["usage"]["prompt_tokens"] + tokens - 1
+    assert _rows(chat).shape == (chat_rows, 2, 2) and chat["routed_experts_weight_versions"] == [{"version": 0, "start": 0, "end": chat_rows}]
+    with httpx.stream("POST", f"{sidecar.url}/v1/chat/completions", json={**chat_body, **ASK, "stream": True}, timeout=600) as r:
+        chat_stamp = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")][-1]
+    assert np.array_equal(_rows(chat_stamp), _rows(chat)), "a streamed chat answer routed otherwise than the plain one"
 
     _complete(sidecar.url, model, PROMPT, 1)  # caches the prompt's blocks
     hits = _prefix_hits(routing.a.url)
