@@ -126,7 +126,8 @@ def load_version_0(engine: VllmServer, run: MoeRun) -> None:
 @pytest.fixture(scope="session")
 def moe_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., VllmServer]]:
     """``get(preset, tp=1)``: the session's vLLM server (stitchboard extension) on a MoE preset,
-    started on first use (~30 s at TP 1 on 2 cores), stopped at the end of the session."""
+    started on first use (~30 s at TP 1 on 2 cores). One is kept at a time (getting another
+    stops it: a 2-core, 24 GB host runs other engines too), the last at the end of the session."""
     require_vllm()
     from stitchboard.demo.moe_models import moe_preset_checkpoint
 
@@ -135,6 +136,8 @@ def moe_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[.
 
     def get(preset: str, tp: int = 1) -> VllmServer:
         if (preset, tp) not in engines:
+            for key in list(engines):
+                engines.pop(key).stop()
             server = VllmServer(moe_preset_checkpoint(preset), folder / f"{preset}-tp{tp}.log", tp=tp)
             try:
                 server.wait_ready()
