@@ -82,6 +82,7 @@ class Watcher:
         self._waiters: dict[str, int] = {}
         self._direct: dict[str, set[DirectWaiter]] = {}
         self._fan_outs: set[asyncio.Task] = set()
+        self._reads: dict[str, asyncio.Task[None]] = {}
         self._task: asyncio.Task | None = None
 
     def register(self, run: str, waiter: DirectWaiter) -> None:
@@ -138,6 +139,22 @@ class Watcher:
         return self._answers[run]
 
     async def _refresh(self, run: str) -> None:
+        """Read the latest version of ``run`` from the store, one read per run at a time: waiters
+        that arrive while a read is in flight share it (5,000 waiters re-registering after a
+        publish made one store read each, as many GETs per publish on S3)."""
+        read = self._reads.get(run)
+        if read is None:
+            read = self._reads[run] = asyncio.ensure_future(self._read(run))
+            read.add_done_callback(lambda done: self._read_done(run, done))
+        await asyncio.shield(read)  # one waiter leaving (client gone) does not cancel the others' read
+
+    def _read_done(self, run: str, read: asyncio.Task[None]) -> None:
+        if self._reads.get(run) is read:
+            del self._reads[run]
+        if not read.cancelled():
+            read.exception()  # raised to every waiter that awaited it; marked seen if none is left
+
+    async def _read(self, run: str) -> None:
         self._checked_at[run] = time.monotonic()
         info = await to_thread.run_sync(self._ledger.latest, run)
         current = self._latest.get(run)
@@ -187,7 +204,9 @@ class Watcher:
                     log.warning("reading the latest version of run %r failed: %s", run, exc)
 
     async def close(self) -> None:
-        """Stop the background poller."""
+        """Stop the background poller and any store read in flight."""
+        for read in list(self._reads.values()):
+            read.cancel()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
