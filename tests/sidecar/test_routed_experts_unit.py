@@ -82,3 +82,40 @@ def test_a_model_without_experts_is_refused_by_name():
     source = RoutingSource(lambda marks: {"moe": False, "model": "smollm2", "requests": {}}, 1.0)
     with pytest.raises(RoutedExpertsRefusedError, match="'smollm2' has no mixture-of-experts layers"):
         asyncio.run(source.require_moe())
+
+
+def _step(capture, batch: list[tuple[str, int, int]], ids: list, layers: int = LAYERS) -> None:
+    """One forward pass of ``capture`` over ``batch`` ((request id, computed tokens, scheduled
+    tokens) in batch order), each layer routing ``ids`` (int [rows, top_k]); a stand-in for
+    vLLM's model runner and scheduler output."""
+    from types import SimpleNamespace
+
+    import torch
+
+    runner = SimpleNamespace(
+        input_batch=SimpleNamespace(req_ids=[r for r, _, _ in batch], num_computed_tokens_cpu=np.array([c for _, c, _ in batch])),
+        requests={r: SimpleNamespace(num_prompt_tokens=3) for r, _, _ in batch},
+    )
+    capture.step = SimpleNamespace(num_scheduled_tokens={r: n for r, _, n in batch})
+    for layer in range(layers):
+        capture.capture(runner, layer, torch.tensor(ids, dtype=torch.int64) + 10 * layer)
+    capture.step = None
+
+
+def test_the_worker_splits_batched_rows_per_marked_request_and_keeps_first_routings():
+    from stitchboard.sidecar.engines.vllm import routing
+
+    capture = routing._Capture(layer_ids=[0, 1], num_layers=LAYERS, top_k=TOP_K, model="m")
+    mark = f"stitch-routing-{'a' * 32}"
+    routing.note_version(7)
+    _step(capture, [("cmpl-other-0-x", 0, 2), (f"cmpl-{mark}-0-x", 0, 3)], [[0, 1], [1, 2], [2, 3], [3, 4], [4, 5]])  # prefill of 3
+    routing.note_version(8)
+    _step(capture, [(f"cmpl-{mark}-0-x", 3, 1)], [[5, 6]])  # one decode step under version 8
+    _step(capture, [(f"cmpl-{mark}-0-x", 0, 5)], [[9, 9]] * 5)  # recomputed after a preemption: positions 0..3 keep their routing
+    got = capture.take(mark)
+    rows = np.frombuffer(base64.b64decode(got["rows"]), dtype=np.int32).reshape(-1, LAYERS, TOP_K)
+    assert rows[:, 0].tolist() == [[2, 3], [3, 4], [4, 5], [5, 6], [9, 9]] and rows[:, 1].tolist() == [[12, 13], [13, 14], [14, 15], [15, 16], [19, 19]]
+    assert got["start"] == 0 and got["prompt_tokens"] == 3 and got["versions"] == [[7, 0, 3], [8, 3, 5]]
+    assert capture.take(mark) is None, "a routing is handed over once"
+    _step(capture, [(f"cmpl-{mark}-0-x", 0, 4)], [[0, 1]] * 2)  # fewer rows than scheduled tokens
+    assert "for a step of 4 token rows" in capture.take(mark)["error"]

@@ -51,6 +51,7 @@ def note_version(version: int | None) -> None:
 class _Routing:
     prompt_tokens: int
     chunks: list[tuple[int, int | None, np.ndarray]] = field(default_factory=list)
+    error: str | None = None  # why a forward pass's rows could not be split (then no rows are answered)
 
 
 @dataclass
@@ -63,7 +64,8 @@ class _Capture:
     model: str
     requests: OrderedDict[str, _Routing] = field(default_factory=OrderedDict)
     step: Any = None  # the scheduler output of the forward pass running now
-    rows: list[tuple[int, int, np.ndarray]] = field(default_factory=list)  # (row offset, n, buffer) this step
+    rows: list[tuple[int, int, np.ndarray, _Routing]] = field(default_factory=list)  # (row offset, n, buffer, request) this step
+    total: int = 0  # token rows of this step's scheduled requests
 
     def begin(self, runner: Any) -> None:
         """Lay out this step's rows (called at the first MoE layer of each forward pass)."""
@@ -82,8 +84,9 @@ class _Capture:
                         self.requests.popitem(last=False)
                 buffer = np.full((n, self.num_layers, self.top_k), -1, dtype=np.int32)
                 entry.chunks.append((int(batch.num_computed_tokens_cpu[index]), _version, buffer))
-                self.rows.append((offset, n, buffer))
+                self.rows.append((offset, n, buffer, entry))
             offset += n
+        self.total = offset
 
     def capture(self, runner: Any, layer_id: int, topk_ids: Any) -> None:
         """The capture function of layer ``layer_id``: ``topk_ids`` int [tokens, top_k]."""
@@ -94,7 +97,13 @@ class _Capture:
         if not self.rows:
             return
         ids = topk_ids.cpu().numpy()
-        for offset, n, buffer in self.rows:
+        if ids.ndim != 2 or ids.shape[0] < self.total or ids.shape[1] != self.top_k:
+            # e.g. sequence- or data-parallel MoE layers see other rows: never guess, never fail the forward pass
+            for _, _, _, entry in self.rows:
+                entry.error = f"layer {layer_id} routed {tuple(ids.shape)} ids for a step of {self.total} token rows, top-{self.top_k}"
+            self.rows = []
+            return
+        for offset, n, buffer, _ in self.rows:
             buffer[:, layer_id, :] = ids[offset : offset + n]
 
     def take(self, mark: str) -> dict[str, Any] | None:
@@ -102,6 +111,8 @@ class _Capture:
         entry = self.requests.pop(mark, None)
         if entry is None or not entry.chunks:
             return None
+        if entry.error is not None:
+            return {"error": entry.error}
         first = entry.chunks[0][0]
         end = first
         parts: list[np.ndarray] = []
