@@ -92,6 +92,12 @@ class MoeRun:
         old, new = self.sums(version - 1), self.sums(version)
         return {n for n in new if old[n] != new[n]}
 
+    def patch_paths(self, version: int) -> list[str]:
+        """``version``'s patch files, downloaded from the bulletin (once)."""
+        out = self.folder / f"patches-v{version}"
+        out.mkdir(exist_ok=True)
+        return [str(self.client.download_blob(self.run, f.sha256, out / f.path, f.size_bytes)) for f in self.client.manifest(self.run, version).files_of("patch")]
+
     def pull(self, version: int) -> Path:
         """``stitchboard pull``'s folder of ``version`` (a plain checkpoint + assets), made once."""
         from stitchboard.trainer_client.resume import pull_version

@@ -52,6 +52,7 @@ def moe_runs(tmp_path: Path) -> Iterator[Callable[[str], MoeRun]]:
 @pytest.mark.parametrize(("preset", "tp"), [("tiny-qwen3-moe", 1), ("tiny-mixtral", 1), ("tiny-qwen3-moe", 2)])
 def test_moe_patches_through_the_sidecar_equal_a_fresh_engine(preset: str, tp: int, moe_engines, moe_runs, tmp_path: Path) -> None:  # noqa: F811
     from stitchboard.sidecar.engines.vllm.adapter import VllmEngine
+    from stitchboard.sidecar.errors import ApplyRefusedError
 
     run = moe_runs(preset)
     engine = moe_engines(preset, tp)
@@ -72,6 +73,9 @@ def test_moe_patches_through_the_sidecar_equal_a_fresh_engine(preset: str, tp: i
         patched = engine.greedy()
         adapter = VllmEngine(engine.url, timeout_s=120)
         try:
+            assert adapter.checksums(sorted(run.sums(single))) == run.sums(single)
+            with pytest.raises(ApplyRefusedError):  # its base is gone: refused, nothing written
+                adapter.apply_patch(run.patch_paths(single), single, single + 1)
             assert adapter.checksums(sorted(run.sums(single))) == run.sums(single)
         finally:
             adapter.close()
@@ -105,3 +109,25 @@ def test_packing_map_is_derived_from_the_backend() -> None:
     if torch.cpu._is_amx_tile_supported():
         amx = _derive_perm(lambda w: _custom_ops.cpu_prepack_moe_weight(w, "amx"), rows, cols)
         assert amx is not None and not torch.equal(amx, vec)
+
+
+def test_unknown_moe_backends_are_refused_by_name() -> None:
+    """A backend other than vLLM's CPU prepacked experts is refused naming its class (and the w31 hazard)."""
+    from types import SimpleNamespace
+
+    from stitchboard.sidecar.engines.vllm.experts import _backend
+    from stitchboard.sidecar.errors import UnmappedTensorError
+
+    class FlashInferExperts:
+        pass
+
+    class CPUUnquantizedExperts:
+        isa = "vec"
+        _use_zentorch = True
+
+    name = "model.layers.0.mlp.experts.0.gate_proj.weight"
+    for experts, shown in ((FlashInferExperts(), "FlashInferExperts"), (CPUUnquantizedExperts(), "zentorch")):
+        module = SimpleNamespace(quant_method=SimpleNamespace(moe_kernel=SimpleNamespace(impl=SimpleNamespace(fused_experts=experts))))
+        with pytest.raises(UnmappedTensorError, match=shown) as info:
+            _backend(module, name)
+        assert "w31" in str(info.value) and info.value.details["name"] == name
