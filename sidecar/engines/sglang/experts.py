@@ -29,16 +29,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from ...errors import UnmappedTensorError
-from .layout import BITS, DTYPE_NAMES, Slot
-
-if TYPE_CHECKING:
-    from .layout import SglangLayout
+from .slot import BITS, DTYPE_NAMES, Slot
 
 #: ``<layer prefix>.experts.<e>.<matrix>.weight`` of a per-expert checkpoint tensor.
 EXPERT_NAME = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<expert>\d+)\.(?P<matrix>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
@@ -65,9 +62,10 @@ class ExpertSlot(Slot):
         return data.view(-1, data.shape[-1]).narrow(0, self.row_offset, rows).narrow(1, self.col_offset, cols)
 
 
-def expert_slot(layout: SglangLayout, name: str) -> ExpertSlot | None:
-    """The slot of per-expert checkpoint tensor ``name`` on ``layout``'s rank (None: ``name`` is
-    not a per-expert tensor name, the dense rules apply).
+def expert_slot(model: torch.nn.Module, tp_rank: int, tp_size: int, name: str) -> ExpertSlot | None:
+    """The slot of per-expert checkpoint tensor ``name`` on TP rank ``tp_rank`` of ``tp_size``
+    holding the live ``model`` (None: ``name`` is not a per-expert tensor name, the dense rules
+    apply).
 
     Raises:
         UnmappedTensorError: naming the tensor, when the model has no fused expert layer at its
@@ -78,7 +76,7 @@ def expert_slot(layout: SglangLayout, name: str) -> ExpertSlot | None:
     if match is None:
         return None
     try:
-        layer: Any = layout.model.get_submodule(f"{match['prefix']}.experts")
+        layer: Any = model.get_submodule(f"{match['prefix']}.experts")
     except AttributeError:
         return None
     if not hasattr(layer, "w13_weight"):
@@ -96,10 +94,11 @@ def expert_slot(layout: SglangLayout, name: str) -> ExpertSlot | None:
         )
     if expert >= experts:
         raise UnmappedTensorError(f"tensor {name!r}: {prefix}.experts holds {experts} experts, not expert {expert}", name=name)
+    model_tp_rank, model_tp_size = tp_rank, tp_size
     tp_size, tp_rank = int(layer.moe_tp_size), int(layer.moe_tp_rank)
-    if (tp_size, tp_rank) != (layout.tp_size, layout.tp_rank):
-        raise UnmappedTensorError(f"tensor {name!r}: {prefix}.experts splits over {tp_size} ranks (this is rank {tp_rank}), the model over {layout.tp_size}", name=name)
-    real = _real_width(layout, name, width * tp_size)
+    if (tp_size, tp_rank) != (model_tp_size, model_tp_rank):
+        raise UnmappedTensorError(f"tensor {name!r}: {prefix}.experts splits over {tp_size} ranks (this is rank {tp_rank}), the model over {model_tp_size}", name=name)
+    real = _real_width(model, name, width * tp_size)
     spans = tuple((min(r * width, real), max(0, min(width, real - r * width))) for r in range(tp_size))  # [r P, r P + P) clipped to I
     runtime = f"{prefix}.experts.{'w2' if part == 'down' else 'w13'}_weight"
     if part == "down":
@@ -135,9 +134,9 @@ def _refuse_other_layouts(name: str, layer: Any) -> None:
         raise UnmappedTensorError(f"tensor {name!r}: its expert layer {what}; only the unpacked checkpoint layout is addressed in place", name=name)
 
 
-def _real_width(layout: SglangLayout, name: str, padded: int) -> int:
+def _real_width(model: torch.nn.Module, name: str, padded: int) -> int:
     # The checkpoint's expert width: the config field holding the padded width, or its original.
-    config = getattr(layout.model, "config", None)
+    config = getattr(model, "config", None)
     for field in WIDTH_FIELDS:
         if getattr(config, field, None) == padded:
             real = int(getattr(config, f"original_{field}", padded))

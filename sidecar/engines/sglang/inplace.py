@@ -34,7 +34,8 @@ from stitchboard.proto.dtypes import bits_type
 from stitchboard.proto.errors import BaseMismatchError, PatchFormatError, TargetMismatchError, TensorSetMismatchError
 
 from ...errors import ApplyFailedError, TpRankError
-from .layout import SglangLayout, Slot
+from .layout import SglangLayout
+from .slot import Slot
 
 T = TypeVar("T")
 #: Called at named points of an apply (fault injection): ``staged``, ``half-written``, ``written-unverified``.
