@@ -21,7 +21,8 @@ Where they come from:
   or ``/v1/chat/completions`` request with one output is counted like vLLM's, marked by its body's
   ``rid`` (the client's own rid kept in front), the counts read by stitchboard's loader inside the
   paused engine (:mod:`.engines.sglang.token_counts`). A stream with several outputs gets
-  ``weight_versions: null`` on SGLang (its outputs are not counted).
+  ``weight_versions: null`` on SGLang: for ``n`` > 1 SGLang 0.5.23 gives every output a fresh
+  random rid (``regenerate_rid()``), so the mark never reaches the engine and nothing is counted.
 
 A request with several outputs (``n`` > 1, or several prompts of one completion) gets spans per
 output: each choice carries its own ``weight_versions`` (the answer's top-level one is then
