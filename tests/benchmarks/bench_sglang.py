@@ -18,6 +18,7 @@ Targets on CPU (issue 12): pause <= 0.5 x the full reload; publish -> applied p5
 from __future__ import annotations
 
 import itertools
+import shutil
 import statistics
 import sys
 import tempfile
@@ -163,6 +164,7 @@ def main() -> int:
         if run is not None:
             run.close()
         engine.stop()
+        shutil.rmtree(folder, ignore_errors=True)  # /dev/shm is memory: 1-2 GB of checkpoints and patches per run
 
 
 if __name__ == "__main__":
