@@ -60,6 +60,7 @@ from stitchboard.proto.env import env_setting
 from stitchboard.proto.errors import StitchError
 
 from ...errors import EngineStateError
+from .routing import install_capturer
 from .token_counts import output_counts, track_finished
 
 log = logging.getLogger("stitchboard.sidecar.engines.sglang.loader")
@@ -251,6 +252,9 @@ def load(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Tensor]]) 
     """SGLang's custom weight loader entry point (see the module docstring). Never raises."""
     req: dict[str, Any] = {}
     rank, size = 0, 1
+    why = install_capturer()  # SGLang's return_routed_experts on the CPU (:mod:`.routing`)
+    if why is not None:
+        log.debug("stitchboard loader: no routed-experts capture: %s", why)
     try:
         rank, size = _tp()[:2]
         tensors = dict(named_tensors)
