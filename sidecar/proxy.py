@@ -43,6 +43,7 @@ from .errors import AnswerVersionMismatchError, BodyTooLargeError, EngineUnavail
 from .gate import BODY_FIELD, Gate, parse_constraint
 from .metrics import SidecarMetrics
 from .routed_experts import RoutedExperts, RoutingSource, wants_routing
+from .routed_experts_sglang import SglangRoutedExperts
 from .routes import route_table
 from .salt import CacheSalter
 from .settings import SidecarSettings
@@ -144,7 +145,7 @@ class Proxy:
         salter: CacheSalter | None = None,
         routing: RoutingSource | None = None,
     ) -> None:
-        self.routing = routing  # the engine's routed experts (vLLM; :mod:`.routed_experts`); None: the field passes to the engine
+        self.routing = routing  # the engine's routed experts (vLLM; :mod:`.routed_experts`); None: SGLang's own (:mod:`.routed_experts_sglang`)
         self.settings = settings
         self.spans = spans or SpanLedger()  # shared with the reconciler (per-token version spans, :mod:`.spans`)
         self.salter = salter or CacheSalter(settings.salt_cache, settings.engine)  # the cache salt (:mod:`.salt`)
@@ -232,6 +233,8 @@ class Proxy:
         start_len = wants_routing(request.headers, payload, path) if self.routing is not None else None
         if self.routing is not None and start_len is not None:
             await self.routing.require_moe()
+        sg_start = wants_routing(request.headers, payload, path) if self.routing is None and self.settings.engine == "sglang" else None
+        want = want or sg_start is not None  # SGLang's rows are tagged from the output tokens' spans
         wait_s = min(constraint.wait_s if constraint.wait_s is not None else self.settings.request_wait_s, self.settings.max_request_wait_s)
         try:
             start, held, claims = await self._unless_gone(request, self.gate.admit(constraint, wait_s))
@@ -241,9 +244,10 @@ class Proxy:
         if held:
             self.metrics.requests_held.inc()
         routed = RoutedExperts(self.routing, start_len, payload, request.headers.get("x-request-id")) if self.routing is not None and start_len is not None else None
+        sg_routed = SglangRoutedExperts(sg_start, payload) if sg_start is not None else None
         client_id = routed.request_id if routed is not None else request.headers.get("x-request-id")
         spans = Spans(self.spans, self.routes.reports_versions, start, path, payload, client_id) if want else None
-        if self.salter.salt(path, payload, start) or had_field or routed is not None or (spans is not None and spans.changed_body):
+        if self.salter.salt(path, payload, start) or had_field or routed is not None or sg_routed is not None or (spans is not None and spans.changed_body):
             body = json.dumps(payload).encode()
         released = False
 
@@ -275,14 +279,22 @@ class Proxy:
         headers[START_HEADER] = _stamp(start)
         if response.is_stream_consumed:
             try:
-                return await self._plain_answer(response, headers, start, claims, release, spans, routed)
+                return await self._plain_answer(response, headers, start, claims, release, spans, routed, sg_routed)
             except BaseException:
                 release()
                 raise
-        return self._streamed_answer(response, headers, start, claims, release, path, spans, routed)
+        return self._streamed_answer(response, headers, start, claims, release, path, spans, routed, sg_routed)
 
     async def _plain_answer(
-        self, response: httpx.Response, headers: dict[str, str], start: int, claims: int, release: Callable[[], int | None], spans: Spans | None = None, routed: RoutedExperts | None = None
+        self,
+        response: httpx.Response,
+        headers: dict[str, str],
+        start: int,
+        claims: int,
+        release: Callable[[], int | None],
+        spans: Spans | None = None,
+        routed: RoutedExperts | None = None,
+        sg_routed: SglangRoutedExperts | None = None,
     ) -> Response:
         content = response.content
         answer: Any = None
@@ -297,6 +309,8 @@ class Proxy:
             spans.attach(answer)
         if routed is not None and response.is_success:
             await routed.attach(answer)
+        if sg_routed is not None and response.is_success:
+            sg_routed.attach(answer)
         end = release()
         headers[END_HEADER] = _stamp(end)
         if stamp_answer(answer, start, end):
@@ -304,10 +318,28 @@ class Proxy:
         return Response(content, status_code=response.status_code, headers=headers)
 
     def _streamed_answer(
-        self, response: httpx.Response, headers: dict[str, str], start: int, claims: int, release: Callable[[], int | None], path: str, spans: Spans | None = None, routed: RoutedExperts | None = None
+        self,
+        response: httpx.Response,
+        headers: dict[str, str],
+        start: int,
+        claims: int,
+        release: Callable[[], int | None],
+        path: str,
+        spans: Spans | None = None,
+        routed: RoutedExperts | None = None,
+        sg_routed: SglangRoutedExperts | None = None,
     ) -> Response:
         final = _finished_output if path in self.routes.final_in_place else None
-        stamper = SseStamper(start, lambda: self.gate.applied, final) if spans is None else SpanStamper(start, lambda: self.gate.applied, final, lambda: spans.streamed(self.gate.applied))
+
+        def streamed_spans() -> tuple[list[dict[str, int]] | None, dict[int, list[dict[str, int]]] | None]:
+            if spans is None:
+                return None, None
+            top, per_choice = spans.streamed(self.gate.applied)
+            if sg_routed is not None:
+                stamper.extra = sg_routed.fields(top)
+            return top, per_choice
+
+        stamper = SseStamper(start, lambda: self.gate.applied, final) if spans is None else SpanStamper(start, lambda: self.gate.applied, final, streamed_spans)
         check = self.versions
         vouched = check is None  # a reported version was checked, or no check applies
 
@@ -332,6 +364,8 @@ class Proxy:
                 stamper.extra = await routed.fields()
             if spans is not None and data not in (None, b"[DONE]"):
                 decoded = decoded if decoded is not None else _json_or_none(data)
+                if sg_routed is not None:
+                    sg_routed.see_event(decoded)
                 seen = spans.see_event(decoded)
                 if seen == DROP:
                     return b""  # the usage chunk the sidecar asked for (the client did not)

@@ -321,8 +321,8 @@ class SpanStamper(SseStamper):
         self.spans = spans
 
     def _stamp_event(self) -> bytes:
+        top, per_choice = self.spans()  # first: it may set ``extra`` (SGLang's routing fields)
         obj = json.loads(super()._stamp_event()[5:])
-        top, per_choice = self.spans()
         obj[SPANS_FIELD] = top
         if per_choice is not None:
             obj["choices"] = [{"index": i, SPANS_FIELD: spans} for i, spans in sorted(per_choice.items())]

@@ -11,14 +11,24 @@ a step touching a single expert of a single layer. The engine's greedy tokens an
 equal those of a fresh SGLang started from the pulled folder of the last version and differ from
 version 0's; every tensor's checksum, read through the map in checkpoint coordinates, equals the
 manifest's.
+
+Routing replay on SGLang's own ``return_routed_experts`` (the capturer stitchboard's loader
+installs, :mod:`stitchboard.sidecar.engines.sglang.routing`): on both engines, a request's
+``sglext.routed_experts`` (prompt and output rows, cache salted) is the same streamed and plain,
+changes once the routers changed, and the patched engine's equals the fresh engine's (started
+with the loader too, which installs the capturer at its first call).
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import re
+import time
+import uuid
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
@@ -29,6 +39,7 @@ from stitchboard.sidecar.engines.sglang.adapter import SglangEngine
 from stitchboard.sidecar.errors import ApplyRefusedError
 from tests.sidecar.moe_fixtures import MoeRun
 from tests.sidecar.sglang_helpers import SglangServer, require_sglang
+from tests.support.vllm_server import PROMPTS
 
 pytestmark = pytest.mark.slow
 
@@ -55,6 +66,55 @@ def commit(engine: SglangEngine, steps: list[tuple[list[str], int, int]]) -> dic
     return report
 
 
+def redraw_routers(run: MoeRun, seed: int) -> int:
+    """Every layer's router redrawn from ``seed`` (so that the routing changes: AdamW steps at the
+    fixture's rate move no top-k choice), published; returns the new version."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in run.trainer.model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+    return run.publisher.publish(run.trainer.model, step=run.trainer.steps).version
+
+
+def routing(server: SglangServer, prompt: str, *, stream: bool = False) -> np.ndarray:
+    """The engine's routing of ``prompt`` (greedy, 4 tokens, its own cache salt): int32 [rows, layers, top_k]."""
+    config = json.loads((Path(server.model) / "config.json").read_text())
+    body = {"model": server.model, "prompt": prompt, "max_tokens": 4, "temperature": 0, "return_routed_experts": True, "cache_salt": uuid.uuid4().hex, "stream": stream}
+    if not stream:
+        answer = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+        encoded, usage = answer["sglext"]["routed_experts"], answer["usage"]
+    else:
+        encoded, usage = None, {"prompt_tokens": 0, "completion_tokens": 0}
+        body["stream_options"] = {"include_usage": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                event = json.loads(line[6:]) if line.startswith("data: {") else {}
+                encoded = (event.get("sglext") or {}).get("routed_experts") or encoded
+                usage = event.get("usage") or usage
+    assert encoded, f"no routed_experts in the answer of {server.url} (stream={stream})"
+    rows = np.frombuffer(base64.b64decode(encoded), np.int32).reshape(-1, config["num_hidden_layers"], config["num_experts_per_tok"])
+    assert len(rows) == usage["prompt_tokens"] + usage["completion_tokens"] - 1, (rows.shape, usage)
+    return rows
+
+
+#: Seconds the routing requests took (printed: what they add to the test).
+ROUTING_S = [0.0]
+
+
+def routings(server: SglangServer) -> list[np.ndarray]:
+    """The routing of two oracle prompts (plain), checked equal to the streamed one."""
+    began = time.monotonic()
+    plain = [routing(server, p) for p in PROMPTS[:2]]
+    streamed = [routing(server, p, stream=True) for p in PROMPTS[:2]]
+    for a, b in zip(plain, streamed, strict=True):
+        assert np.array_equal(a, b), "streamed and plain answers carry different routing"
+    ROUTING_S[0] += time.monotonic() - began
+    return plain
+
+
 def test_qwen3_moe_expert_patches_equal_a_fresh_sglang(tmp_path: Path) -> None:
     check_moe_oracle("tiny-qwen3-moe", 1, tmp_path)
 
@@ -72,11 +132,13 @@ def check_moe_oracle(preset: str, tp: int, folder: Path) -> None:
                 adapter.set_version(0, None)
                 assert adapter.checksums(sorted(run.sums(0))) == run.sums(0), "the boot weights read through the map are not version 0's"
                 at_v0 = engine.greedy()
+                routed_v0 = routings(engine)  # the capturer was installed by the loader calls above
                 for _ in range(2):
                     run.step()
                 touched = run.changed(1) | run.changed(2)
                 for what, mark in CLASSES.items():
                     assert any(mark in n for n in touched), f"no {what} tensor changed in versions 1-2"
+                redrawn = redraw_routers(run, seed=3)
                 single, expert = run.step_one_expert(layer=1)
                 names = run.changed(single)
                 assert names and all(re.search(rf"layers\.1\.\w+\.experts\.{expert}\.", n) for n in names), names
@@ -92,23 +154,34 @@ def check_moe_oracle(preset: str, tp: int, folder: Path) -> None:
                 assert refused.value.details["cause"] == "UnmappedTensor", refused.value
                 assert f"expert {count}" in str(refused.value), refused.value
 
-                report = commit(adapter, [(patch_file(folder, views[v - 1], views[v], f"v{v}.patch"), v - 1, v) for v in (1, 2)])
+                report = commit(adapter, [(patch_file(folder, views[v - 1], views[v], f"v{v}.patch"), v - 1, v) for v in (1, 2, redrawn)])
                 assert report["tensors"] > 0
-                assert adapter.checksums(sorted(run.sums(2))) == run.sums(2)
-                report = commit(adapter, [(patch_file(folder, views[2], views[single], f"v{single}.patch"), 2, single)])
+                assert adapter.checksums(sorted(run.sums(redrawn))) == run.sums(redrawn)
+                report = commit(adapter, [(patch_file(folder, views[redrawn], views[single], f"v{single}.patch"), redrawn, single)])
                 assert report["tensors"] == len(names), report
                 assert adapter.state().version == single
                 assert adapter.checksums(sorted(run.sums(single))) == run.sums(single)
                 patched = engine.greedy()
+                routed = routings(engine)
             finally:
                 adapter.close()
         finally:
             engine.stop()
         assert patched != at_v0, "the patched engine answers as at version 0"
-        fresh = SglangServer(run.pull(single), folder / "fresh.log", tp=tp, loader=False)
+        changed = np.mean([(a != b).any(axis=(1, 2)).mean() for a, b in zip(routed_v0, routed, strict=True)])
+        assert changed > 0.5, f"only {changed:.0%} of the positions route differently after the routers changed"
+        fresh = SglangServer(run.pull(single), folder / "fresh.log", tp=tp)  # the loader: its first call installs the capturer
         try:
             fresh.wait_ready()
             assert patched == fresh.greedy(), f"the patched engine differs from a fresh SGLang at version {single} (TP = {tp})"
+            fresh_adapter = SglangEngine(fresh.url, folder / "fresh-records", timeout_s=120)
+            try:
+                fresh_adapter.state()
+            finally:
+                fresh_adapter.close()
+            for a, b in zip(routed, routings(fresh), strict=True):
+                assert np.array_equal(a, b), f"the patched engine routes differently from a fresh SGLang at version {single} (TP = {tp})"
+            print(f"routing: {changed:.0%} of the positions routed differently after the routers changed; equal to the fresh engine's; requests {ROUTING_S[0]:.1f} s")
         finally:
             fresh.stop()
     finally:
