@@ -14,7 +14,7 @@ Duck-typed for :class:`tests.sidecar.vllm_fixtures.SidecarProcess` (``bulletin.u
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -129,30 +129,49 @@ def load_version_0(engine: VllmServer, run: MoeRun) -> None:
         adapter.close()
 
 
-@pytest.fixture(scope="session")
-def moe_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., VllmServer]]:
-    """``get(preset, tp=1)``: the session's vLLM server (stitchboard extension) on a MoE preset,
-    started on first use (~30 s at TP 1 on 2 cores). One is kept at a time (getting another
-    stops it: a 2-core, 24 GB host runs other engines too), the last at the end of the session."""
-    require_vllm()
-    from stitchboard.demo.moe_models import moe_preset_checkpoint
+class MoeEngines:
+    """The session's vLLM servers (stitchboard extension) on MoE presets: ``engines(preset, tp=1)``
+    starts one on first use (~30 s at TP 1 on 2 cores). One is kept at a time (getting another
+    stops it: a 2-core, 24 GB host runs other engines too); :meth:`release` stops one early.
 
-    folder = tmp_path_factory.mktemp("moe-engines")
-    engines: dict[tuple[str, int], VllmServer] = {}
+    Args:
+        folder: where the engines' logs go.
+    """
 
-    def get(preset: str, tp: int = 1) -> VllmServer:
-        if (preset, tp) not in engines:
-            for key in list(engines):
-                engines.pop(key).stop()
-            server = VllmServer(moe_preset_checkpoint(preset), folder / f"{preset}-tp{tp}.log", tp=tp)
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.engines: dict[tuple[str, int], VllmServer] = {}
+
+    def __call__(self, preset: str, tp: int = 1) -> VllmServer:
+        from stitchboard.demo.moe_models import moe_preset_checkpoint
+
+        if (preset, tp) not in self.engines:
+            self.stop_all()
+            server = VllmServer(moe_preset_checkpoint(preset), self.folder / f"{preset}-tp{tp}.log", tp=tp)
             try:
                 server.wait_ready()
             except BaseException:
                 server.stop()
                 raise
-            engines[(preset, tp)] = server
-        return engines[(preset, tp)]
+            self.engines[(preset, tp)] = server
+        return self.engines[(preset, tp)]
 
-    yield get
-    for server in engines.values():
-        server.stop()
+    def release(self, preset: str, tp: int = 1) -> None:
+        """Stop the engine of ``preset`` at ``tp`` now (its memory is needed: e.g. before a fresh
+        TP = 2 engine starts beside it); a later call starts a new one."""
+        server = self.engines.pop((preset, tp), None)
+        if server is not None:
+            server.stop()
+
+    def stop_all(self) -> None:
+        for key in list(self.engines):
+            self.release(*key)
+
+
+@pytest.fixture(scope="session")
+def moe_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MoeEngines]:
+    """The session's :class:`MoeEngines`; every engine is stopped at the end of the session."""
+    require_vllm()
+    engines = MoeEngines(tmp_path_factory.mktemp("moe-engines"))
+    yield engines
+    engines.stop_all()
