@@ -21,24 +21,18 @@ copy (the routers are replicated, so every rank routes the same); only rank 0's 
 from __future__ import annotations
 
 import logging
-import sys
 from typing import Any
 
 import torch
+
+from .token_counts import find_scheduler
 
 log = logging.getLogger("stitchboard.sidecar.engines.sglang.routing")
 
 
 def _model_runner() -> Any:
-    from sglang.srt.managers.scheduler import Scheduler
-
-    frame = sys._getframe(1)
-    while frame is not None:
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, Scheduler):
-            return owner.tp_worker.model_runner
-        frame = frame.f_back  # type: ignore[assignment]
-    return None
+    scheduler = find_scheduler()
+    return None if scheduler is None else scheduler.tp_worker.model_runner
 
 
 def install_capturer() -> str | None:

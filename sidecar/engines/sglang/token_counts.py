@@ -75,7 +75,9 @@ def track_finished() -> None:
     SchedulerOutputStreamer.stream_output = stream_output
 
 
-def _scheduler() -> Any:
+def find_scheduler() -> Any | None:
+    """This process's SGLang ``Scheduler``, found on the call stack (the loader runs on the
+    scheduler's own thread inside an update call); None when it is not there."""
     from sglang.srt.managers.scheduler import Scheduler
 
     frame = sys._getframe(1)
@@ -84,7 +86,14 @@ def _scheduler() -> Any:
         if isinstance(owner, Scheduler):
             return owner
         frame = frame.f_back  # type: ignore[assignment]
-    raise RuntimeError("no SGLang Scheduler on the call stack of the loader (is it called from an update call on the scheduler's thread?)")
+    return None
+
+
+def _scheduler() -> Any:
+    scheduler = find_scheduler()
+    if scheduler is None:
+        raise RuntimeError("no SGLang Scheduler on the call stack of the loader (is it called from an update call on the scheduler's thread?)")
+    return scheduler
 
 
 def output_counts() -> dict[str, int]:
