@@ -18,11 +18,13 @@ Where they come from:
   the boundary of the new version's span. A request the engine has not started counts 0.
 
 * **SGLang's OpenAI streams** carry no versions in their chunks: a streamed ``/v1/completions``
-  or ``/v1/chat/completions`` request with one output is counted like vLLM's, marked by its body's
-  ``rid`` (the client's own rid kept in front), the counts read by stitchboard's loader inside the
-  paused engine (:mod:`.engines.sglang.token_counts`). A stream with several outputs gets
-  ``weight_versions: null`` on SGLang: for ``n`` > 1 SGLang 0.5.23 gives every output a fresh
-  random rid (``regenerate_rid()``), so the mark never reaches the engine and nothing is counted.
+  or ``/v1/chat/completions`` request is counted like vLLM's, the counts read by stitchboard's
+  loader inside the paused engine (:mod:`.engines.sglang.token_counts`). One with one output is
+  marked by its body's ``rid`` (the client's own rid kept in front). One with several outputs
+  (``n`` > 1, or several prompts: SGLang 0.5.23 gives each output a fresh random rid) is marked
+  in its body's ``custom_params`` (:data:`~.engines.sglang.token_counts.MARK_PARAM`, the client's
+  own params kept), which SGLang copies to every output; the engine tells the outputs apart by
+  the order they reach its scheduler, which is the choice order.
 
 A request with several outputs (``n`` > 1, or several prompts of one completion) gets spans per
 output: each choice carries its own ``weight_versions`` (the answer's top-level one is then
@@ -44,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .answer_versions import parse_version
+from .engines.sglang.token_counts import MARK_PARAM
 from .errors import InvalidVersionConstraintError
 from .stamps import SseStamper
 
@@ -209,9 +212,12 @@ class Spans:
     def __init__(self, ledger: SpanLedger, engine_reports: bool, start: int, path: str, payload: Any, client_id: str | None) -> None:
         self.ledger, self.start = ledger, start
         body = payload if isinstance(payload, dict) else {}
-        # SGLang's OpenAI streams report no spans: a single-output one is counted like vLLM's requests, marked by its rid.
-        by_rid = engine_reports and bool(body.get("stream")) and path in COUNTED_SGLANG_PATHS and single_output(body) and isinstance(body.get("rid", ""), str)
-        self.engine_reports = engine_reports and not by_rid
+        # SGLang's OpenAI streams report no spans: they are counted like vLLM's requests, marked by
+        # their rid (one output) or in custom_params (several outputs: each gets a fresh rid).
+        counted = engine_reports and bool(body.get("stream")) and path in COUNTED_SGLANG_PATHS
+        by_rid = counted and single_output(body) and isinstance(body.get("rid", ""), str)
+        by_params = counted and not single_output(body) and isinstance(body.get("custom_params") or {}, dict)
+        self.engine_reports = engine_reports and not (by_rid or by_params)
         choices = body["n"] if isinstance(body.get("n"), int) else 1
         self.request_id = None if self.engine_reports else ledger.open(start, body.get("rid") if by_rid else client_id, choices)
         self.multi = not self.engine_reports and not single_output(payload)
@@ -220,6 +226,9 @@ class Spans:
         self.lengths: dict[int, int] = {}
         if by_rid:
             body["rid"] = self.request_id
+            self.changed_body = True
+        if by_params and self.request_id is not None:
+            body["custom_params"] = {**(body.get("custom_params") or {}), MARK_PARAM: self.request_id[-39:]}
             self.changed_body = True
         if not body or not path.startswith("/v1/"):
             return

@@ -8,7 +8,9 @@ crossed nothing gets one span over all its tokens. (The plain OpenAI answer name
 its spans are checked for their split only.) A streamed ``/v1/completions`` crossing the same
 commit (its chunks name no versions) is split at the count stitchboard's loader read in the
 paused engine: the tokens before it are the old version's greedy tokens, the one at it the new
-version's greedy continuation of the prompt and those tokens.
+version's greedy continuation of the prompt and those tokens. So is each choice of a greedy
+``n`` = 2 OpenAI stream (SGLang gives each output its own rid: the mark travels in
+``custom_params`` and the scheduler's arrival order names the choice).
 
 With ``salt_cache`` the same long prompt at three versions reuses nothing cached under another
 version (SGLang's ``meta_info.cached_tokens``), equals bit for bit (token ids and logprobs) its
@@ -176,3 +178,39 @@ def test_sglang_salted_prefix_cache_never_reuses_kv_across_versions(smollm2_dir,
                 assert old_hits > 0, "the commit flushed the radix cache: the old version's prefix is gone"
             answers[v] = first
         assert len({repr(a) for a in answers.values()}) == 3, "each version answers differently"
+
+
+def test_sglang_openai_stream_with_two_outputs_splits_each_choice_at_its_count(stack):
+    """n = 2 (greedy): SGLang gives each output a fresh rid; the sidecar's mark in ``custom_params``
+    and the scheduler's arrival order name each output's choice, and each choice splits at its count."""
+    http, publisher, _ = stack
+    old = _generate_ids(http, STREAM_PROMPT)
+    events: list[dict] = []
+
+    def stream() -> None:
+        payload = {"model": "x", "prompt": STREAM_PROMPT, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True, "stream": True, "n": 2, "return_token_ids": True, "return_weight_versions": True}
+        with http.stream("POST", "/v1/completions", json=payload) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    events.append(json.loads(line[len("data: ") :]))
+
+    def tokens(index: int) -> list[int]:
+        return [t for e in list(events) for c in e.get("choices") or [] if c.get("index") == index for t in c.get("token_ids") or []]
+
+    thread = threading.Thread(target=stream, daemon=True)
+    thread.start()
+    wait_for(lambda: min(len(tokens(0)), len(tokens(1))) >= 4, 120, "both outputs decoding")
+    publisher.publish(mutate(publisher.views[-1], 5))
+    thread.join(180)
+    stamp = events[-1]
+    assert (stamp["weight_version_start"], stamp["weight_version_end"]) == (0, 1) and stamp["weight_versions"] is None, stamp
+    assert [c["index"] for c in stamp["choices"]] == [0, 1], stamp
+    prompt_ids = next(c["prompt_token_ids"] for e in events for c in e.get("choices") or [] if c.get("prompt_token_ids"))
+    bounds = []
+    for choice in stamp["choices"]:
+        ids = tokens(choice["index"])
+        b = _check(choice["weight_versions"], ids, old, 0, 1)
+        after = http.post("/generate", json={"input_ids": prompt_ids + ids[:b], "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+        assert after.status_code == 200 and after.json()["output_ids"] == [ids[b]], f"choice {choice['index']}: token {b}, the first after the commit, is not the new version's greedy continuation"
+        bounds.append(b)
+    print(f"n = 2 OpenAI stream: boundaries per choice {bounds} of {TOKENS}")

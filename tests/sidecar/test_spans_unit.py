@@ -141,5 +141,5 @@ def test_sglang_openai_streams_are_counted_by_their_rid():
     ledger.commit(5, {f"{body['rid'][-39:]}:0:0": 2})
     spans.see_event({"choices": [], "usage": {"completion_tokens": 6}})
     assert spans.streamed(5) == ([{"version": 4, "start": 0, "end": 2}, {"version": 5, "start": 2, "end": 6}], None)
-    for plain in ({"prompt": "x"}, {"prompt": "x", "stream": True, "n": 2}, {"text": "x", "stream": True}):
+    for plain in ({"prompt": "x"}, {"prompt": "x", "n": 2}, {"text": "x", "stream": True}):
         assert Spans(ledger, True, 4, "/generate" if "text" in plain else "/v1/completions", plain, None).engine_reports, f"SGLang reports its own spans (or none): {plain}"

@@ -246,8 +246,8 @@ class SglangEngine:
         self.pause()
 
     def output_counts(self) -> dict[str, int]:
-        """Output tokens so far of the streamed requests the sidecar marked (``rid`` holding
-        ``stitch-<32 hex>``), by output key (:mod:`.token_counts`); rank 0's. Call it while paused.
+        """Output tokens so far of the streamed requests the sidecar marked (``rid`` or
+        ``custom_params`` holding ``stitch-<32 hex>``), by output key (:mod:`.token_counts`); rank 0's. Call it while paused.
 
         Raises:
             EngineUnavailableError, EngineRequestError: the engine does not answer or cannot count.

@@ -61,7 +61,7 @@ from stitchboard.proto.errors import StitchError
 
 from ...errors import EngineStateError
 from .routing import install_capturer
-from .token_counts import output_counts, track_finished
+from .token_counts import number_samples, output_counts, track_finished
 
 log = logging.getLogger("stitchboard.sidecar.engines.sglang.loader")
 
@@ -77,6 +77,7 @@ FAULT_EXIT_CODE = 86
 #: This process's instance id.
 INSTANCE_ID = uuid.uuid4().hex
 track_finished()  # the final counts of finished marked requests (:mod:`.token_counts`)
+number_samples()  # the choice of each output of a request with several outputs (:mod:`.token_counts`)
 
 _phase = "idle"
 _ranks: Any = None
