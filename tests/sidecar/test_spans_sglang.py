@@ -9,8 +9,9 @@ its spans are checked for their split only.) A streamed ``/v1/completions`` cros
 commit (its chunks name no versions) is split at the count stitchboard's loader read in the
 paused engine: the tokens before it are the old version's greedy tokens, the one at it the new
 version's greedy continuation of the prompt and those tokens. So is each choice of a greedy
-``n`` = 2 OpenAI stream (SGLang gives each output its own rid: the mark travels in
-``custom_params`` and the scheduler's arrival order names the choice).
+OpenAI stream of two prompts with ``n`` = 2 (SGLang gives each output its own rid: the mark
+travels in ``custom_params`` and the scheduler's arrival order names the choice): the first
+prompt's choices cross the commit, the second's finish before it (one span of the old version).
 
 With ``salt_cache`` the same long prompt at three versions reuses nothing cached under another
 version (SGLang's ``meta_info.cached_tokens``), equals bit for bit (token ids and logprobs) its
@@ -28,15 +29,17 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 
 from stitchboard.bulletin.app import create_app as create_bulletin
 from stitchboard.bulletin.client import BulletinClient
 from stitchboard.bulletin.settings import BulletinSettings
-from stitchboard.proto.container import read_safetensors
+from stitchboard.proto.container import RawTensor, read_safetensors
 from stitchboard.sidecar.app import create_app as create_sidecar
 from stitchboard.sidecar.client import SidecarClient
 from stitchboard.sidecar.settings import SidecarSettings
+from tests.sidecar.fake_engine import copy_view
 from tests.sidecar.sglang_helpers import SglangServer, require_sglang
 from tests.sidecar.sidecar_helpers import AppServer, Publisher, mutate, wait_for
 
@@ -180,37 +183,74 @@ def test_sglang_salted_prefix_cache_never_reuses_kv_across_versions(smollm2_dir,
         assert len({repr(a) for a in answers.values()}) == 3, "each version answers differently"
 
 
-def test_sglang_openai_stream_with_two_outputs_splits_each_choice_at_its_count(stack):
-    """n = 2 (greedy): SGLang gives each output a fresh rid; the sidecar's mark in ``custom_params``
-    and the scheduler's arrival order name each output's choice, and each choice splits at its count."""
+SHORT_PROMPT = "The capital of France is"  # greedy " Paris." then more: stopped at the "." token
+
+
+def _negated_logits(view: dict[str, RawTensor]) -> dict[str, RawTensor]:
+    # The final norm's weight with its sign bits flipped: the (tied, bias-free) LM head's logits are the
+    # old ones negated, so after any prefix the new version's greedy token is never the old version's.
+    out = copy_view(view)
+    out["model.norm.weight"].bits[...] ^= np.uint16(0x8000)
+    return out
+
+
+def test_sglang_openai_stream_with_two_outputs_per_prompt_splits_each_choice_at_its_count(stack):
+    """Two prompts, n = 2 (greedy): SGLang gives each of the 4 outputs a fresh rid; the sidecar's
+    mark in ``custom_params`` and the scheduler's arrival order name each output's choice. The
+    first prompt's two choices cross a commit to weights whose greedy token always differs from
+    the old one's, so the engine's count at the pause is exactly where a choice's tokens first
+    leave the old version's greedy tokens: each split must be there. The second prompt's choices
+    stop before the commit (finished inside the engine: one span of the old version)."""
     http, publisher, _ = stack
     old = _generate_ids(http, STREAM_PROMPT)
+    short = http.post("/generate", json={"text": SHORT_PROMPT, "sampling_params": {"max_new_tokens": 2, "temperature": 0}}).json()["output_ids"]
+    assert short[1] not in old, "the stop token of the short prompt is among the long one's tokens"
     events: list[dict] = []
 
     def stream() -> None:
-        payload = {"model": "x", "prompt": STREAM_PROMPT, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True, "stream": True, "n": 2, "return_token_ids": True, "return_weight_versions": True}
+        payload = {
+            "model": "x",
+            "prompt": [STREAM_PROMPT, SHORT_PROMPT],
+            "max_tokens": TOKENS,
+            "temperature": 0,
+            "stop_token_ids": [short[1]],
+            "stream": True,
+            "n": 2,
+            "return_token_ids": True,
+            "return_weight_versions": True,
+        }
         with http.stream("POST", "/v1/completions", json=payload) as r:
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     events.append(json.loads(line[len("data: ") :]))
 
+    def choices(index: int) -> list[dict]:
+        return [c for e in list(events) for c in e.get("choices") or [] if c.get("index") == index]
+
     def tokens(index: int) -> list[int]:
-        return [t for e in list(events) for c in e.get("choices") or [] if c.get("index") == index for t in c.get("token_ids") or []]
+        return [t for c in choices(index) for t in c.get("token_ids") or []]
+
+    def ready() -> bool:
+        return min(len(tokens(0)), len(tokens(1))) >= 4 and all(any(c.get("finish_reason") for c in choices(i)) for i in (2, 3))
 
     thread = threading.Thread(target=stream, daemon=True)
     thread.start()
-    wait_for(lambda: min(len(tokens(0)), len(tokens(1))) >= 4, 120, "both outputs decoding")
-    publisher.publish(mutate(publisher.views[-1], 5))
+    wait_for(ready, 120, "the first prompt's outputs decoding, the second's finished")
+    publisher.publish(_negated_logits(publisher.views[-1]))
     thread.join(180)
     stamp = events[-1]
     assert (stamp["weight_version_start"], stamp["weight_version_end"]) == (0, 1) and stamp["weight_versions"] is None, stamp
-    assert [c["index"] for c in stamp["choices"]] == [0, 1], stamp
-    prompt_ids = next(c["prompt_token_ids"] for e in events for c in e.get("choices") or [] if c.get("prompt_token_ids"))
+    spans = {c["index"]: c["weight_versions"] for c in stamp["choices"]}
+    assert sorted(spans) == [0, 1, 2, 3], stamp
+    for index in (2, 3):
+        assert tokens(index) == short and spans[index] == [{"version": 0, "start": 0, "end": 2}], (index, spans[index], tokens(index))
     bounds = []
-    for choice in stamp["choices"]:
-        ids = tokens(choice["index"])
-        b = _check(choice["weight_versions"], ids, old, 0, 1)
+    for index in (0, 1):
+        ids = tokens(index)
+        b = _check(spans[index], ids, old, 0, 1)
+        assert ids[b] != old[b], f"choice {index}: split at {b}, but the old version's greedy tokens go on after it (the engine counted more)"
+        prompt_ids = next(c["prompt_token_ids"] for c in choices(index) if c.get("prompt_token_ids"))
         after = http.post("/generate", json={"input_ids": prompt_ids + ids[:b], "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
-        assert after.status_code == 200 and after.json()["output_ids"] == [ids[b]], f"choice {choice['index']}: token {b}, the first after the commit, is not the new version's greedy continuation"
+        assert after.status_code == 200 and after.json()["output_ids"] == [ids[b]], f"choice {index}: token {b}, the first after the commit, is not the new version's greedy continuation"
         bounds.append(b)
-    print(f"n = 2 OpenAI stream: boundaries per choice {bounds} of {TOKENS}")
+    print(f"2 prompts x n = 2 OpenAI stream: boundaries of the crossing choices {bounds} of {TOKENS}; the others stopped at 2 tokens")
