@@ -23,6 +23,7 @@ import base64
 import json
 import re
 import shutil
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -40,6 +41,8 @@ pytestmark = pytest.mark.slow
 
 PROMPT = "Once upon a time, in a small village by the sea, " * 4  # ~50 tokens: three KV blocks of 16
 ASK = {"return_routed_experts": True}
+#: The engines' context (the preset's max_position_embeddings): room for the long requests that cross a commit.
+LONG_CONTEXT = 2048
 
 
 @pytest.fixture(autouse=True)
@@ -58,13 +61,12 @@ class RouterRun:
     def __init__(self, model_dir: Path, folder: Path) -> None:
         from safetensors.torch import load_file
 
-        from stitchboard.bulletin.app import create_app as create_bulletin
         from stitchboard.bulletin.settings import BulletinSettings
         from stitchboard.trainer_client.publisher import Publisher
-        from tests.sidecar.sidecar_helpers import AppServer
+        from tests.bulletin.bulletin_helpers import ProcessServer
 
         self.run, self.model_dir, self.folder = "moe-routing", model_dir, folder
-        self.bulletin = AppServer(create_bulletin(BulletinSettings(store=f"file://{folder / 'store'}", poll_interval_s=0.05)))
+        self.bulletin = ProcessServer(BulletinSettings(store=f"file://{folder / 'store'}", poll_interval_s=0.05))
         self.client = LatchedClient(self.bulletin.url, retries=1, backoff_s=0.05)
         self.publisher = Publisher(self.bulletin.url, self.run, client=self.client, workdir=folder / "publisher")
         self.views = {0: load_file(str(model_dir / "model.safetensors"))}
@@ -100,7 +102,7 @@ class RouterRun:
     def close(self) -> None:
         self.publisher.close()
         self.client.close()
-        self.bulletin.stop()
+        self.bulletin.kill()
 
 
 class Routing:
@@ -111,13 +113,16 @@ class Routing:
 
 
 @pytest.fixture(scope="module")
-def routing(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Routing]:
+def routing() -> Iterator[Routing]:
     from stitchboard.demo.moe_models import moe_preset_checkpoint
 
-    folder = tmp_path_factory.mktemp("moe-routing")
+    # In memory where there is /dev/shm: the bulletin's and sidecar's fsyncs waited up to 5 s behind
+    # the disk's writeback on this kind of VM while both engines ran, longer than the crossing test's stream.
+    shm = Path("/dev/shm")
+    folder = Path(tempfile.mkdtemp(prefix="stitch-moe-routing-", dir=shm if shm.is_dir() else None))
     run = RouterRun(moe_preset_checkpoint("tiny-qwen3-moe"), folder)
-    a = VllmServer(run.model_dir, folder / "engine-a.log")
-    b = VllmServer(run.checkpoint(1), folder / "engine-b.log")
+    a = VllmServer(run.model_dir, folder / "engine-a.log", max_model_len=LONG_CONTEXT)
+    b = VllmServer(run.checkpoint(1), folder / "engine-b.log", max_model_len=LONG_CONTEXT)
     sidecar = None
     try:
         a.wait_ready()
@@ -249,20 +254,18 @@ def _row_versions(spans: list[dict], n_prompt: int) -> list[dict]:
     return [{"version": s["version"], "start": 0 if i == 0 else n_prompt - 1 + s["start"], "end": n_prompt - 1 + s["end"]} for i, s in enumerate(spans)]
 
 
-def test_requests_crossing_a_commit_carry_each_rows_version(routing: Routing):
-    """Rows read before the engine's count at the pause carry version v, later ones v + 1 (the
-    stream crosses the commit; the plain answer, sent beside it, is checked the same way when it
-    crossed too, and in any case its rows' versions follow its spans)."""
-    sidecar, model, tokens, run = routing.sidecar, routing.a.model, 900, routing.run
+def _cross_a_commit(routing: Routing, tokens: int) -> tuple[int, dict, RoutedRequests] | None:
+    """Version ``v``'s plain answer, then a stream and a plain request sent while version ``v + 1``
+    is committed (held at its commit until the stream generates); returns ``(v, before,
+    requests)``, or None when the stream ended before the engine applied ``v + 1``."""
+    sidecar, run = routing.sidecar, routing.run
     v = run.publisher.last_version
     sidecar.wait_applied(v)
-    before = _complete(sidecar.url, model, PROMPT, tokens, **ASK)
-    old_ids, old_rows, n_prompt = before["choices"][0]["token_ids"], _rows(before), before["usage"]["prompt_tokens"]
-    prompt_ids = _complete(sidecar.url, model, PROMPT, 1, echo=True)["choices"][0]["prompt_token_ids"]
+    before = _complete(sidecar.url, routing.a.model, PROMPT, tokens, **ASK)
     held = HeldPublish(run.client, run.publish)
     try:
         held.wait_ready()
-        requests = RoutedRequests(sidecar.url, model, PROMPT, tokens)
+        requests = RoutedRequests(sidecar.url, routing.a.model, PROMPT, tokens)
         requests.wait_streaming()
     except BaseException:
         held.abort()
@@ -274,11 +277,39 @@ def test_requests_crossing_a_commit_carry_each_rows_version(routing: Routing):
     requests.join()
     assert not requests.failures, requests.failures
     print(f"version {v + 1} applied {applied:.2f} s after its commit was released; requests done {time.monotonic() - released:.2f} s after")
+    if [s["version"] for s in requests.events[-1]["weight_versions"]] == [v]:
+        return None
+    return v, before, requests
+
+
+#: Tries at a stream still generating when the commit is applied. On 2 cores that the engine
+#: saturates, the sidecar's sync took 0.2-8 s after the commit's release, often until the
+#: streams it proxied had ended (the tiny model's ~1,950 tokens take ~8 s), so a stream often
+#: crosses nothing; the test then skips, saying so, rather than check nothing.
+CROSSING_TRIES = 2
+
+
+def test_requests_crossing_a_commit_carry_each_rows_version(routing: Routing):
+    """Rows read before the engine's count at the pause carry version v, later ones v + 1 (the
+    stream crosses the commit; the plain answer, sent beside it, is checked the same way when it
+    crossed too, and in any case its rows' versions follow its spans). A stream that ended before
+    the commit reached the engine crossed nothing: the try is repeated on the next version, at
+    most :data:`CROSSING_TRIES` times, and the test skips when none crossed."""
+    sidecar, model, tokens = routing.sidecar, routing.a.model, LONG_CONTEXT - 100
+    routing.b.stop()  # only the first test reads engine B: its memory and threads go back to the 2 cores here
+    prompt_ids = _complete(sidecar.url, model, PROMPT, 1, echo=True)["choices"][0]["prompt_token_ids"]
+    for attempt in range(CROSSING_TRIES):
+        crossed = _cross_a_commit(routing, tokens)
+        if crossed is not None:
+            break
+        print(f"try {attempt + 1}: the stream ended before the commit was applied")
+    else:
+        pytest.skip(f"in {CROSSING_TRIES} tries the stream ended before the commit reached the engine: no crossing to check")
+    v, before, requests = crossed
+    old_ids, old_rows, n_prompt = before["choices"][0]["token_ids"], _rows(before), before["usage"]["prompt_tokens"]
     stamp = requests.events[-1]
     stream_ids = [t for e in requests.events[:-1] for c in e.get("choices", []) for t in c.get("token_ids") or []]
     plain = requests.plain.json()
-    if [s["version"] for s in stamp["weight_versions"]] == [v]:  # the stream ended before the commit reached the engine
-        pytest.skip(f"the stream ended under version {v} before version {v + 1} was applied ({applied:.2f} s after release): no crossing to check")
     assert [s["version"] for s in stamp["weight_versions"]] == [v, v + 1], stamp["weight_versions"]
     for name, answer, ids in (("plain", plain, plain["choices"][0]["token_ids"]), ("stream", stamp, stream_ids)):
         spans, rows = answer["weight_versions"], _rows(answer)

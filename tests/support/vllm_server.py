@@ -58,17 +58,18 @@ class VllmServer(ManagedProcess):
         tp: tensor-parallel size (> 1 uses the ``mp`` executor).
         env: extra environment variables (e.g. ``STITCH_ENGINE_FAULT_PHASE``).
         port: the TCP port (default: a free one), e.g. a killed server's to start it again.
+        max_model_len: the context length, tokens (vLLM's ``--max-model-len``).
 
     Attributes:
         url: ``http://127.0.0.1:<port>``.
         model: the served model name (``model_dir`` as a string).
     """
 
-    def __init__(self, model_dir: Path, log_path: Path, *, extension: bool = True, tp: int = 1, env: dict[str, str] | None = None, port: int | None = None) -> None:
+    def __init__(self, model_dir: Path, log_path: Path, *, extension: bool = True, tp: int = 1, env: dict[str, str] | None = None, port: int | None = None, max_model_len: int = 1024) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = str(model_dir)
-        argv = vllm_command(model_dir, self.port, tensor_parallel_size=tp, extension=extension)
+        argv = vllm_command(model_dir, self.port, tensor_parallel_size=tp, extension=extension, max_model_len=max_model_len)
         super().__init__("vllm", argv, log_path, f"{self.url}/health", env={**vllm_env(tp), **(env or {})})
 
     def wait_ready(self, timeout_s: float = 600.0) -> None:
