@@ -94,6 +94,15 @@ def test_spans_of_requests_crossing_a_commit_split_at_the_engines_count(vllm_run
     assert single["weight_versions"] == [{"version": v, "start": 0, "end": 4}] and single["weight_version_start"] == v
     pair = _complete(sidecar.url, model, PROMPT, 4, return_weight_versions=True, **TWO_GREEDY)
     assert pair["weight_versions"] is None and [c["weight_versions"] for c in pair["choices"]] == [[{"version": v, "start": 0, "end": 4}]] * 2, pair
+    prompts = [PROMPT, "def fibonacci(n):"]  # several prompts of one completion: an output each
+    several = _complete(sidecar.url, model, prompts, 4, return_weight_versions=True, **TWO_GREEDY)
+    assert several["weight_versions"] is None and sorted(c["index"] for c in several["choices"]) == [0, 1, 2, 3], several
+    assert [c["weight_versions"] for c in several["choices"]] == [[{"version": v, "start": 0, "end": 4}]] * 4, several
+    body = {"model": model, "prompt": prompts, "max_tokens": 3, "temperature": 0, "ignore_eos": True, "return_weight_versions": True, "stream": True}
+    with httpx.stream("POST", f"{sidecar.url}/v1/completions", json=body, timeout=600) as r:
+        assert r.status_code == 200, r.read()
+        streamed = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert streamed[-1]["choices"] == [{"index": i, "weight_versions": [{"version": v, "start": 0, "end": 3}]} for i in range(2)], streamed[-1]
     old = _complete(sidecar.url, model, PROMPT, tokens)["choices"][0]["token_ids"]
     prompt_ids = _complete(sidecar.url, model, PROMPT, 1, echo=True)["choices"][0]["prompt_token_ids"]
     vllm_run.train()
