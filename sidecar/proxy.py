@@ -29,6 +29,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import httpx
@@ -122,6 +123,21 @@ class _ProxyStream(StreamingResponse):
 async def _until_disconnect(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+@dataclass(frozen=True)
+class _Admitted:
+    """One admitted model request, as its answer needs it: the start stamp, the claims it was
+    admitted with, ``release`` (ends the admission once; returns the end stamp), and what the
+    answer is decorated with (each None when the request did not ask): per-token version spans,
+    vLLM routing replay, SGLang routing replay."""
+
+    start: int
+    claims: int
+    release: Callable[[], int | None]
+    spans: Spans | None
+    routed: RoutedExperts | None
+    sg_routed: SglangRoutedExperts | None
 
 
 class Proxy:
@@ -277,25 +293,16 @@ class Proxy:
             raise
         headers = self._headers(response)
         headers[START_HEADER] = _stamp(start)
+        admitted = _Admitted(start, claims, release, spans, routed, sg_routed)
         if response.is_stream_consumed:
             try:
-                return await self._plain_answer(response, headers, start, claims, release, spans, routed, sg_routed)
+                return await self._plain_answer(response, headers, admitted)
             except BaseException:
                 release()
                 raise
-        return self._streamed_answer(response, headers, start, claims, release, path, spans, routed, sg_routed)
+        return self._streamed_answer(response, headers, path, admitted)
 
-    async def _plain_answer(
-        self,
-        response: httpx.Response,
-        headers: dict[str, str],
-        start: int,
-        claims: int,
-        release: Callable[[], int | None],
-        spans: Spans | None = None,
-        routed: RoutedExperts | None = None,
-        sg_routed: SglangRoutedExperts | None = None,
-    ) -> Response:
+    async def _plain_answer(self, response: httpx.Response, headers: dict[str, str], admitted: _Admitted) -> Response:
         content = response.content
         answer: Any = None
         if response.is_success and "json" in response.headers.get("content-type", ""):
@@ -304,31 +311,21 @@ class Proxy:
             except ValueError:
                 answer = None
         if self.versions is not None and response.is_success:
-            await self.versions.verify(reported_versions(answer), start, self.versions.now(), claims)
-        if spans is not None and response.is_success:
-            spans.attach(answer)
-        if routed is not None and response.is_success:
-            await routed.attach(answer)
-        if sg_routed is not None and response.is_success:
-            sg_routed.attach(answer)
-        end = release()
+            await self.versions.verify(reported_versions(answer), admitted.start, self.versions.now(), admitted.claims)
+        if admitted.spans is not None and response.is_success:
+            admitted.spans.attach(answer)
+        if admitted.routed is not None and response.is_success:
+            await admitted.routed.attach(answer)
+        if admitted.sg_routed is not None and response.is_success:
+            admitted.sg_routed.attach(answer)
+        end = admitted.release()
         headers[END_HEADER] = _stamp(end)
-        if stamp_answer(answer, start, end):
+        if stamp_answer(answer, admitted.start, end):
             content = json.dumps(answer).encode()
         return Response(content, status_code=response.status_code, headers=headers)
 
-    def _streamed_answer(
-        self,
-        response: httpx.Response,
-        headers: dict[str, str],
-        start: int,
-        claims: int,
-        release: Callable[[], int | None],
-        path: str,
-        spans: Spans | None = None,
-        routed: RoutedExperts | None = None,
-        sg_routed: SglangRoutedExperts | None = None,
-    ) -> Response:
+    def _streamed_answer(self, response: httpx.Response, headers: dict[str, str], path: str, admitted: _Admitted) -> Response:
+        start, claims, release, spans, routed, sg_routed = admitted.start, admitted.claims, admitted.release, admitted.spans, admitted.routed, admitted.sg_routed
         final = _finished_output if path in self.routes.final_in_place else None
 
         def streamed_spans() -> tuple[list[dict[str, int]] | None, dict[int, list[dict[str, int]]] | None]:
