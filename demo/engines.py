@@ -18,6 +18,7 @@ import httpx
 
 from stitchboard.proto.sidecar_wire import SidecarStatus
 from stitchboard.sidecar.client import SidecarClient, stamps, version_headers
+from stitchboard.sidecar.engines.launch import engine_nice
 from stitchboard.sidecar.engines.vllm.launch import vllm_command, vllm_env
 
 from .errors import DemoError
@@ -66,16 +67,17 @@ def stub_calls(procs: ProcessGroup) -> list[str]:
 def start_engine(procs: ProcessGroup, name: str, model_dir: Path, *, kind: str = "vllm", extension: bool = True) -> tuple[ManagedProcess, str]:
     """Start an engine of ``kind`` (see :data:`ENGINE_NAMES`) on a free loopback port; returns it
     and its URL (not yet healthy). ``extension``: with stitchboard's in-engine code (False: a
-    plain engine, for the oracle)."""
+    plain engine, for the oracle). On a CPU host it runs niced (:func:`engine_nice`), so its
+    sidecar and the bulletin keep their share of the CPU while it generates."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     if kind == "sglang":
         from stitchboard.sidecar.engines.sglang.launch import sglang_command, sglang_env
 
         procs.log_dir.mkdir(parents=True, exist_ok=True)
-        return procs.start(name, sglang_command(model_dir, port, loader=extension, served_model_name=SERVED_NAME), f"{url}/health", env=sglang_env(stub_log=stub_log(procs))), url
+        return procs.start(name, sglang_command(model_dir, port, loader=extension, served_model_name=SERVED_NAME), f"{url}/health", env=sglang_env(stub_log=stub_log(procs)), nice=engine_nice()), url
     argv = vllm_command(model_dir, port, served_model_name=SERVED_NAME, extension=extension)
-    return procs.start(name, argv, f"{url}/health", env=vllm_env()), url
+    return procs.start(name, argv, f"{url}/health", env=vllm_env(), nice=engine_nice()), url
 
 
 def start_rollout(procs: ProcessGroup, index: int, model_dir: Path, bulletin_url: str, run: str, boot_version: int, handoff_dir: Path, kind: str = "vllm") -> Rollout:

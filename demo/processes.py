@@ -64,6 +64,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _nice_autogroup(pid: int, nice: int) -> None:
+    # The session of ``pid`` (its leader, started with its own session) is an autogroup when the
+    # kernel has CONFIG_SCHED_AUTOGROUP on: its CPU share against other sessions follows the
+    # autogroup's niceness, not the processes' own. Raising it needs no privilege.
+    try:
+        Path(f"/proc/{pid}/autogroup").write_text(str(nice))
+    except OSError:  # no autogroups here (or the process already ended): the process's own niceness holds
+        pass
+
+
 class ManagedProcess:
     """One child process with a log file and a health URL.
 
@@ -73,15 +83,23 @@ class ManagedProcess:
         log_path: file receiving stdout and stderr.
         health_url: URL answering 200 once the process is ready.
         env: extra environment variables.
+        nice: niceness to run it at (0: unchanged), e.g. an engine serving on the CPU
+            (:func:`stitchboard.sidecar.engines.launch.engine_nice`). The process and every thread
+            it starts get it (``nice`` runs the command), and so does its session's autogroup
+            where the kernel groups sessions (``/proc/<pid>/autogroup``): every process runs in
+            a session of its own, and the kernel shares the CPU between sessions first.
     """
 
-    def __init__(self, name: str, argv: list[str], log_path: Path, health_url: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, name: str, argv: list[str], log_path: Path, health_url: str, env: dict[str, str] | None = None, nice: int = 0) -> None:
         self.name = name
         self.argv = argv
         self.log_path = log_path
         self.health_url = health_url
         self._log = open(log_path, "ab")  # noqa: SIM115 - the child writes to it until stop() closes it
-        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, start_new_session=True)
+        command = ["nice", "-n", str(nice), *argv] if nice else argv
+        self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, start_new_session=True)
+        if nice:
+            _nice_autogroup(self.proc.pid, nice)
 
     def log_tail(self, chars: int = 3000) -> str:
         """The last ``chars`` characters of the log (reads only its last ``4 * chars`` bytes)."""
@@ -130,10 +148,10 @@ class ProcessGroup:
         self.log_dir = log_dir
         self.processes: list[ManagedProcess] = []
 
-    def start(self, name: str, argv: list[str], health_url: str, env: dict[str, str] | None = None) -> ManagedProcess:
-        """Start a process logging to ``<log_dir>/<name>.log``."""
+    def start(self, name: str, argv: list[str], health_url: str, env: dict[str, str] | None = None, nice: int = 0) -> ManagedProcess:
+        """Start a process logging to ``<log_dir>/<name>.log`` (``nice``: see :class:`ManagedProcess`)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        proc = ManagedProcess(name, argv, self.log_dir / f"{name}.log", health_url, env)
+        proc = ManagedProcess(name, argv, self.log_dir / f"{name}.log", health_url, env, nice)
         self.processes.append(proc)
         return proc
 

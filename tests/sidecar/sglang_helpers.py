@@ -24,7 +24,9 @@ import pytest
 
 from stitchboard.demo.engines import greedy
 from stitchboard.demo.processes import ManagedProcess, free_port
+from stitchboard.sidecar.engines.launch import engine_nice
 from stitchboard.sidecar.engines.sglang.launch import sglang_command, sglang_env, sglang_python
+from tests.support.shm import remove_orphaned_shm
 from tests.support.vllm_server import PROMPTS
 
 
@@ -59,7 +61,7 @@ class SglangServer(ManagedProcess):
         self.model = str(model_dir)
         self.stub_log = log_path.with_suffix(".sgl_kernel_calls")
         argv = sglang_command(model_dir, self.port, tp=tp, loader=loader)
-        super().__init__(f"sglang-tp{tp}", argv, log_path, f"{self.url}/health", env={**sglang_env(tp, self.stub_log), **(env or {})})
+        super().__init__(f"sglang-tp{tp}", argv, log_path, f"{self.url}/health", env={**sglang_env(tp, self.stub_log), **(env or {})}, nice=engine_nice())
 
     def wait_ready(self, timeout_s: float = 600.0) -> None:
         """Wait until ``/health`` answers 200 (raises ``DemoError`` with the log's tail otherwise)."""
@@ -74,8 +76,10 @@ class SglangServer(ManagedProcess):
         return self.stub_log.read_text().splitlines() if self.stub_log.exists() else []
 
     def stop(self, grace_s: float = 20.0) -> None:
-        """Stop the server; fail if the ``sgl_kernel`` stand-in was ever called."""
+        """Stop the server (then remove the shared memory that ended engines left: :mod:`tests.support.shm`);
+        fail if the ``sgl_kernel`` stand-in was ever called."""
         super().stop(grace_s)
+        remove_orphaned_shm()
         calls = self.stub_calls()
         assert not calls, f"SGLang called the sgl_kernel stand-in {len(calls)} times (first: {calls[0]}): a stub stood in for work"
 

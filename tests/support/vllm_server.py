@@ -14,7 +14,9 @@ from pathlib import Path
 
 from stitchboard.demo.engines import greedy
 from stitchboard.demo.processes import ManagedProcess, free_port
+from stitchboard.sidecar.engines.launch import engine_nice
 from stitchboard.sidecar.engines.vllm.launch import vllm_command, vllm_env
+from tests.support.shm import remove_orphaned_shm
 
 #: Prompts of the bit-exact oracle (chat-free completions, sent one at a time).
 PROMPTS = (
@@ -70,11 +72,16 @@ class VllmServer(ManagedProcess):
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = str(model_dir)
         argv = vllm_command(model_dir, self.port, tensor_parallel_size=tp, extension=extension, max_model_len=max_model_len)
-        super().__init__("vllm", argv, log_path, f"{self.url}/health", env={**vllm_env(tp), **(env or {})})
+        super().__init__("vllm", argv, log_path, f"{self.url}/health", env={**vllm_env(tp), **(env or {})}, nice=engine_nice())
 
     def wait_ready(self, timeout_s: float = 600.0) -> None:
         """Wait until ``/health`` answers 200 (raises ``DemoError`` with the log's tail otherwise)."""
         self.wait_healthy(timeout_s)
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """Stop the server, then remove the shared memory that ended engines left (:mod:`.shm`)."""
+        super().stop(grace_s)
+        remove_orphaned_shm()
 
     def greedy(self, prompts: tuple[str, ...] = PROMPTS, max_tokens: int = 8) -> list[dict]:
         """Greedy completions with top-5 logprobs, one request per prompt (see ``demo.engines.greedy``)."""

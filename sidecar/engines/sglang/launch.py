@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ..launch import cpu_host
 from .loader import LOADER_PATH
 
 #: Environment variable naming the SGLang environment's interpreter (default: .venv-sglang of the checkout).
@@ -30,16 +31,6 @@ def sglang_python() -> str:
     if configured:
         return configured
     return str(Path(__file__).resolve().parents[3] / ".venv-sglang" / "bin" / "python")
-
-
-def cpu_host() -> bool:
-    """Whether SGLang must run its CPU engine here: no CUDA device visible to this process's torch
-    (or no torch), the same test :func:`..vllm.launch.vllm_env` makes."""
-    try:
-        import torch
-    except ImportError:
-        return True
-    return not torch.cuda.is_available()
 
 
 def sglang_command(model_dir: str | os.PathLike[str], port: int, *, tp: int = 1, loader: bool = True, served_model_name: str | None = None, python: str | None = None, cpu: bool | None = None) -> list[str]:

@@ -20,6 +20,8 @@ import os
 import sys
 from pathlib import Path
 
+from ..launch import cpu_host
+
 #: The worker extension class, for ``--worker-extension-cls``.
 WORKER_EXTENSION = "stitchboard.sidecar.vllm_worker.StitchWorkerExtension"
 #: vLLM's OpenAI server module.
@@ -88,15 +90,8 @@ def vllm_env(tensor_parallel_size: int = 1, cpu: bool | None = None) -> dict[str
         tensor_parallel_size: as given to :func:`vllm_command`.
         cpu: whether the CPU build serves (default: no CUDA device visible to torch).
     """
-    if cpu is None:
-        try:
-            import torch
-
-            cpu = not torch.cuda.is_available()
-        except ImportError:
-            cpu = True
     env = {"VLLM_SERVER_DEV_MODE": "1"}
-    if cpu:
+    if cpu_host() if cpu is None else cpu:
         env["VLLM_CPU_KVCACHE_SPACE"] = "1"
         if tensor_parallel_size > 1:
             env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
