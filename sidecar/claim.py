@@ -89,14 +89,22 @@ class ClaimKeeper(abc.ABC):
         self._trusted: tuple[str, int] | None = None  # (instance, version) this sidecar verified or applied
         self._reboot = asyncio.Event()  # set when the claim is dropped: the main loop boots again
         self._engine_lock = asyncio.Lock()  # held while boot or a commit works on the engine
-        # One worker more than the loop uses at once: a long-poll dropped by a reboot keeps its
-        # thread until its wait ends.
-        self._pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix="stitch-reconcile")
+        # Bulletin calls (long-polls, fetches, local file work) and engine calls run in pools of
+        # their own: an engine call that blocks never holds up the long-poll or a fetch, nor the
+        # reverse. One worker more than the loop uses at once in each: a call dropped by a
+        # reboot keeps its thread until it ends.
+        self._pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix="stitch-bulletin")
+        self._engine_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="stitch-engine")
 
     # -- plumbing ----------------------------------------------------------------------------
 
     async def _io(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run a blocking bulletin call (or local file work) in the bulletin pool."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+
+    async def _engine_io(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run a blocking engine-adapter call in the engine pool."""
+        return await asyncio.get_running_loop().run_in_executor(self._engine_pool, functools.partial(fn, *args, **kwargs))
 
     def _publish(self) -> None:
         self.metrics.versions(self.gate.applied, self.gate.target)
@@ -121,6 +129,7 @@ class ClaimKeeper(abc.ABC):
     def close(self) -> None:
         """Release the worker threads (a running blocking call finishes in the background)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._engine_pool.shutdown(wait=False, cancel_futures=True)
 
     # -- the claim: is the engine still what the sidecar verified? ----------------------------
 
@@ -190,7 +199,7 @@ class ClaimKeeper(abc.ABC):
         Raises:
             EngineChangedError: the main loop boots again.
         """
-        reason = self._claim_broken(await self._io(self.engine.state))
+        reason = self._claim_broken(await self._engine_io(self.engine.state))
         if reason is not None:
             self._drop_claim(reason)
             raise EngineChangedError(f"before {before}: {reason}")
@@ -212,7 +221,7 @@ class ClaimKeeper(abc.ABC):
     async def _boot(self) -> int | None:
         # Everything but the anchor load; returns the version to load from the nearest anchor, if any.
         self.state = "waiting_for_engine"
-        info = await self._io(self.engine.state)
+        info = await self._engine_io(self.engine.state)
         self._instance = info.instance
         version, phase = info.version, info.phase
         paused = phase == "paused"
@@ -234,7 +243,7 @@ class ClaimKeeper(abc.ABC):
         elif self.settings.boot_version is not None and not self._force_anchor:
             manifest = await self._verify_claim(self.settings.boot_version, "--boot-version says")
             if manifest is not None:
-                await self._io(self.engine.set_version, manifest.version, None)
+                await self._engine_io(self.engine.set_version, manifest.version, None)
         if manifest is not None:
             self._force_anchor = False
             self._set_applied(manifest.version, manifest)
@@ -261,7 +270,7 @@ class ClaimKeeper(abc.ABC):
                     return
                 self._set_applied(None)
                 if not paused:  # no request may run on weights of no known version
-                    await self._io(self.engine.pause)
+                    await self._engine_io(self.engine.pause)
                 target = await self._io(self.client.latest, self.run_id)
                 if target is None:
                     raise NothingPublishedError(f"run {self.run_id!r} has no version to recover the engine to")
@@ -293,7 +302,7 @@ class ClaimKeeper(abc.ABC):
             return None
         want = manifest.checksums()
         try:
-            held = await self._io(self.engine.checksums, sorted(want))
+            held = await self._engine_io(self.engine.checksums, sorted(want))
         except ApplyRefusedError as exc:
             if exc.details.get("cause") != UnmappedTensorError.type:
                 raise  # the engine could not answer now: boot retries
@@ -309,7 +318,7 @@ class ClaimKeeper(abc.ABC):
     async def _resume(self) -> None:
         # Resume the engine; a failure is kept and retried by the next step (requests would hang).
         self._resume_pending = True
-        await self._io(self.engine.resume)
+        await self._engine_io(self.engine.resume)
         self._resume_pending = False
 
     # -- what the reconciler provides ----------------------------------------------------------

@@ -93,7 +93,7 @@ class Reconciler(ClaimKeeper):
         # In the pause: the engine's output-token counts of the marked requests (None: an engine that cannot count).
         counts = getattr(self.engine, "output_counts", None)
         try:
-            self._pause_counts = {} if not self.spans.wanted() else None if counts is None else await self._io(counts)
+            self._pause_counts = {} if not self.spans.wanted() else None if counts is None else await self._engine_io(counts)
         except Exception as exc:  # noqa: BLE001 - spans are lost for these requests, the commit goes on
             log.warning("the engine could not count output tokens at the pause (the requests in flight get no spans): %r", exc)
             self._pause_counts = None
@@ -253,7 +253,7 @@ class Reconciler(ClaimKeeper):
     async def _commit(self, staged: FetchedPlan, seen: float) -> None:
         await self._require_claim(f"committing versions {staged.from_version}->{staged.to_version}")
         if staged.steps and all(s.empty for s in staged.steps) and staged.from_version == self.gate.applied:
-            await self._io(self.engine.set_version, staged.to_version, staged.from_version)
+            await self._engine_io(self.engine.set_version, staged.to_version, staged.from_version)
             self._finish(staged, seen, 0.0, 0.0, flipped=True, route="flip")
             return
         route, held = self._route_of(staged), self.gate.applied
@@ -262,7 +262,7 @@ class Reconciler(ClaimKeeper):
         except Exception as exc:  # nothing was written: the held version keeps serving
             raise self._refuse(staged, route, exc) from exc
         if prepared is None:  # an anchor route that changes no bit of what the engine holds
-            await self._io(self.engine.set_version, staged.to_version, staged.from_version if route == "delta" else self.gate.applied)
+            await self._engine_io(self.engine.set_version, staged.to_version, staged.from_version if route == "delta" else self.gate.applied)
             self._finish(staged, seen, 0.0, 0.0, flipped=True, route="flip")
             return
         if prepared:  # time passed while the engine staged: look again
@@ -273,7 +273,7 @@ class Reconciler(ClaimKeeper):
         try:
             keep = getattr(self.engine, "pause_keeping_cache", None)
             self._keep_cache = keep is not None and not self.salter.needs_reset(self.gate.in_flight)
-            await self._io(keep if self._keep_cache else self.engine.pause)
+            await self._engine_io(keep if self._keep_cache else self.engine.pause)
             paused_at = time.perf_counter()
             self._fault("paused")
             await self._read_counts()
@@ -302,7 +302,7 @@ class Reconciler(ClaimKeeper):
     async def _still_holds(self, version: int | None) -> bool:
         # Whether the engine (the instance this boot found) still records ``version``, idle.
         try:
-            state = await self._io(self.engine.state)
+            state = await self._engine_io(self.engine.state)
         except Exception:  # noqa: BLE001 - an engine that cannot say backs no claim
             return False
         return version is not None and state.instance == self._instance and state.version == version and state.phase in ("idle", "paused")
@@ -332,7 +332,7 @@ class Reconciler(ClaimKeeper):
         steps: list[tuple[list[str], int | None, int]]
         if route == "staged_anchor":
             want = staged.steps[-1].manifest.checksums()
-            held = await self._io(self.engine.checksums, sorted(want))
+            held = await self._engine_io(self.engine.checksums, sorted(want))
             path, _ = await self._io(build_rebase, staged, held, self.fetcher.folder_of(staged.to_version, "rebase"))
             if path is None:
                 return None, time.perf_counter() - start
@@ -342,7 +342,7 @@ class Reconciler(ClaimKeeper):
             deltas = [s for s in staged.steps if not s.empty]
             ends: list[int | None] = [staged.from_version, *(s.version for s in deltas[:-1])]
             steps = [([str(p) for p in s.paths], ends[i], s.version if i < len(deltas) - 1 else staged.to_version) for i, s in enumerate(deltas)]
-        await self._io(self.engine.stage_patches, steps)
+        await self._engine_io(self.engine.stage_patches, steps)
         seconds = time.perf_counter() - start
         self.metrics.engine_stage_seconds.observe(seconds)
         return True, seconds
@@ -372,20 +372,20 @@ class Reconciler(ClaimKeeper):
         # prefix cache. Returns apply seconds.
         start = time.perf_counter()
         if prepared:
-            await self._io(self.engine.commit_staged, staged.to_version)
+            await self._engine_io(self.engine.commit_staged, staged.to_version)
         else:
             for step in staged.steps:
                 if step.kind == "snapshot":
-                    await self._io(self.engine.load_snapshot, [str(p) for p in step.paths], step.version, step.manifest.checksums())
+                    await self._engine_io(self.engine.load_snapshot, [str(p) for p in step.paths], step.version, step.manifest.checksums())
                 elif step.empty:
-                    await self._io(self.engine.set_version, step.version, step.base_version)
+                    await self._engine_io(self.engine.set_version, step.version, step.base_version)
                 else:  # a delta, or a squash from its base
-                    await self._io(self.engine.apply_patch, [str(p) for p in step.paths], step.base_version, step.version)
-        held = (await self._io(self.engine.state)).version
+                    await self._engine_io(self.engine.apply_patch, [str(p) for p in step.paths], step.base_version, step.version)
+        held = (await self._engine_io(self.engine.state)).version
         if held != staged.to_version:
             raise EngineVersionMismatchError(f"after applying, the engine records version {held}, expected {staged.to_version}")
         if self.gate.applied is None or not self._keep_cache:
-            await self._io(self.engine.reset_prefix_cache)
+            await self._engine_io(self.engine.reset_prefix_cache)
             self.salter.was_reset()
         seconds = time.perf_counter() - start
         self.metrics.apply_seconds.observe(seconds)
