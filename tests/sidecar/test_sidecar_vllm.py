@@ -178,6 +178,15 @@ def test_control_routes_are_forbidden_through_the_proxy(vllm_run_engine, vllm_ru
     assert complete(sidecar.url, vllm_run_engine.model).status_code == 200
 
 
+def test_routing_asked_of_a_dense_model_is_refused_by_name(vllm_run_engine, vllm_run, vllm_sidecars):
+    """SmolLM2 has no experts: ``return_routed_experts`` gets 400 RoutedExpertsRefused naming the model."""
+    sidecar = vllm_sidecars(vllm_run_engine.url)
+    sidecar.wait_applied(vllm_run.latest)
+    r = httpx.post(f"{sidecar.url}/v1/completions", json={"model": vllm_run_engine.model, "prompt": "Hi", "max_tokens": 2, "return_routed_experts": True}, timeout=60)
+    assert r.status_code == 400 and r.json()["type"] == "RoutedExpertsRefused", r.text
+    assert vllm_run_engine.model in r.json()["message"], r.text
+
+
 def _corrupt(path: Path) -> bytes:
     """Flip one byte in the middle of ``path``; returns the original bytes."""
     good = path.read_bytes()
