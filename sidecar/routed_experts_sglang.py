@@ -6,23 +6,21 @@ On SGLang the routing is SGLang's own: the request's ``return_routed_experts`` a
 generation (on the CPU through stitchboard's capturer, :mod:`.engines.sglang.routing`) and
 answers ``sglext.routed_experts`` (a stream: in a final chunk of its own), passed on as it came.
 The sidecar adds, top-level (a stream: in its stamp event), ``routed_experts_weight_versions``
-over those rows, ``routed_experts_start_len`` and ``routed_experts_recomputed``, from the
-answer's per-token ``weight_versions`` (:mod:`.spans`, asked for on the client's behalf, so the
-answer carries them too): the row that made output token ``o`` is row ``prompt_tokens - 1 + o``
-and the prompt rows were routed by the prefill pass, which made output token 0, so a request
-that crossed no commit has all its rows under the version of its one span. SGLang's radix cache keys
+over those rows and ``routed_experts_start_len``, from the answer's per-token ``weight_versions``
+(:mod:`.spans`, asked for on the client's behalf, so the answer carries them too): the row that
+made output token ``o`` is row ``prompt_tokens - 1 + o`` and the prompt rows were routed by the
+prefill pass, which made output token 0, so a request that crossed no commit has all its rows
+under the version of its one span. SGLang's radix cache keys
 on ``cache_salt``: a request that wants rows of its prompt gets a salt unique to it (a client's
 own salt kept in front), so that its prompt is computed in this request, not read from the
 cache (rows of cached positions are not routed in this request). Only a prompt of token ids
 with ``routed_experts_start_len >= len(prompt)`` keeps the cache.
 
 A request running across a commit is retracted in the pause and, on resume, computes its whole
-sequence again under the new weights (:mod:`.engines.sglang.adapter`); SGLang's capturer keeps
-the rows of that recompute, so the rows of the positions before the last boundary are the new
-version's routing, not that of the passes that chose those tokens (seen on the tiny Qwen3-MoE:
-none of 133 such rows equalled the old version's). Such an answer's rows all carry the last
-version, and ``routed_experts_recomputed`` says how many leading rows were recomputed so (0 when
-the request crossed no commit).
+sequence again under the new weights (:mod:`.engines.sglang.adapter`); stitchboard's loader keeps
+the first routing of every position through that recompute (:mod:`.engines.sglang.routing`), so
+the rows before the engine's count at the pause are the old version's, the routing those tokens
+were sampled from, and carry its version, as on vLLM.
 """
 
 from __future__ import annotations
@@ -33,23 +31,23 @@ from typing import Any
 from .routed_experts import ERROR_FIELD, START_LEN_FIELD, VERSIONS_FIELD, WANT_FIELD
 
 SALT_MARK = "stitch-routing"
-RECOMPUTED_FIELD = "routed_experts_recomputed"
 
 
-def row_versions(spans: list[dict[str, int]] | None, prompt_tokens: int, completion_tokens: int, start_len: int) -> tuple[list[dict[str, int]] | None, int]:
+def row_versions(spans: list[dict[str, int]] | None, prompt_tokens: int, completion_tokens: int, start_len: int) -> list[dict[str, int]] | None:
     """``[{"version", "start", "end"}]`` over the rows ``[start_len, prompt_tokens +
     completion_tokens - 1)`` (row ``r`` = position ``start_len + r``) from the output tokens'
-    spans (None without spans), and how many leading rows a commit's recompute routed (see the
-    module docstring: then every row carries the last version)."""
+    spans (None without spans): span ``[s, e)`` of output tokens covers positions
+    ``[prompt_tokens - 1 + s, prompt_tokens - 1 + e)``, the first span the prompt's positions too."""
     if not spans:
-        return None, 0
+        return None
     end, shift = prompt_tokens + completion_tokens - 1, prompt_tokens - 1
     start_len = min(start_len, max(end, 0))
-    if end <= start_len:
-        return [], 0
-    last = spans[-1]
-    recomputed = max(0, min(last["start"] + shift, end) - start_len) if last["start"] > 0 else 0
-    return [{"version": last["version"], "start": 0, "end": end - start_len}], recomputed
+    rows = []
+    for i, span in enumerate(spans):
+        lo, hi = max(0 if i == 0 else shift + span["start"], start_len), min(shift + span["end"], end)
+        if hi > lo:
+            rows.append({"version": span["version"], "start": lo - start_len, "end": hi - start_len})
+    return rows
 
 
 class SglangRoutedExperts:
@@ -80,11 +78,11 @@ class SglangRoutedExperts:
 
     def fields(self, spans: list[dict[str, int]] | None) -> dict[str, Any]:
         """The top-level routing fields for the output tokens' ``spans`` (after the stream's usage)."""
-        fields: dict[str, Any] = {START_LEN_FIELD: self.start_len, VERSIONS_FIELD: None, RECOMPUTED_FIELD: None}
+        fields: dict[str, Any] = {START_LEN_FIELD: self.start_len, VERSIONS_FIELD: None}
         if self.usage is None or not spans:
             fields[ERROR_FIELD] = "the engine did not report the answer's length" if self.usage is None else "the answer carries no weight versions"
             return fields
-        fields[VERSIONS_FIELD], fields[RECOMPUTED_FIELD] = row_versions(spans, *self.usage, self.start_len)
+        fields[VERSIONS_FIELD] = row_versions(spans, *self.usage, self.start_len)
         return fields
 
     def attach(self, answer: Any) -> None:

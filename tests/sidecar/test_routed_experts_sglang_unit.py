@@ -5,20 +5,22 @@ the cache salt, and the rows' weight versions from the output tokens' spans
 from __future__ import annotations
 
 from stitchboard.sidecar.routed_experts import ERROR_FIELD, START_LEN_FIELD, VERSIONS_FIELD, WANT_FIELD, wants_routing
-from stitchboard.sidecar.routed_experts_sglang import RECOMPUTED_FIELD, SglangRoutedExperts, row_versions
+from stitchboard.sidecar.routed_experts_sglang import SglangRoutedExperts, row_versions
 
 
-def test_rows_carry_the_version_that_routed_them_and_a_commit_s_recompute_is_counted():
+def test_rows_carry_the_version_of_the_pass_that_routed_them():
     one = [{"version": 1, "start": 0, "end": 5}]
-    assert row_versions(one, 4, 5, 0) == ([{"version": 1, "start": 0, "end": 8}], 0)
-    assert row_versions(one, 4, 5, 5) == ([{"version": 1, "start": 0, "end": 3}], 0)
-    # 4 prompt + 5 output tokens, outputs 3.. under version 2: the commit's recompute routed
-    # positions 0..5 (rows 0-5) under version 2 as well; row 6 made output token 3
+    assert row_versions(one, 4, 5, 0) == [{"version": 1, "start": 0, "end": 8}]
+    assert row_versions(one, 4, 5, 5) == [{"version": 1, "start": 0, "end": 3}]
+    # 4 prompt + 5 output tokens, outputs 3.. under version 2: output token 3 was sampled from
+    # position 6's pass; the prompt's rows and positions 3-5 keep version 1's first routing
     crossed = [{"version": 1, "start": 0, "end": 3}, {"version": 2, "start": 3, "end": 5}]
-    assert row_versions(crossed, 4, 5, 0) == ([{"version": 2, "start": 0, "end": 8}], 6)
-    assert row_versions(crossed, 4, 5, 5) == ([{"version": 2, "start": 0, "end": 3}], 1)
-    assert row_versions(crossed, 4, 5, 7) == ([{"version": 2, "start": 0, "end": 1}], 0)
-    assert row_versions(None, 4, 5, 0) == (None, 0)
+    assert row_versions(crossed, 4, 5, 0) == [{"version": 1, "start": 0, "end": 6}, {"version": 2, "start": 6, "end": 8}]
+    assert row_versions(crossed, 4, 5, 5) == [{"version": 1, "start": 0, "end": 1}, {"version": 2, "start": 1, "end": 3}]
+    assert row_versions(crossed, 4, 5, 7) == [{"version": 2, "start": 0, "end": 1}]
+    twice = [{"version": 1, "start": 0, "end": 1}, {"version": 2, "start": 1, "end": 2}, {"version": 3, "start": 2, "end": 5}]
+    assert row_versions(twice, 4, 5, 0) == [{"version": 1, "start": 0, "end": 4}, {"version": 2, "start": 4, "end": 5}, {"version": 3, "start": 5, "end": 8}]
+    assert row_versions(None, 4, 5, 0) is None
 
 
 def test_the_fields_go_on_to_sglang_and_prompt_rows_salt_the_cache():
@@ -43,7 +45,6 @@ def test_an_answer_gets_its_row_versions_or_says_why_not():
     answer = {"usage": {"prompt_tokens": 3, "completion_tokens": 2}, "weight_versions": [{"version": 4, "start": 0, "end": 2}], "sglext": {"routed_experts": "AAAA"}}
     routed.attach(answer)
     assert answer[VERSIONS_FIELD] == [{"version": 4, "start": 0, "end": 4}] and answer["sglext"]["routed_experts"] == "AAAA"
-    assert answer[RECOMPUTED_FIELD] == 0
     assert ERROR_FIELD not in answer
     missing = {"usage": {"prompt_tokens": 3, "completion_tokens": 2}, "weight_versions": [{"version": 4, "start": 0, "end": 2}], "sglext": {"routed_experts": None}}
     SglangRoutedExperts(0, {"prompt": "x"}).attach(missing)
@@ -51,7 +52,7 @@ def test_an_answer_gets_its_row_versions_or_says_why_not():
     stream = SglangRoutedExperts(1, {"prompt": "x"})
     assert stream.fields([{"version": 4, "start": 0, "end": 2}])[ERROR_FIELD] == "the engine did not report the answer's length"
     stream.see_event({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}})
-    assert stream.fields([{"version": 4, "start": 0, "end": 2}]) == {START_LEN_FIELD: 1, VERSIONS_FIELD: [{"version": 4, "start": 0, "end": 3}], RECOMPUTED_FIELD: 0}
+    assert stream.fields([{"version": 4, "start": 0, "end": 2}]) == {START_LEN_FIELD: 1, VERSIONS_FIELD: [{"version": 4, "start": 0, "end": 3}]}
 
 
 def test_the_sidecar_sends_the_fields_to_sglang_and_tags_the_answer(sc_publisher, sc_start):

@@ -16,7 +16,11 @@ Routing replay on SGLang's own ``return_routed_experts`` (the capturer stitchboa
 installs, :mod:`stitchboard.sidecar.engines.sglang.routing`): on both engines, a request's
 ``sglext.routed_experts`` (prompt and output rows, cache salted) is the same streamed and plain,
 changes once the routers changed, and the patched engine's equals the fresh engine's (started
-with the loader too, which installs the capturer at its first call).
+with the loader too, which installs the capturer at its first call). A request generating while
+the routers' version is committed (retracted in the pause, its sequence computed again on
+resume) answers, for the positions before SGLang's own span boundary, the routing of the old
+version that its tokens were sampled from (the loader keeps each position's first routing), and
+the new version's from the boundary on.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import base64
 import json
 import re
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -100,6 +105,68 @@ def routing(server: SglangServer, prompt: str, *, stream: bool = False) -> np.nd
     return rows
 
 
+#: Output tokens of the request that crosses the routers' commit (the preset's context is 2,048).
+CROSSING_TOKENS = 1500
+
+
+def generate(url: str, prompt_ids: list[int], tokens: int, *, start_len: int = 0, events: list[dict] | None = None) -> dict:
+    """SGLang's native ``/generate`` of ``tokens`` greedy tokens after ``prompt_ids``, asking for
+    its routing (its own cache salt); streamed into ``events`` when given. Returns the last answer."""
+    body = {
+        "input_ids": prompt_ids, "sampling_params": {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True},
+        "return_routed_experts": True, "routed_experts_start_len": start_len, "cache_salt": uuid.uuid4().hex, "stream": events is not None,
+    }  # fmt: skip
+    if events is None:
+        r = httpx.post(f"{url}/generate", json=body, timeout=600)
+        assert r.status_code == 200, r.text
+        return r.json()
+    with httpx.stream("POST", f"{url}/generate", json=body, timeout=600) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                events.append(json.loads(line[6:]))
+    return events[-1]
+
+
+def rows_of(answer: dict, config: dict) -> np.ndarray:
+    """``meta_info.routed_experts`` of a native answer: int32 [rows, layers, top_k]."""
+    encoded = answer["meta_info"]["routed_experts"]
+    assert encoded, f"no routed_experts in {answer['meta_info']}"
+    return np.frombuffer(base64.b64decode(encoded), np.int32).reshape(-1, config["num_hidden_layers"], config["num_experts_per_tok"])
+
+
+def check_crossing_rows(engine: SglangServer, adapter: SglangEngine, steps: list[tuple[list[str], int, int]], config: dict) -> None:
+    """Commit ``steps`` (they redraw the routers) while a streamed request generates; its rows
+    before SGLang's span boundary must be the old version's routing of the same tokens, the
+    first row after it the new version's."""
+    from transformers import AutoTokenizer
+
+    prompt_ids = AutoTokenizer.from_pretrained(engine.model)(PROMPTS[2])["input_ids"]
+    n_prompt, old_version, new_version = len(prompt_ids), steps[0][1], steps[-1][2]
+    old = generate(engine.url, prompt_ids, CROSSING_TOKENS)
+    events: list[dict] = []
+    worker = threading.Thread(target=lambda: generate(engine.url, prompt_ids, CROSSING_TOKENS, events=events), daemon=True)
+    worker.start()
+    deadline = time.monotonic() + 300
+    while len(events) < 3 and worker.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(events) >= 3 and worker.is_alive(), f"the request was not generating before the commit ({len(events)} chunks)"
+    commit(adapter, steps)
+    worker.join(600)
+    crossed = events[-1]
+    spans = crossed["meta_info"].get("weight_versions")
+    assert [int(s["version"]) for s in spans or []] == [old_version, new_version], f"the request did not cross the commit: {spans}"
+    b = spans[0]["end"]
+    cut = n_prompt - 1 + b  # output token b was sampled from position cut's pass, the first under the new weights
+    ids, rows, old_rows = crossed["output_ids"], rows_of(crossed, config), rows_of(old, config)
+    assert len(rows) == n_prompt + CROSSING_TOKENS - 1 and ids[:b] == old["output_ids"][:b]
+    assert np.array_equal(rows[:cut], old_rows[:cut]), f"rows before the boundary ({cut}) are not the routing version {old_version}'s tokens were sampled from"
+    after = rows_of(generate(engine.url, prompt_ids + ids[:b], 1, start_len=cut), config)
+    assert np.array_equal(rows[cut : cut + 1], after), f"row {cut}, the first after the commit, is not version {new_version}'s routing"
+    assert not np.array_equal(after, old_rows[cut : cut + 1]), "the commit did not change the routing of the boundary's position"
+    print(f"crossing: rows [0, {cut}) version {old_version}'s first routing, [{cut}, {len(rows)}) version {new_version}'s")
+
+
 #: Seconds the routing requests took (printed: what they add to the test).
 ROUTING_S = [0.0]
 
@@ -154,8 +221,9 @@ def check_moe_oracle(preset: str, tp: int, folder: Path) -> None:
                 assert refused.value.details["cause"] == "UnmappedTensor", refused.value
                 assert f"expert {count}" in str(refused.value), refused.value
 
-                report = commit(adapter, [(patch_file(folder, views[v - 1], views[v], f"v{v}.patch"), v - 1, v) for v in (1, 2, redrawn)])
+                report = commit(adapter, [(patch_file(folder, views[v - 1], views[v], f"v{v}.patch"), v - 1, v) for v in (1, 2)])
                 assert report["tensors"] > 0
+                check_crossing_rows(engine, adapter, [(patch_file(folder, views[2], views[redrawn], f"v{redrawn}.patch"), 2, redrawn)], config)
                 assert adapter.checksums(sorted(run.sums(redrawn))) == run.sums(redrawn)
                 report = commit(adapter, [(patch_file(folder, views[redrawn], views[single], f"v{single}.patch"), redrawn, single)])
                 assert report["tensors"] == len(names), report

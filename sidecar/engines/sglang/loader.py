@@ -60,7 +60,7 @@ from stitchboard.proto.env import env_setting
 from stitchboard.proto.errors import StitchError
 
 from ...errors import EngineStateError
-from .routing import install_capturer
+from .routing import install_capturer, keep_first_routing
 from .token_counts import number_samples, output_counts, track_finished
 
 log = logging.getLogger("stitchboard.sidecar.engines.sglang.loader")
@@ -78,6 +78,7 @@ FAULT_EXIT_CODE = 86
 INSTANCE_ID = uuid.uuid4().hex
 track_finished()  # the final counts of finished marked requests (:mod:`.token_counts`)
 number_samples()  # the choice of each output of a request with several outputs (:mod:`.token_counts`)
+keep_first_routing()  # a request retracted at a commit answers the routing its tokens were sampled from (:mod:`.routing`)
 
 _phase = "idle"
 _ranks: Any = None

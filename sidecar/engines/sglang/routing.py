@@ -16,6 +16,16 @@ class with the host buffer replaced by an ordinary CPU tensor of the same shape,
 sizes it (``ModelRunner.init_routed_experts_capturer``). Everything else is SGLang's code, so
 the rows are captured during generation and never recomputed. Each TP rank captures its own
 copy (the routers are replicated, so every rank routes the same); only rank 0's reaches the answer.
+
+A request running across a commit is retracted in the pause (its KV freed) and on resume
+computes its whole sequence again under the new weights; SGLang's capturer, indexed by KV slot,
+would then answer the recompute's rows for the positions routed before the commit, not the
+routing the request's tokens were sampled from. :func:`keep_first_routing` (installed when the
+loader is first imported) keeps the first routing of every position, as the vLLM capture does:
+at each release of a request that asked for its routing (SGLang's ``release_req``, which every
+retraction goes through) the rows of its positions computed so far are copied out before its KV
+is freed, merged with what an earlier retraction kept, and laid back over the answer's rows when
+SGLang collects them at the end (``_maybe_collect_routed_experts``).
 """
 
 from __future__ import annotations
@@ -79,3 +89,74 @@ def install_capturer() -> str | None:
     set_global_experts_capturer(capturer)
     log.info("routed-experts capturer installed: host rows %d, layers %d, top-k %d", capturer.host_cache.num_tokens, capturer.num_layers, capturer.topk_size)
     return None
+
+
+#: The ``Req`` attribute holding the first routing of the positions a retraction freed.
+_FIRST_ROWS = "_stitch_first_routed_experts"
+
+
+def _keep_rows(req: Any, req_to_token_pool: Any) -> None:
+    # Before ``req``'s KV is freed: copy the rows of its computed positions [0, kv_committed_len),
+    # keeping those an earlier retraction kept (the first routing of each position).
+    from sglang.srt.state_capturer.routed_experts import get_global_experts_capturer
+
+    capturer = get_global_experts_capturer()
+    kv = getattr(req, "kv", None)
+    index, computed = getattr(kv, "req_pool_idx", None), int(getattr(kv, "kv_committed_len", 0) or 0)
+    if capturer is None or index is None or computed <= 0 or not getattr(req, "return_routed_experts", False):
+        return
+    rows = capturer.get_topk(req_pool_idx=index, seqlen=computed + 1, req_to_token_pool=req_to_token_pool).clone()
+    kept = getattr(req, _FIRST_ROWS, None)
+    if kept is not None and len(kept) >= len(rows):
+        return
+    setattr(req, _FIRST_ROWS, rows if kept is None else torch.cat([kept, rows[len(kept) :]]))
+
+
+def _lay_back(req: Any) -> None:
+    # After SGLang collected ``req.routed_experts`` (rows start_len .. seqlen - 2): the kept first
+    # routings over the positions they cover.
+    kept, rows = getattr(req, _FIRST_ROWS, None), getattr(req, "routed_experts", None)
+    if kept is None:
+        return
+    setattr(req, _FIRST_ROWS, None)
+    if not isinstance(rows, torch.Tensor) or rows.ndim != 3:
+        return
+    seqlen = len(req.origin_input_ids) + len(req.output_ids_through_stop)
+    start = min(max(int(getattr(req, "routed_experts_start_len", 0) or 0), 0), max(seqlen - 1, 0))
+    end = min(len(kept), start + len(rows))
+    if end > start:
+        rows[: end - start] = kept[start:end]
+
+
+def keep_first_routing() -> None:
+    """Wrap SGLang's ``release_req`` and ``_maybe_collect_routed_experts`` so that a request
+    retracted at a commit answers the first routing of every position (see the module docstring).
+    No-op without SGLang or when already wrapped; never raises into SGLang (a failure costs only
+    the kept rows: the answer then carries the recompute's, as SGLang's own would)."""
+    try:
+        from sglang.srt.managers import schedule_batch
+        from sglang.srt.managers.scheduler_components.batch_result_processor import SchedulerBatchResultProcessor
+    except ImportError:
+        return
+    release, collect = schedule_batch.release_req, SchedulerBatchResultProcessor._maybe_collect_routed_experts
+    if getattr(release, "_stitch_keeps_routing", False):
+        return
+
+    def release_req(*args: Any, **kwargs: Any) -> Any:
+        try:
+            _keep_rows(kwargs["req"], kwargs["req_to_token_pool"])
+        except Exception as exc:  # noqa: BLE001 - never into SGLang's scheduler
+            log.warning("first routing not kept at a release: %r", exc)
+        return release(*args, **kwargs)
+
+    def _maybe_collect_routed_experts(self: Any, req: Any) -> Any:
+        result = collect(self, req)
+        try:
+            _lay_back(req)
+        except Exception as exc:  # noqa: BLE001 - never into SGLang's scheduler
+            log.warning("first routing not laid back: %r", exc)
+        return result
+
+    release_req._stitch_keeps_routing = True  # type: ignore[attr-defined]
+    schedule_batch.release_req = release_req
+    SchedulerBatchResultProcessor._maybe_collect_routed_experts = _maybe_collect_routed_experts
