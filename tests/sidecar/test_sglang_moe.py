@@ -106,7 +106,7 @@ def routing(server: SglangServer, prompt: str, *, stream: bool = False) -> np.nd
 
 
 #: Output tokens of the request that crosses the routers' commit (the preset's context is 2,048).
-CROSSING_TOKENS = 1500
+CROSSING_TOKENS = 600
 
 
 def generate(url: str, prompt_ids: list[int], tokens: int, *, start_len: int = 0, events: list[dict] | None = None) -> dict:
