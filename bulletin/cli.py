@@ -12,6 +12,7 @@ from rich.table import Table
 
 from .app import create_app
 from .gc_hold import freeze_startup_heap
+from .http_protocol import CoalescingHttpToolsProtocol
 from .ledger import Ledger
 from .retention import collect_garbage
 from .settings import BulletinSettings
@@ -38,7 +39,10 @@ def serve(
     served = create_app(settings)
     freeze_startup_heap()  # full collections then walk only what serving creates (gc_hold.py)
     access_log = settings.log_level.lower() in ("trace", "debug", "info")  # above info uvicorn drops its lines, but still formats them per answer
-    uvicorn.run(served, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=access_log, timeout_graceful_shutdown=5)
+    uvicorn.run(
+        served, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=access_log, timeout_graceful_shutdown=5,
+        http=CoalescingHttpToolsProtocol,  # an answer's head and body in one write (http_protocol.py)
+    )  # fmt: skip
 
 
 @app.command()

@@ -1,0 +1,164 @@
+"""bulletin/http_protocol.py: an answer's writes of one event-loop pass go out as one, and HTTP still works.
+
+The unit part drives :class:`CoalescingTransport` over a recording transport on a real event
+loop; the served part runs uvicorn with :class:`CoalescingHttpToolsProtocol` on loopback and
+counts the real transport's writes per answer (one, where uvicorn alone makes two), with
+keep-alive, HEAD and a streamed body answered as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import uvicorn
+
+from stitchboard.bulletin.http_protocol import CoalescingHttpToolsProtocol, CoalescingTransport
+
+
+class Recording:
+    """A transport that records what is done to it."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, bytes]] = []
+        self.closing = False
+
+    def write(self, data: bytes) -> None:
+        self.calls.append(("write", bytes(data)))
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def get_write_buffer_size(self) -> int:
+        return 7
+
+    def close(self) -> None:
+        self.calls.append(("close", b""))
+        self.closing = True
+
+    def abort(self) -> None:
+        self.calls.append(("abort", b""))
+        self.closing = True
+
+    def write_eof(self) -> None:
+        self.calls.append(("eof", b""))
+
+    def get_extra_info(self, name: str) -> str:
+        return f"info:{name}"
+
+
+def test_a_write_goes_out_joined_to_the_next_and_a_lone_one_at_the_next_pass():
+    async def scenario() -> None:
+        real = Recording()
+        t = CoalescingTransport(real, asyncio.get_running_loop())  # type: ignore[arg-type]
+        buffer = bytearray(b"head ")
+        t.write(buffer)
+        buffer[:] = b"XXXXX"  # the caller reuses its buffer: what was written stays
+        assert real.calls == [] and t.get_write_buffer_size() == 7 + 5
+        t.write(memoryview(b"body"))
+        assert real.calls == [("write", b"head body")], "the second write did not send both at once"
+        t.writelines([b"a", b"b", b"c"])
+        assert real.calls[1:] == [("write", b"ab")]
+        await asyncio.sleep(0)
+        assert real.calls[2:] == [("write", b"c")], "a lone write was not sent at the loop's next pass"
+        await asyncio.sleep(0)
+        t.write(b"last")
+        t.close()
+        assert real.calls[3:] == [("write", b"last"), ("close", b"")]
+        await asyncio.sleep(0)
+        assert len(real.calls) == 5, "a kept write was sent twice"
+        assert t.get_extra_info("peername") == "info:peername"
+
+        other = Recording()
+        t = CoalescingTransport(other, asyncio.get_running_loop())  # type: ignore[arg-type]
+        t.write(b"x")
+        t.abort()
+        await asyncio.sleep(0)
+        assert other.calls == [("abort", b"")], "an abort sent what was kept"
+        gone = Recording()
+        t = CoalescingTransport(gone, asyncio.get_running_loop())  # type: ignore[arg-type]
+        t.write(b"y")
+        gone.closing = True
+        await asyncio.sleep(0)
+        assert gone.calls == [], "a write went to a closing connection"
+        eof = Recording()
+        t = CoalescingTransport(eof, asyncio.get_running_loop())  # type: ignore[arg-type]
+        t.write(b"z")
+        t.write_eof()
+        assert eof.calls == [("write", b"z"), ("eof", b"")]
+
+    asyncio.run(scenario())
+
+
+WRITES: list[int] = []
+
+
+async def app(scope, receive, send) -> None:
+    """``/one``: a JSON answer (start + body); ``/stream``: three body chunks, one per pass."""
+    if scope["type"] != "http":
+        return
+    if scope["path"] == "/stream":
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        for chunk in (b"a", b"b", b"c"):
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await asyncio.sleep(0.01)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return
+    body = b'{"version": 3}'
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class Counted:
+    """A connection's transport whose writes are counted in :data:`WRITES`."""
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self.transport = transport
+
+    def write(self, data: bytes) -> None:
+        WRITES.append(len(data))
+        self.transport.write(data)
+
+    def __getattr__(self, name: str):
+        return getattr(self.transport, name)
+
+
+class CountingProtocol(CoalescingHttpToolsProtocol):
+    """Counts the writes that reach each connection's transport."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(Counted(transport))  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def served() -> Iterator[str]:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, http=CountingProtocol, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.started, "uvicorn did not start"
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server.should_exit = True
+    thread.join(10)
+
+
+def test_each_answer_is_one_write_and_http_works_as_before(served: str):
+    with httpx.Client(base_url=served) as client:
+        for _ in range(3):  # keep-alive: three answers on one connection
+            WRITES.clear()
+            r = client.get("/one")
+            assert r.status_code == 200 and r.json() == {"version": 3}
+            assert len(WRITES) == 1, f"an answer took {len(WRITES)} writes"
+        head = client.head("/one")
+        assert head.status_code == 200 and head.headers["content-length"] == "14" and head.content == b""
+        r = client.get("/stream")
+        assert r.status_code == 200 and r.text == "abc"
