@@ -96,16 +96,23 @@ _FIRST_ROWS = "_stitch_first_routed_experts"
 
 
 def _keep_rows(req: Any, req_to_token_pool: Any) -> None:
-    # Before ``req``'s KV is freed: copy the rows of its computed positions [0, kv_committed_len),
-    # keeping those an earlier retraction kept (the first routing of each position).
+    # Before ``req``'s KV is freed: copy the rows that made its output tokens so far, keeping those
+    # an earlier retraction kept (the first routing of each position). Output token o was sampled
+    # from position prompt - 1 + o's pass, and the prompt's rows from the pass that made token 0,
+    # so the rows are those of positions [0, prompt - 1 + outputs) that were computed: none while
+    # no token was sampled yet (a prompt retracted mid-prefill is routed again, and its first
+    # token sampled, under the new weights).
     from sglang.srt.state_capturer.routed_experts import get_global_experts_capturer
 
     capturer = get_global_experts_capturer()
     kv = getattr(req, "kv", None)
-    index, computed = getattr(kv, "req_pool_idx", None), int(getattr(kv, "kv_committed_len", 0) or 0)
-    if capturer is None or index is None or computed <= 0 or not getattr(req, "return_routed_experts", False):
+    index, outputs = getattr(kv, "req_pool_idx", None), len(getattr(req, "output_ids", ()) or ())
+    if capturer is None or index is None or outputs == 0 or not getattr(req, "return_routed_experts", False):
         return
-    rows = capturer.get_topk(req_pool_idx=index, seqlen=computed + 1, req_to_token_pool=req_to_token_pool).clone()
+    made = min(int(getattr(kv, "kv_committed_len", 0) or 0), len(req.origin_input_ids) - 1 + outputs)
+    if made <= 0:
+        return
+    rows = capturer.get_topk(req_pool_idx=index, seqlen=made + 1, req_to_token_pool=req_to_token_pool).clone()
     kept = getattr(req, _FIRST_ROWS, None)
     if kept is not None and len(kept) >= len(rows):
         return
