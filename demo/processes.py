@@ -7,6 +7,8 @@ period) when its ``with`` block ends, whether normally, on an error or on Ctrl-C
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import random
 import signal
@@ -19,6 +21,10 @@ from typing import Self
 import httpx
 
 from .errors import DemoError
+
+log = logging.getLogger("stitchboard.demo")
+#: Tries at setting an autogroup's niceness (an unprivileged process: one per 100 ms).
+AUTOGROUP_TRIES = 5
 
 
 def free_socket() -> socket.socket:
@@ -67,11 +73,20 @@ def free_port() -> int:
 def _nice_autogroup(pid: int, nice: int) -> None:
     # The session of ``pid`` (its leader, started with its own session) is an autogroup when the
     # kernel has CONFIG_SCHED_AUTOGROUP on: its CPU share against other sessions follows the
-    # autogroup's niceness, not the processes' own. Raising it needs no privilege.
-    try:
-        Path(f"/proc/{pid}/autogroup").write_text(str(nice))
-    except OSError:  # no autogroups here (or the process already ended): the process's own niceness holds
-        pass
+    # autogroup's niceness, not the processes' own. Raising it needs no privilege, but an
+    # unprivileged process may set one autogroup's niceness per 100 ms only (EAGAIN): retried.
+    path = Path(f"/proc/{pid}/autogroup")
+    for attempt in range(AUTOGROUP_TRIES):
+        try:
+            path.write_text(str(nice))
+            return
+        except FileNotFoundError:  # no autogroups here (or the process already ended): the process's own niceness holds
+            return
+        except OSError as exc:
+            if exc.errno != errno.EAGAIN or attempt + 1 == AUTOGROUP_TRIES:
+                log.warning("could not set the CPU niceness of process %d's session to %d (%s): it competes with other sessions at the default share", pid, nice, exc)
+                return
+            time.sleep(0.11)
 
 
 class ManagedProcess:
