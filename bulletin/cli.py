@@ -12,7 +12,6 @@ from rich.table import Table
 
 from .app import create_app
 from .gc_hold import freeze_startup_heap
-from .http_protocol import CoalescingHttpToolsProtocol
 from .ledger import Ledger
 from .retention import collect_garbage
 from .settings import BulletinSettings
@@ -35,6 +34,8 @@ def serve(
     log_level: Annotated[str | None, typer.Option(help="uvicorn log level [env STITCH_BULLETIN_LOG_LEVEL]")] = None,
 ) -> None:
     """Serve the REST API (all other settings: STITCH_BULLETIN_* env vars, see stitchboard.bulletin.settings)."""
+    from .http_protocol import CoalescingHttpToolsProtocol  # httptools: only the server needs it
+
     settings = _settings(store=store, host=host, port=port, log_level=log_level)
     served = create_app(settings)
     freeze_startup_heap()  # full collections then walk only what serving creates (gc_hold.py)

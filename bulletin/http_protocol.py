@@ -12,7 +12,8 @@ answer and p99 291 ms with two writes, 56 us and p99 239 ms with one.
 :class:`CoalescingHttpToolsProtocol` (uvicorn's httptools protocol, passed as its ``http``
 class) gives the protocol a :class:`CoalescingTransport`: a write is kept back until the next
 one, which goes out joined to it at once (an answer's head is kept, its body sends both), or
-until the event loop's next pass (a head with no body yet, a lone chunk). Closing or ending the
+until the event loop's next pass (a head with no body yet, a lone chunk); a large write (over
+64 KiB: blob downloads) goes out as it is, after what is kept. Closing or ending the
 stream sends what is kept first; an abort drops it, as the transport's own would. Reading, flow
 control and connection details are the transport's own. (Keeping every write of a pass until
 the pass ended also made one write per answer, but a fan-out's first answer then left only once
@@ -25,6 +26,9 @@ import asyncio
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+#: Writes up to this size are joined (an answer's head, a JSON body); larger ones (blob chunks) go out as they are.
+JOIN_MAX_BYTES = 64 * 1024
 
 
 class CoalescingTransport:
@@ -42,7 +46,12 @@ class CoalescingTransport:
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         """Send ``data`` joined to the write kept back, if one is; else keep it (copied: a caller
-        may reuse its buffer) until the next write or the loop's next pass."""
+        may reuse its buffer) until the next write or the loop's next pass. A write of more than
+        :data:`JOIN_MAX_BYTES` is neither kept nor copied: it goes out at once, after what is kept."""
+        if len(data) > JOIN_MAX_BYTES:
+            self.flush()
+            self._send(data)
+            return
         if self._kept is None:
             self._kept = bytes(data)
             self._loop.call_soon(self.flush)
@@ -55,7 +64,7 @@ class CoalescingTransport:
         for line in lines:
             self.write(line)
 
-    def _send(self, data: bytes) -> None:
+    def _send(self, data: bytes | bytearray | memoryview) -> None:
         if not self._transport.is_closing():  # a connection closing (client gone) takes no more
             self._transport.write(data)
 

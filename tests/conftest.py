@@ -5,7 +5,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -29,13 +29,13 @@ def smollm2_dir() -> Path:
         raise
 
 
-def _malloc_trim() -> None:
-    """Hand the C heap's free pages back to the OS (glibc ``malloc_trim``; no-op elsewhere)."""
+def _libc_malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim`` (hands the C heap's free pages back to the OS); None elsewhere."""
     name = ctypes.util.find_library("c")
-    libc = ctypes.CDLL(name) if name else None
-    trim = getattr(libc, "malloc_trim", None)
-    if trim is not None:
-        trim(0)
+    return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+
+
+_MALLOC_TRIM = _libc_malloc_trim()
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -49,4 +49,5 @@ def _return_freed_memory() -> Iterator[None]:
     """
     yield
     gc.collect()
-    _malloc_trim()
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)

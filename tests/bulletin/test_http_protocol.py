@@ -18,7 +18,7 @@ import httpx
 import pytest
 import uvicorn
 
-from stitchboard.bulletin.http_protocol import CoalescingHttpToolsProtocol, CoalescingTransport
+from stitchboard.bulletin.http_protocol import JOIN_MAX_BYTES, CoalescingHttpToolsProtocol, CoalescingTransport
 
 
 class Recording:
@@ -67,11 +67,15 @@ def test_a_write_goes_out_joined_to_the_next_and_a_lone_one_at_the_next_pass():
         await asyncio.sleep(0)
         assert real.calls[2:] == [("write", b"c")], "a lone write was not sent at the loop's next pass"
         await asyncio.sleep(0)
+        t.write(b"h")
+        big = b"B" * (JOIN_MAX_BYTES + 1)
+        t.write(big)
+        assert real.calls[3:] == [("write", b"h"), ("write", big)], "a large write was kept, or went out before what was kept"
         t.write(b"last")
         t.close()
-        assert real.calls[3:] == [("write", b"last"), ("close", b"")]
+        assert real.calls[5:] == [("write", b"last"), ("close", b"")]
         await asyncio.sleep(0)
-        assert len(real.calls) == 5, "a kept write was sent twice"
+        assert len(real.calls) == 7, "a kept write was sent twice"
         assert t.get_extra_info("peername") == "info:peername"
 
         other = Recording()

@@ -6,7 +6,9 @@ vLLM's broadcast queues and SGLang's are ``multiprocessing.shared_memory`` files
 (``psm_<hex>``, 24-240 MiB each), plus SGLang's and vLLM's own named segments. /dev/shm is
 memory, so a CI-like run ended with ~0.8 GB of them held until the host rebooted, on a host
 that ran out of memory. :func:`remove_orphaned_shm` removes those created during this test
-session that no live process maps or holds open.
+session that no live process maps or holds open (segments of processes still exiting are left
+for a later call; those of other users' processes, whose maps this one cannot read, are not
+this session's and cannot be removed).
 """
 
 from __future__ import annotations
@@ -47,13 +49,24 @@ def remove_orphaned_shm() -> list[str]:
     process uses; returns their names. No-op without /dev/shm."""
     if not SHM.is_dir():
         return []
-    candidates = [p for p in SHM.iterdir() if p.name.startswith(ENGINE_PREFIXES) and p.is_file() and p.stat().st_mtime >= SESSION_START]
+    candidates = [p for p in SHM.iterdir() if p.name.startswith(ENGINE_PREFIXES) and _made_since(p, SESSION_START)]
     if not candidates:
         return []
     used = _files_in_use()
     removed = []
     for path in candidates:
-        if str(path) not in used:
-            path.unlink(missing_ok=True)
-            removed.append(path.name)
+        if str(path) in used:
+            continue
+        try:
+            path.unlink()
+        except OSError:  # gone meanwhile (a worker still exiting removed it), or another user's
+            continue
+        removed.append(path.name)
     return removed
+
+
+def _made_since(path: Path, since: float) -> bool:
+    try:
+        return path.is_file() and path.stat().st_mtime >= since
+    except OSError:  # removed meanwhile
+        return False
