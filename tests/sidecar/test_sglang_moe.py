@@ -187,59 +187,60 @@ def test_qwen3_moe_expert_patches_equal_a_fresh_sglang(tmp_path: Path) -> None:
 
 
 def check_moe_oracle(preset: str, tp: int, folder: Path) -> None:
-    """The oracle on ``preset`` at TP = ``tp`` (one patched server, one fresh server)."""
+    """The oracle on ``preset`` at TP = ``tp``: one patched server from version 0 and one fresh
+    server of the last version, both started at once (the versions are trained first)."""
     require_sglang()
     run = MoeRun(preset, folder / "run")
     try:
+        for _ in range(2):
+            run.step()
+        touched = run.changed(1) | run.changed(2)
+        for what, mark in CLASSES.items():
+            assert any(mark in n for n in touched), f"no {what} tensor changed in versions 1-2"
+        redrawn = redraw_routers(run, seed=3)
+        single, expert = run.step_one_expert(layer=1)
+        names = run.changed(single)
+        assert names and all(re.search(rf"layers\.1\.\w+\.experts\.{expert}\.", n) for n in names), names
+        views = {v: load_checkpoint(run.pull(v)) for v in range(single + 1)}
+        config = json.loads((run.model_dir / "config.json").read_text())
         engine = SglangServer(run.model_dir, folder / "engine.log", tp=tp)
-        try:
-            engine.wait_ready()
-            adapter = SglangEngine(engine.url, folder / "records", timeout_s=120)
-            try:
-                adapter.set_version(0, None)
-                assert adapter.checksums(sorted(run.sums(0))) == run.sums(0), "the boot weights read through the map are not version 0's"
-                at_v0 = engine.greedy()
-                routed_v0 = routings(engine)  # the capturer was installed by the loader calls above
-                for _ in range(2):
-                    run.step()
-                touched = run.changed(1) | run.changed(2)
-                for what, mark in CLASSES.items():
-                    assert any(mark in n for n in touched), f"no {what} tensor changed in versions 1-2"
-                redrawn = redraw_routers(run, seed=3)
-                single, expert = run.step_one_expert(layer=1)
-                names = run.changed(single)
-                assert names and all(re.search(rf"layers\.1\.\w+\.experts\.{expert}\.", n) for n in names), names
-                views = {v: load_checkpoint(run.pull(v)) for v in range(single + 1)}
-
-                config = json.loads((run.model_dir / "config.json").read_text())
-                count = config.get("num_experts") or config["num_local_experts"]
-                real = min(names)
-                stray = {re.sub(r"\.experts\.\d+\.", f".experts.{count}.", real): views[0][real]}
-                moved = {n: RawTensor(t.dtype, t.shape, t.bits ^ np.uint16(1)) for n, t in stray.items()}
-                with pytest.raises(ApplyRefusedError) as refused:
-                    commit(adapter, [(patch_file(folder, stray, moved, "no-such-expert.patch"), 0, 1)])
-                assert refused.value.details["cause"] == "UnmappedTensor", refused.value
-                assert f"expert {count}" in str(refused.value), refused.value
-
-                report = commit(adapter, [(patch_file(folder, views[v - 1], views[v], f"v{v}.patch"), v - 1, v) for v in (1, 2)])
-                assert report["tensors"] > 0
-                check_crossing_rows(engine, adapter, [(patch_file(folder, views[2], views[redrawn], f"v{redrawn}.patch"), 2, redrawn)], config)
-                assert adapter.checksums(sorted(run.sums(redrawn))) == run.sums(redrawn)
-                report = commit(adapter, [(patch_file(folder, views[redrawn], views[single], f"v{single}.patch"), redrawn, single)])
-                assert report["tensors"] == len(names), report
-                assert adapter.state().version == single
-                assert adapter.checksums(sorted(run.sums(single))) == run.sums(single)
-                patched = engine.greedy()
-                routed = routings(engine)
-            finally:
-                adapter.close()
-        finally:
-            engine.stop()
-        assert patched != at_v0, "the patched engine answers as at version 0"
-        changed = np.mean([(a != b).any(axis=(1, 2)).mean() for a, b in zip(routed_v0, routed, strict=True)])
-        assert changed > 0.5, f"only {changed:.0%} of the positions route differently after the routers changed"
         fresh = SglangServer(run.pull(single), folder / "fresh.log", tp=tp)  # the loader: its first call installs the capturer
         try:
+            try:
+                engine.wait_ready()
+                adapter = SglangEngine(engine.url, folder / "records", timeout_s=120)
+                try:
+                    adapter.set_version(0, None)
+                    assert adapter.checksums(sorted(run.sums(0))) == run.sums(0), "the boot weights read through the map are not version 0's"
+                    at_v0 = engine.greedy()
+                    routed_v0 = routings(engine)  # the capturer was installed by the loader calls above
+
+                    count = config.get("num_experts") or config["num_local_experts"]
+                    real = min(names)
+                    stray = {re.sub(r"\.experts\.\d+\.", f".experts.{count}.", real): views[0][real]}
+                    moved = {n: RawTensor(t.dtype, t.shape, t.bits ^ np.uint16(1)) for n, t in stray.items()}
+                    with pytest.raises(ApplyRefusedError) as refused:
+                        commit(adapter, [(patch_file(folder, stray, moved, "no-such-expert.patch"), 0, 1)])
+                    assert refused.value.details["cause"] == "UnmappedTensor", refused.value
+                    assert f"expert {count}" in str(refused.value), refused.value
+
+                    report = commit(adapter, [(patch_file(folder, views[v - 1], views[v], f"v{v}.patch"), v - 1, v) for v in (1, 2)])
+                    assert report["tensors"] > 0
+                    check_crossing_rows(engine, adapter, [(patch_file(folder, views[2], views[redrawn], f"v{redrawn}.patch"), 2, redrawn)], config)
+                    assert adapter.checksums(sorted(run.sums(redrawn))) == run.sums(redrawn)
+                    report = commit(adapter, [(patch_file(folder, views[redrawn], views[single], f"v{single}.patch"), redrawn, single)])
+                    assert report["tensors"] == len(names), report
+                    assert adapter.state().version == single
+                    assert adapter.checksums(sorted(run.sums(single))) == run.sums(single)
+                    patched = engine.greedy()
+                    routed = routings(engine)
+                finally:
+                    adapter.close()
+            finally:
+                engine.stop()
+            assert patched != at_v0, "the patched engine answers as at version 0"
+            changed = np.mean([(a != b).any(axis=(1, 2)).mean() for a, b in zip(routed_v0, routed, strict=True)])
+            assert changed > 0.5, f"only {changed:.0%} of the positions route differently after the routers changed"
             fresh.wait_ready()
             assert patched == fresh.greedy(), f"the patched engine differs from a fresh SGLang at version {single} (TP = {tp})"
             fresh_adapter = SglangEngine(fresh.url, folder / "fresh-records", timeout_s=120)
