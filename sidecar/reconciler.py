@@ -61,6 +61,14 @@ FAULT_EXIT_CODE = 86
 __all__ = ["COMMIT_STATES", "FAULT_EXIT_CODE", "Reconciler"]
 
 
+def _cancelling() -> bool:
+    """Whether the running task was asked to stop: an exception raised in a ``finally`` on the way
+    out (a failed resume) replaces the ``CancelledError``, and a retry loop must not take it for
+    a failure to retry (the sidecar then never stopped while its engine was down)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 class Reconciler(ClaimKeeper):
     """Follows one run at the bulletin and applies its versions to one engine (arguments: see
     :class:`~.claim.ClaimKeeper`).
@@ -130,7 +138,10 @@ class Reconciler(ClaimKeeper):
                 return
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - any failure is recorded, then retried
+            except Exception as exc:  # any failure is recorded, then retried (a clean-up failure on the way out, not)
+                if _cancelling():  # cancelled, and a clean-up on the way out (the resume in a finally) failed: stop
+                    self._error(exc, during)
+                    raise asyncio.CancelledError(f"stopped while {during} failed: {exc}") from exc
                 if isinstance(exc, EngineChangedError) or (escalate and self._reboot.is_set()):
                     self._error(exc, during)
                     return

@@ -80,6 +80,7 @@ class FakeEngine:
         staged: the steps :meth:`stage_patches` kept for :meth:`commit_staged`.
         unreachable: while True, :meth:`state` and :meth:`health` fail as for an engine that does
             not answer (the process and its weights are kept).
+        fail_resume: while True, :meth:`resume` fails as for an engine that went away.
     """
 
     def __init__(self, weights: dict[str, RawTensor] | None = None, version: int | None = None, *, token_delay_s: float = 0.01) -> None:
@@ -105,6 +106,7 @@ class FakeEngine:
         self.write_s_per_tensor = 0.0
         self.break_stream_after: int | None = None
         self.unreachable = False
+        self.fail_resume = False
         self.staged: list[tuple[list[str], int, int]] | None = None
         self.prefix_cache_resets = 0
         self._running = threading.Event()
@@ -141,6 +143,8 @@ class FakeEngine:
 
     def resume(self) -> None:
         self.calls.append(("resume", ()))
+        if self.fail_resume:
+            raise EngineUnavailableError("engine at the fake does not answer /continue_generation (test)", path="/continue_generation")
         self.paused = False
         self._running.set()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -287,3 +288,21 @@ def test_restart_finds_a_paused_engine_and_resumes_it(sc_publisher, sc_start):
     assert_at(sidecar, sc_publisher, 1)
     assert not engine.paused
     assert [m for m, _ in engine.calls if m != "health"] == ["checksums", "resume", "stage_patches", "pause", "commit_staged", "reset_prefix_cache", "resume"]
+
+
+def test_a_sidecar_stops_at_once_when_its_engine_went_away_mid_commit(sc_publisher, sc_start):
+    """Stopping the sidecar (SIGTERM: the app's shutdown cancels the reconciler) during a commit
+    whose engine went away: the resume in the commit's ``finally`` fails, and that failure, which
+    replaces the cancellation, must not be retried as a failed sync (the process then kept
+    retrying the resume until it was killed)."""
+    sc_publisher.publish(make_view(0))
+    sidecar = sc_start(FakeEngine())
+    assert_at(sidecar, sc_publisher, 0)
+    engine = sidecar.engine
+    engine.write_s_per_tensor, engine.fail_resume = 0.5, True
+    sc_publisher.step(1)
+    wait_for(lambda: engine.count("commit_staged"), what="the commit under way")
+    started = time.monotonic()
+    sidecar.stop()
+    assert not sidecar.server.thread.is_alive(), "the sidecar did not stop: its reconciler kept retrying the resume"
+    assert time.monotonic() - started < 5
