@@ -128,8 +128,17 @@ def sc_start(sc_bulletin: AppServer, sc_publisher: Publisher, tmp_path: Path) ->
         client.close()
 
 
-# --- real SGLang (test_sglang_*.py): one server per module, see sglang_helpers.py
-from tests.sidecar.sglang_helpers import sglang_engine, sglang_workdir  # noqa: F401
+# --- real SGLang (test_sglang_*.py): one server shared by those modules, see sglang_helpers.py
+from tests.sidecar.sglang_helpers import SharedSglang, sglang_engine, sglang_workdir, shared_sglang  # noqa: F401
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_idle_sglang(request: pytest.FixtureRequest, shared_sglang: SharedSglang) -> None:  # noqa: F811
+    """Stop the shared SGLang server when a module that is not an SGLang one (``test_sglang_*``)
+    starts: the modules after them run vLLM engines, which need the memory and the cores."""
+    if not request.path.name.startswith("test_sglang_"):
+        shared_sglang.release()
+
 
 # --- real vLLM (test_vllm_engine.py, test_sidecar_vllm.py): one server per session, see vllm_fixtures.py
 from tests.sidecar.vllm_fixtures import (  # noqa: F401

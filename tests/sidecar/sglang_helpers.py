@@ -8,8 +8,9 @@ and waits for ``/health``. Every server gets its own ``sgl_kernel`` stand-in cal
 CI (``CI`` set), where they fail. Start-up on 2 cores with SmolLM2-135M: ~40-70 s at TP = 1,
 90-110 s at TP = 2.
 
-Fixtures (import them into a test module): ``sglang_engine`` (one TP = 1 server with the loader
-per module, booted from the SmolLM2 checkpoint: version 0's bits, no version recorded).
+Fixtures (import them into a test module): ``sglang_engine`` (the TP = 1 server with the loader
+on the SmolLM2 checkpoint that the SGLang test modules share: :class:`SharedSglang`; each module
+gets it at version 0's bits) and ``shared_sglang`` (for a module that starts other servers beside it).
 """
 
 from __future__ import annotations
@@ -93,13 +94,77 @@ def sglang_workdir() -> Iterator[Path]:
     shutil.rmtree(folder, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def sglang_engine(smollm2_dir: Path, sglang_workdir: Path) -> Iterator[SglangServer]:
-    """The module's SGLang server (TP = 1, loader registered) from the SmolLM2 checkpoint."""
-    require_sglang()
-    server = SglangServer(smollm2_dir, sglang_workdir / "engine.log")
+class SharedSglang:
+    """The SGLang server (TP = 1, loader registered) on the SmolLM2 checkpoint that the SGLang test
+    modules share: a start costs 35-70 s on 2 cores, four modules need one, and it started once
+    per module took ~2 minutes of CI.
+
+    :meth:`take` starts it, or hands the running one to the next module at version 0's bits: a
+    snapshot load of the checkpoint through the loader, which records version 0 (what a sidecar
+    with ``--boot-version 0`` verifies and records on a fresh server), then the prefix cache
+    flushed; a test that leaves it paused or holding no verified version is covered, as the load
+    runs inside a pause/resume of its own. A server that died (or was killed by a test) is
+    started again. :meth:`release` stops it (the ``shared_sglang`` fixture does when a module
+    that is not an SGLang one starts, so it never idles beside the vLLM engines).
+
+    Args:
+        folder: where its logs and the reset's loader records go.
+    """
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.server: SglangServer | None = None
+        self.starts = 0
+
+    def take(self, model_dir: Path) -> SglangServer:
+        """The shared server at version 0's bits of ``model_dir`` (started if none runs)."""
+        if self.server is not None and self.server.proc.poll() is not None:
+            self.release()
+        if self.server is None:
+            self.starts += 1
+            server = SglangServer(model_dir, self.folder / f"engine-{self.starts}.log")
+            try:
+                server.wait_ready()
+            except BaseException:
+                server.stop()
+                raise
+            self.server = server
+            return server
+        from stitchboard.sidecar.engines.sglang.adapter import SglangEngine
+
+        adapter = SglangEngine(self.server.url, self.folder / "reset-records", timeout_s=120)
+        try:
+            adapter.pause()
+            try:
+                adapter.load_snapshot([str(model_dir / "model.safetensors")], 0)
+                adapter.reset_prefix_cache()
+            finally:
+                adapter.resume()
+        finally:
+            adapter.close()
+        return self.server
+
+    def release(self) -> None:
+        """Stop the server, if one runs (failing if the ``sgl_kernel`` stand-in was called)."""
+        server, self.server = self.server, None
+        if server is not None:
+            server.stop()
+
+
+@pytest.fixture(scope="session")
+def shared_sglang() -> Iterator[SharedSglang]:
+    """The session's :class:`SharedSglang` (no server until a module takes it; stopped at the end)."""
+    base = "/dev/shm" if Path("/dev/shm").is_dir() else None
+    shared = SharedSglang(Path(tempfile.mkdtemp(prefix="stitch-sglang-shared-", dir=base)))
     try:
-        server.wait_ready()
-        yield server
+        yield shared
     finally:
-        server.stop()
+        shared.release()
+        shutil.rmtree(shared.folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def sglang_engine(smollm2_dir: Path, shared_sglang: SharedSglang) -> SglangServer:
+    """The shared SGLang server (:class:`SharedSglang`) at version 0's bits of the SmolLM2 checkpoint."""
+    require_sglang()
+    return shared_sglang.take(smollm2_dir)

@@ -1,4 +1,4 @@
-"""The sidecar's gating and stamps in front of a real SGLang server (CPU, TP = 1), one engine for the module.
+"""The sidecar's gating and stamps in front of a real SGLang server (CPU, TP = 1), the engine the SGLang modules share.
 
 A real bulletin and an in-process sidecar (``engine=sglang``) over a real SGLang 0.5.23 serving
 SmolLM2; versions are published trainer-free (the checkpoint's bits, then ~1 % of every
@@ -39,7 +39,7 @@ from stitchboard.sidecar.app import create_app as create_sidecar
 from stitchboard.sidecar.client import SidecarClient
 from stitchboard.sidecar.settings import SidecarSettings
 from tests.sidecar.fake_sglang import SGLANG_CONTROL_ROUTES
-from tests.sidecar.sglang_helpers import SglangServer, require_sglang
+from tests.sidecar.sglang_helpers import SglangServer, SharedSglang, require_sglang
 from tests.sidecar.sidecar_helpers import AppServer, Publisher, mutate, wait_for
 from tests.sidecar.vllm_fixtures import copy_model_files
 
@@ -67,16 +67,15 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(smollm2_dir: Path, sglang_workdir: Path) -> Iterator[Stack]:
+def stack(smollm2_dir: Path, sglang_workdir: Path, shared_sglang: SharedSglang) -> Iterator[Stack]:
     require_sglang()
     bulletin = AppServer(create_bulletin(BulletinSettings(store=f"file://{sglang_workdir / 'store'}", poll_interval_s=0.05)))
     client = BulletinClient(bulletin.url, retries=1, backoff_s=0.01)
     publisher = Publisher(client, f"run-{uuid.uuid4().hex[:8]}", sglang_workdir)
     publisher.publish(read_safetensors(smollm2_dir / "model.safetensors")[1])
-    engine = SglangServer(smollm2_dir, sglang_workdir / "engine.log")
-    fresh = SglangServer(smollm2_dir, sglang_workdir / "fresh.log", loader=False)  # both start at once
+    fresh = SglangServer(smollm2_dir, sglang_workdir / "fresh.log", loader=False)  # starts while the shared engine is taken
     try:
-        engine.wait_ready()
+        engine = shared_sglang.take(smollm2_dir)
         fresh.wait_ready()
         settings = SidecarSettings(
             bulletin=bulletin.url, run=publisher.run, engine="sglang", engine_url=engine.url, boot_version=0, handoff_dir=str(sglang_workdir / "handoff"), poll_wait_s=5.0, request_wait_s=5.0, retry_after_s=1
@@ -93,8 +92,7 @@ def stack(smollm2_dir: Path, sglang_workdir: Path) -> Iterator[Stack]:
     finally:
         client.close()
         bulletin.stop()
-        fresh.stop()  # each fails the test if the sgl_kernel stand-in was called
-        engine.stop()
+        fresh.stop()  # fails the test if the sgl_kernel stand-in was called (the shared engine: when it stops)
 
 
 def _generate(http: httpx.Client, text: str, tokens: int, headers: dict | None = None, **extra) -> httpx.Response:

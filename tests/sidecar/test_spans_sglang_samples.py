@@ -3,7 +3,7 @@
 
 The scheduler-side objects are stand-ins with the attributes SGLang 0.5.23's
 ``TokenizedGenerateReqInput`` (``stream``, ``sampling_params.custom_params``, ``sampling_params.n``)
-and ``Req`` carry; the real path is tested against SGLang in ``test_spans_sglang.py``.
+and ``Req`` carry; the real path is tested against SGLang in ``test_sglang_spans.py``.
 """
 
 from __future__ import annotations
