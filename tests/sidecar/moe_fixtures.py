@@ -4,10 +4,10 @@
 (:mod:`stitchboard.demo.moe_models`), published by the trainer SDK (``Publisher.publish(model)``:
 the transformers model holds its experts fused, the SDK publishes the checkpoint's per-expert
 names) from :class:`tests.support.training.CpuTrainer` steps; :meth:`MoeRun.step_one_expert`
-is a real AdamW step on the slice of one expert of one layer only. :func:`moe_engine` starts a
-vLLM server with the stitchboard extension on a preset (``moe_engines`` keeps one per preset and
-TP size for the session, so the oracle and routing tests can share them); the test brings it to
-version 0 with :func:`load_version_0`.
+is a real AdamW step on the slice of one expert of one layer only. :class:`MoeEngines` (fixture
+``moe_engines``) starts vLLM servers with the stitchboard extension on a preset and keeps one for
+the session, which the oracle and routing tests share; a test brings it to version 0 with
+:func:`load_version_0`.
 
 Duck-typed for :class:`tests.sidecar.vllm_fixtures.SidecarProcess` (``bulletin.url``, ``run``).
 """
@@ -23,6 +23,9 @@ from tests.support.vllm_server import VllmServer, require_vllm
 
 #: The AdamW learning rate of the MoE runs (weights ~N(0, 0.05): a few % of bf16 bits move per step).
 MOE_LR = 1e-5
+#: The context of every MoE engine here, tokens: the presets' ``max_position_embeddings``, so the
+#: routing tests' long requests (test_vllm_routing.py) fit the engine the oracle tests used.
+MOE_CONTEXT = 2048
 
 
 class MoeRun:
@@ -130,9 +133,11 @@ def load_version_0(engine: VllmServer, run: MoeRun) -> None:
 
 
 class MoeEngines:
-    """The session's vLLM servers (stitchboard extension) on MoE presets: ``engines(preset, tp=1)``
-    starts one on first use (~30 s at TP 1 on 2 cores). One is kept at a time (getting another
-    stops it: a 2-core, 24 GB host runs other engines too); :meth:`release` stops one early.
+    """The session's vLLM servers (stitchboard extension, context :data:`MOE_CONTEXT`) on MoE
+    presets: ``engines(preset, tp=1)`` starts one on first use (~30 s at TP 1 on 2 cores). One is
+    kept at a time (getting another stops it: a 2-core, 24 GB host runs other engines too);
+    :meth:`release` stops one early. The oracle tests (test_vllm_moe.py) leave the
+    ``tiny-qwen3-moe`` TP 1 engine at version 0's bits for the routing tests (test_vllm_routing.py).
 
     Args:
         folder: where the engines' logs go.
@@ -147,7 +152,7 @@ class MoeEngines:
 
         if (preset, tp) not in self.engines:
             self.stop_all()
-            server = VllmServer(moe_preset_checkpoint(preset), self.folder / f"{preset}-tp{tp}.log", tp=tp)
+            server = VllmServer(moe_preset_checkpoint(preset), self.folder / f"{preset}-tp{tp}.log", tp=tp, max_model_len=MOE_CONTEXT)
             try:
                 server.wait_ready()
             except BaseException:

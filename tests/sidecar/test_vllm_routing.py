@@ -1,9 +1,10 @@
 """Routing replay through the sidecar in front of a real vLLM (CPU) serving the tiny Qwen3-MoE.
 
-One engine (``A``, the worker extension loaded) serves the ``tiny-qwen3-moe`` preset behind a
+One engine (``A``, the worker extension loaded: the ``tiny-qwen3-moe`` TP 1 engine the oracle
+tests in test_vllm_moe.py leave at version 0's bits, ``moe_engines``) serves the preset behind a
 sidecar following a run on a loopback bulletin; versions change only the routers (every layer's
 ``mlp.gate.weight`` redrawn from a seed), so each version routes differently. A second engine
-(``B``) is started fresh from version 1's full checkpoint; both start together.
+(``B``) is started fresh from version 1's full checkpoint (while ``A`` is taken or started).
 
 * The routing returned for a prompt (every position of prompt and output, SGLang's
   ``sglext.routed_experts``) equals what the fresh engine ``B`` routes at the same version, and
@@ -34,6 +35,7 @@ import numpy as np
 import pytest
 
 from tests.sidecar.commit_overlap import HeldPublish, LatchedClient, LongRequests
+from tests.sidecar.moe_fixtures import MOE_CONTEXT, MoeEngines, moe_engines  # noqa: F401 - fixture
 from tests.sidecar.vllm_fixtures import SidecarProcess, copy_model_files
 from tests.support.vllm_server import VllmServer, require_vllm
 
@@ -41,8 +43,8 @@ pytestmark = pytest.mark.slow
 
 PROMPT = "Once upon a time, in a small village by the sea, " * 4  # ~50 tokens: three KV blocks of 16
 ASK = {"return_routed_experts": True}
-#: The engines' context (the preset's max_position_embeddings): room for the long requests that cross a commit.
-LONG_CONTEXT = 2048
+#: The engines' context (the preset's max_position_embeddings, as the shared engines'): room for the long requests that cross a commit.
+LONG_CONTEXT = MOE_CONTEXT
 
 
 @pytest.fixture(autouse=True)
@@ -113,7 +115,7 @@ class Routing:
 
 
 @pytest.fixture(scope="module")
-def routing() -> Iterator[Routing]:
+def routing(moe_engines: MoeEngines) -> Iterator[Routing]:  # noqa: F811
     from stitchboard.demo.moe_models import moe_preset_checkpoint
 
     # In memory where there is /dev/shm: the bulletin's and sidecar's fsyncs waited up to 5 s behind
@@ -121,11 +123,10 @@ def routing() -> Iterator[Routing]:
     shm = Path("/dev/shm")
     folder = Path(tempfile.mkdtemp(prefix="stitch-moe-routing-", dir=shm if shm.is_dir() else None))
     run = RouterRun(moe_preset_checkpoint("tiny-qwen3-moe"), folder)
-    a = VllmServer(run.model_dir, folder / "engine-a.log", max_model_len=LONG_CONTEXT)
-    b = VllmServer(run.checkpoint(1), folder / "engine-b.log", max_model_len=LONG_CONTEXT)
+    b = VllmServer(run.checkpoint(1), folder / "engine-b.log", max_model_len=LONG_CONTEXT)  # starts while A is taken
     sidecar = None
     try:
-        a.wait_ready()
+        a = moe_engines("tiny-qwen3-moe", 1)  # the oracle tests' engine (test_vllm_moe.py), or a new one
         b.wait_ready()
         sidecar = SidecarProcess(run, a.url, folder, {"STITCH_SIDECAR_BOOT_VERSION": "0"})
         sidecar.proc.wait_healthy(300)
@@ -134,7 +135,7 @@ def routing() -> Iterator[Routing]:
     finally:
         if sidecar is not None:
             sidecar.stop()
-        a.stop()
+        moe_engines.release("tiny-qwen3-moe", 1)
         b.stop()
         run.close()
         shutil.rmtree(folder, ignore_errors=True)
