@@ -144,7 +144,7 @@ def main() -> int:
         )
         print(
             f"engine pause {median['pause_s']:.3f} s: pause call {median['pause_call_s']:.4f}, update call {median['commit_s']:.4f} "
-            f"(loader: {', '.join(f'{k} {median[k]:.4f}' for k in PAUSE_KEYS)}; version check, session and HTTP {median['commit_s'] - median['loader_s']:.4f}), "
+            f"(loader: write, each chunk read back at once, {median['write_s']:.4f}, verify {median['verify_s']:.4f}; version check, session and HTTP {median['commit_s'] - median['loader_s']:.4f}), "
             f"state {median['state_s']:.4f}, flush {median['flush_s']:.4f}, continue {median['resume_s']:.4f}"
         )
         reloads = [x for r in rounds for x in r["reloads"]]

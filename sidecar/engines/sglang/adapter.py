@@ -22,7 +22,7 @@ to a record file under ``record_dir``, parsed like the vLLM worker's (:mod:`..rp
   waits for every request in flight and holds new ones, unless the engine is paused. At TP = 1
   :meth:`stage_patches` hands the files to the loader's stager thread (:mod:`.stager`, its
   socket named in the rank records), which decodes and checks them on the live weights while
-  the engine serves; the paused update call then only writes, reads the written elements back
+  the engine serves; the paused update call then only writes (each chunk read back as it is written)
   and records. At TP > 1 (or with no stager) the files are checked here (sha256, patch format)
   and the engine decodes, checks, writes and verifies them inside the pause.
 * Instance: each rank's loader draws an id when its process first imports it; records carry the

@@ -2,7 +2,8 @@
 
 Called by :mod:`.loader` inside SGLang's ``update_weights_from_tensor`` (engine paused, all ranks
 in step); at TP = 1 :func:`stage` also runs in the loader's stager thread while the engine serves
-(reads only; :func:`commit` then reads the written elements back, ``verify="written"``). Patches are read and decoded with :mod:`stitchboard.proto.decode` (``xor``,
+(reads only; :func:`commit` then reads each chunk of written elements back as it writes it,
+``verify="written"``). Patches are read and decoded with :mod:`stitchboard.proto.decode` (``xor``,
 ``overwrite``, ``cond``: a ``cond`` delta decodes against the whole base tensor). Checksums are
 of whole checkpoint tensors: at TP > 1 every rank all-gathers a split tensor's blocks over the TP
 group's gloo group and reassembles it (padding never included), so every rank reaches the same
@@ -262,10 +263,21 @@ def _scatter(w: _Write) -> None:
     w.slot.scatter(w.index, w.new)
 
 
-def _read_back(w: _Write) -> None:
-    # Raises TargetMismatchError when the written elements of ``w`` differ from the new bits.
-    if not np.array_equal(w.slot.gather(w.index), w.new):
-        raise TargetMismatchError(f"tensor {w.slot.name!r}: the written elements do not read back as the new bits", name=w.slot.name)
+#: Elements written, then read back, per chunk of :func:`_scatter_read_back`: their cache lines
+#: (~1 MiB at one changed element per line) are still in the core's L2 cache when read back, which
+#: made writing and reading back 1.73 M elements of a 269 MB model 14 ms instead of 36 ms (two
+#: threads, numpy, AMD EPYC with 2 MiB L2 per core; 4 Ki-element chunks: 19 ms, 64 Ki: 32 ms).
+READ_BACK_CHUNK = 16384
+
+
+def _scatter_read_back(w: _Write) -> None:
+    # Writes ``w`` chunk by chunk, each chunk read back at once; raises TargetMismatchError when
+    # a chunk does not read back as the new bits.
+    for lo in range(0, w.index.size, READ_BACK_CHUNK):
+        index, new = w.index[lo : lo + READ_BACK_CHUNK], w.new[lo : lo + READ_BACK_CHUNK]
+        w.slot.scatter(index, new)
+        if not np.array_equal(w.slot.gather(index), new):
+            raise TargetMismatchError(f"tensor {w.slot.name!r}: the written elements do not read back as the new bits", name=w.slot.name)
 
 
 def commit(ranks: Ranks, writes: list[_Write], hook: PhaseHook, what: str, verify: str = "full") -> dict:
@@ -273,12 +285,13 @@ def commit(ranks: Ranks, writes: list[_Write], hook: PhaseHook, what: str, verif
 
     Args:
         verify: ``full``: every written tensor's target checksum on the live weights (the whole
-            tensor read); ``written``: the written elements read back hold the new bits (the
-            rest is what :func:`stage` checked against the base checksum, untouched since: the
-            caller's guarantee, see :mod:`.loader`).
+            tensor read) after all writes; ``written``: the written elements read back hold the
+            new bits, each chunk read back right after its write (the rest is what :func:`stage`
+            checked against the base checksum, untouched since: the caller's guarantee, see
+            :mod:`.loader`).
 
     Returns:
-        Seconds ``write_s`` and ``verify_s``.
+        Seconds ``write_s`` (with ``written``: writing and reading back) and ``verify_s``.
 
     Raises:
         ApplyFailedError: a target did not match or writing failed (``restored``: whether the old
@@ -289,18 +302,18 @@ def commit(ranks: Ranks, writes: list[_Write], hook: PhaseHook, what: str, verif
     try:
         t = time.perf_counter()
 
+        scatter = _scatter_read_back if verify == "written" else _scatter
+
         def write() -> None:
             half = len(writes) // 2 + 1
-            _on_two_threads(writes[:half], _scatter)
+            _on_two_threads(writes[:half], scatter)
             hook("half-written")
-            _on_two_threads(writes[half:], _scatter)
+            _on_two_threads(writes[half:], scatter)
 
         ranks.agreed(write, "writing the update")
         timing["write_s"] = time.perf_counter() - t
         hook("written-unverified")
         t = time.perf_counter()
-        if verify == "written":
-            ranks.agreed(lambda: _on_two_threads(writes, _read_back), "verifying the written elements")
         for w in writes if verify == "full" else ():
             if ranks.checksum(w.slot) != w.target:
                 raise TargetMismatchError(f"tensor {w.slot.name!r} does not match its target checksum after the write", name=w.slot.name)

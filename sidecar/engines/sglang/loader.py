@@ -26,7 +26,7 @@ Staging while serving (TP = 1): the first call of a process starts a :class:`.st
 thread whose address every record carries (``stage_socket``). A ``stage`` request to it (the
 ``apply`` request's fields, with ``id``) runs :func:`.inplace.stage` on the live weights (reads
 only) and keeps the writes as the process's one staged plan; an ``apply`` naming that ``plan``
-then only writes, reads the written elements back and records. What staging checked still holds
+then only writes, reading each chunk back as it writes it, and records. What staging checked still holds
 at the write: staging and every loader write hold one lock, every write op bumps a generation,
 and a plan staged under another generation is not used (the apply stages again in the pause);
 nothing else writes SGLang's weights (its own weight routes are refused by the sidecar's proxy,
