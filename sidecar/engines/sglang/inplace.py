@@ -264,9 +264,10 @@ def _scatter(w: _Write) -> None:
 
 
 #: Elements written, then read back, per chunk of :func:`_scatter_read_back`: their cache lines
-#: (~1 MiB at one changed element per line) are still in the core's L2 cache when read back, which
-#: made writing and reading back 1.73 M elements of a 269 MB model 14 ms instead of 36 ms (two
-#: threads, numpy, AMD EPYC with 2 MiB L2 per core; 4 Ki-element chunks: 19 ms, 64 Ki: 32 ms).
+#: (~1 MiB at one changed element per line) are still in the core's L2 cache when read back. Writing
+#: and reading back 1.73 M scattered elements of 269 MB on one thread (numpy, AMD EPYC with 2 MiB
+#: L2 per core): 33-37 ms with the read-back after all writes, 17.5-20.5 ms in 16 Ki chunks (4 Ki:
+#: 18.5-23.7 ms, 64 Ki: 26-32 ms); 14 ms on two threads.
 READ_BACK_CHUNK = 16384
 
 
