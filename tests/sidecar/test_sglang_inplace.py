@@ -16,11 +16,11 @@ from stitchboard.sidecar.errors import ApplyFailedError
 ROWS, COLS = 96, 64
 
 
-def _writes(seed: int) -> tuple[torch.nn.Parameter, list[_Write], np.ndarray]:
-    # Two bf16 tensors' writes into one parameter [ROWS, COLS] (rows 0-47 and 48-95), ~1 in 5 elements each.
+def _writes(seed: int) -> tuple[list[_Write], np.ndarray]:
+    # Two bf16 tensors' writes into one parameter [ROWS, COLS] (rows 0-47 and 48-95), ~1 in 5
+    # elements each, and the parameter's bits before them (int16, flat).
     gen = torch.Generator().manual_seed(seed)
     param = torch.nn.Parameter(torch.randn(ROWS, COLS, generator=gen).to(torch.bfloat16), requires_grad=False)
-    before = param.data.view(torch.int16).clone().numpy().reshape(-1)
     rng = np.random.default_rng(seed)
     writes = []
     for i, rows in enumerate((ROWS // 2, ROWS // 2)):
@@ -28,18 +28,18 @@ def _writes(seed: int) -> tuple[torch.nn.Parameter, list[_Write], np.ndarray]:
         index = slot.flat_index(*np.divmod(np.sort(rng.choice(rows * COLS, rows * COLS // 5, replace=False)), COLS))
         new = rng.integers(-(2**15), 2**15, index.size, dtype=np.int64).astype(np.int16)
         writes.append(_Write(slot, index, new, slot.gather(index), "unused"))
-    return param, writes, before
+    return writes, writes[0].slot.flat_bits().numpy().copy()
 
 
 def test_written_elements_are_read_back_chunk_by_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(inplace, "READ_BACK_CHUNK", 100)  # several chunks per tensor
-    param, writes, before = _writes(1)
+    writes, before = _writes(1)
     phases: list[str] = []
     timing = commit(Ranks(layout=None, group=None), writes, phases.append, "writing 1->2", verify="written")  # type: ignore[arg-type]
     expected = before.copy()
     for w in writes:
         expected[w.index] = w.new
-    assert np.array_equal(param.data.view(torch.int16).numpy().reshape(-1), expected)
+    assert np.array_equal(writes[0].slot.flat_bits().numpy(), expected)
     assert not np.array_equal(expected, before)
     assert phases == ["staged", "half-written", "written-unverified"]
     assert set(timing) == {"write_s", "verify_s"}
@@ -47,7 +47,7 @@ def test_written_elements_are_read_back_chunk_by_chunk(monkeypatch: pytest.Monke
 
 def test_a_chunk_that_does_not_read_back_restores_every_old_bit(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(inplace, "READ_BACK_CHUNK", 100)
-    param, writes, before = _writes(2)
+    writes, before = _writes(2)
     real_scatter, calls = Slot.scatter, []
 
     def losing_scatter(self: Slot, index: np.ndarray, values: np.ndarray) -> None:
@@ -64,4 +64,4 @@ def test_a_chunk_that_does_not_read_back_restores_every_old_bit(monkeypatch: pyt
         commit(Ranks(layout=None, group=None), writes, lambda phase: None, "writing 1->2", verify="written")  # type: ignore[arg-type]
     assert err.value.details["restored"] is True and err.value.details["name"] == "t1.weight"
     assert "do not read back" in str(err.value)
-    assert np.array_equal(param.data.view(torch.int16).numpy().reshape(-1), before)
+    assert np.array_equal(writes[0].slot.flat_bits().numpy(), before)
