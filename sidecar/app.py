@@ -111,8 +111,8 @@ def create_app(settings: SidecarSettings, engine: EngineAdapter | None = None, c
     @app.get("/health", tags=["ops"])
     async def health(request: Request) -> JSONResponse:
         """200 when a verified version is applied, the engine is still the instance at that version
-        (checked now, unless a commit is checking it), answers its health check, and syncing is
-        healthy; else 503 with the reason."""
+        (checked now, unless a commit or a check is under way), is not slow to answer a check,
+        answers its health check, and syncing is healthy; else 503 with the reason."""
         reconciler: Reconciler = request.app.state.reconciler
         applied = request.app.state.gate.applied
         body: dict[str, Any] = {"applied_version": applied, "state": reconciler.state}
@@ -122,6 +122,8 @@ def create_app(settings: SidecarSettings, engine: EngineAdapter | None = None, c
             return _unhealthy({**body, "status": "unhealthy", "reason": reconciler.unhealthy_reason})
         if applied is None:
             return _unhealthy({**body, "status": "recovering" if reconciler.state == "recovering" else "starting", "reason": "no verified weight version applied"})
+        if request.app.state.gate.stalled:
+            return _unhealthy({**body, "status": "engine_slow", "reason": f"the engine has not answered a state check in {settings.engine_call_timeout_s:g} s: new requests are held until it does"})
         if not reconciler.engine_busy:  # the engine is still the instance, at the version, verified?
             dropped = await reconciler.check_engine()
             if dropped is not None:

@@ -13,10 +13,13 @@ version, weights changed outside stitchboard) the nearest anchor is loaded.
 The watch: every ``engine_check_interval_s``, at every ``/health`` and before every commit
 (:meth:`ClaimKeeper.check_engine`), the engine's state is compared with what was verified: its
 instance id (new at every engine start), its recorded version and its phase. An engine that
-restarted, whose record changed or vanished, or that does not answer, loses the claim at once
-(the gate admits and stamps nothing) and the sidecar boots again: the same engine instance back
-at the version this sidecar verified on it is taken as it is; anything else is checked against
-the manifest (or gets the nearest anchor) before any version is claimed.
+restarted, whose record changed or vanished, or that refuses or breaks the call, loses the claim
+at once (the gate admits and stamps nothing) and the sidecar boots again. One that keeps the call
+waiting (busy: a long step, a first-use kernel compile) has new requests held past
+``engine_call_timeout_s`` and loses the claim past ``engine_stall_timeout_s``. After a drop:
+the same engine instance back at the version this sidecar verified on it is taken as it is;
+anything else is checked against the manifest (or gets the nearest anchor) before any version
+is claimed.
 """
 
 from __future__ import annotations
@@ -163,18 +166,33 @@ class ClaimKeeper(abc.ABC):
         """Check that the engine is still the instance, at the version, that the sidecar verified.
 
         Does nothing (None) while nothing is claimed or while boot or a commit works on the
-        engine (they check it themselves). Otherwise one state call, bounded by
-        ``engine_call_timeout_s``; on a restarted engine, a changed or vanished record, a phase
-        other than idle, or no answer, the claim is dropped at once and the sidecar boots again.
+        engine (they check it themselves). Otherwise one state call. On a restarted engine, a
+        changed or vanished record, a phase other than idle, or a refused or broken call, the
+        claim is dropped at once and the sidecar boots again. A call still unanswered after
+        ``engine_call_timeout_s`` (the engine holds control calls behind a long step or a
+        first-use kernel compile; a killed or restarted engine breaks or refuses them instead)
+        holds new requests until it answers; unanswered after ``engine_stall_timeout_s``, the
+        claim is dropped.
 
         Returns:
             None if the claim holds (or there is none to check), else why it was dropped.
         """
         if self.gate.applied is None or self.engine_busy:
             return None
+        call_s = self.settings.engine_call_timeout_s
+        stall_s = max(self.settings.engine_stall_timeout_s, call_s)
         async with self._engine_lock:
+            call = asyncio.ensure_future(asyncio.to_thread(self.engine.state, stall_s))
             try:
-                state = await asyncio.wait_for(asyncio.to_thread(self.engine.state), self.settings.engine_call_timeout_s)
+                try:
+                    state = await asyncio.wait_for(asyncio.shield(call), call_s)
+                except TimeoutError:
+                    log.warning("the engine has not answered its state call in %g s: new requests are held until it does (at most %g s)", call_s, stall_s)
+                    self.gate.set_stalled(True)
+                    try:
+                        state = await asyncio.wait_for(call, stall_s - call_s + 1.0)  # the call's own timeout ends it first
+                    finally:
+                        self.gate.set_stalled(False)
             except Exception as exc:  # noqa: BLE001 - an engine that cannot say what it holds backs no claim
                 reason: str | None = f"the engine does not answer its state call: {type(exc).__name__}: {exc}"
             else:

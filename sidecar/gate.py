@@ -7,8 +7,9 @@ forwarding)::
     X-Stitch-Exact-Version: 12      body: {"weight_version": {"exact_version": 12}}
     X-Stitch-Wait-S: 5.0            body: {"weight_version": {"wait_s": 5.0}}
 
-A request is admitted when a verified version is applied, no commit is under way, and the
-applied version satisfies its constraint; otherwise it is held until that happens or its wait
+A request is admitted when a verified version is applied, no commit is under way, the engine
+is not slow to answer the sidecar's check of its state, and the applied version satisfies its
+constraint; otherwise it is held until that happens or its wait
 (seconds) runs out. The :class:`Gate` lives in the event loop of the sidecar's app: every
 method must be called from that loop.
 """
@@ -131,6 +132,9 @@ class Gate:
         applied: the verified version the engine holds, or None (nothing verified).
         target: the newest version the sidecar knows of, or None.
         committing: True while a commit is under way: new requests are held, in-flight ones run on.
+        stalled: True while the engine is slow to answer a check of its state (a long step or a
+            first-use kernel compile holds its control calls): new requests are held, in-flight
+            ones run on.
         in_flight: admitted requests not yet completed.
         waiting: requests held now, waiting for their version (or the end of a commit).
         claims: how many claims have been dropped so far (the applied version went to None):
@@ -141,6 +145,7 @@ class Gate:
         self.applied: int | None = None
         self.target: int | None = None
         self.committing = False
+        self.stalled = False
         self.in_flight = 0
         self.waiting = 0
         self.claims = 0
@@ -167,6 +172,11 @@ class Gate:
         self.committing = committing
         self._notify()
 
+    def set_stalled(self, stalled: bool) -> None:
+        """Close (True) or reopen (False) admission while the engine is slow to answer a state check."""
+        self.stalled = stalled
+        self._notify()
+
     async def admit(self, constraint: VersionConstraint, wait_s: float) -> Admission:
         """Wait until the request may run; count it in flight (call :meth:`release` when it completes).
 
@@ -180,7 +190,7 @@ class Gate:
         Raises:
             WeightVersionPassedError: an exact pin below the applied version.
             WeightVersionNotReadyError: the constraint was not met within ``wait_s``.
-            NotReadyError: no verified version was applied (or a commit was under way) within ``wait_s``.
+            NotReadyError: no verified version was applied (or a commit or a stall was under way) within ``wait_s``.
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
@@ -188,7 +198,7 @@ class Gate:
         try:
             while True:
                 changed = self._changed
-                if self.applied is not None and not self.committing:
+                if self.applied is not None and not self.committing and not self.stalled:
                     verdict = constraint.verdict(self.applied)
                     if verdict == "ok":
                         self.in_flight += 1
@@ -213,8 +223,8 @@ class Gate:
         finally:
             if held:
                 self.waiting -= 1
-        if self.applied is None or self.committing:
-            why = "a commit is under way" if self.committing else "no verified weight version is applied yet"
+        if self.applied is None or self.committing or self.stalled:
+            why = "a commit is under way" if self.committing else "no verified weight version is applied yet" if self.applied is None else "the engine is slow to answer its state check"
             raise NotReadyError(f"{why} (held {wait_s:g} s)", applied_version=self.applied, target_version=self.target)
         raise WeightVersionNotReadyError(
             f"weight version not ready after {wait_s:g} s: applied {self.applied}, target {self.target}, wanted {constraint.details()}",

@@ -64,6 +64,14 @@ class SidecarSettings(BaseSettings):
     max_request_wait_s: float = Field(600.0, ge=0, description="Upper bound on a request's X-Stitch-Wait-S, seconds.")
     engine_timeout_s: float = Field(600.0, gt=0, description="Read timeout of a proxied request to the engine, seconds.")
     engine_call_timeout_s: float = Field(10.0, gt=0, description="Timeout of a control call to the engine (health, state, pause, resume, prefix-cache reset), seconds.")
+    engine_stall_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description=(
+            "How long the engine may take to answer a state check it has not refused before the claim is dropped, seconds (at least engine_call_timeout_s). "
+            "Past engine_call_timeout_s new requests are held: a long step or a first-use kernel compile holds the engine's control calls, while a restarted or killed engine refuses them at once."
+        ),
+    )
     engine_apply_timeout_s: float = Field(900.0, gt=0, description="Timeout of an engine call that reads or writes weights (stage, commit, apply, snapshot load, checksums), seconds.")
     engine_check_interval_s: float = Field(
         1.0, gt=0, description="How often the sidecar checks that the engine is still the instance, at the version, it verified (also at every /health and before every commit), seconds."

@@ -42,8 +42,9 @@ class EngineAdapter(Protocol):
     def health(self) -> bool:
         """Whether the engine answers its health check."""
 
-    def state(self) -> EngineState:
-        """What the engine records (phase ``paused`` while paused and idle)."""
+    def state(self, timeout_s: float | None = None) -> EngineState:
+        """What the engine records (phase ``paused`` while paused and idle); ``timeout_s``: how
+        long each call may wait for the engine's answer (None: the adapter's control-call timeout)."""
 
     def pause(self) -> None:
         """Stop scheduling; in-flight requests are kept and continue after :meth:`resume`."""

@@ -80,6 +80,8 @@ class FakeEngine:
         staged: the steps :meth:`stage_patches` kept for :meth:`commit_staged`.
         unreachable: while True, :meth:`state` and :meth:`health` fail as for an engine that does
             not answer (the process and its weights are kept).
+        state_delay_s: how long :meth:`state` keeps its caller waiting, as an engine busy with a
+            long step does; past the call's ``timeout_s`` it fails as a read timeout would.
         fail_resume: while True, :meth:`resume` fails as for an engine that went away.
     """
 
@@ -106,6 +108,7 @@ class FakeEngine:
         self.write_s_per_tensor = 0.0
         self.break_stream_after: int | None = None
         self.unreachable = False
+        self.state_delay_s = 0.0
         self.fail_resume = False
         self.staged: list[tuple[list[str], int, int]] | None = None
         self.prefix_cache_resets = 0
@@ -121,7 +124,11 @@ class FakeEngine:
         self.calls.append(("health", ()))
         return not self.unreachable
 
-    def state(self) -> EngineState:
+    def state(self, timeout_s: float | None = None) -> EngineState:
+        if self.state_delay_s:
+            time.sleep(min(self.state_delay_s, timeout_s if timeout_s is not None else self.state_delay_s))
+            if timeout_s is not None and self.state_delay_s > timeout_s:
+                raise EngineUnavailableError(f"engine at the fake does not answer stitch_state: ReadTimeout after {timeout_s:g} s (test)", path="/collective_rpc")
         if self.unreachable:
             raise EngineUnavailableError("engine at the fake does not answer stitch_state (test)", path="/collective_rpc")
         return EngineState(self.version, "paused" if self.phase == "idle" and self.paused else self.phase, self.instance)  # type: ignore[arg-type]

@@ -41,11 +41,10 @@ def _client(sidecar, max_retries: int = 2) -> openai.OpenAI:
 
 def test_answers_a_retry_cannot_fix_are_not_retried(at_v1):
     client = _client(at_v1)
-    start = time.monotonic()
     with pytest.raises(openai.ConflictError) as passed:
         client.completions.create(model="fake", prompt="x", max_tokens=1, extra_headers={"X-Stitch-Exact-Version": "0"})
     assert passed.value.response.headers["x-should-retry"] == "false" and passed.value.body["type"] == "WeightVersionPassed"
-    assert _rejected(at_v1, "WeightVersionPassed") == 1 and time.monotonic() - start < 1.0, "the permanent 409 was retried"
+    assert _rejected(at_v1, "WeightVersionPassed") == 1, "the permanent 409 was retried"  # a retry is a second rejection
     with pytest.raises(openai.BadRequestError) as bad:
         client.completions.create(model="fake", prompt="x", max_tokens=1, extra_body={"weight_version": {"min_version": -1}})
     assert bad.value.response.headers["x-should-retry"] == "false" and _rejected(at_v1, "InvalidVersionConstraint") == 1

@@ -9,6 +9,8 @@ shows which bits served it.
 
 from __future__ import annotations
 
+import threading
+
 import httpx
 
 from tests.sidecar.fake_engine import FakeEngine, fingerprint
@@ -93,5 +95,44 @@ def test_an_engine_that_stops_answering_loses_the_claim_and_gets_it_back_unchang
     assert httpx.get(f"{sidecar.url}/health", timeout=30).status_code == 503
     assert _complete(sidecar, **{"X-Stitch-Wait-S": "0.2"}).json()["type"] == "NotReady"
     engine.unreachable = False
+    assert_at(sidecar, sc_publisher, 1)
+    assert engine.count("checksums") == checks and engine.count("load_snapshot") == 0
+
+
+def test_an_engine_slow_to_answer_keeps_the_claim_while_requests_wait_for_it(sc_publisher, sc_start):
+    """An engine that keeps the state call waiting (a real one does behind a long step or a
+    first-use kernel compile) has not gone away: past engine_call_timeout_s new requests are held
+    (503 NotReady naming the slow engine when their wait runs out, else served once it answers),
+    a request in flight ends stamped with the version, and the claim stands (no drop, no checksum
+    pass). Kept waiting past engine_stall_timeout_s, the claim is dropped; the same instance back
+    at the version is then taken as it is."""
+    sc_publisher.publish(make_view(0))
+    sc_publisher.step(1)
+    engine = FakeEngine(sc_publisher.views[0])
+    sidecar = sc_start(engine, boot_version=0, engine_check_interval_s=0.05, engine_call_timeout_s=0.3, engine_stall_timeout_s=3.0)
+    assert_at(sidecar, sc_publisher, 1)
+    checks = engine.count("checksums")
+    engine.state_delay_s, engine.token_delay_s = 1.5, 0.5
+    in_flight: dict[str, httpx.Response] = {}
+    runner = threading.Thread(target=lambda: in_flight.update(r=_complete(sidecar)))
+    runner.start()
+
+    def held_answer() -> bool:
+        answer = _complete(sidecar, **{"X-Stitch-Wait-S": "0.05"})
+        return answer.status_code == 503 and "slow to answer its state check" in answer.json()["message"]
+
+    wait_for(held_answer, 10, "a request held while the engine is slow to answer")
+    assert httpx.get(f"{sidecar.url}/health", timeout=30).json()["status"] in ("engine_slow", "ok")
+    engine.token_delay_s = 0.01
+    served = _complete(sidecar, **{"X-Stitch-Wait-S": "5"})
+    assert served.status_code == 200 and (served.json()["weight_version_start"], served.json()["weight_version_end"]) == (1, 1)
+    runner.join(30)
+    assert (in_flight["r"].json()["weight_version_start"], in_flight["r"].json()["weight_version_end"]) == (1, 1)
+    assert "stitch_sidecar_claims_dropped_total 0.0" in httpx.get(f"{sidecar.url}/metrics").text
+
+    engine.state_delay_s = 5.0  # past engine_stall_timeout_s
+    wait_for(lambda: sidecar.status()["applied_version"] is None, 15, "the claim dropped")
+    assert "does not answer" in sidecar.status()["last_error"]["message"]
+    engine.state_delay_s = 0.0
     assert_at(sidecar, sc_publisher, 1)
     assert engine.count("checksums") == checks and engine.count("load_snapshot") == 0

@@ -127,8 +127,8 @@ class SglangEngine:
             self._tp = int(self._request("GET", "/server_info").json().get("tp_size", 1))
         return self._tp
 
-    def _version(self) -> int | None:
-        return _version(self._request("GET", "/model_info").json().get("weight_version"))
+    def _version(self, timeout_s: float | None = None) -> int | None:
+        return _version(self._request("GET", "/model_info", timeout=timeout_s).json().get("weight_version"))
 
     def _update(self, req: dict[str, Any], timeout: float, weight_version: str | None = None) -> None:
         body = {"serialized_named_tensors": [_request_tensor(req)] * self._tp_size(), "load_format": LOADER_PATH, "flush_cache": False, "weight_version": weight_version}
@@ -218,20 +218,24 @@ class SglangEngine:
         except httpx.HTTPError:
             return False
 
-    def state(self) -> EngineState:
+    def state(self, timeout_s: float | None = None) -> EngineState:
         """SGLang's ``weight_version``; the loader's phase and instance (from its live records, or
         a ``state`` call when none is of a running process); phase ``paused`` when SGLang is
         paused (``/ready`` 503 while ``/health`` 200).
+
+        Args:
+            timeout_s: how long each HTTP call may wait for its answer, seconds (None: ``timeout_s``
+                of the adapter; a loader ``state`` call gets six times it).
 
         Raises:
             EngineUnavailableError, EngineRequestError, EngineStateError (ranks disagree).
         """
         records = self._live_records()
-        answers = parse_answers("stitchboard loader", [r["answer"] for r in records]) if records else self._call("state", {}, timeout=self.timeout_s * 6)
+        answers = parse_answers("stitchboard loader", [r["answer"] for r in records]) if records else self._call("state", {}, timeout=(timeout_s or self.timeout_s) * 6)
         state = combine(answers)
-        version = self._version()
+        version = self._version(timeout_s)
         phase = state.phase
-        if phase == "idle" and self._request("GET", "/ready", ok=(200, 503)).status_code == 503:
+        if phase == "idle" and self._request("GET", "/ready", ok=(200, 503), timeout=timeout_s).status_code == 503:
             phase = "paused"
         return EngineState(version if phase in ("idle", "paused") else None, phase, state.instance)
 

@@ -86,14 +86,18 @@ class VllmEngine:
         except httpx.HTTPError:
             return False
 
-    def state(self) -> EngineState:
+    def state(self, timeout_s: float | None = None) -> EngineState:
         """What the worker extension records; phase ``paused`` when it is idle and the engine paused.
+
+        Args:
+            timeout_s: how long each call may wait for its answer, seconds (None: ``timeout_s`` of
+                the adapter). The engine core answers ``collective_rpc`` between steps.
 
         Raises:
             EngineUnavailableError, EngineRequestError, EngineStateError (ranks disagree).
         """
-        state = combine(self._rpc("stitch_state", {}))
-        if state.phase == "idle" and self._request("GET", "/is_paused").get("is_paused"):
+        state = combine(self._rpc("stitch_state", {}, timeout_s))
+        if state.phase == "idle" and self._request("GET", "/is_paused", timeout=timeout_s).get("is_paused"):
             return dataclasses.replace(state, phase="paused")
         return state
 
