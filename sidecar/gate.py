@@ -9,9 +9,9 @@ forwarding)::
 
 A request is admitted when a verified version is applied, no commit is under way, the engine
 is not slow to answer the sidecar's check of its state, and the applied version satisfies its
-constraint; otherwise it is held until that happens or its wait
-(seconds) runs out. The :class:`Gate` lives in the event loop of the sidecar's app: every
-method must be called from that loop.
+constraint; otherwise it is held until that happens or its wait (seconds) runs out. The
+:class:`Gate` lives in the event loop of the sidecar's app: every method must be called from
+that loop.
 """
 
 from __future__ import annotations
