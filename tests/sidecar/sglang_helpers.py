@@ -2,11 +2,12 @@
 
 :class:`SglangServer` starts :func:`stitchboard.sidecar.engines.sglang.launch.sglang_command`
 (stitchboard's loader registered unless ``loader=False``) on a free loopback port, TP = 1 or 2,
-and waits for ``/health``. Every server gets its own ``sgl_kernel`` stand-in call log
+and waits for ``/health`` (its schedulers forked, not spawned, on a CPU host:
+:mod:`tests.support.fork_start`). Every server gets its own ``sgl_kernel`` stand-in call log
 (deploy/sglang_cpu): :meth:`SglangServer.stop` fails the test when the stand-in was called.
 ``make test`` builds .venv-sglang (``make venv-sglang``); without it the tests skip, except under
-CI (``CI`` set), where they fail. Start-up on 2 cores with SmolLM2-135M: ~40-70 s at TP = 1,
-90-110 s at TP = 2.
+CI (``CI`` set), where they fail. Start-up on 2 cores with SmolLM2-135M: ~25-50 s at TP = 1,
+~55-110 s at TP = 2.
 
 Fixtures (import them into a test module): ``sglang_engine`` (the TP = 1 server with the loader
 on the SmolLM2 checkpoint that the SGLang test modules share: :class:`SharedSglang`; each module
@@ -27,6 +28,7 @@ from stitchboard.demo.engines import greedy
 from stitchboard.demo.processes import ManagedProcess, free_port
 from stitchboard.sidecar.engines.launch import engine_nice
 from stitchboard.sidecar.engines.sglang.launch import sglang_command, sglang_env, sglang_python
+from tests.support.fork_start import forked_argv
 from tests.support.shm import remove_orphaned_shm
 from tests.support.vllm_server import PROMPTS
 
@@ -61,7 +63,7 @@ class SglangServer(ManagedProcess):
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = str(model_dir)
         self.stub_log = log_path.with_suffix(".sgl_kernel_calls")
-        argv = sglang_command(model_dir, self.port, tp=tp, loader=loader)
+        argv = forked_argv(sglang_command(model_dir, self.port, tp=tp, loader=loader), "sglang")
         super().__init__(f"sglang-tp{tp}", argv, log_path, f"{self.url}/health", env={**sglang_env(tp, self.stub_log), **(env or {})}, nice=engine_nice())
 
     def wait_ready(self, timeout_s: float = 600.0) -> None:

