@@ -65,11 +65,14 @@ def test_moe_patches_through_the_sidecar_equal_a_fresh_engine(preset: str, tp: i
     for what, mark in CLASSES.items():
         assert any(mark in n for n in touched), f"no {what} tensor changed in versions 1-3"
     sidecar = SidecarProcess(run, engine.url, tmp_path, {})  # type: ignore[arg-type]  # duck-typed run
+    fresh: VllmServer | None = None
     try:
         sidecar.wait_applied(3)  # one plan: 0 -> 3
         single, expert = run.step_one_expert(layer=1)
         names = run.changed(single)
         assert names and all(f"layers.1.mlp.experts.{expert}." in n or f"layers.1.block_sparse_moe.experts.{expert}." in n for n in names), names
+        if tp == 1:  # the fresh engine starts while this one is checked (each engine process runs one torch thread)
+            fresh = _fresh(run, single, tp, tmp_path)
         sidecar.wait_applied(single)
         patched = engine.greedy()
         adapter = VllmEngine(engine.url, timeout_s=120)
@@ -80,20 +83,25 @@ def test_moe_patches_through_the_sidecar_equal_a_fresh_engine(preset: str, tp: i
             assert adapter.checksums(sorted(run.sums(single))) == run.sums(single)
         finally:
             adapter.close()
-    finally:
-        sidecar.stop()
-    assert patched != at_v0
-    if tp > 1:  # two TP = 2 engines at once (8 processes) outgrow a 24 GB host beside the session's others
-        moe_engines.release(preset, tp)
-    else:
-        load_version_0(engine, run)  # leave the shared engine at version 0's weights
-        assert engine.greedy() == at_v0
-    fresh = VllmServer(run.pull(single), tmp_path / "fresh.log", extension=False, tp=tp, max_model_len=MOE_CONTEXT)
-    try:
+        assert patched != at_v0
+        if tp > 1:  # two TP = 2 engines at once (8 processes) outgrow a 24 GB host beside the session's others
+            moe_engines.release(preset, tp)
+            fresh = _fresh(run, single, tp, tmp_path)
+        else:
+            load_version_0(engine, run)  # leave the shared engine at version 0's weights
+            assert engine.greedy() == at_v0
+        assert fresh is not None
         fresh.wait_ready()
         assert patched == fresh.greedy()
     finally:
-        fresh.stop()
+        sidecar.stop()
+        if fresh is not None:
+            fresh.stop()
+
+
+def _fresh(run: MoeRun, version: int, tp: int, folder: Path) -> VllmServer:
+    """A plain vLLM (no extension) started from ``stitchboard pull``'s folder of ``version`` (not yet ready)."""
+    return VllmServer(run.pull(version), folder / "fresh.log", extension=False, tp=tp, max_model_len=MOE_CONTEXT)
 
 
 def test_packing_map_is_derived_from_the_backend() -> None:
