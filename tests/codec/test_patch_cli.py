@@ -98,3 +98,22 @@ def test_patch_cli_on_smollm2(tmp_path: Path, smollm2_dir: Path):
     r = run("patch", "apply", smollm2_dir, tmp_path / "p.safetensors", "-o", tmp_path / "out.safetensors")
     assert r.returncode == 0, r.stdout
     assert same_bits(load_checkpoint(tmp_path / "out.safetensors"), target)
+
+
+def test_a_command_loads_only_its_own_group() -> None:
+    """``stitchboard patch ...`` imports neither the demo's torch nor the bulletin's web stack;
+    a lone plain command (``publish``) stays a subcommand; ``--help`` lists every group."""
+    import typer
+    from typer.testing import CliRunner
+
+    from stitchboard.proto.cli import build_app
+
+    probe = "import sys; from stitchboard.proto.cli import build_app; build_app('patch'); print(sorted(m for m in ('torch', 'fastapi', 'matplotlib') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "[]", out.stdout
+    alone = build_app("publish")
+    assert sorted(typer.main.get_command(alone).commands) == ["publish"]  # type: ignore[attr-defined]
+    shown = CliRunner().invoke(alone, ["publish", "--help"])
+    assert shown.exit_code == 0 and "CHECKPOINT" in shown.output, shown.output
+    every = typer.main.get_command(build_app("--help")).commands  # type: ignore[attr-defined]
+    assert {"patch", "publish", "pull", "sidecar", "bulletin", "demo"} <= set(every)
