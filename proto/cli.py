@@ -47,9 +47,7 @@ def build_app(only: str | None = None) -> typer.Typer:
         pass
 
     registered = sorted(entry_points(group="stitchboard.commands"), key=lambda e: e.name)
-    if any(ep.name == only for ep in registered):
-        registered = [ep for ep in registered if ep.name == only]
-    for ep in registered:
+    for ep in [ep for ep in registered if ep.name == only] or registered:
         try:
             sub = ep.load()
         except ImportError as exc:
