@@ -35,7 +35,7 @@ from .fleet import FleetStore
 from .fleet_watch import FleetWatcher
 from .ledger import Ledger
 from .longpoll import Watcher
-from .longpoll_asgi import LATEST_ROUTE, LongPollFastPath
+from .longpoll_asgi import LongPollFastPath
 from .metrics import BulletinMetrics, LatencyMiddleware
 from .page import router as page_router
 from .routes_blobs import router as blobs_router
@@ -160,7 +160,6 @@ def create_app(settings: BulletinSettings | None = None, store: Store | None = N
         state.auth.check(request.headers.get("authorization"), "metrics")
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    latest_route = next((r for r in app.routes if getattr(r, "path", None) == LATEST_ROUTE), None)
-    app.add_middleware(LongPollFastPath, state=state, route=latest_route)  # the long-poll's fan-out path (longpoll_asgi.py)
     app.add_middleware(LatencyMiddleware, metrics=metrics)
+    app.add_middleware(LongPollFastPath, state=state)  # outside it: times the long-polls it answers itself (longpoll_asgi.py)
     return app

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 from anyio import to_thread
 from starlette.responses import Response
@@ -27,16 +28,19 @@ from stitchboard.proto.schema import VersionInfo, canonical_json
 from .gc_hold import COLLECTOR
 from .ledger import Ledger
 from .metrics import BulletinMetrics
+from .whole_answer import WHOLE_ANSWER, WholeAnswer
 
 log = logging.getLogger("stitchboard.bulletin")
 
 
 class SharedAnswer(Response):
     """A JSON answer built once and sent to many requests: each send gets its own copy of the header list
-    (a middleware may change its message's headers), the body bytes are shared."""
+    (a middleware may change its message's headers), the body bytes are shared; :attr:`whole` is the
+    same answer for a request's whole-answer send (``http_protocol.send_whole``)."""
 
     def __init__(self, body: bytes) -> None:
         super().__init__(body, media_type="application/json")
+        self.whole = WholeAnswer(self.status_code, self.raw_headers, body)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": list(self.raw_headers)})
@@ -48,15 +52,17 @@ class DirectWaiter:
 
     Attributes:
         send: the request's ASGI ``send``; scope, receive: its scope and receive.
+        whole: the request's whole-answer send (``http_protocol.send_whole``), None where the server offers none.
         after: the version the request is past.
         claimed: True once the watcher took over sending the answer (the request then awaits ``sent``).
         sent: done when the answer has been sent (or sending it failed).
     """
 
-    __slots__ = ("after", "claimed", "receive", "scope", "send", "sent")
+    __slots__ = ("after", "claimed", "receive", "scope", "send", "sent", "whole")
 
     def __init__(self, scope: Scope, receive: Receive, send: Send, after: int) -> None:
         self.scope, self.receive, self.send, self.after = scope, receive, send, after
+        self.whole: Callable[[WholeAnswer], bool] | None = scope.get("extensions", {}).get(WHOLE_ANSWER)
         self.claimed = False
         self.sent: asyncio.Future[None] | None = None
 
@@ -100,7 +106,8 @@ class Watcher:
     async def _fan_out(self, answer: SharedAnswer, waiters: list[DirectWaiter]) -> None:
         for waiter in waiters:
             try:
-                await answer(waiter.scope, waiter.receive, waiter.send)
+                if waiter.whole is None or not waiter.whole(answer.whole):
+                    await answer(waiter.scope, waiter.receive, waiter.send)
             except Exception as exc:  # noqa: BLE001 - a client gone mid-send must not stop the others' answers
                 log.debug("sending a long-poll answer failed: %s", exc)
             finally:

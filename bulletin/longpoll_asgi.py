@@ -4,9 +4,12 @@ Thousands of sidecars wait on this route at once and are all answered within one
 each answer's cost is what the fan-out takes (``tests/benchmarks/bench_bulletin.py``). A
 well-formed request whose token may read the run is served here, without the framework's
 routing, dependency solving and response wrappers: it waits on the :class:`~.longpoll.Watcher`,
-which sends the answer built once for all waiters in one pass when the version is noted. Anything else (a bad run id or query value, a
+which sends the answer built once for all waiters in one pass when the version is noted (whole,
+where the server offers it: :mod:`.whole_answer`). Anything else (a bad run id or query value, a
 refused token, another route) passes to the app unchanged, whose route
 (:func:`~.routes_versions.latest`) answers it and documents the API; both give the same answers.
+The middleware sits outside the app's latency middleware (an answer sent whole passes no ASGI
+message through it) and records the requests it answers in the same histogram.
 """
 
 from __future__ import annotations
@@ -14,10 +17,10 @@ from __future__ import annotations
 import logging
 import math
 import re
+import time
 from urllib.parse import parse_qsl
 
 from fastapi.responses import JSONResponse, Response
-from starlette.routing import BaseRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .deps import BulletinState
@@ -64,13 +67,11 @@ class LongPollFastPath:
     Args:
         app: the rest of the app.
         state: the bulletin's state (watcher, auth, settings).
-        route: the app's route of :data:`LATEST_ROUTE`, named in ``scope["route"]`` for the latency metric.
     """
 
-    def __init__(self, app: ASGIApp, state: BulletinState, route: BaseRoute | None) -> None:
+    def __init__(self, app: ASGIApp, state: BulletinState) -> None:
         self.app = app
         self.state = state
-        self.route = route
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         match = _PATH.match(scope["path"]) if scope["type"] == "http" and scope["method"] == "GET" else None
@@ -85,8 +86,14 @@ class LongPollFastPath:
         except BulletinError:
             await self.app(scope, receive, send)  # the route answers the refusal
             return
-        if self.route is not None:
-            scope["route"] = self.route
+        start, status = time.perf_counter(), 500
+        try:
+            status = await self._answer(scope, receive, send, run, after, wait_s)
+        finally:  # what the app's LatencyMiddleware, inside this one, records for the requests it sees
+            self.state.metrics.request_seconds.labels("GET", LATEST_ROUTE, str(status)).observe(time.perf_counter() - start)
+
+    async def _answer(self, scope: Scope, receive: Receive, send: Send, run: str, after: int, wait_s: float) -> int:
+        """Wait for a version of ``run`` newer than ``after`` and answer; returns the answer's status."""
         watcher, waiter = self.state.watcher, DirectWaiter(scope, receive, send, after)
         watcher.register(run, waiter)  # a version noted while waiting is sent by the watcher's fan-out
         failure: Response | None = None
@@ -101,9 +108,10 @@ class LongPollFastPath:
             watcher.unregister(run, waiter)
         if waiter.claimed and waiter.sent is not None:
             await waiter.sent
-            return
+            return 200
         if failure is not None:
             await failure(scope, receive, send)
-            return
+            return failure.status_code
         answer = _NO_CONTENT if info is None else watcher.answer(run)
         await answer(scope, receive, send)
+        return answer.status_code

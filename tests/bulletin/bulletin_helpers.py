@@ -17,6 +17,7 @@ import pytest
 
 from stitchboard.bulletin.app import create_app
 from stitchboard.bulletin.client import BulletinClient
+from stitchboard.bulletin.http_protocol import CoalescingHttpToolsProtocol
 from stitchboard.bulletin.settings import BulletinSettings
 from stitchboard.demo.processes import free_socket
 from stitchboard.proto.schema import FileRef, TensorSpec, VersionManifest, VersionStats
@@ -26,11 +27,12 @@ S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "A
 
 
 class ThreadServer(AppServer):
-    """A bulletin app (``self.app``) served by uvicorn in a thread of this process, on a free loopback port."""
+    """A bulletin app (``self.app``) served by uvicorn in a thread of this process, on a free loopback
+    port, with the HTTP protocol ``stitchboard bulletin serve`` uses (or ``http``)."""
 
-    def __init__(self, settings: BulletinSettings) -> None:
+    def __init__(self, settings: BulletinSettings, http: type = CoalescingHttpToolsProtocol) -> None:
         self.app = create_app(settings)
-        super().__init__(self.app, graceful_shutdown_s=1)
+        super().__init__(self.app, graceful_shutdown_s=1, http=http)
 
     def client(self, token: str | None = None, **kwargs) -> BulletinClient:
         return BulletinClient(self.url, token, retries=kwargs.pop("retries", 1), backoff_s=kwargs.pop("backoff_s", 0.01), **kwargs)

@@ -3,7 +3,9 @@
 The unit part drives :class:`CoalescingTransport` over a recording transport on a real event
 loop; the served part runs uvicorn with :class:`CoalescingHttpToolsProtocol` on loopback and
 counts the real transport's writes per answer (one, where uvicorn alone makes two), with
-keep-alive, HEAD and a streamed body answered as before.
+keep-alive, HEAD and a streamed body answered as before; an answer sent whole (the scope
+extension the protocol offers) is the same bytes as the ASGI one, and is refused where it cannot
+be sent that way.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import pytest
 import uvicorn
 
 from stitchboard.bulletin.http_protocol import JOIN_MAX_BYTES, CoalescingHttpToolsProtocol, CoalescingTransport
+from stitchboard.bulletin.whole_answer import WHOLE_ANSWER, WholeAnswer
 
 
 class Recording:
@@ -102,10 +105,21 @@ def test_a_write_goes_out_joined_to_the_next_and_a_lone_one_at_the_next_pass():
 WRITES: list[int] = []
 
 
+BODY = b'{"version": 3}'
+ONE = WholeAnswer(200, [(b"content-type", b"application/json"), (b"content-length", str(len(BODY)).encode())], BODY)
+#: What each ``/whole`` request's whole-answer send returned.
+WHOLE: list[bool] = []
+
+
 async def app(scope, receive, send) -> None:
-    """``/one``: a JSON answer (start + body); ``/stream``: three body chunks, one per pass."""
+    """``/one``: a JSON answer (start + body); ``/whole``: the same answer through the whole-answer
+    send, else through ASGI; ``/stream``: three body chunks, one per pass."""
     if scope["type"] != "http":
         return
+    if scope["path"] == "/whole":
+        WHOLE.append(scope["extensions"][WHOLE_ANSWER](ONE))
+        if WHOLE[-1]:
+            return
     if scope["path"] == "/stream":
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
         for chunk in (b"a", b"b", b"c"):
@@ -113,9 +127,8 @@ async def app(scope, receive, send) -> None:
             await asyncio.sleep(0.01)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return
-    body = b'{"version": 3}'
-    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
+    await send({"type": "http.response.start", "status": 200, "headers": ONE.headers})
+    await send({"type": "http.response.body", "body": BODY})
 
 
 class Counted:
@@ -166,3 +179,43 @@ def test_each_answer_is_one_write_and_http_works_as_before(served: str):
         assert head.status_code == 200 and head.headers["content-length"] == "14" and head.content == b""
         r = client.get("/stream")
         assert r.status_code == 200 and r.text == "abc"
+
+
+def _raw(sock: socket.socket, request: bytes) -> bytes:
+    """Send ``request`` on ``sock`` and read one answer with a content-length (or to the end)."""
+    sock.sendall(request)
+    data = b""
+    while b"\r\n\r\n" not in data or len(data) < data.index(b"\r\n\r\n") + 4 + int(data.split(b"content-length: ")[1].split(b"\r\n")[0]):
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def _without_date(answer: bytes) -> bytes:
+    return b"\r\n".join(line for line in answer.split(b"\r\n") if not line.startswith(b"date: "))
+
+
+def test_an_answer_sent_whole_is_the_asgi_answer_in_one_write(served: str):
+    """On one keep-alive connection: ``/whole`` sends the same bytes as ``/one`` (but the date), in one
+    write, and the connection serves the next request; a request whose connection closes after its
+    answer, and a HEAD request, are refused the whole send and answered through ASGI."""
+    host, port = served.removeprefix("http://").split(":")
+    WHOLE.clear()
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        asgi = _raw(sock, b"GET /one HTTP/1.1\r\nhost: t\r\n\r\n")
+        WRITES.clear()
+        whole = _raw(sock, b"GET /whole HTTP/1.1\r\nhost: t\r\n\r\n")
+        assert WHOLE == [True] and WRITES == [len(whole)]
+        assert _without_date(whole) == _without_date(asgi) and whole.endswith(b"\r\n\r\n" + BODY)
+        assert b"\r\ndate: " in whole and b"\r\nserver: uvicorn\r\n" in whole
+        again = _raw(sock, b"GET /whole HTTP/1.1\r\nhost: t\r\n\r\n")  # the cycle was completed: keep-alive goes on
+        assert WHOLE == [True, True] and _without_date(again) == _without_date(asgi)
+        closing = _raw(sock, b"GET /whole HTTP/1.1\r\nhost: t\r\nconnection: close\r\n\r\n")
+        assert WHOLE[-1] is False and b"\r\nconnection: close\r\n" in closing and closing.endswith(BODY)
+        assert sock.recv(100) == b"", "the connection stayed open after an answer that closes it"
+    with httpx.Client(base_url=served) as client:
+        head = client.head("/whole")
+        assert WHOLE[-1] is False and head.status_code == 200 and head.headers["content-length"] == "14" and head.content == b""
+        assert client.get("/whole").json() == {"version": 3} and WHOLE[-1] is True

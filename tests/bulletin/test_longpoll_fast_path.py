@@ -57,11 +57,22 @@ def test_fast_path_store_errors_are_json(served, tmp_path, monkeypatch):
     assert r.status_code == 503 and r.json() == {"type": "Unavailable", "message": "the store is down (test)"}
 
 
-def test_waiters_answered_by_the_fan_out(served):
+def test_waiters_answered_by_the_fan_out(served, monkeypatch):
     """Waiters registered before a publish all get the new version from the watcher's one-pass fan-out,
-    also when one of them hung up before it; the waiters' count drops back to zero."""
+    sent whole (the server's protocol is ``bulletin serve``'s), also when one of them hung up
+    before it; the waiters' count drops back to zero and the latency metric counts every answer."""
     import asyncio
 
+    from stitchboard.bulletin import http_protocol
+
+    sent_whole: list[bool] = []
+
+    def recorded(cycle, state, answer) -> bool:
+        sent_whole.append(real(cycle, state, answer))
+        return sent_whole[-1]
+
+    real = http_protocol.send_whole
+    monkeypatch.setattr(http_protocol, "send_whole", recorded)
     run = "fast-run"
     with served.client("pub") as pub:
         upload_version(pub, run, 0, snapshot_bytes=10)
@@ -80,5 +91,9 @@ def test_waiters_answered_by_the_fan_out(served):
 
         answers = asyncio.run(scenario())
     assert [(r.status_code, r.json()["version"]) for r in answers] == [(200, 1)] * 30
+    # the one that hung up was claimed too: sent whole into a closed connection, or refused (the server saw it go) and sent through ASGI
+    assert len(sent_whole) == 31 and sent_whole.count(True) >= 30, sent_whole
     waiting = lambda: "stitch_bulletin_waiters 0.0" in httpx.get(f"{served.url}/metrics", headers={"authorization": "Bearer pub"}).text
     wait_for(waiting, 10, "no waiter left")
+    metrics = httpx.get(f"{served.url}/metrics", headers={"authorization": "Bearer pub"}).text
+    assert 'stitch_bulletin_request_seconds_count{method="GET",route="/v1/runs/{run}/versions/latest",status="200"} 31.0' in metrics
