@@ -7,19 +7,31 @@ names) from :class:`tests.support.training.CpuTrainer` steps; :meth:`MoeRun.step
 is a real AdamW step on the slice of one expert of one layer only. :class:`MoeEngines` (fixture
 ``moe_engines``) starts vLLM servers with the stitchboard extension on a preset and keeps one for
 the session, which the oracle and routing tests share; a test brings it to version 0 with
-:func:`load_version_0`.
+:func:`load_version_0`. :func:`complete`, :func:`routed_rows` and :func:`engine_routing` ask
+a sidecar, or an engine directly, for the experts a greedy request was routed to (the oracle and
+routing tests).
 
 Duck-typed for :class:`tests.sidecar.vllm_fixtures.SidecarProcess` (``bulletin.url``, ``run``).
 """
 
 from __future__ import annotations
 
+import base64
+import json
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
+import numpy as np
 import pytest
 
 from tests.support.vllm_server import VllmServer, require_vllm
+
+#: A prompt of the routing checks (~50 tokens: three KV blocks of 16).
+ROUTING_PROMPT = "Once upon a time, in a small village by the sea, " * 4
+#: The body fields asking a sidecar for the routing of a request.
+ASK_ROUTING = {"return_routed_experts": True}
 
 #: The AdamW learning rate of the MoE runs (weights ~N(0, 0.05): a few % of bf16 bits move per step).
 MOE_LR = 1e-5
@@ -180,3 +192,33 @@ def moe_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MoeEngines
     engines = MoeEngines(tmp_path_factory.mktemp("moe-engines"))
     yield engines
     engines.stop_all()
+
+
+def complete(url: str, model: str, prompt: str | list[int], tokens: int, **body) -> dict:
+    """A greedy ``/v1/completions`` answer of ``tokens`` tokens (EOS ignored, token ids returned) from ``url``."""
+    r = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "return_token_ids": True, **body}, timeout=600)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def routed_rows(answer: dict) -> np.ndarray:
+    """The routing a sidecar returned with ``answer`` (``sglext.routed_experts``): int32 [positions, 2 layers, top-2]."""
+    routed = answer["sglext"]["routed_experts"]
+    assert routed is not None, answer.get("routed_experts_error")
+    return np.frombuffer(base64.b64decode(routed), dtype=np.int32).reshape(-1, 2, 2)  # the presets: 2 layers, top-2
+
+
+def engine_routing(engine: VllmServer, prompt: str, tokens: int) -> tuple[list[int], np.ndarray]:
+    """What ``engine`` (the stitchboard extension loaded, no sidecar) routes a marked greedy request
+    to, read from its worker: ``(output token ids, int32 [positions, layers, top_k])``."""
+    mark = f"stitch-routing-{uuid.uuid4().hex}"
+    r = httpx.post(
+        f"{engine.url}/v1/completions", headers={"x-request-id": mark}, json={"model": engine.model, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "return_token_ids": True}, timeout=600
+    )
+    assert r.status_code == 200, r.text
+    rpc = httpx.post(f"{engine.url}/collective_rpc", json={"method": "stitch_routed_experts", "args": [json.dumps({"marks": [mark]})]}, timeout=60).json()
+    report = rpc["results"][0]["report"]
+    capture = report["requests"][mark]
+    assert capture["start"] == 0
+    rows = np.frombuffer(base64.b64decode(capture["rows"]), dtype=np.int32).reshape(-1, report["num_layers"], report["top_k"])
+    return r.json()["choices"][0]["token_ids"], rows

@@ -9,7 +9,10 @@ plan; then a version from an AdamW step that touches a single expert of a single
 engine's greedy tokens and logprobs then equal those of a fresh vLLM started from
 ``stitchboard pull``'s folder of the last version (same TP size: TP changes the last bits), and
 differ from version 0's; every tensor's checksum, gathered in checkpoint coordinates through the
-map derived from the backend's packing, equals the manifest's.
+map derived from the backend's packing, equals the manifest's. At TP 1 the fresh engine carries
+the stitchboard extension too, to read its routing: the experts the sidecar returns for a
+prompt (routing replay, every position of prompt and output) equal those the fresh engine routes
+it to (the TP 2 fresh engine is plain vLLM).
 
 The packing map itself: derived from ``cpu_prepack_moe_weight`` for the ``vec`` ISA it is the
 formula measured on a host without AMX; on an AMX host the ``amx`` packing (what vLLM picks
@@ -21,12 +24,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from tests.sidecar.moe_fixtures import MOE_CONTEXT, MoeRun, load_version_0, moe_engines  # noqa: F401 - fixture
+from tests.sidecar.moe_fixtures import ASK_ROUTING, MOE_CONTEXT, ROUTING_PROMPT, MoeRun, complete, engine_routing, load_version_0, moe_engines, routed_rows  # noqa: F401 - fixture
 from tests.sidecar.vllm_fixtures import SidecarProcess
 from tests.support.vllm_server import VllmServer, require_vllm
 
+#: Output tokens of the routing check (the prompt's and these positions are compared).
+ROUTING_TOKENS = 12
 #: Tensor classes every run's first versions must change (substring of the checkpoint name).
 CLASSES = {"experts": ".experts.", "router": ".gate.weight", "attention": ".self_attn.", "embedding": "embed_tokens"}
 
@@ -75,6 +81,7 @@ def test_moe_patches_through_the_sidecar_equal_a_fresh_engine(preset: str, tp: i
             fresh = _fresh(run, single, tp, tmp_path)
         sidecar.wait_applied(single)
         patched = engine.greedy()
+        routed = complete(sidecar.url, engine.model, ROUTING_PROMPT, ROUTING_TOKENS, **ASK_ROUTING) if tp == 1 else {}
         adapter = VllmEngine(engine.url, timeout_s=120)
         try:
             assert adapter.checksums(sorted(run.sums(single))) == run.sums(single)
@@ -93,6 +100,11 @@ def test_moe_patches_through_the_sidecar_equal_a_fresh_engine(preset: str, tp: i
         assert fresh is not None
         fresh.wait_ready()
         assert patched == fresh.greedy()
+        if tp == 1:
+            ids, rows = engine_routing(fresh, ROUTING_PROMPT, ROUTING_TOKENS)
+            ours = routed_rows(routed)
+            assert routed["routed_experts_weight_versions"] == [{"version": single, "start": 0, "end": len(ours)}]
+            assert ids == routed["choices"][0]["token_ids"] and np.array_equal(rows[: len(ours)], ours), "the sidecar returned other experts than the fresh engine routes to"
     finally:
         sidecar.stop()
         if fresh is not None:
@@ -100,8 +112,9 @@ def test_moe_patches_through_the_sidecar_equal_a_fresh_engine(preset: str, tp: i
 
 
 def _fresh(run: MoeRun, version: int, tp: int, folder: Path) -> VllmServer:
-    """A plain vLLM (no extension) started from ``stitchboard pull``'s folder of ``version`` (not yet ready)."""
-    return VllmServer(run.pull(version), folder / "fresh.log", extension=False, tp=tp, max_model_len=MOE_CONTEXT)
+    """A vLLM started from ``stitchboard pull``'s folder of ``version`` (not yet ready): at TP 1 with
+    the stitchboard extension (its routing is read), plain vLLM otherwise."""
+    return VllmServer(run.pull(version), folder / "fresh.log", extension=tp == 1, tp=tp, max_model_len=MOE_CONTEXT)
 
 
 def test_packing_map_is_derived_from_the_backend() -> None:
