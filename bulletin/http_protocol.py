@@ -30,6 +30,7 @@ is the kernel's write), measured with ``bench_bulletin.py --clients 5000``.
 from __future__ import annotations
 
 import asyncio
+import weakref
 from functools import partial
 from typing import Any
 
@@ -114,17 +115,23 @@ class CoalescingTransport:
         return getattr(self._transport, name)
 
 
-def send_whole(cycle: RequestResponseCycle, state: ServerState, answer: WholeAnswer) -> bool:
-    """Write ``answer`` on ``cycle``'s connection at once and complete the cycle, as uvicorn's ``send``
-    would after the answer's start and body messages. The server's default headers are taken from
-    ``state`` at the time of the send (one list per second for every request, so ``answer``'s bytes
-    are built once per second; uvicorn's ``send`` dates an answer when its request arrived).
+def send_whole(cycle_ref: weakref.ref[RequestResponseCycle], state: ServerState, answer: WholeAnswer) -> bool:
+    """Write ``answer`` on the connection of the cycle ``cycle_ref`` refers to at once and complete
+    the cycle, as uvicorn's ``send`` would after the answer's start and body messages. The cycle is
+    held weakly: the scope holding this send is the cycle's own, and a strong reference would make
+    every request a reference cycle, freed only by the cyclic collector. The server's default
+    headers are taken from ``state`` at the time of the send (one list per second for every
+    request, so ``answer``'s bytes are built once per second; uvicorn's ``send`` dates an answer
+    when its request arrived).
 
     Returns:
-        False, having written nothing, where the ASGI ``send`` must be used instead: a response
-        already started, the client gone, writing paused (the peer reads slowly), a connection
+        False, having written nothing, where the ASGI ``send`` must be used instead: the cycle
+        gone, a response already started, the client gone, writing paused (the peer reads slowly), a connection
         that closes after this answer, or a ``HEAD`` request.
     """
+    cycle = cycle_ref()
+    if cycle is None:
+        return False
     scope = cycle.scope
     if cycle.response_started or cycle.disconnected or cycle.flow.write_paused or not cycle.keep_alive or scope["method"] == "HEAD":
         return False
@@ -150,4 +157,4 @@ class CoalescingHttpToolsProtocol(HttpToolsProtocol):
         cycle = self.cycle
         if cycle is not None and cycle.scope is self.scope:  # an upgrade request made no cycle
             extensions: dict[str, Any] = self.scope.setdefault("extensions", {})
-            extensions[WHOLE_ANSWER] = partial(send_whole, cycle, self.server_state)
+            extensions[WHOLE_ANSWER] = partial(send_whole, weakref.ref(cycle), self.server_state)

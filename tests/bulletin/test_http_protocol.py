@@ -11,6 +11,7 @@ be sent that way.
 from __future__ import annotations
 
 import asyncio
+import gc
 import socket
 import threading
 import time
@@ -19,6 +20,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from stitchboard.bulletin.http_protocol import JOIN_MAX_BYTES, CoalescingHttpToolsProtocol, CoalescingTransport
 from stitchboard.bulletin.whole_answer import WHOLE_ANSWER, WholeAnswer
@@ -219,3 +221,19 @@ def test_an_answer_sent_whole_is_the_asgi_answer_in_one_write(served: str):
         head = client.head("/whole")
         assert WHOLE[-1] is False and head.status_code == 200 and head.headers["content-length"] == "14" and head.content == b""
         assert client.get("/whole").json() == {"version": 3} and WHOLE[-1] is True
+
+
+def test_a_request_leaves_no_reference_cycle(served: str):
+    """The whole-answer send offered in each request's scope holds its cycle weakly (the cycle holds
+    the scope): with the cyclic collector off, finished requests leave no cycle behind."""
+    gc.collect()
+    gc.disable()
+    try:
+        before = sum(type(o) is RequestResponseCycle for o in gc.get_objects())
+        for path in ("/whole", "/one") * 20:  # a connection each
+            assert httpx.get(f"{served}{path}").status_code == 200
+        time.sleep(0.3)  # the server thread drops the closed connections
+        left = sum(type(o) is RequestResponseCycle for o in gc.get_objects()) - before
+    finally:
+        gc.enable()
+    assert left <= 2, f"{left} request cycles of 40 finished requests were left to the cyclic collector"

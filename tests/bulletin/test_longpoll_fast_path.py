@@ -67,8 +67,8 @@ def test_waiters_answered_by_the_fan_out(served, monkeypatch):
 
     sent_whole: list[bool] = []
 
-    def recorded(cycle, state, answer) -> bool:
-        sent_whole.append(real(cycle, state, answer))
+    def recorded(cycle_ref, state, answer) -> bool:
+        sent_whole.append(real(cycle_ref, state, answer))
         return sent_whole[-1]
 
     real = http_protocol.send_whole
