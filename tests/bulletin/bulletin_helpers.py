@@ -28,11 +28,11 @@ S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "A
 
 class ThreadServer(AppServer):
     """A bulletin app (``self.app``) served by uvicorn in a thread of this process, on a free loopback
-    port, with the HTTP protocol ``stitchboard bulletin serve`` uses (or ``http``)."""
+    port, with the HTTP protocol ``stitchboard bulletin serve`` uses."""
 
-    def __init__(self, settings: BulletinSettings, http: type = CoalescingHttpToolsProtocol) -> None:
+    def __init__(self, settings: BulletinSettings) -> None:
         self.app = create_app(settings)
-        super().__init__(self.app, graceful_shutdown_s=1, http=http)
+        super().__init__(self.app, graceful_shutdown_s=1, http=CoalescingHttpToolsProtocol)
 
     def client(self, token: str | None = None, **kwargs) -> BulletinClient:
         return BulletinClient(self.url, token, retries=kwargs.pop("retries", 1), backoff_s=kwargs.pop("backoff_s", 0.01), **kwargs)

@@ -194,9 +194,9 @@ def moe_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MoeEngines
     engines.stop_all()
 
 
-def complete(url: str, model: str, prompt: str | list[int], tokens: int, **body) -> dict:
+def complete(url: str, model: str, prompt: str | list[int], tokens: int, headers: dict[str, str] | None = None, **body) -> dict:
     """A greedy ``/v1/completions`` answer of ``tokens`` tokens (EOS ignored, token ids returned) from ``url``."""
-    r = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "return_token_ids": True, **body}, timeout=600)
+    r = httpx.post(f"{url}/v1/completions", headers=headers, json={"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "return_token_ids": True, **body}, timeout=600)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -212,13 +212,10 @@ def engine_routing(engine: VllmServer, prompt: str, tokens: int) -> tuple[list[i
     """What ``engine`` (the stitchboard extension loaded, no sidecar) routes a marked greedy request
     to, read from its worker: ``(output token ids, int32 [positions, layers, top_k])``."""
     mark = f"stitch-routing-{uuid.uuid4().hex}"
-    r = httpx.post(
-        f"{engine.url}/v1/completions", headers={"x-request-id": mark}, json={"model": engine.model, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "return_token_ids": True}, timeout=600
-    )
-    assert r.status_code == 200, r.text
+    answer = complete(engine.url, engine.model, prompt, tokens, headers={"x-request-id": mark})
     rpc = httpx.post(f"{engine.url}/collective_rpc", json={"method": "stitch_routed_experts", "args": [json.dumps({"marks": [mark]})]}, timeout=60).json()
     report = rpc["results"][0]["report"]
     capture = report["requests"][mark]
     assert capture["start"] == 0
     rows = np.frombuffer(base64.b64decode(capture["rows"]), dtype=np.int32).reshape(-1, report["num_layers"], report["top_k"])
-    return r.json()["choices"][0]["token_ids"], rows
+    return answer["choices"][0]["token_ids"], rows
