@@ -147,10 +147,11 @@ def test_tp2_head_padding_patched_equals_a_fresh_tp2_server(views, smollm2_dir, 
 
 
 def test_a_plan_staged_before_another_write_is_staged_again_in_the_pause(sglang_engine, adapter, views, sglang_workdir, smollm2_dir):
-    """At TP = 1 the loader's stager decodes and checks a patch while the engine serves and the
-    paused call only writes it; a loader write between the staging and the commit (here a
-    snapshot load of the same bits) makes the plan stale: the commit stages again in the pause
-    and ends verified all the same, and the next plan staged while serving is used."""
+    """At TP = 1 the loader's stager decodes and checks a patch while the engine serves and, the
+    engine paused, writes it itself (the scheduler thread held in its paused loop); a loader
+    write between the staging and the commit (here a snapshot load of the same bits) makes the
+    plan stale: the stager writes nothing, an update call stages again in the pause and ends
+    verified all the same, and the next plan staged while serving is written by the stager."""
 
     def snapshot() -> None:
         adapter.pause()
@@ -169,8 +170,9 @@ def test_a_plan_staged_before_another_write_is_staged_again_in_the_pause(sglang_
         report = adapter.commit_staged(1)
     finally:
         adapter.resume()
-    assert report["staged_while_serving"] is False
+    assert report["staged_while_serving"] is False and report["committed"] is False
     assert adapter.state().version == 1 and adapter.checksums(sorted(views[1])) == sums(views[1])
     report = commit(adapter, [write_patch(sglang_workdir, views[1], views[2], "fresh.patch")], 1, 2)
     assert report["staged_while_serving"] is True
+    assert report["committed"] is True, "not written by the stager (the scheduler's paused loop not held?)"
     assert adapter.state().version == 2 and adapter.checksums(sorted(views[2])) == sums(views[2])

@@ -48,18 +48,23 @@ def test_written_elements_are_read_back_chunk_by_chunk(monkeypatch: pytest.Monke
 def test_a_chunk_that_does_not_read_back_restores_every_old_bit(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(inplace, "READ_BACK_CHUNK", 100)
     writes, before = _writes(2)
-    real_scatter, calls = Slot.scatter, []
+    real_accessors, calls = Slot.accessors, []
 
-    def losing_scatter(self: Slot, index: np.ndarray, values: np.ndarray) -> None:
+    def losing_accessors(self: Slot) -> tuple:
         # The third chunk of the second tensor loses its first element's write (as if another
         # writer raced it); every other write, the restore included, goes through.
-        calls.append(self.name)
-        if self.name == "t1.weight" and calls.count("t1.weight") == 3:
-            real_scatter(self, index[1:], values[1:])
-        else:
-            real_scatter(self, index, values)
+        scatter, gather = real_accessors(self)
 
-    monkeypatch.setattr(Slot, "scatter", losing_scatter)
+        def losing_scatter(index: np.ndarray, values: np.ndarray) -> None:
+            calls.append(self.name)
+            if self.name == "t1.weight" and calls.count("t1.weight") == 3:
+                scatter(index[1:], values[1:])
+            else:
+                scatter(index, values)
+
+        return losing_scatter, gather
+
+    monkeypatch.setattr(Slot, "accessors", losing_accessors)
     with pytest.raises(ApplyFailedError) as err:
         commit(Ranks(layout=None, group=None), writes, lambda phase: None, "writing 1->2", verify="written")  # type: ignore[arg-type]
     assert err.value.details["restored"] is True and err.value.details["name"] == "t1.weight"

@@ -22,8 +22,11 @@ to a record file under ``record_dir``, parsed like the vLLM worker's (:mod:`..rp
   waits for every request in flight and holds new ones, unless the engine is paused. At TP = 1
   :meth:`stage_patches` hands the files to the loader's stager thread (:mod:`.stager`, its
   socket named in the rank records), which decodes and checks them on the live weights while
-  the engine serves; the paused update call then only writes (each chunk read back as it is written)
-  and records. At TP > 1 (or with no stager) the files are checked here (sha256, patch format)
+  the engine serves; in the pause the stager itself writes the plan (each chunk read back as it
+  is written, the scheduler thread held in its paused loop meanwhile: :mod:`.paused_hold`) and
+  records, and ``/update_weight_version`` (``abort_all_requests`` false, never
+  its default) sets the version: no write session, whose begin, call and end cost ~30 ms of
+  the pause. A plan made stale by another write is staged again by an update call. At TP > 1 (or with no stager) the files are checked here (sha256, patch format)
   and the engine decodes, checks, writes and verifies them inside the pause.
 * Instance: each rank's loader draws an id when its process first imports it; records carry the
   process id and start time, so a record whose process is gone (the server restarted) is
@@ -104,6 +107,10 @@ class SglangEngine:
         self._tp: int | None = None
         self._staged: list[tuple[list[str], list[str], int, int]] = []
         self._plan: str | None = None
+        self._stager: str | None = None  # the address the plan was staged at
+        # In this pause: the sidecar will reset the prefix cache (pause, not pause_keeping_cache);
+        # the stager emptied it after its write (nothing has run since: no flush call needed).
+        self._flush_at_commit = self._cache_clean = False
 
     def close(self) -> None:
         """Close the HTTP connection pool."""
@@ -135,6 +142,11 @@ class SglangEngine:
         resp = self._request("POST", "/update_weights_from_tensor", json=body, timeout=timeout, ok=(200, 400))
         if resp.status_code != 200:
             raise EngineRequestError(f"update_weights_from_tensor failed: {resp.text[:300]}", path="/update_weights_from_tensor", status=resp.status_code)
+
+    def _set_label(self, label: str) -> None:
+        # SGLang's weight_version, in the scheduler (its spans) and the tokenizer (answers); its
+        # answer comes from the scheduler. Never with abort_all_requests true (its default).
+        self._request("POST", "/update_weight_version", json={"new_version": label, "abort_all_requests": False}, timeout=self.apply_timeout_s)
 
     def _session(self, calls: Any) -> Any:
         """Run ``calls()`` between ``/begin_weight_update`` and ``/end_weight_update`` (always ended)."""
@@ -241,13 +253,18 @@ class SglangEngine:
 
     def pause(self) -> None:
         """``POST /pause_generation`` mode ``retract``: running requests are kept (retracted to the
-        waiting queue, recomputed after the resume), never aborted."""
+        waiting queue, recomputed after the resume), never aborted. SGLang answers once it has
+        passed the request on to the scheduler, not once the scheduler paused: an update call
+        queues behind it, and the stager's write waits for the scheduler's paused loop (and
+        empties the cache there, for :meth:`reset_prefix_cache`)."""
         self._request("POST", "/pause_generation", json={"mode": "retract"})
+        self._flush_at_commit, self._cache_clean = True, False
 
     def pause_keeping_cache(self) -> None:
-        """As :meth:`pause` (a retract leaves the radix cache as it is): its presence tells the
-        sidecar that a version-salted commit may skip ``/flush_cache`` (:mod:`stitchboard.sidecar.salt`)."""
-        self.pause()
+        """As :meth:`pause`, the radix cache kept (a retract leaves it as it is): its presence tells
+        the sidecar that a version-salted commit may skip ``/flush_cache`` (:mod:`stitchboard.sidecar.salt`)."""
+        self._request("POST", "/pause_generation", json={"mode": "retract"})
+        self._flush_at_commit = self._cache_clean = False
 
     def output_counts(self) -> dict[str, int]:
         """Output tokens so far of the streamed requests the sidecar marked (``rid`` or
@@ -263,6 +280,7 @@ class SglangEngine:
 
     def resume(self) -> None:
         """``POST /continue_generation``."""
+        self._flush_at_commit = self._cache_clean = False
         self._request("POST", "/continue_generation", json={})
 
     def stage_patches(self, steps: Sequence[tuple[Sequence[str], int, int]]) -> dict[str, Any]:
@@ -282,7 +300,7 @@ class SglangEngine:
                 valid patch. OSError: a file cannot be read.
         """
         t = time.perf_counter()
-        self._staged, self._plan = [], None
+        self._staged, self._plan, self._stager = [], None, None
         held = self._version()
         if steps and held != steps[0][1]:
             raise EngineStateError(f"the engine holds version {held}, the update is from version {steps[0][1]}", held=held, phase="idle")
@@ -308,32 +326,72 @@ class SglangEngine:
             else:
                 answers = parse_answers("stitchboard stager", [answer])
                 raise_if_failed("stage", answers)
-                self._plan = plan
+                self._plan, self._stager = plan, address
                 report.update(answers[0].report or {}, in_engine=True)
         self._staged = staged
         return {**report, "rpc_s": time.perf_counter() - t}
 
     def commit_staged(self, to_version: int) -> dict[str, Any]:
-        """Apply the staged steps in one loader call (engine paused), recording ``to_version`` in
-        the same call: the stager's plan when it is still current (written, read back), else the
-        steps are staged, written and verified in the pause.
+        """Apply the staged steps (engine paused) and record ``to_version``: the stager's plan,
+        when it is still current, written by the stager (each chunk read back) and the version
+        set by ``/update_weight_version``; else the steps staged, written and verified in the
+        pause by one loader call that records the version itself.
+
+        Returns:
+            The loader's report (see :meth:`apply_patch`), ``committed`` (written by the stager)
+            and seconds ``rpc_s``; after the stager's write also ``flushed`` (the radix cache
+            emptied, after :meth:`pause`), seconds ``park_s`` (until the scheduler thread was
+            held in its paused loop), ``flush_s``, ``stager_s`` (its call) and ``label_s``.
 
         Raises:
             EngineStateError: nothing staged for ``to_version``, or the engine does not hold the
                 first step's base. ApplyRefusedError / ApplyFailedError: as :meth:`apply_patch`.
+            EngineUnavailableError: the stager broke off while writing (the engine may hold part
+                of the update: apply a snapshot).
         """
-        staged, plan, self._staged, self._plan = self._staged, self._plan, [], None
+        staged, plan, address, self._staged, self._plan, self._stager = self._staged, self._plan, self._stager, [], None, None
         if not staged or staged[-1][3] != to_version:
             raise EngineStateError(f"no staged update ends at version {to_version}", held=None, phase="idle")
-        return self._apply(staged, plan)
+        if plan is not None and address is not None:
+            report = self._commit_in_stager(address, plan, staged[0][2], to_version)
+            if report is not None:
+                return report
+        return {**self._apply(staged), "committed": False}
 
-    def _apply(self, steps: list[tuple[list[str], list[str], int, int]], plan: str | None = None) -> dict[str, Any]:
+    def _commit_in_stager(self, address: str, plan: str, start: int, end: int) -> dict[str, Any] | None:
+        # The stager writes plan ``plan`` (start -> end); None when it does not hold it (nothing written).
+        t = time.perf_counter()
+        req = {"op": "commit", "id": uuid.uuid4().hex, "plan": plan, "what": f"{start}->{end}", "held": start, "flush": self._flush_at_commit, "record_dir": str(self.record_dir)}
+        try:
+            answer = ask(address, req, self.apply_timeout_s)
+        except (ConnectionRefusedError, FileNotFoundError) as exc:  # never reached: nothing written
+            log.warning("the engine's stager at %r is gone (%s): versions %d->%d are applied by an update call", address, exc, start, end)
+            return None
+        except (OSError, ValueError) as exc:
+            raise EngineUnavailableError(f"the engine's stager at {address!r} broke off writing versions {start}->{end} ({type(exc).__name__}: {exc}): the engine may hold part of them", path="stage_socket") from exc
+        answers = parse_answers("stitchboard stager", [answer])
+        report = answers[0].report or {}
+        if answers[0].ok and report.get("committed") is False:
+            log.warning("the engine's stager did not write versions %d->%d (%s): an update call applies them", start, end, report.get("why"))
+            return None
+        try:
+            raise_if_failed("apply", answers)
+        except ApplyFailedError as exc:
+            if not exc.details.get("restored"):
+                self._set_label(UNVERIFIED)
+            raise
+        stager_s = time.perf_counter() - t
+        self._set_label(str(end))
+        self._cache_clean = bool(report.get("flushed"))
+        return {**report, "stager_s": stager_s, "label_s": time.perf_counter() - t - stager_s, "rpc_s": time.perf_counter() - t}
+
+    def _apply(self, steps: list[tuple[list[str], list[str], int, int]]) -> dict[str, Any]:
         start, end = steps[0][2], steps[-1][3]
         held = self._version()
         if held != start:
             raise EngineStateError(f"the engine holds version {held}, the update is from version {start}", held=held, phase="idle")
         t = time.perf_counter()
-        args = {"steps": [{"paths": p, "digests": d} for p, d, _, _ in steps], "what": f"{start}->{end}", "plan": plan}
+        args = {"steps": [{"paths": p, "digests": d} for p, d, _, _ in steps], "what": f"{start}->{end}"}
         answers = self._call("apply", args, version=end, held=held)
         return {**(answers[0].report or {}), "rpc_s": time.perf_counter() - t}
 
@@ -390,9 +448,12 @@ class SglangEngine:
         return self._call("checksums", {"names": list(names)})[0].checksums or {}
 
     def reset_prefix_cache(self) -> None:
-        """``POST /flush_cache`` (succeeds while paused, retracted requests waiting).
+        """``POST /flush_cache`` (succeeds while paused, retracted requests waiting); no call when
+        the stager emptied the cache after its write in this pause (nothing ran since to fill it).
 
         Raises:
             EngineRequestError: the engine could not flush (requests running: not paused).
         """
+        if self._cache_clean:
+            return
         self._request("POST", "/flush_cache")

@@ -274,10 +274,11 @@ READ_BACK_CHUNK = 16384
 def _scatter_read_back(w: _Write) -> None:
     # Writes ``w`` chunk by chunk, each chunk read back at once; raises TargetMismatchError when
     # a chunk does not read back as the new bits.
+    scatter, gather = w.slot.accessors()
     for lo in range(0, w.index.size, READ_BACK_CHUNK):
         index, new = w.index[lo : lo + READ_BACK_CHUNK], w.new[lo : lo + READ_BACK_CHUNK]
-        w.slot.scatter(index, new)
-        if not np.array_equal(w.slot.gather(index), new):
+        scatter(index, new)
+        if not np.array_equal(gather(index), new):
             raise TargetMismatchError(f"tensor {w.slot.name!r}: the written elements do not read back as the new bits", name=w.slot.name)
 
 

@@ -9,7 +9,7 @@ a JSON request. Patch and snapshot bytes never travel over HTTP: the request nam
 and their sha256 digests, and the loader reads them itself. Requests (``op``)::
 
     {"op": "state"}
-    {"op": "apply", "steps": [{"paths": [...], "digests": [...]}, ...], "what": "1->2", "plan": id?}
+    {"op": "apply", "steps": [{"paths": [...], "digests": [...]}, ...], "what": "1->2"}
     {"op": "load_snapshot", "paths": [...], "digests": [...], "checksums": {name: xxh3}}
     {"op": "checksums", "names": [...]}
     {"op": "output_counts"}   (at a pause: the marked requests' output tokens, :mod:`.token_counts`)
@@ -25,13 +25,17 @@ process that is gone). Everything that can be refused is checked before the firs
 Staging while serving (TP = 1): the first call of a process starts a :class:`.stager.StageServer`
 thread whose address every record carries (``stage_socket``). A ``stage`` request to it (the
 ``apply`` request's fields, with ``id``) runs :func:`.inplace.stage` on the live weights (reads
-only) and keeps the writes as the process's one staged plan; an ``apply`` naming that ``plan``
-then only writes, reading each chunk back as it writes it, and records. What staging checked still holds
-at the write: staging and every loader write hold one lock, every write op bumps a generation,
-and a plan staged under another generation is not used (the apply stages again in the pause);
-nothing else writes SGLang's weights (its own weight routes are refused by the sidecar's proxy,
-the engine listens on loopback) and an engine restart is caught by the instance check. A plan
-that is missing or stale is never an error: the apply stages in the pause, as at TP > 1.
+only) and keeps the writes as the process's one staged plan. A ``commit`` request to it naming
+that ``plan`` (engine paused) then only writes, reading each chunk back as it writes it, and
+records, without an update call (SGLang's write session costs ~30 ms of the pause: begin, the
+call's round trip through the tokenizer and scheduler processes, end). What staging checked
+still holds at the write: staging and every loader write hold one lock, every write op bumps a
+generation, and a plan staged under another generation is not written; nothing else writes
+SGLang's weights (its own weight routes are refused by the sidecar's proxy, the engine listens
+on loopback) and an engine restart is caught by the instance check. A plan that is missing or
+stale is never an error: the commit answers ``committed: false`` and the sidecar sends an
+``apply``, which stages in the pause, as at TP > 1. The commit writes only while the scheduler
+thread waits in its paused loop (:mod:`.paused_hold`), so no forward pass runs meanwhile.
 
 State of this process: ``instance`` (a random id drawn when SGLang first imports this module,
 at the first update call of the process: a restarted engine has a new one) and ``phase``
@@ -60,6 +64,7 @@ from stitchboard.proto.env import env_setting
 from stitchboard.proto.errors import StitchError
 
 from ...errors import EngineStateError
+from . import paused_hold
 from .routing import install_capturer, keep_first_routing
 from .token_counts import number_samples, output_counts, track_finished
 
@@ -79,6 +84,10 @@ INSTANCE_ID = uuid.uuid4().hex
 track_finished()  # the final counts of finished marked requests (:mod:`.token_counts`)
 number_samples()  # the choice of each output of a request with several outputs (:mod:`.token_counts`)
 keep_first_routing()  # a request retracted at a commit answers the routing its tokens were sampled from (:mod:`.routing`)
+paused_hold.install()  # the stager's write holds the paused scheduler loop (:mod:`.paused_hold`)
+#: How long the stager's commit waits for the scheduler thread to reach its paused loop, seconds
+#: (it finishes the forward pass it runs first).
+PARK_TIMEOUT_S = 60.0
 
 _phase = "idle"
 _ranks: Any = None
@@ -156,9 +165,24 @@ def _run(model: torch.nn.Module, req: dict[str, Any]) -> dict[str, Any]:
         return _locked(model, req, op)
 
 
+def _write(ranks: Any, writes: list, what: str, verify: str) -> dict[str, Any]:
+    """Write staged ``writes`` in place (``_lock`` held): any staged plan is stale from here on;
+    phase ``failed`` when a failure leaves the old bits not restored. Returns the timing."""
+    global _phase, _generation
+    from .inplace import commit
+
+    _generation += 1
+    try:
+        return commit(ranks, writes, _fault(what), f"writing versions {what}", verify=verify)
+    except StitchError as exc:
+        if not exc.details.get("restored", True):
+            _phase = "failed"
+        raise
+
+
 def _locked(model: torch.nn.Module, req: dict[str, Any], op: object) -> dict[str, Any]:
-    global _phase, _generation, _plan
-    from .inplace import commit, load_snapshot, stage
+    global _phase, _generation
+    from .inplace import load_snapshot, stage
 
     ranks = _get_ranks(model)
     if op == "checksums":
@@ -167,21 +191,10 @@ def _locked(model: torch.nn.Module, req: dict[str, Any], op: object) -> dict[str
     if op == "apply":
         if _phase != "idle":
             raise EngineStateError(f"the engine is in phase {_phase!r} and holds no verified version: load a snapshot", held=None, phase=_phase)
-        plan, _plan = _plan, None
         t = time.perf_counter()
-        if plan is not None and plan.id == req.get("plan") and plan.generation == _generation:
-            writes, report, verify = plan.writes, {**plan.report, "staged_while_serving": True}, "written"
-        else:
-            writes, report = stage(ranks, [(s["paths"], s["digests"]) for s in req["steps"]])
-            report["staged_while_serving"], verify = False, "full"
-        report["stage_s"] = time.perf_counter() - t
-        _generation += 1
-        try:
-            report.update(commit(ranks, writes, _fault(what), f"writing versions {what}", verify=verify))
-        except StitchError as exc:
-            if not exc.details.get("restored", True):
-                _phase = "failed"
-            raise
+        writes, report = stage(ranks, [(s["paths"], s["digests"]) for s in req["steps"]])
+        report.update(staged_while_serving=False, stage_s=time.perf_counter() - t)
+        report.update(_write(ranks, writes, what, "full"))
         return {"report": report}
     if op == "load_snapshot":
         _generation += 1
@@ -196,10 +209,50 @@ def _locked(model: torch.nn.Module, req: dict[str, Any], op: object) -> dict[str
     raise ValueError(f"unknown op {op!r}")
 
 
-def _staging(model: torch.nn.Module, req: dict[str, Any]) -> dict[str, Any]:
-    """The stager thread's handler: stage ``req``'s steps on the live weights and keep them as the
-    process's plan ``req["id"]`` (the answer as :func:`load` records it). Never raises."""
+def _commit_plan(model: torch.nn.Module, req: dict[str, Any]) -> dict[str, Any]:
+    """Write the plan ``req["plan"]`` from the stager thread (engine paused, see :func:`_staging`);
+    the answer's extra fields, ``report.committed`` False when that plan is missing or stale
+    (nothing written: the caller applies through the update call). Raises on failure."""
     global _plan
+    with _lock:
+        if _phase != "idle":
+            raise EngineStateError(f"the engine is in phase {_phase!r} and holds no verified version: load a snapshot", held=None, phase=_phase)
+        plan, _plan = _plan, None
+        if plan is None or plan.id != req.get("plan") or plan.generation != _generation:
+            return {"report": {"committed": False, "why": "no such plan staged since the last write"}}
+        t = time.perf_counter()
+        if not paused_hold.hold(PARK_TIMEOUT_S):  # released once the answer is sent (the stager's ``after``)
+            return {"report": {"committed": False, "why": f"the scheduler thread did not reach its paused loop within {PARK_TIMEOUT_S:g} s"}}
+        park_s = time.perf_counter() - t
+        timing = _write(_get_ranks(model), plan.writes, str(req.get("what", "")), "written")
+        t = time.perf_counter()
+        flushed = bool(req.get("flush")) and paused_hold.flush_cache()
+        timing["flush_s"] = time.perf_counter() - t
+        return {"report": {**plan.report, "staged_while_serving": True, "committed": True, "flushed": flushed, "stage_s": 0.0, "park_s": park_s, **timing}}
+
+
+def _staging(model: torch.nn.Module, req: dict[str, Any]) -> dict[str, Any]:
+    """The stager thread's handler. ``stage`` (the default op): stage ``req``'s steps on the live
+    weights and keep them as the process's plan ``req["id"]``. ``commit``: write plan
+    ``req["plan"]`` in place, each chunk read back as it is written, empty the radix cache when
+    ``req["flush"]`` (``report.flushed``), and record the answer in
+    ``req["record_dir"]`` as :func:`load` does, while the scheduler thread is held in its paused
+    loop (:mod:`.paused_hold`: no forward pass runs; when it is not reached, nothing is written).
+    Returns the answer as :func:`load` records it; never raises."""
+    global _plan
+    if req.get("op") == "commit":
+        try:
+            answer: dict[str, Any] = {"ok": True, **_commit_plan(model, req)}
+        except Exception as exc:  # noqa: BLE001 - answered, never raised
+            log.warning("stitchboard stager: %s: %s", type(exc).__name__, exc)
+            answer = {"ok": False, "error": _error(exc)}
+        answer["state"] = {"version": req.get("held") if type(req.get("held")) is int else None, "phase": _phase, "instance": INSTANCE_ID}
+        if isinstance(req.get("record_dir"), str):
+            try:
+                _write_record(req["record_dir"], 0, {"request": req.get("id"), "pid": os.getpid(), "start": process_start(os.getpid()), "answer": answer, "stage_socket": _stager.address if _stager is not None else None})
+            except Exception:  # the answer still goes back on the socket
+                log.exception("stitchboard stager: could not write the answer record")
+        return answer
     try:
         from .inplace import stage
 
@@ -211,7 +264,7 @@ def _staging(model: torch.nn.Module, req: dict[str, Any]) -> dict[str, Any]:
             writes, report = stage(_get_ranks(model), [(s["paths"], s["digests"]) for s in req["steps"]])
             report["stage_s"] = time.perf_counter() - t
             _plan = _Plan(str(req["id"]), _generation, writes, report)
-        answer: dict[str, Any] = {"ok": True, "report": report}
+        answer = {"ok": True, "report": report}
     except Exception as exc:  # noqa: BLE001 - answered, never raised
         log.warning("stitchboard stager: %s: %s", type(exc).__name__, exc)
         answer = {"ok": False, "error": _error(exc)}
@@ -230,7 +283,7 @@ def _serve_staging(model: torch.nn.Module, record_dir: str, rank: int) -> str | 
     with _lock:
         _get_ranks(model)  # here, in SGLang's thread (it reads the TP rank from its context)
     try:
-        server = StageServer(address, lambda req: _staging(model, req))
+        server = StageServer(address, lambda req: _staging(model, req), after=paused_hold.release)
     except OSError as exc:
         log.warning("stitchboard loader: no staging while serving (cannot listen on %r: %s); updates stage in the pause", address, exc)
         return None

@@ -7,6 +7,7 @@ is what they share, so neither imports the other at run time.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -79,6 +80,15 @@ class Slot:
             flat.numpy()[index] = values
         else:
             flat[torch.from_numpy(index).to(flat.device)] = torch.from_numpy(values).to(flat.device)
+
+    def accessors(self) -> tuple[Callable[[np.ndarray, np.ndarray], None], Callable[[np.ndarray], np.ndarray]]:
+        """(scatter, gather) as :meth:`scatter` and :meth:`gather`, bound to one view of the live
+        parameter: for many chunks of one tensor (on the CPU, no torch call per chunk)."""
+        flat = self.flat_bits()
+        if flat.device.type != "cpu":
+            return self.scatter, self.gather
+        view = flat.numpy()
+        return view.__setitem__, view.take
 
     def bits(self) -> torch.Tensor:
         """This rank's block of the live parameter as raw integer bits, [rows, cols]: a view

@@ -7,7 +7,9 @@ engine is paused, so nothing can be staged through a call while the engine serve
 scheduler process (the sidecar's boot makes one): it listens on a Unix socket, whose address
 every rank record carries (``stage_socket``), and answers one JSON request per connection with
 the loader's handler, which decodes and checks a patch on the live weights (reads only) and
-keeps the result for the paused ``apply`` call. At TP > 1 staging needs collectives over the TP
+keeps the result; once the sidecar has paused the engine, a ``commit`` request has it write
+that result in place, so that the pause holds no update call (SGLang's write session costs
+~30 ms). At TP > 1 staging needs collectives over the TP
 group (whole-tensor checksums, ``cond`` decodes on the gathered tensor), which the scheduler
 runs itself between forward passes, so no thread is started and the apply stages in the pause.
 
@@ -54,16 +56,18 @@ def _read_line(conn: socket.socket) -> bytes:
 
 class StageServer(threading.Thread):
     """A daemon thread answering one JSON line per connection on ``address`` with
-    ``handle(request) -> answer`` (``handle`` must not raise; one connection at a time).
+    ``handle(request) -> answer`` (``handle`` must not raise; one connection at a time), then
+    calling ``after()`` (if given; must not raise) once the answer is sent or has failed.
 
     Raises:
         OSError: the address cannot be bound (at construction).
     """
 
-    def __init__(self, address: str, handle: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+    def __init__(self, address: str, handle: Callable[[dict[str, Any]], dict[str, Any]], after: Callable[[], None] | None = None) -> None:
         super().__init__(name="stitchboard-stager", daemon=True)
         self.address = address
         self._handle = handle
+        self._after = after
         self._closed = False
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         if not address.startswith("\0"):
@@ -98,6 +102,9 @@ class StageServer(threading.Thread):
                     conn.sendall(json.dumps(answer).encode() + b"\n")
                 except Exception:  # never end the thread: the next request gets its answer
                     log.exception("stitchboard stager: a request failed")
+                finally:
+                    if self._after is not None:
+                        self._after()
 
 
 def ask(address: str, request: dict[str, Any], timeout_s: float) -> dict[str, Any]:
