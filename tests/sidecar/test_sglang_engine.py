@@ -175,4 +175,5 @@ def test_a_plan_staged_before_another_write_is_staged_again_in_the_pause(sglang_
     report = commit(adapter, [write_patch(sglang_workdir, views[1], views[2], "fresh.patch")], 1, 2)
     assert report["staged_while_serving"] is True
     assert report["committed"] is True, "not written by the stager (the scheduler's paused loop not held?)"
+    assert report["flushed"] is True  # commit() paused with pause(): the sidecar resets the cache
     assert adapter.state().version == 2 and adapter.checksums(sorted(views[2])) == sums(views[2])

@@ -45,7 +45,9 @@ def loop(monkeypatch: pytest.MonkeyPatch):
 
 
 def test_a_hold_stops_the_paused_loop_until_released(loop: PausedLoop) -> None:
-    time.sleep(0.02)
+    deadline = time.monotonic() + 5
+    while loop.iterations == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert loop.iterations > 0
     assert not paused_hold.flush_cache()  # no hold: nothing is flushed from outside the loop
     assert paused_hold.hold(5.0)
@@ -57,6 +59,29 @@ def test_a_hold_stops_the_paused_loop_until_released(loop: PausedLoop) -> None:
     time.sleep(0.05)
     assert loop.iterations > held_at
     assert not paused_hold.flush_cache() and loop.flushes == 1
+
+
+def test_install_wraps_the_paused_loop_method(monkeypatch: pytest.MonkeyPatch) -> None:
+    """install() wraps SGLang's method in place (a stand-in Scheduler class here: the vLLM test
+    environment has no SGLang); the wrapped method parks, then runs the original."""
+    import sys
+    import types
+
+    calls: list[str] = []
+
+    class Scheduler:
+        def _record_scheduler_state_for_paused_engine(self) -> None:
+            calls.append("original")
+
+    module = types.ModuleType("sglang.srt.managers.scheduler")
+    module.Scheduler = Scheduler  # type: ignore[attr-defined]
+    for name in ("sglang", "sglang.srt", "sglang.srt.managers"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "sglang.srt.managers.scheduler", module)
+    monkeypatch.setattr(paused_hold, "_installed", False)
+    assert paused_hold.install()
+    Scheduler()._record_scheduler_state_for_paused_engine()
+    assert calls == ["original"]
 
 
 def test_the_paused_loop_sleeps_between_iterations(loop: PausedLoop) -> None:

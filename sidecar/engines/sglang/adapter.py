@@ -145,8 +145,17 @@ class SglangEngine:
 
     def _set_label(self, label: str) -> None:
         # SGLang's weight_version, in the scheduler (its spans) and the tokenizer (answers); its
-        # answer comes from the scheduler. Never with abort_all_requests true (its default).
-        self._request("POST", "/update_weight_version", json={"new_version": label, "abort_all_requests": False}, timeout=self.apply_timeout_s)
+        # answer comes from the scheduler (paused here: at once). Never with abort_all_requests
+        # true (its default). Waits timeout_s, not apply_timeout_s: it writes no weights.
+        self._request("POST", "/update_weight_version", json={"new_version": label, "abort_all_requests": False})
+
+    def _unverified(self) -> None:
+        # Label the engine UNVERIFIED when its bits may not be the recorded version's; best
+        # effort: an engine that cannot be reached is handled by the caller's error.
+        try:
+            self._set_label(UNVERIFIED)
+        except Exception as exc:  # noqa: BLE001 - the caller raises its own error
+            log.warning("could not label the engine %s: %s", UNVERIFIED, exc)
 
     def _session(self, calls: Any) -> Any:
         """Run ``calls()`` between ``/begin_weight_update`` and ``/end_weight_update`` (always ended)."""
@@ -368,6 +377,7 @@ class SglangEngine:
             log.warning("the engine's stager at %r is gone (%s): versions %d->%d are applied by an update call", address, exc, start, end)
             return None
         except (OSError, ValueError) as exc:
+            self._unverified()  # the bits may be anything between the two versions
             raise EngineUnavailableError(f"the engine's stager at {address!r} broke off writing versions {start}->{end} ({type(exc).__name__}: {exc}): the engine may hold part of them", path="stage_socket") from exc
         answers = parse_answers("stitchboard stager", [answer])
         report = answers[0].report or {}
@@ -378,10 +388,14 @@ class SglangEngine:
             raise_if_failed("apply", answers)
         except ApplyFailedError as exc:
             if not exc.details.get("restored"):
-                self._set_label(UNVERIFIED)
+                self._unverified()
             raise
         stager_s = time.perf_counter() - t
-        self._set_label(str(end))
+        try:
+            self._set_label(str(end))
+        except Exception:  # the engine holds version end's bits under version start's label
+            self._unverified()
+            raise
         self._cache_clean = bool(report.get("flushed"))
         return {**report, "stager_s": stager_s, "label_s": time.perf_counter() - t - stager_s, "rpc_s": time.perf_counter() - t}
 

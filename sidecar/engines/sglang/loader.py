@@ -86,8 +86,9 @@ number_samples()  # the choice of each output of a request with several outputs 
 keep_first_routing()  # a request retracted at a commit answers the routing its tokens were sampled from (:mod:`.routing`)
 paused_hold.install()  # the stager's write holds the paused scheduler loop (:mod:`.paused_hold`)
 #: How long the stager's commit waits for the scheduler thread to reach its paused loop, seconds
-#: (it finishes the forward pass it runs first).
-PARK_TIMEOUT_S = 60.0
+#: (it finishes the forward pass it runs first); past it the update call applies the plan (an
+#: event loop that never calls the wrapped method, or a very long forward pass).
+PARK_TIMEOUT_S = 15.0
 
 _phase = "idle"
 _ranks: Any = None
@@ -227,6 +228,8 @@ def _commit_plan(model: torch.nn.Module, req: dict[str, Any]) -> dict[str, Any]:
         timing = _write(_get_ranks(model), plan.writes, str(req.get("what", "")), "written")
         t = time.perf_counter()
         flushed = bool(req.get("flush")) and paused_hold.flush_cache()
+        if torch.cuda.is_available():  # the stager thread's kernels ordered before the scheduler's streams resume
+            torch.cuda.synchronize()
         timing["flush_s"] = time.perf_counter() - t
         return {"report": {**plan.report, "staged_while_serving": True, "committed": True, "flushed": flushed, "stage_s": 0.0, "park_s": park_s, **timing}}
 

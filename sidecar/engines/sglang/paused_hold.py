@@ -8,11 +8,13 @@ numpy gathers and scatters that release the GIL for each chunk) then waits up to
 switch interval (5 ms) for the GIL after every chunk: one real step's patch took 0.78 s to
 write beside the spinning loop, against ~0.03 s inside an update call (the scheduler's own
 thread). :func:`install` wraps ``_record_scheduler_state_for_paused_engine``, which SGLang calls
-only in the paused branch of each loop, between two ingests, with no batch in flight: from
+only in the paused branch of each loop, between two ingests (after a ``retract`` pause, the
+only mode the sidecar uses, with no batch in flight): from
 :func:`hold` to :func:`release` the scheduler thread waits there (the GIL released; the stager
 releases it once its answer is sent, since every system call of the answer would wait for the
-GIL too). While it waits there, :func:`flush_cache` empties its cache as ``/flush_cache`` would,
-without that call's round trip through the tokenizer process. Reaching that
+GIL too). While it waits there, :func:`flush_cache` runs the scheduler's own flush, as
+``/flush_cache`` does in the scheduler (the route's tokenizer-side part, a multimodal
+preprocessing cache, holds no weight-dependent state), without that call's round trip. Reaching that
 point is also what tells the stager that the scheduler has paused: ``/pause_generation``'s
 answer comes once the request is passed on to the scheduler, not once the scheduler paused.
 When no hold is asked for, each paused iteration sleeps :data:`PAUSED_POLL_S` instead, so that
