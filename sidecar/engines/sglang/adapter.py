@@ -272,8 +272,8 @@ class SglangEngine:
     def pause_keeping_cache(self) -> None:
         """As :meth:`pause`, the radix cache kept (a retract leaves it as it is): its presence tells
         the sidecar that a version-salted commit may skip ``/flush_cache`` (:mod:`stitchboard.sidecar.salt`)."""
-        self._request("POST", "/pause_generation", json={"mode": "retract"})
-        self._flush_at_commit = self._cache_clean = False
+        self.pause()
+        self._flush_at_commit = False
 
     def output_counts(self) -> dict[str, int]:
         """Output tokens so far of the streamed requests the sidecar marked (``rid`` or

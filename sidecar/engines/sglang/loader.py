@@ -155,6 +155,17 @@ def _error(exc: BaseException) -> dict[str, Any]:
     return {"type": kind, "message": str(exc), **details}
 
 
+def _require_idle() -> None:
+    if _phase != "idle":
+        raise EngineStateError(f"the engine is in phase {_phase!r} and holds no verified version: load a snapshot", held=None, phase=_phase)
+
+
+def _state(req: dict[str, Any]) -> dict[str, Any]:
+    """This process's state for an answer (``version``: the ``held`` the caller sent, echoed)."""
+    held = req.get("held") if type(req.get("held")) is int else None
+    return {"version": held, "phase": _phase, "instance": INSTANCE_ID}
+
+
 def _run(model: torch.nn.Module, req: dict[str, Any]) -> dict[str, Any]:
     """Run one request on this rank; returns the answer's extra fields (raises on failure)."""
     op = req.get("op")
@@ -190,8 +201,7 @@ def _locked(model: torch.nn.Module, req: dict[str, Any], op: object) -> dict[str
         return {"checksums": {n: ranks.checksum(ranks.layout.place(n)) for n in req["names"]}}
     what = str(req.get("what", ""))
     if op == "apply":
-        if _phase != "idle":
-            raise EngineStateError(f"the engine is in phase {_phase!r} and holds no verified version: load a snapshot", held=None, phase=_phase)
+        _require_idle()
         t = time.perf_counter()
         writes, report = stage(ranks, [(s["paths"], s["digests"]) for s in req["steps"]])
         report.update(staged_while_serving=False, stage_s=time.perf_counter() - t)
@@ -216,8 +226,7 @@ def _commit_plan(model: torch.nn.Module, req: dict[str, Any]) -> dict[str, Any]:
     (nothing written: the caller applies through the update call). Raises on failure."""
     global _plan
     with _lock:
-        if _phase != "idle":
-            raise EngineStateError(f"the engine is in phase {_phase!r} and holds no verified version: load a snapshot", held=None, phase=_phase)
+        _require_idle()
         plan, _plan = _plan, None
         if plan is None or plan.id != req.get("plan") or plan.generation != _generation:
             return {"report": {"committed": False, "why": "no such plan staged since the last write"}}
@@ -249,18 +258,17 @@ def _staging(model: torch.nn.Module, req: dict[str, Any]) -> dict[str, Any]:
         except Exception as exc:  # noqa: BLE001 - answered, never raised
             log.warning("stitchboard stager: %s: %s", type(exc).__name__, exc)
             answer = {"ok": False, "error": _error(exc)}
-        answer["state"] = {"version": req.get("held") if type(req.get("held")) is int else None, "phase": _phase, "instance": INSTANCE_ID}
+        answer["state"] = _state(req)
         if isinstance(req.get("record_dir"), str):
             try:
-                _write_record(req["record_dir"], 0, {"request": req.get("id"), "pid": os.getpid(), "start": process_start(os.getpid()), "answer": answer, "stage_socket": _stager.address if _stager is not None else None})
+                _write_record(req["record_dir"], 0, req.get("id"), answer, _stager.address if _stager is not None else None)
             except Exception:  # the answer still goes back on the socket
                 log.exception("stitchboard stager: could not write the answer record")
         return answer
     try:
         from .inplace import stage
 
-        if _phase != "idle":
-            raise EngineStateError(f"the engine is in phase {_phase!r} and holds no verified version: load a snapshot", held=None, phase=_phase)
+        _require_idle()
         with _lock:
             _plan = None
             t = time.perf_counter()
@@ -271,8 +279,7 @@ def _staging(model: torch.nn.Module, req: dict[str, Any]) -> dict[str, Any]:
     except Exception as exc:  # noqa: BLE001 - answered, never raised
         log.warning("stitchboard stager: %s: %s", type(exc).__name__, exc)
         answer = {"ok": False, "error": _error(exc)}
-    held = req.get("held") if type(req.get("held")) is int else None
-    return {**answer, "state": {"version": held, "phase": _phase, "instance": INSTANCE_ID}}
+    return {**answer, "state": _state(req)}
 
 
 def _serve_staging(model: torch.nn.Module, record_dir: str, rank: int) -> str | None:
@@ -297,7 +304,9 @@ def _serve_staging(model: torch.nn.Module, record_dir: str, rank: int) -> str | 
     return address
 
 
-def _write_record(record_dir: str, rank: int, record: dict[str, Any]) -> None:
+def _write_record(record_dir: str, rank: int, request: object, answer: dict[str, Any], stage_socket: str | None) -> None:
+    # The rank's answer to request id ``request``, with this process's pid and start time.
+    record = {"request": request, "pid": os.getpid(), "start": process_start(os.getpid()), "answer": answer, "stage_socket": stage_socket}
     os.makedirs(record_dir, exist_ok=True)
     path = os.path.join(record_dir, f"rank{rank}.json")
     tmp = f"{path}.{os.getpid()}.tmp"
@@ -325,8 +334,7 @@ def load(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Tensor]]) 
     except Exception as exc:  # noqa: BLE001 - an exception here would kill the server: reported instead
         log.warning("stitchboard loader: %s: %s", type(exc).__name__, exc)
         answer = {"ok": False, "error": _error(exc)}
-    held = req.get("held") if type(req.get("held")) is int else None
-    answer["state"] = {"version": held, "phase": _phase, "instance": INSTANCE_ID}
+    answer["state"] = _state(req)
     if not isinstance(req.get("record_dir"), str):
         log.error("stitchboard loader: no record_dir, the answer is lost: %s", answer)
         return
@@ -337,6 +345,6 @@ def load(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Tensor]]) 
         except Exception:  # never raise into SGLang: the updates stage in the pause
             log.exception("stitchboard loader: could not start the stager")
     try:
-        _write_record(req["record_dir"], rank, {"request": req.get("id"), "pid": os.getpid(), "start": process_start(os.getpid()), "answer": answer, "stage_socket": stage_socket})
+        _write_record(req["record_dir"], rank, req.get("id"), answer, stage_socket)
     except Exception:  # never raise into SGLang
         log.exception("stitchboard loader: could not write the answer record")

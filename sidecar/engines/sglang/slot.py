@@ -70,25 +70,27 @@ class Slot:
 
     def gather(self, index: np.ndarray) -> np.ndarray:
         """The live bits at flat ``index`` (a copy; numpy on the parameter's memory on the CPU)."""
-        flat = self.flat_bits()
-        return np.take(flat.numpy(), index) if flat.device.type == "cpu" else flat[torch.from_numpy(index).to(flat.device)].cpu().numpy()
+        return self.accessors()[1](index)
 
     def scatter(self, index: np.ndarray, values: np.ndarray) -> None:
         """Write ``values`` at flat ``index`` of the live parameter, in place."""
-        flat = self.flat_bits()
-        if flat.device.type == "cpu":
-            flat.numpy()[index] = values
-        else:
-            flat[torch.from_numpy(index).to(flat.device)] = torch.from_numpy(values).to(flat.device)
+        self.accessors()[0](index, values)
 
     def accessors(self) -> tuple[Callable[[np.ndarray, np.ndarray], None], Callable[[np.ndarray], np.ndarray]]:
         """(scatter, gather) as :meth:`scatter` and :meth:`gather`, bound to one view of the live
         parameter: for many chunks of one tensor (on the CPU, no torch call per chunk)."""
         flat = self.flat_bits()
-        if flat.device.type != "cpu":
-            return self.scatter, self.gather
-        view = flat.numpy()
-        return view.__setitem__, view.take
+        if flat.device.type == "cpu":
+            view = flat.numpy()
+            return view.__setitem__, view.take
+
+        def scatter(index: np.ndarray, values: np.ndarray) -> None:
+            flat[torch.from_numpy(index).to(flat.device)] = torch.from_numpy(values).to(flat.device)
+
+        def gather(index: np.ndarray) -> np.ndarray:
+            return flat[torch.from_numpy(index).to(flat.device)].cpu().numpy()
+
+        return scatter, gather
 
     def bits(self) -> torch.Tensor:
         """This rank's block of the live parameter as raw integer bits, [rows, cols]: a view
