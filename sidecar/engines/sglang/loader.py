@@ -243,43 +243,43 @@ def _commit_plan(model: torch.nn.Module, req: dict[str, Any]) -> dict[str, Any]:
         return {"report": {**plan.report, "staged_while_serving": True, "committed": True, "flushed": flushed, "stage_s": 0.0, "park_s": park_s, **timing}}
 
 
-def _staging(model: torch.nn.Module, req: dict[str, Any]) -> dict[str, Any]:
-    """The stager thread's handler. ``stage`` (the default op): stage ``req``'s steps on the live
-    weights and keep them as the process's plan ``req["id"]``. ``commit``: write plan
-    ``req["plan"]`` in place, each chunk read back as it is written, empty the radix cache when
-    ``req["flush"]`` (``report.flushed``), and record the answer in
-    ``req["record_dir"]`` as :func:`load` does, while the scheduler thread is held in its paused
-    loop (:mod:`.paused_hold`: no forward pass runs; when it is not reached, nothing is written).
-    Returns the answer as :func:`load` records it; never raises."""
+def _stage_plan(model: torch.nn.Module, req: dict[str, Any]) -> dict[str, Any]:
+    """Stage ``req``'s steps on the live weights from the stager thread (engine serving; nothing
+    written) and keep them as the process's plan ``req["id"]``; the answer's extra fields. Raises
+    on failure (the previous plan is dropped either way)."""
     global _plan
-    if req.get("op") == "commit":
-        try:
-            answer: dict[str, Any] = {"ok": True, **_commit_plan(model, req)}
-        except Exception as exc:  # noqa: BLE001 - answered, never raised
-            log.warning("stitchboard stager: %s: %s", type(exc).__name__, exc)
-            answer = {"ok": False, "error": _error(exc)}
-        answer["state"] = _state(req)
-        if isinstance(req.get("record_dir"), str):
-            try:
-                _write_record(req["record_dir"], 0, req.get("id"), answer, _stager.address if _stager is not None else None)
-            except Exception:  # the answer still goes back on the socket
-                log.exception("stitchboard stager: could not write the answer record")
-        return answer
-    try:
-        from .inplace import stage
+    from .inplace import stage
 
-        _require_idle()
-        with _lock:
-            _plan = None
-            t = time.perf_counter()
-            writes, report = stage(_get_ranks(model), [(s["paths"], s["digests"]) for s in req["steps"]])
-            report["stage_s"] = time.perf_counter() - t
-            _plan = _Plan(str(req["id"]), _generation, writes, report)
-        answer = {"ok": True, "report": report}
+    _require_idle()
+    with _lock:
+        _plan = None
+        t = time.perf_counter()
+        writes, report = stage(_get_ranks(model), [(s["paths"], s["digests"]) for s in req["steps"]])
+        report["stage_s"] = time.perf_counter() - t
+        _plan = _Plan(str(req["id"]), _generation, writes, report)
+    return {"report": report}
+
+
+def _staging(model: torch.nn.Module, req: dict[str, Any]) -> dict[str, Any]:
+    """The stager thread's handler. ``stage`` (the default op): :func:`_stage_plan`. ``commit``:
+    :func:`_commit_plan` (write plan ``req["plan"]`` in place, each chunk read back as it is
+    written, empty the radix cache when ``req["flush"]``, while the scheduler thread is held in
+    its paused loop: :mod:`.paused_hold`; when it is not reached, nothing is written), and record
+    the answer in ``req["record_dir"]`` as :func:`load` does. Returns the answer as :func:`load`
+    records it; never raises."""
+    commit = req.get("op") == "commit"
+    try:
+        answer: dict[str, Any] = {"ok": True, **(_commit_plan(model, req) if commit else _stage_plan(model, req))}
     except Exception as exc:  # noqa: BLE001 - answered, never raised
         log.warning("stitchboard stager: %s: %s", type(exc).__name__, exc)
         answer = {"ok": False, "error": _error(exc)}
-    return {**answer, "state": _state(req)}
+    answer["state"] = _state(req)
+    if commit and isinstance(req.get("record_dir"), str):
+        try:
+            _write_record(req["record_dir"], 0, req.get("id"), answer, _stager.address if _stager is not None else None)
+        except Exception:  # the answer still goes back on the socket
+            log.exception("stitchboard stager: could not write the answer record")
+    return answer
 
 
 def _serve_staging(model: torch.nn.Module, record_dir: str, rank: int) -> str | None:
