@@ -26,11 +26,19 @@ _ERROR = re.compile(r"^(?P<path>[^:]+):\d+: error: (?P<message>.*)$")
 
 
 def _in_engine(path: str) -> bool:
-    return path.startswith("sidecar/engines/") and not path.endswith(("/adapter.py", "/launch.py", "engines/base.py", "engines/__init__.py"))
+    return path.startswith("sidecar/engines/") and not path.endswith(
+        ("/adapter.py", "/launch.py", "engines/base.py", "engines/__init__.py")
+    )
 
 
 def main() -> int:
-    run = subprocess.run([sys.executable, "-m", "mypy", *(LINKS + p for p in PARTS)], cwd=ROOT, check=False, capture_output=True, text=True)
+    run = subprocess.run(
+        [sys.executable, "-m", "mypy", *(LINKS + p for p in PARTS)],
+        cwd=ROOT,
+        check=False,
+        capture_output=True,
+        text=True,
+    )
     errors = []
     for line in run.stdout.splitlines():
         m = _ERROR.match(line)
@@ -39,7 +47,11 @@ def main() -> int:
     if run.returncode not in (0, 1) or (run.returncode == 1 and not errors):
         print(run.stdout, run.stderr, sep="\n")
         return 1
-    allowed = [line for line in BASELINE.read_text().splitlines() if line and not line.startswith("#")] if BASELINE.exists() else []
+    allowed = (
+        [line for line in BASELINE.read_text().splitlines() if line and not line.startswith("#")]
+        if BASELINE.exists()
+        else []
+    )
     new = [full for path, message, full in errors if not (_in_engine(path) and f"{path}: {message}" in allowed)]
     seen = {f"{path}: {message}" for path, message, _ in errors}
     gone = [entry for entry in allowed if entry not in seen]
@@ -47,7 +59,9 @@ def main() -> int:
         print(full)
     for entry in gone:
         print(f"{BASELINE.relative_to(ROOT)}: fixed, remove the line: {entry}")
-    print(f"mypy: {len(errors)} errors, {len(errors) - len(new)} of them in the engine-side baseline ({len(allowed)} lines); {len(new)} new, {len(gone)} fixed")
+    print(
+        f"mypy: {len(errors)} errors, {len(errors) - len(new)} of them in the engine-side baseline ({len(allowed)} lines); {len(new)} new, {len(gone)} fixed"
+    )
     return 1 if new or gone else 0
 
 

@@ -65,7 +65,11 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         names = {404: "NotFound", 405: "MethodNotAllowed"}
-        return _error(exc.status_code, names.get(exc.status_code, "InvalidRequest" if exc.status_code < 500 else "BulletinError"), str(exc.detail))
+        return _error(
+            exc.status_code,
+            names.get(exc.status_code, "InvalidRequest" if exc.status_code < 500 else "BulletinError"),
+            str(exc.detail),
+        )
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
@@ -87,7 +91,11 @@ def _warn_ignored_env() -> None:
     renamed_from = {legacy: new for new, legacy in RENAMED_ENV.items()}
     for name in ignored_env_names(os.environ):
         new = renamed_from.get(name.upper())
-        hint = f": it is the legacy name of a client's {new}, not a bulletin setting" if new else ": no bulletin setting has this name"
+        hint = (
+            f": it is the legacy name of a client's {new}, not a bulletin setting"
+            if new
+            else ": no bulletin setting has this name"
+        )
         log.warning("ignoring %s%s", name, hint)
 
 
@@ -108,16 +116,33 @@ def create_app(settings: BulletinSettings | None = None, store: Store | None = N
     else:
         upload_dir = store.upload_dir or Path(tempfile.gettempdir()) / "stitchboard-uploads"
     upload_dir.mkdir(parents=True, exist_ok=True)
-    ledger = Ledger(store, max_manifest_bytes=settings.max_manifest_bytes, cache_entries=settings.manifest_cache_entries)
+    ledger = Ledger(
+        store, max_manifest_bytes=settings.max_manifest_bytes, cache_entries=settings.manifest_cache_entries
+    )
     metrics = BulletinMetrics(store)
-    fleet = FleetWatcher(FleetStore(store, upload_dir, settings.replica_lease_s, settings.replica_forget_s), ledger, settings.fleet_poll_interval_s)
-    state = BulletinState(settings, store, ledger, Watcher(ledger, settings.poll_interval_s, metrics), Authorizer(settings.tokens), metrics, upload_dir, fleet)
+    fleet = FleetWatcher(
+        FleetStore(store, upload_dir, settings.replica_lease_s, settings.replica_forget_s),
+        ledger,
+        settings.fleet_poll_interval_s,
+    )
+    state = BulletinState(
+        settings,
+        store,
+        ledger,
+        Watcher(ledger, settings.poll_interval_s, metrics),
+        Authorizer(settings.tokens),
+        metrics,
+        upload_dir,
+        fleet,
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await to_thread.run_sync(_remove_stale_uploads, upload_dir, settings.gc_grace_s)
         if state.auth.open:
-            log.warning("no tokens configured (STITCH_BULLETIN_TOKENS): this bulletin accepts reads and publishes from anyone")
+            log.warning(
+                "no tokens configured (STITCH_BULLETIN_TOKENS): this bulletin accepts reads and publishes from anyone"
+            )
         _warn_ignored_env()
         log.info("bulletin serving store %s", store.url)
         yield
@@ -161,5 +186,7 @@ def create_app(settings: BulletinSettings | None = None, store: Store | None = N
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     app.add_middleware(LatencyMiddleware, metrics=metrics)
-    app.add_middleware(LongPollFastPath, state=state)  # outside it: times the long-polls it answers itself (longpoll_asgi.py)
+    app.add_middleware(
+        LongPollFastPath, state=state
+    )  # outside it: times the long-polls it answers itself (longpoll_asgi.py)
     return app

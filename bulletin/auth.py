@@ -32,7 +32,9 @@ class Authorizer:
     def _grant(self, authorization: str | None) -> TokenGrant:
         scheme, _, token = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
-            raise UnauthorizedError("this bulletin needs 'Authorization: Bearer <token>' (set --token or STITCH_CLIENT_TOKEN)")
+            raise UnauthorizedError(
+                "this bulletin needs 'Authorization: Bearer <token>' (set --token or STITCH_CLIENT_TOKEN)"
+            )
         token = token.strip()
         for known, grant in self._tokens.items():
             if hmac.compare_digest(known.encode(), token.encode()):

@@ -17,9 +17,13 @@ from .retention import collect_garbage
 from .settings import BulletinSettings
 from .stores import open_store
 
-app = typer.Typer(help="The bulletin: where trainers publish versions and rollout engines find them.", no_args_is_help=True)
+app = typer.Typer(
+    help="The bulletin: where trainers publish versions and rollout engines find them.", no_args_is_help=True
+)
 
-StoreOpt = Annotated[str | None, typer.Option("--store", help="file:///path or s3://bucket/prefix [env STITCH_BULLETIN_STORE]")]
+StoreOpt = Annotated[
+    str | None, typer.Option("--store", help="file:///path or s3://bucket/prefix [env STITCH_BULLETIN_STORE]")
+]
 
 
 def _settings(**overrides: Any) -> BulletinSettings:
@@ -29,7 +33,9 @@ def _settings(**overrides: Any) -> BulletinSettings:
 @app.command()
 def serve(
     store: StoreOpt = None,
-    host: Annotated[str | None, typer.Option(help="address to listen on [env STITCH_BULLETIN_HOST, default 127.0.0.1]")] = None,
+    host: Annotated[
+        str | None, typer.Option(help="address to listen on [env STITCH_BULLETIN_HOST, default 127.0.0.1]")
+    ] = None,
     port: Annotated[int | None, typer.Option(help="TCP port [env STITCH_BULLETIN_PORT, default 8700]")] = None,
     log_level: Annotated[str | None, typer.Option(help="uvicorn log level [env STITCH_BULLETIN_LOG_LEVEL]")] = None,
 ) -> None:
@@ -39,7 +45,11 @@ def serve(
     settings = _settings(store=store, host=host, port=port, log_level=log_level)
     served = create_app(settings)
     freeze_startup_heap()  # full collections then walk only what serving creates (gc_hold.py)
-    access_log = settings.log_level.lower() in ("trace", "debug", "info")  # above info uvicorn drops its lines, but still formats them per answer
+    access_log = settings.log_level.lower() in (
+        "trace",
+        "debug",
+        "info",
+    )  # above info uvicorn drops its lines, but still formats them per answer
     uvicorn.run(
         served, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=access_log, timeout_graceful_shutdown=5,
         http=CoalescingHttpToolsProtocol,  # an answer's head and body in one write (http_protocol.py)
@@ -49,9 +59,16 @@ def serve(
 @app.command()
 def gc(
     store: StoreOpt = None,
-    keep_snapshots: Annotated[int | None, typer.Option(help="keep the last K snapshots [env STITCH_BULLETIN_KEEP_SNAPSHOTS, default 2]")] = None,
-    grace_s: Annotated[float | None, typer.Option(help="seconds before dropped data is removed [env STITCH_BULLETIN_GC_GRACE_S, default 3600]")] = None,
-    run: Annotated[list[str] | None, typer.Option("--run", help="only this run (repeatable); default: every run")] = None,
+    keep_snapshots: Annotated[
+        int | None, typer.Option(help="keep the last K snapshots [env STITCH_BULLETIN_KEEP_SNAPSHOTS, default 2]")
+    ] = None,
+    grace_s: Annotated[
+        float | None,
+        typer.Option(help="seconds before dropped data is removed [env STITCH_BULLETIN_GC_GRACE_S, default 3600]"),
+    ] = None,
+    run: Annotated[
+        list[str] | None, typer.Option("--run", help="only this run (repeatable); default: every run")
+    ] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="report, remove nothing")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print the report as JSON")] = False,
 ) -> None:
@@ -60,13 +77,26 @@ def gc(
     ledger = Ledger(open_store(settings.store, settings), cache_entries=0)
     report = collect_garbage(ledger, settings.keep_snapshots, settings.gc_grace_s, runs=run or None, dry_run=dry_run)
     if as_json:
-        typer.echo(json.dumps({"versions_removed": report.versions_removed, "blobs_removed": report.blobs_removed, "bytes_freed": report.bytes_freed, "dry_run": dry_run}))
+        typer.echo(
+            json.dumps(
+                {
+                    "versions_removed": report.versions_removed,
+                    "blobs_removed": report.blobs_removed,
+                    "bytes_freed": report.bytes_freed,
+                    "dry_run": dry_run,
+                }
+            )
+        )
         return
     table = Table(title=f"gc of {ledger.store.url}" + (" (dry run)" if dry_run else ""))
     for col in ("run", "versions removed", "blobs removed"):
         table.add_column(col)
     for r in sorted(set(report.versions_removed) | set(report.blobs_removed)):
         versions = report.versions_removed.get(r, [])
-        table.add_row(r, f"{len(versions)} ({versions[0]}..{versions[-1]})" if versions else "0", str(len(report.blobs_removed.get(r, []))))
+        table.add_row(
+            r,
+            f"{len(versions)} ({versions[0]}..{versions[-1]})" if versions else "0",
+            str(len(report.blobs_removed.get(r, []))),
+        )
     Console().print(table)
     typer.echo(f"{report.bytes_freed} bytes freed")

@@ -37,10 +37,20 @@ def _warn_if_legacy(new: str) -> Callable[[typer.Context, typer.CallbackParam, s
 
 Bulletin = Annotated[
     str,
-    typer.Option("--bulletin", envvar=[BULLETIN_ENV, RENAMED_ENV[BULLETIN_ENV]], callback=_warn_if_legacy(BULLETIN_ENV), help="bulletin base URL, e.g. http://host:8700"),
+    typer.Option(
+        "--bulletin",
+        envvar=[BULLETIN_ENV, RENAMED_ENV[BULLETIN_ENV]],
+        callback=_warn_if_legacy(BULLETIN_ENV),
+        help="bulletin base URL, e.g. http://host:8700",
+    ),
 ]
 Token = Annotated[
     str | None,
-    typer.Option("--token", envvar=[TOKEN_ENV, RENAMED_ENV[TOKEN_ENV]], callback=_warn_if_legacy(TOKEN_ENV), help="bearer token (read scope; publish scope to publish)"),
+    typer.Option(
+        "--token",
+        envvar=[TOKEN_ENV, RENAMED_ENV[TOKEN_ENV]],
+        callback=_warn_if_legacy(TOKEN_ENV),
+        help="bearer token (read scope; publish scope to publish)",
+    ),
 ]
 Run = Annotated[str, typer.Option("--run", help="run id")]

@@ -35,7 +35,11 @@ _CHUNK = 1 << 20
 
 def presigned_put_headers(sha256: str) -> dict[str, str]:
     """The headers a presigned ``PUT`` of blob ``sha256`` carries, as the bulletin signed them: checksum, record, create-only."""
-    return {"x-amz-checksum-sha256": base64.b64encode(bytes.fromhex(sha256)).decode(), "x-amz-meta-stitch-sha256": sha256, "if-none-match": "*"}
+    return {
+        "x-amz-checksum-sha256": base64.b64encode(bytes.fromhex(sha256)).decode(),
+        "x-amz-meta-stitch-sha256": sha256,
+        "if-none-match": "*",
+    }
 
 
 class BulletinClient:
@@ -87,7 +91,9 @@ class BulletinClient:
                 response = send()
             except httpx.TransportError as exc:
                 if last:
-                    raise UnavailableError(f"{what}: bulletin {self.url} unreachable after {attempt + 1} attempts: {exc!r}; check the URL and that it is up") from exc
+                    raise UnavailableError(
+                        f"{what}: bulletin {self.url} unreachable after {attempt + 1} attempts: {exc!r}; check the URL and that it is up"
+                    ) from exc
             else:
                 if response.status_code < 400:
                     return response
@@ -120,7 +126,15 @@ class BulletinClient:
             raise
         return int(r.headers["content-length"])
 
-    def put_blob(self, run: str, sha256: str, source: str | os.PathLike | bytes, size_bytes: int | None = None, *, force: bool = False) -> bool:
+    def put_blob(
+        self,
+        run: str,
+        sha256: str,
+        source: str | os.PathLike | bytes,
+        size_bytes: int | None = None,
+        *,
+        force: bool = False,
+    ) -> bool:
         """Upload one file (patch, snapshot shard or asset) unless the bulletin already has it.
 
         A presigned URL (S3) is used when the bulletin hands one out; when the store already
@@ -143,13 +157,19 @@ class BulletinClient:
             PayloadTooLargeError: over the bulletin's ``max_blob_bytes``.
             AuthError, UnavailableError: see the module docstring.
         """
-        size = size_bytes if size_bytes is not None else (len(source) if isinstance(source, bytes) else os.path.getsize(source))
+        size = (
+            size_bytes
+            if size_bytes is not None
+            else (len(source) if isinstance(source, bytes) else os.path.getsize(source))
+        )
         if not force and self.has_blob(run, sha256) == size:
             return False
         what = f"uploading blob {sha256} of run {run!r}"
         url = None
         if self._presign is not False:
-            answer = self._call("POST", f"/v1/runs/{run}/blobs/{sha256}/upload-url", params={"size_bytes": size}, what=what)
+            answer = self._call(
+                "POST", f"/v1/runs/{run}/blobs/{sha256}/upload-url", params={"size_bytes": size}, what=what
+            )
             url = UploadUrl.model_validate_json(answer.content).url
             self._presign = url is not None
 
@@ -158,8 +178,15 @@ class BulletinClient:
             try:
                 headers = {"content-length": str(size), "content-type": "application/octet-stream"}
                 if presigned is not None:  # straight to the object store, without our token
-                    return httpx.put(presigned, content=body, headers={**headers, **presigned_put_headers(sha256)}, timeout=self.timeout_s)
-                return self._http.put(f"/v1/runs/{run}/blobs/{sha256}", params={"size_bytes": size}, content=body, headers=headers)
+                    return httpx.put(
+                        presigned,
+                        content=body,
+                        headers={**headers, **presigned_put_headers(sha256)},
+                        timeout=self.timeout_s,
+                    )
+                return self._http.put(
+                    f"/v1/runs/{run}/blobs/{sha256}", params={"size_bytes": size}, content=body, headers=headers
+                )
             finally:
                 if not isinstance(body, bytes):
                     body.close()
@@ -221,7 +248,9 @@ class BulletinClient:
         have = part.stat().st_size if part.exists() else 0
         headers = {"range": f"bytes={have}-"} if have else {}
         try:
-            with self._http.stream("GET", f"/v1/runs/{run}/blobs/{sha256}", headers=headers, follow_redirects=True) as r:
+            with self._http.stream(
+                "GET", f"/v1/runs/{run}/blobs/{sha256}", headers=headers, follow_redirects=True
+            ) as r:
                 if r.status_code == 416:  # the partial file already holds the whole blob
                     return True
                 if r.status_code >= 400:
@@ -233,7 +262,9 @@ class BulletinClient:
         except httpx.TransportError as exc:
             if may_retry:
                 return False
-            raise UnavailableError(f"{what}: bulletin {self.url} unreachable after {self.retries + 1} attempts: {exc!r}") from exc
+            raise UnavailableError(
+                f"{what}: bulletin {self.url} unreachable after {self.retries + 1} attempts: {exc!r}"
+            ) from exc
         return True
 
     # -- versions ----------------------------------------------------------------------------
@@ -248,7 +279,13 @@ class BulletinClient:
             InvalidRequestError, PayloadTooLargeError, AuthError, UnavailableError.
         """
         body = canonical_json(manifest)
-        r = self._call("POST", f"/v1/runs/{manifest.run_id}/versions", content=body, headers={"content-type": "application/json"}, what=f"publishing version {manifest.version} of run {manifest.run_id!r}")
+        r = self._call(
+            "POST",
+            f"/v1/runs/{manifest.run_id}/versions",
+            content=body,
+            headers={"content-type": "application/json"},
+            what=f"publishing version {manifest.version} of run {manifest.run_id!r}",
+        )
         return VersionInfo.model_validate_json(r.content)
 
     def latest_info(self, run: str, after: int = -1, wait_s: float = 0.0) -> VersionInfo | None:
@@ -282,7 +319,12 @@ class BulletinClient:
         out: list[VersionInfo] = []
         while limit is None or len(out) < limit:
             page = 1000 if limit is None else min(1000, limit - len(out))
-            r = self._call("GET", f"/v1/runs/{run}/versions", params={"after": after, "limit": page}, what=f"listing versions of run {run!r}")
+            r = self._call(
+                "GET",
+                f"/v1/runs/{run}/versions",
+                params={"after": after, "limit": page},
+                what=f"listing versions of run {run!r}",
+            )
             answer = VersionPage.model_validate_json(r.content)
             out.extend(answer.versions)
             if answer.next_after is None:
@@ -295,7 +337,9 @@ class BulletinClient:
         r = self._call("GET", "/v1/runs", what="listing runs")
         return RunList.model_validate_json(r.content).runs
 
-    def plan(self, run: str, from_version: int | None = None, to_version: int | None = None, *, squash: bool = False) -> Plan:
+    def plan(
+        self, run: str, from_version: int | None = None, to_version: int | None = None, *, squash: bool = False
+    ) -> Plan:
         """The files to fetch, in order, to go from ``from_version`` (None: nothing held) to ``to_version`` (None: latest).
 
         ``squash=True`` says the caller applies ``squash`` steps (one patch from an older
@@ -321,7 +365,13 @@ class BulletinClient:
             VersionConflictError: another record is stored for the span (drop it first).
         """
         run, span = squash.run_id, f"{squash.base_version}/{squash.target_version}"
-        r = self._call("PUT", f"/v1/runs/{run}/squashes/{span}", content=canonical_json(squash), headers={"content-type": "application/json"}, what=f"storing squash {span} of run {run!r}")
+        r = self._call(
+            "PUT",
+            f"/v1/runs/{run}/squashes/{span}",
+            content=canonical_json(squash),
+            headers={"content-type": "application/json"},
+            what=f"storing squash {span} of run {run!r}",
+        )
         return r.status_code == 201
 
     def squashes(self, run: str) -> list[SquashManifest]:
@@ -332,7 +382,11 @@ class BulletinClient:
     def drop_squash(self, run: str, base: int, target: int) -> bool:
         """Drop one squash record; False if it was not stored."""
         try:
-            self._call("DELETE", f"/v1/runs/{run}/squashes/{base}/{target}", what=f"dropping squash {base}/{target} of run {run!r}")
+            self._call(
+                "DELETE",
+                f"/v1/runs/{run}/squashes/{base}/{target}",
+                what=f"dropping squash {base}/{target} of run {run!r}",
+            )
         except BulletinError as exc:
             if exc.status == 404:
                 return False

@@ -55,7 +55,9 @@ def access(scope: Scope) -> Callable[..., Awaitable[BulletinState]]:
     :class:`ForbiddenError` (token lacks ``scope`` or is limited to other runs, 403).
     """
 
-    async def dependency(request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> BulletinState:
+    async def dependency(
+        request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
+    ) -> BulletinState:
         state = state_of(request)
         state.auth.check(request.headers.get("authorization"), scope, request.path_params.get("run"))
         return state

@@ -167,7 +167,9 @@ def error_from_body(status: int, body: Any) -> BulletinError:
         details = {k: v for k, v in body.items() if k not in ("type", "message", "status")}
     else:
         wire_type, message, details = "", f"HTTP {status}: {str(body)[:500]}", {}
-    cls = _BY_TYPE.get(wire_type) or _BY_STATUS.get(status) or (InvalidRequestError if status < 500 else UnavailableError)
+    cls = (
+        _BY_TYPE.get(wire_type) or _BY_STATUS.get(status) or (InvalidRequestError if status < 500 else UnavailableError)
+    )
     exc = cls(message, status=status, **details)
     if wire_type:
         exc.type = wire_type

@@ -83,7 +83,9 @@ class FleetStore:
             UnavailableError: the store could not be written.
         """
         key = replica_key(run, report.replica_id)
-        data = json.dumps({"lease_s": self.lease_s, "report": report.model_dump(mode="json")}, sort_keys=True, separators=(",", ":")).encode()
+        data = json.dumps(
+            {"lease_s": self.lease_s, "report": report.model_dump(mode="json")}, sort_keys=True, separators=(",", ":")
+        ).encode()
         fd, name = tempfile.mkstemp(prefix=".replica-", dir=self.tmp_dir)
         try:
             with os.fdopen(fd, "wb") as f:

@@ -25,7 +25,15 @@ class FleetClient:
         r = self.client._call("GET", f"/v1/runs/{run}/replicas", what=f"listing the replicas of run {run!r}")
         return FleetView.model_validate_json(r.content)
 
-    def count(self, run: str, version: int, *, min_replicas: int | None = None, fraction: float | None = None, wait_s: float = 0.0) -> FleetCount:
+    def count(
+        self,
+        run: str,
+        version: int,
+        *,
+        min_replicas: int | None = None,
+        fraction: float | None = None,
+        wait_s: float = 0.0,
+    ) -> FleetCount:
         """How many live replicas of ``run`` are at >= ``version``; with a requirement and ``wait_s``, the
         bulletin answers once it is met or after ``wait_s`` seconds (see :attr:`FleetCount.met`)."""
         params: dict[str, int | float] = {"version": version, "wait_s": wait_s}
@@ -34,5 +42,11 @@ class FleetClient:
         if fraction is not None:
             params["fraction"] = fraction
         timeout = self.client.timeout_s + wait_s
-        r = self.client._call("GET", f"/v1/runs/{run}/fleet", params=params, timeout=timeout, what=f"counting the replicas of run {run!r} at version {version}")
+        r = self.client._call(
+            "GET",
+            f"/v1/runs/{run}/fleet",
+            params=params,
+            timeout=timeout,
+            what=f"counting the replicas of run {run!r} at version {version}",
+        )
         return FleetCount.model_validate_json(r.content)

@@ -89,7 +89,9 @@ class FleetWatcher:
         snap = await self._fresh(run)
         return fleet_view(run, snap.records, snap.latest)
 
-    async def wait(self, run: str, version: int, min_replicas: int | None, fraction: float | None, wait_s: float) -> FleetCount:
+    async def wait(
+        self, run: str, version: int, min_replicas: int | None, fraction: float | None, wait_s: float
+    ) -> FleetCount:
         """The fleet's count at ``version`` once the requirement is met, or as it is after ``wait_s`` seconds.
 
         Raises:

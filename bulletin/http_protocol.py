@@ -133,11 +133,24 @@ def send_whole(cycle_ref: weakref.ref[RequestResponseCycle], state: ServerState,
     if cycle is None:
         return False
     scope = cycle.scope
-    if cycle.response_started or cycle.disconnected or cycle.flow.write_paused or not cycle.keep_alive or scope["method"] == "HEAD":
+    if (
+        cycle.response_started
+        or cycle.disconnected
+        or cycle.flow.write_paused
+        or not cycle.keep_alive
+        or scope["method"] == "HEAD"
+    ):
         return False
     cycle.response_started, cycle.waiting_for_100_continue = True, False
     if cycle.access_log:
-        cycle.access_logger.info('%s - "%s %s HTTP/%s" %d', get_client_addr(scope), scope["method"], get_path_with_query_string(scope), scope["http_version"], answer.status)
+        cycle.access_logger.info(
+            '%s - "%s %s HTTP/%s" %d',
+            get_client_addr(scope),
+            scope["method"],
+            get_path_with_query_string(scope),
+            scope["http_version"],
+            answer.status,
+        )
     cycle.transport.write_now(answer.wire(state.default_headers))  # type: ignore[attr-defined]  # a CoalescingTransport
     cycle.response_complete = True
     cycle.message_event.set()

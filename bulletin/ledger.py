@@ -64,14 +64,18 @@ def run_key(run: str) -> str:
 def blob_key(run: str, sha256: str) -> str:
     """Key of a blob. Raises :class:`InvalidRequestError` for a bad run id or a non-sha256 name."""
     if not _SHA256.match(sha256):
-        raise InvalidRequestError(f"blob name {sha256!r} is not a sha256 (64 lowercase hex digits)", run_id=run, sha256=sha256)
+        raise InvalidRequestError(
+            f"blob name {sha256!r} is not a sha256 (64 lowercase hex digits)", run_id=run, sha256=sha256
+        )
     return f"{run_key(run)}blobs/{sha256}"
 
 
 def version_key(run: str, version: int) -> str:
     """Key of a version's commit object."""
     if not 0 <= version < 10**12:
-        raise InvalidRequestError(f"version {version} of run {run!r} is out of range (0 .. 10**12 - 1)", run_id=run, version=version)
+        raise InvalidRequestError(
+            f"version {version} of run {run!r} is out of range (0 .. 10**12 - 1)", run_id=run, version=version
+        )
     return f"{run_key(run)}versions/{version:012d}.json"
 
 
@@ -166,7 +170,11 @@ class Ledger:
         except NotFoundError:
             with self._lock:
                 self._cache.pop((run, version), None)
-            raise NotFoundError(f"run {run!r} has no version {version} (never published, or removed by retention)", run_id=run, version=version) from None
+            raise NotFoundError(
+                f"run {run!r} has no version {version} (never published, or removed by retention)",
+                run_id=run,
+                version=version,
+            ) from None
         found = self._decode(data, etag)
         if self._cache_entries:
             with self._lock:
@@ -237,7 +245,9 @@ class Ledger:
         """The stored blob, or ``None``."""
         return self.store.stat(blob_key(run, sha256))
 
-    def publish(self, run: str, body: bytes | VersionManifest, on_commit: Callable[[VersionInfo], None] | None = None) -> tuple[VersionInfo, bool]:
+    def publish(
+        self, run: str, body: bytes | VersionManifest, on_commit: Callable[[VersionInfo], None] | None = None
+    ) -> tuple[VersionInfo, bool]:
         """Validate and commit one version of ``run``.
 
         Args:
@@ -266,13 +276,18 @@ class Ledger:
             manifest = body
         else:
             if len(body) > self.max_manifest_bytes:
-                raise PayloadTooLargeError(f"manifest for run {run!r} is {len(body)} bytes, over the {self.max_manifest_bytes}-byte limit", run_id=run)
+                raise PayloadTooLargeError(
+                    f"manifest for run {run!r} is {len(body)} bytes, over the {self.max_manifest_bytes}-byte limit",
+                    run_id=run,
+                )
             try:
                 manifest = parse_manifest(body)
             except SchemaError as exc:
                 raise InvalidRequestError(exc.message, run_id=run) from None
         if manifest.run_id != run:
-            raise InvalidRequestError(f"manifest run_id {manifest.run_id!r} does not match the URL's run {run!r}", run_id=run)
+            raise InvalidRequestError(
+                f"manifest run_id {manifest.run_id!r} does not match the URL's run {run!r}", run_id=run
+            )
         canonical = canonical_json(manifest)
         digest = hashlib.sha256(canonical).hexdigest()
         version = manifest.version
@@ -285,10 +300,24 @@ class Ledger:
             existing = self._existing(run, version, digest)  # committed meanwhile by a racing publisher?
             if existing is not None:
                 return existing, False
-            raise VersionRewindError(f"run {run!r} is at version {top}; version {version} cannot be published any more: publish {top + 1}", run_id=run, version=version, latest_version=top)
+            raise VersionRewindError(
+                f"run {run!r} is at version {top}; version {version} cannot be published any more: publish {top + 1}",
+                run_id=run,
+                version=version,
+                latest_version=top,
+            )
         if version > top + 1:
-            raise BaseMissingError(f"run {run!r} is at version {top}; publish version {top + 1} before {version}", run_id=run, version=version, latest_version=top)
-        if version > 0 and not manifest.snapshot and self.committed(run, version - 1).manifest.layout() != manifest.layout():
+            raise BaseMissingError(
+                f"run {run!r} is at version {top}; publish version {top + 1} before {version}",
+                run_id=run,
+                version=version,
+                latest_version=top,
+            )
+        if (
+            version > 0
+            and not manifest.snapshot
+            and self.committed(run, version - 1).manifest.layout() != manifest.layout()
+        ):
             raise InvalidRequestError(
                 f"version {version} of run {run!r} changes the tensor set (names, dtypes or shapes) of version {version - 1}: a delta cannot express that; publish it as an anchor (snapshot=true)",
                 run_id=run,
@@ -312,7 +341,10 @@ class Ledger:
         """Wait while gc holds a (live) lock on any of ``blobs`` (seconds, at most :data:`GC_LOCK_STALE_S`)."""
         while True:
             now = time.time()
-            if not any(o.key.rsplit("/", 1)[-1] in blobs and now - o.modified_at < GC_LOCK_STALE_S for o in self.store.list(gc_locks_key(run))):
+            if not any(
+                o.key.rsplit("/", 1)[-1] in blobs and now - o.modified_at < GC_LOCK_STALE_S
+                for o in self.store.list(gc_locks_key(run))
+            ):
                 return
             time.sleep(poll_s)
 
@@ -321,7 +353,12 @@ class Ledger:
         version, seen_paths, checked = manifest.version, set(), set()
         for f in manifest.files:
             if f.path in seen_paths:
-                raise InvalidRequestError(f"version {version} of run {run!r} lists the file {f.path!r} more than once: list each path once", run_id=run, version=version, path=f.path)
+                raise InvalidRequestError(
+                    f"version {version} of run {run!r} lists the file {f.path!r} more than once: list each path once",
+                    run_id=run,
+                    version=version,
+                    path=f.path,
+                )
             seen_paths.add(f.path)
             if (f.sha256, f.size_bytes) in checked:
                 continue
@@ -337,7 +374,11 @@ class Ledger:
                 )
             if stat.size_bytes != f.size_bytes:
                 raise BlobMismatchError(
-                    f"version {version} of run {run!r}: {f.path!r} (sha256 {f.sha256}) is stored with {stat.size_bytes} bytes, the manifest says {f.size_bytes}", run_id=run, version=version, path=f.path, sha256=f.sha256
+                    f"version {version} of run {run!r}: {f.path!r} (sha256 {f.sha256}) is stored with {stat.size_bytes} bytes, the manifest says {f.size_bytes}",
+                    run_id=run,
+                    version=version,
+                    path=f.path,
+                    sha256=f.sha256,
                 )
             if not blob_is_sound(self.store, run, f.sha256, stat):
                 raise BlobMismatchError(
@@ -348,7 +389,9 @@ class Ledger:
                     sha256=f.sha256,
                 )
 
-    def _commit(self, run: str, manifest: VersionManifest, digest: str, on_commit: Callable[[VersionInfo], None] | None) -> tuple[VersionInfo, bool]:
+    def _commit(
+        self, run: str, manifest: VersionManifest, digest: str, on_commit: Callable[[VersionInfo], None] | None
+    ) -> tuple[VersionInfo, bool]:
         """The commit point: the create-only write of the version's object, then the ``latest`` pointer."""
         version = manifest.version
         info = VersionInfo(
@@ -361,10 +404,14 @@ class Ledger:
             snapshot_bytes=sum(f.size_bytes for f in manifest.files_of("snapshot")),
         )
         envelope = {"info": info.model_dump(mode="json"), "manifest": manifest.model_dump(mode="json")}
-        if not self.store.put_new(version_key(run, version), json.dumps(envelope, sort_keys=True, separators=(",", ":")).encode()):
+        if not self.store.put_new(
+            version_key(run, version), json.dumps(envelope, sort_keys=True, separators=(",", ":")).encode()
+        ):
             existing = self._existing(run, version, digest)  # lost a race: same bytes is fine
             if existing is None:
-                raise VersionConflictError(f"version {version} of run {run!r} was removed while publishing it", run_id=run, version=version)
+                raise VersionConflictError(
+                    f"version {version} of run {run!r} was removed while publishing it", run_id=run, version=version
+                )
             return existing, False
         if on_commit is not None:
             on_commit(info)

@@ -165,8 +165,15 @@ class Watcher:
         self._checked_at[run] = time.monotonic()
         info = await to_thread.run_sync(self._ledger.latest, run)
         current = self._latest.get(run)
-        if current is not None and (info is None or info.version < current.version) and not await to_thread.run_sync(self._ledger.exists, run, current.version):
-            del self._latest[run], self._answers[run]  # the store no longer holds it (run deleted out of band): forget it
+        if (
+            current is not None
+            and (info is None or info.version < current.version)
+            and not await to_thread.run_sync(self._ledger.exists, run, current.version)
+        ):
+            del (
+                self._latest[run],
+                self._answers[run],
+            )  # the store no longer holds it (run deleted out of band): forget it
         self.note(info)
 
     async def wait(self, run: str, after: int, wait_s: float) -> VersionInfo | None:

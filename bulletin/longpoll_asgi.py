@@ -90,7 +90,9 @@ class LongPollFastPath:
         try:
             status = await self._answer(scope, receive, send, run, after, wait_s)
         finally:  # what the app's LatencyMiddleware, inside this one, records for the requests it sees
-            self.state.metrics.request_seconds.labels("GET", LATEST_ROUTE, str(status)).observe(time.perf_counter() - start)
+            self.state.metrics.request_seconds.labels("GET", LATEST_ROUTE, str(status)).observe(
+                time.perf_counter() - start
+            )
 
     async def _answer(self, scope: Scope, receive: Receive, send: Send, run: str, after: int, wait_s: float) -> int:
         """Wait for a version of ``run`` newer than ``after`` and answer; returns the answer's status."""
@@ -103,7 +105,10 @@ class LongPollFastPath:
             failure = JSONResponse(exc.body(), status_code=exc.status)
         except Exception as exc:  # the app's catch-all answer, as for any route
             log.exception("unhandled error on GET %s", scope["path"])
-            failure = JSONResponse({"type": "InternalError", "message": f"internal error ({type(exc).__name__}); see the bulletin log"}, status_code=500)
+            failure = JSONResponse(
+                {"type": "InternalError", "message": f"internal error ({type(exc).__name__}); see the bulletin log"},
+                status_code=500,
+            )
         finally:
             watcher.unregister(run, waiter)
         if waiter.claimed and waiter.sent is not None:

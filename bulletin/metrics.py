@@ -37,10 +37,17 @@ class StoredBytesCollector(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily]:
         with self._lock:
             if time.monotonic() - self._at > self._ttl_s:
-                self._sizes = {run: sum(o.size_bytes for o in self._store.list(f"runs/{run}/blobs/")) for run in self._store.list_dirs("runs/")}
+                self._sizes = {
+                    run: sum(o.size_bytes for o in self._store.list(f"runs/{run}/blobs/"))
+                    for run in self._store.list_dirs("runs/")
+                }
                 self._at = time.monotonic()
             sizes = dict(self._sizes)
-        family = GaugeMetricFamily("stitch_bulletin_bytes_stored", "Bytes of blobs stored per run (refreshed at most once a minute).", labels=["run"])
+        family = GaugeMetricFamily(
+            "stitch_bulletin_bytes_stored",
+            "Bytes of blobs stored per run (refreshed at most once a minute).",
+            labels=["run"],
+        )
         for run, size in sizes.items():
             family.add_metric([run], size)
         yield family
@@ -52,9 +59,21 @@ class BulletinMetrics:
     def __init__(self, store: Store) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.publishes = Counter("stitch_bulletin_publishes", f"Publish requests by outcome (created, noop, rejected); run={OTHER!r}: rejected for a run with no version.", ["run", "outcome"], registry=r)
-        self.latest_version = Gauge("stitch_bulletin_latest_version", "Latest committed version per run seen by this process.", ["run"], registry=r)
-        self.blob_bytes_received = Counter("stitch_bulletin_blob_bytes_received", "Blob bytes received and verified by this process.", registry=r)
+        self.publishes = Counter(
+            "stitch_bulletin_publishes",
+            f"Publish requests by outcome (created, noop, rejected); run={OTHER!r}: rejected for a run with no version.",
+            ["run", "outcome"],
+            registry=r,
+        )
+        self.latest_version = Gauge(
+            "stitch_bulletin_latest_version",
+            "Latest committed version per run seen by this process.",
+            ["run"],
+            registry=r,
+        )
+        self.blob_bytes_received = Counter(
+            "stitch_bulletin_blob_bytes_received", "Blob bytes received and verified by this process.", registry=r
+        )
         self.waiters = Gauge("stitch_bulletin_waiters", "Long-poll requests currently waiting.", registry=r)
         self.request_seconds = Histogram(
             "stitch_bulletin_request_seconds",

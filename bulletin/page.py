@@ -53,7 +53,9 @@ def _allowed(state: BulletinState, request: Request, run: str | None = None) -> 
     try:
         state.auth.check(_authorization(request), "read", run)
     except AuthError as exc:
-        return _login(exc.message if request.cookies.get(COOKIE) or request.headers.get("authorization") else None, exc.status)
+        return _login(
+            exc.message if request.cookies.get(COOKIE) or request.headers.get("authorization") else None, exc.status
+        )
     return None
 
 
@@ -80,7 +82,9 @@ async def login(request: Request) -> Response:
     except AuthError as exc:
         return _login(exc.message, exc.status)
     answer = RedirectResponse("/status", status_code=303)
-    answer.set_cookie(COOKIE, token, httponly=True, samesite="strict", secure=request.url.scheme == "https", path="/status")
+    answer.set_cookie(
+        COOKIE, token, httponly=True, samesite="strict", secure=request.url.scheme == "https", path="/status"
+    )
     return answer
 
 
@@ -107,9 +111,22 @@ def _versions(state: BulletinState, run: str) -> tuple[list[VersionInfo], dict[i
 
 def _render(run: str, view: FleetView, versions: list[VersionInfo], changed: dict[int, float], logged_in: bool) -> str:
     live = [r for r in view.replicas if r.live]
-    at_latest = sum(1 for r in live if view.latest_version is not None and r.report.applied_version == view.latest_version)
+    at_latest = sum(
+        1 for r in live if view.latest_version is not None and r.report.applied_version == view.latest_version
+    )
     timeline, convergence = timeline_svg(versions, changed), convergence_svg(view, versions)
-    return RUN.render(title=f"run {run}", run=run, view=view, live=len(live), at_latest=at_latest, timeline=timeline, convergence=convergence, versions=versions, changed=changed, logged_in=logged_in)
+    return RUN.render(
+        title=f"run {run}",
+        run=run,
+        view=view,
+        live=len(live),
+        at_latest=at_latest,
+        timeline=timeline,
+        convergence=convergence,
+        versions=versions,
+        changed=changed,
+        logged_in=logged_in,
+    )
 
 
 @router.get("/runs/{run}", response_class=HTMLResponse)

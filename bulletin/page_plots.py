@@ -49,7 +49,13 @@ def timeline_svg(versions: list[VersionInfo], changed_pct: dict[int, float]) -> 
     ax.bar(xs, [max(v.size_bytes, 1) for v in versions], color="#4878a8", label="delta bytes")
     anchors = [v for v in versions if v.snapshot]
     if anchors:
-        ax.bar([v.version for v in anchors], [max(v.snapshot_bytes, 1) for v in anchors], color="#e0a030", alpha=0.8, label="anchor snapshot bytes")
+        ax.bar(
+            [v.version for v in anchors],
+            [max(v.snapshot_bytes, 1) for v in anchors],
+            color="#e0a030",
+            alpha=0.8,
+            label="anchor snapshot bytes",
+        )
     ax.set_yscale("log")
     ax.set_xlabel("version")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -76,7 +82,9 @@ def convergence_svg(view: FleetView, versions: list[VersionInfo]) -> str:
     histories = [sorted(r.report.history, key=lambda h: h[1]) for r in view.replicas if r.report.history]
     times = sorted({t for t, _ in commits} | {at for h in histories for _, at in h})
     recent = [v.version for v in versions][-CONVERGENCE_VERSIONS:]
-    top.set_title(f"fleet convergence: {sum(r.live for r in view.replicas)} live replicas, latest version {view.latest_version}")
+    top.set_title(
+        f"fleet convergence: {sum(r.live for r in view.replicas)} live replicas, latest version {view.latest_version}"
+    )
     if times:
         now = view.time
         times.append(now)
@@ -88,7 +96,9 @@ def convergence_svg(view: FleetView, versions: list[VersionInfo]) -> str:
         for t in times:
             i = bisect_right([c for c, _ in commits], t)
             latest = commits[i - 1][1] if i else None
-            lags = sorted(max(0, latest - a) for h in histories if latest is not None and (a := _applied_at(h, t)) is not None)
+            lags = sorted(
+                max(0, latest - a) for h in histories if latest is not None and (a := _applied_at(h, t)) is not None
+            )
             lags_max.append(lags[-1] if lags else 0)
             lags_median.append(lags[len(lags) // 2] if lags else 0)
         bottom.step(rel, lags_max, where="post", color="#c03030", label="max lag")

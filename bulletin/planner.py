@@ -44,14 +44,22 @@ def _snapshot(m: VersionManifest) -> PlanStep:
 
 
 def _squash(s: SquashManifest) -> PlanStep:
-    return PlanStep(version=s.target_version, kind="squash", files=list(s.files), size_bytes=s.size_bytes, base_version=s.base_version)
+    return PlanStep(
+        version=s.target_version,
+        kind="squash",
+        files=list(s.files),
+        size_bytes=s.size_bytes,
+        base_version=s.base_version,
+    )
 
 
 def _digest(m: VersionManifest) -> str:
     return hashlib.sha256(canonical_json(m)).hexdigest()
 
 
-def _usable(squashes: Sequence[SquashManifest], manifests: dict[int, VersionManifest | None], to_version: int) -> dict[int, list[SquashManifest]]:
+def _usable(
+    squashes: Sequence[SquashManifest], manifests: dict[int, VersionManifest | None], to_version: int
+) -> dict[int, list[SquashManifest]]:
     """Squashes inside the window whose versions are stored as named and share a tensor set, by target."""
     by_target: dict[int, list[SquashManifest]] = {}
     for s in squashes:
@@ -79,7 +87,13 @@ def _window(lookup: ManifestLookup, from_version: int | None, to_version: int) -
     return manifests
 
 
-def make_plan(run_id: str, from_version: int | None, to_version: int, lookup: ManifestLookup, squashes: Sequence[SquashManifest] = ()) -> Plan:
+def make_plan(
+    run_id: str,
+    from_version: int | None,
+    to_version: int,
+    lookup: ManifestLookup,
+    squashes: Sequence[SquashManifest] = (),
+) -> Plan:
     """The cheapest plan from ``from_version`` to ``to_version`` of ``run_id``.
 
     Args:
@@ -139,4 +153,6 @@ def make_plan(run_id: str, from_version: int | None, to_version: int, lookup: Ma
             break
         steps.append(last)
     steps.reverse()
-    return Plan(run_id=run_id, from_version=from_version, to_version=to_version, steps=steps, total_bytes=best[to_version][0])
+    return Plan(
+        run_id=run_id, from_version=from_version, to_version=to_version, steps=steps, total_bytes=best[to_version][0]
+    )

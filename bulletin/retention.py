@@ -75,7 +75,15 @@ def _referenced(ledger: Ledger, run: str, versions: list[int]) -> set[str]:
     return refs
 
 
-def collect_run(ledger: Ledger, run: str, keep_snapshots: int, grace_s: float, report: GcReport, dry_run: bool = False, now: float | None = None) -> None:
+def collect_run(
+    ledger: Ledger,
+    run: str,
+    keep_snapshots: int,
+    grace_s: float,
+    report: GcReport,
+    dry_run: bool = False,
+    now: float | None = None,
+) -> None:
     """Apply the policy to one run, adding what was removed to ``report``. See the module docstring."""
     now = time.time() if now is None else now
     numbers = ledger.version_numbers(run)
@@ -99,8 +107,14 @@ def collect_run(ledger: Ledger, run: str, keep_snapshots: int, grace_s: float, r
     if squashes:
         report.squashes_removed[run] = squashes
     squash_cache: dict[tuple[str, str], set[str]] = {}
-    protected = _referenced(ledger, run, [v for v in numbers if v not in drop]) | squash_blobs(ledger, run, squash_cache)
-    candidates = [o for o in ledger.store.list(f"{run_key(run)}blobs/") if o.key.rsplit("/", 1)[-1] not in protected and now - o.modified_at >= grace_s]
+    protected = _referenced(ledger, run, [v for v in numbers if v not in drop]) | squash_blobs(
+        ledger, run, squash_cache
+    )
+    candidates = [
+        o
+        for o in ledger.store.list(f"{run_key(run)}blobs/")
+        if o.key.rsplit("/", 1)[-1] not in protected and now - o.modified_at >= grace_s
+    ]
     seen = max(numbers, default=-1)
     intents: dict[str, list[str]] = {}
     removed = []
@@ -132,9 +146,14 @@ def collect_run(ledger: Ledger, run: str, keep_snapshots: int, grace_s: float, r
         report.blobs_removed[run] = removed
     if not dry_run:
         _intended(ledger, run, max(grace_s, INTENT_LIFETIME_S), now, intents)  # removes stale intents
-        for stale in [o for o in ledger.store.list(gc_locks_key(run)) if time.time() - o.modified_at >= GC_LOCK_STALE_S]:
+        for stale in [
+            o for o in ledger.store.list(gc_locks_key(run)) if time.time() - o.modified_at >= GC_LOCK_STALE_S
+        ]:
             ledger.store.delete(stale.key)
-        temporaries = sum(ledger.store.remove_temporaries(f"{run_key(run)}{folder}", grace_s) for folder in ("", "versions/", "blobs/", "intents/", "gc-locks/", "squashes/"))
+        temporaries = sum(
+            ledger.store.remove_temporaries(f"{run_key(run)}{folder}", grace_s)
+            for folder in ("", "versions/", "blobs/", "intents/", "gc-locks/", "squashes/")
+        )
         if temporaries:
             report.temporaries_removed[run] = temporaries
 
@@ -158,7 +177,9 @@ def _intended(ledger: Ledger, run: str, lifetime_s: float, now: float, cache: di
     return out
 
 
-def collect_garbage(ledger: Ledger, keep_snapshots: int, grace_s: float, runs: list[str] | None = None, dry_run: bool = False) -> GcReport:
+def collect_garbage(
+    ledger: Ledger, keep_snapshots: int, grace_s: float, runs: list[str] | None = None, dry_run: bool = False
+) -> GcReport:
     """Apply the retention policy to ``runs`` (default: every run in the store).
 
     Args:

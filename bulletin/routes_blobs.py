@@ -52,16 +52,27 @@ async def _paced(request: Request, settings: BulletinSettings, what: str) -> Asy
         except StopAsyncIteration:
             return
         except TimeoutError:
-            raise RequestTimeoutError(f"{what}: nothing received for {settings.upload_idle_timeout_s} s (upload_idle_timeout_s) after {received} bytes; send it again") from None
+            raise RequestTimeoutError(
+                f"{what}: nothing received for {settings.upload_idle_timeout_s} s (upload_idle_timeout_s) after {received} bytes; send it again"
+            ) from None
         received += len(chunk)
         elapsed = time.monotonic() - started
         if elapsed > settings.upload_rate_grace_s and received < settings.upload_min_bytes_per_s * elapsed:
-            raise RequestTimeoutError(f"{what}: {received} bytes in {elapsed:.1f} s is under the {settings.upload_min_bytes_per_s:.0f} bytes/s minimum (upload_min_bytes_per_s); send it again faster")
+            raise RequestTimeoutError(
+                f"{what}: {received} bytes in {elapsed:.1f} s is under the {settings.upload_min_bytes_per_s:.0f} bytes/s minimum (upload_min_bytes_per_s); send it again faster"
+            )
         yield chunk
 
 
-@router.put("/runs/{run}/blobs/{sha256}", response_model=BlobStored, status_code=201, responses={200: {"description": "already stored"}, 408: {}, 413: {}, 422: {}})
-async def put_blob(run: str, sha256: str, request: Request, state: Publish, size_bytes: SizeQuery = None) -> JSONResponse:
+@router.put(
+    "/runs/{run}/blobs/{sha256}",
+    response_model=BlobStored,
+    status_code=201,
+    responses={200: {"description": "already stored"}, 408: {}, 413: {}, 422: {}},
+)
+async def put_blob(
+    run: str, sha256: str, request: Request, state: Publish, size_bytes: SizeQuery = None
+) -> JSONResponse:
     """Upload a blob (raw body, streamed). Its sha256 and size are verified while receiving; nothing is stored on mismatch.
 
     A stored copy that is missing or fails its check (no record of this sha256, or its bytes
@@ -85,10 +96,21 @@ async def put_blob(run: str, sha256: str, request: Request, state: Publish, size
                 f.write(chunk)
             await to_thread.run_sync(os.fsync, f.fileno())
         if size_bytes is not None and received != size_bytes:
-            raise BlobMismatchError(f"blob {sha256} of run {run!r}: received {received} bytes, size_bytes says {size_bytes}", run_id=run, sha256=sha256)
+            raise BlobMismatchError(
+                f"blob {sha256} of run {run!r}: received {received} bytes, size_bytes says {size_bytes}",
+                run_id=run,
+                sha256=sha256,
+            )
         if digest.sha256 != sha256:
-            raise BlobMismatchError(f"blob of run {run!r}: received bytes hash to {digest.sha256}, not {sha256}; the upload was corrupted or mislabeled", run_id=run, sha256=sha256)
-        stored = _sound(await to_thread.run_sync(state.store.stat, key), sha256) and await to_thread.run_sync(stored_digest, state.store, key) == sha256
+            raise BlobMismatchError(
+                f"blob of run {run!r}: received bytes hash to {digest.sha256}, not {sha256}; the upload was corrupted or mislabeled",
+                run_id=run,
+                sha256=sha256,
+            )
+        stored = (
+            _sound(await to_thread.run_sync(state.store.stat, key), sha256)
+            and await to_thread.run_sync(stored_digest, state.store, key) == sha256
+        )
         if not stored:
             await to_thread.run_sync(state.store.put_file, key, tmp, digest)
             state.metrics.blob_bytes_received.inc(received)
@@ -144,7 +166,11 @@ def head_blob(run: str, sha256: str, request: Request, state: Read) -> Response:
     """
     stat = state.store.stat(blob_key(run, sha256))
     if stat is not None and not _sound(stat, sha256):
-        raise NotFoundError(f"run {run!r} has a copy of blob {sha256} that fails its check (recorded digest {stat.sha256 or 'none'}): upload it again", run_id=run, sha256=sha256)
+        raise NotFoundError(
+            f"run {run!r} has a copy of blob {sha256} that fails its check (recorded digest {stat.sha256 or 'none'}): upload it again",
+            run_id=run,
+            sha256=sha256,
+        )
     return _serve_blob(run, sha256, request, state)
 
 
@@ -152,7 +178,9 @@ def _serve_blob(run: str, sha256: str, request: Request, state: BulletinState) -
     key = blob_key(run, sha256)
     stat = state.store.stat(key)
     if stat is None:
-        raise NotFoundError(f"run {run!r} has no blob {sha256} (never uploaded, or removed by retention)", run_id=run, sha256=sha256)
+        raise NotFoundError(
+            f"run {run!r} has no blob {sha256} (never uploaded, or removed by retention)", run_id=run, sha256=sha256
+        )
     etag = f'"{sha256}"'
     headers = {"etag": etag, "accept-ranges": "bytes"}
     if state.settings.presign and request.method == "GET":
@@ -173,4 +201,9 @@ def _serve_blob(run: str, sha256: str, request: Request, state: BulletinState) -
         headers["content-range"] = f"bytes {start}-{end}/{size}"
     if request.method == "HEAD" or size == 0:
         return Response(status_code=status, headers=headers, media_type="application/octet-stream")
-    return StreamingResponse(state.store.iter_range(key, start, end), status_code=status, headers=headers, media_type="application/octet-stream")
+    return StreamingResponse(
+        state.store.iter_range(key, start, end),
+        status_code=status,
+        headers=headers,
+        media_type="application/octet-stream",
+    )

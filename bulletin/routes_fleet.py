@@ -40,14 +40,24 @@ async def report(run: str, replica_id: str, request: Request, state: Replica) ->
     replica_key(run, replica_id)
     body = await request.body()
     if len(body) > MAX_REPORT_BYTES:
-        raise PayloadTooLargeError(f"report of replica {replica_id!r} is {len(body)} bytes, over the {MAX_REPORT_BYTES}-byte limit", run_id=run, replica_id=replica_id)
+        raise PayloadTooLargeError(
+            f"report of replica {replica_id!r} is {len(body)} bytes, over the {MAX_REPORT_BYTES}-byte limit",
+            run_id=run,
+            replica_id=replica_id,
+        )
     try:
         parsed = ReplicaReport.model_validate_json(body)
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:5])
-        raise InvalidRequestError(f"invalid report of replica {replica_id!r}: {problems}", run_id=run, replica_id=replica_id) from None
+        raise InvalidRequestError(
+            f"invalid report of replica {replica_id!r}: {problems}", run_id=run, replica_id=replica_id
+        ) from None
     if parsed.replica_id != replica_id:
-        raise InvalidRequestError(f"report names replica {parsed.replica_id!r} but was sent for {replica_id!r}", run_id=run, replica_id=replica_id)
+        raise InvalidRequestError(
+            f"report names replica {parsed.replica_id!r} but was sent for {replica_id!r}",
+            run_id=run,
+            replica_id=replica_id,
+        )
     record = await to_thread.run_sync(state.fleet.fleet.write, run, parsed)
     state.fleet.reported(run, record)
     return ReportAccepted(lease_s=record.lease_s, renew_s=record.lease_s / 3)
@@ -66,8 +76,13 @@ async def fleet(
     state: Read,
     version: Annotated[int, Query(ge=0, description="count live replicas whose applied version is >= this")],
     min_replicas: Annotated[int | None, Query(ge=1, description="requirement: at least this many")] = None,
-    fraction: Annotated[float | None, Query(gt=0, le=1, description="requirement: at least this fraction of the live replicas (and at least one)")] = None,
-    wait_s: Annotated[float, Query(ge=0, description="long-poll up to this many seconds for the requirement (capped by max_wait_s)")] = 0.0,
+    fraction: Annotated[
+        float | None,
+        Query(gt=0, le=1, description="requirement: at least this fraction of the live replicas (and at least one)"),
+    ] = None,
+    wait_s: Annotated[
+        float, Query(ge=0, description="long-poll up to this many seconds for the requirement (capped by max_wait_s)")
+    ] = 0.0,
 ) -> FleetCount:
     """How many live replicas are at >= ``version``; with a requirement and ``wait_s``, answers once it is met (``met``) or after ``wait_s``.
 
@@ -75,4 +90,10 @@ async def fleet(
     and those whose lease expired.
     """
     run_key(run)
-    return await state.fleet.wait(run, version, min_replicas, fraction, min(wait_s, state.settings.max_wait_s) if (min_replicas or fraction) else 0.0)
+    return await state.fleet.wait(
+        run,
+        version,
+        min_replicas,
+        fraction,
+        min(wait_s, state.settings.max_wait_s) if (min_replicas or fraction) else 0.0,
+    )

@@ -22,7 +22,12 @@ from .squash_store import drop_squash, list_squashes, put_squash
 router = APIRouter(prefix="/v1", tags=["squashes"])
 
 
-@router.put("/runs/{run}/squashes/{base}/{target}", status_code=201, response_model=SquashManifest, responses={200: {"description": "identical squash already stored"}, 404: {}, 409: {}, 422: {}})
+@router.put(
+    "/runs/{run}/squashes/{base}/{target}",
+    status_code=201,
+    response_model=SquashManifest,
+    responses={200: {"description": "identical squash already stored"}, 404: {}, 409: {}, 422: {}},
+)
 async def put(run: str, base: int, target: int, request: Request, state: Publish) -> JSONResponse:
     """Store a squash record (JSON :class:`SquashManifest`) after its files were uploaded as blobs.
 
@@ -38,7 +43,10 @@ async def put(run: str, base: int, target: int, request: Request, state: Publish
         problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'squash'}: {e['msg']}" for e in exc.errors()[:10])
         raise InvalidRequestError(f"invalid squash record: {problems}", run_id=run) from None
     if (squash.base_version, squash.target_version) != (base, target):
-        raise InvalidRequestError(f"the record is the squash {squash.base_version} -> {squash.target_version}, the URL says {base} -> {target}", run_id=run)
+        raise InvalidRequestError(
+            f"the record is the squash {squash.base_version} -> {squash.target_version}, the URL says {base} -> {target}",
+            run_id=run,
+        )
     created = await to_thread.run_sync(put_squash, state.ledger, run, squash)
     return JSONResponse(squash.model_dump(mode="json"), status_code=201 if created else 200)
 

@@ -30,7 +30,10 @@ def _parse(body: bytes, run: str, max_files: int) -> VersionManifest:
     except SchemaError as exc:
         raise InvalidRequestError(exc.message, run_id=run) from None
     if len(manifest.files) > max_files:
-        raise InvalidRequestError(f"manifest for run {run!r} lists {len(manifest.files)} files, over the {max_files}-file limit (max_files_per_version): use larger shards", run_id=run)
+        raise InvalidRequestError(
+            f"manifest for run {run!r} lists {len(manifest.files)} files, over the {max_files}-file limit (max_files_per_version): use larger shards",
+            run_id=run,
+        )
     return manifest
 
 
@@ -45,7 +48,9 @@ def _run_label(state: BulletinState, run: str) -> str:
 async def _read_limited(request: Request, limit: int, run: str) -> bytes:
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLargeError(f"manifest for run {run!r} is {declared} bytes, over the {limit}-byte limit", run_id=run)
+        raise PayloadTooLargeError(
+            f"manifest for run {run!r} is {declared} bytes, over the {limit}-byte limit", run_id=run
+        )
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
@@ -87,7 +92,11 @@ async def publish(run: str, request: Request, state: Publish) -> JSONResponse:
     return JSONResponse(info.model_dump(mode="json"), status_code=201 if created else 200)
 
 
-@router.get("/runs/{run}/versions/latest", response_model=VersionInfo, responses={204: {"description": "nothing newer than `after` within wait_s"}})
+@router.get(
+    "/runs/{run}/versions/latest",
+    response_model=VersionInfo,
+    responses={204: {"description": "nothing newer than `after` within wait_s"}},
+)
 async def latest(
     run: str,
     state: Read,
@@ -105,7 +114,9 @@ async def latest(
     return state.watcher.answer(run)
 
 
-@router.get("/runs/{run}/versions/{version}", responses={200: {"description": "the manifest (canonical JSON)"}, 404: {}})
+@router.get(
+    "/runs/{run}/versions/{version}", responses={200: {"description": "the manifest (canonical JSON)"}, 404: {}}
+)
 def manifest(run: str, version: int, state: Read) -> Response:
     """One version's manifest, byte-identical to what was published (canonical JSON).
 
@@ -146,9 +157,13 @@ def runs(request: Request, state: Read) -> RunList:
 def plan(
     run: str,
     state: Read,
-    from_version: Annotated[int | None, Query(alias="from", ge=0, description="version the caller holds; absent: nothing")] = None,
+    from_version: Annotated[
+        int | None, Query(alias="from", ge=0, description="version the caller holds; absent: nothing")
+    ] = None,
     to_version: Annotated[int | None, Query(alias="to", ge=0, description="target version; absent: latest")] = None,
-    squash: Annotated[bool, Query(description="the caller applies squash steps: routes may use the run's squashes")] = False,
+    squash: Annotated[
+        bool, Query(description="the caller applies squash steps: routes may use the run's squashes")
+    ] = False,
 ) -> Plan:
     """The ordered files to fetch to go from ``from`` to ``to``: the cheapest of deltas, anchor-then-deltas
     and (with ``squash=true``) routes through the run's squashes."""

@@ -52,32 +52,74 @@ class BulletinSettings(BaseSettings, S3Settings):
 
     model_config = SettingsConfigDict(env_prefix="STITCH_BULLETIN_", extra="ignore")
 
-    store: str = Field("file://./stitchboard-store", description="Object store URL: file:///path or s3://bucket/prefix.")
+    store: str = Field(
+        "file://./stitchboard-store", description="Object store URL: file:///path or s3://bucket/prefix."
+    )
     host: str = Field("127.0.0.1", description="Address to listen on.")
     port: int = Field(8700, description="TCP port to listen on.")
     tokens: dict[str, TokenGrant] = Field(default_factory=dict, description="Bearer token -> grant (JSON).")
 
     max_blob_bytes: int = Field(8 * GiB, gt=0, description="Largest blob accepted by PUT .../blobs, bytes.")
-    max_manifest_bytes: int = Field(32 * MiB, gt=0, description="Largest manifest accepted by POST .../versions, bytes.")
+    max_manifest_bytes: int = Field(
+        32 * MiB, gt=0, description="Largest manifest accepted by POST .../versions, bytes."
+    )
     max_wait_s: float = Field(300.0, ge=0, description="Upper bound on a long-poll's wait_s, seconds.")
-    poll_interval_s: float = Field(0.5, gt=0, description="How often runs with waiters are re-read from the store, seconds.")
-    manifest_cache_entries: int = Field(1024, ge=0, description="Committed manifests kept in memory (they never change).")
-    upload_idle_timeout_s: float = Field(30.0, gt=0, description="A blob upload whose body sends nothing for this long is answered 408 and dropped, seconds.")
-    upload_min_bytes_per_s: float = Field(16 * 1024, ge=0, description="A blob upload averaging less than this, once upload_rate_grace_s has passed, is answered 408 and dropped, bytes per second (0: no minimum).")
-    upload_rate_grace_s: float = Field(10.0, ge=0, description="Seconds an upload may take before upload_min_bytes_per_s applies.")
-    upload_tmp_dir: str | None = Field(None, description="Folder for blobs being received (default: inside a file store, else the system temp).")
+    poll_interval_s: float = Field(
+        0.5, gt=0, description="How often runs with waiters are re-read from the store, seconds."
+    )
+    manifest_cache_entries: int = Field(
+        1024, ge=0, description="Committed manifests kept in memory (they never change)."
+    )
+    upload_idle_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="A blob upload whose body sends nothing for this long is answered 408 and dropped, seconds.",
+    )
+    upload_min_bytes_per_s: float = Field(
+        16 * 1024,
+        ge=0,
+        description="A blob upload averaging less than this, once upload_rate_grace_s has passed, is answered 408 and dropped, bytes per second (0: no minimum).",
+    )
+    upload_rate_grace_s: float = Field(
+        10.0, ge=0, description="Seconds an upload may take before upload_min_bytes_per_s applies."
+    )
+    upload_tmp_dir: str | None = Field(
+        None, description="Folder for blobs being received (default: inside a file store, else the system temp)."
+    )
     versions_page_max: int = Field(1000, gt=0, description="Largest page of GET .../versions.")
-    max_files_per_version: int = Field(10_000, gt=0, description="Most files (patches, snapshot shards, assets) one manifest may list; tensors per version are not capped.")
+    max_files_per_version: int = Field(
+        10_000,
+        gt=0,
+        description="Most files (patches, snapshot shards, assets) one manifest may list; tensors per version are not capped.",
+    )
 
     presign: bool = Field(False, description="S3 only: hand out presigned URLs so blobs bypass the bulletin.")
     presign_expires_s: int = Field(3600, gt=0, description="Lifetime of presigned URLs, seconds.")
 
-    keep_snapshots: int = Field(2, ge=1, description="Retention: keep the last K snapshot versions and every version after the oldest kept one.")
-    gc_grace_s: float = Field(3600.0, ge=0, description="Retention: wait this long before removing dropped versions or unreferenced uploads, seconds.")
+    keep_snapshots: int = Field(
+        2, ge=1, description="Retention: keep the last K snapshot versions and every version after the oldest kept one."
+    )
+    gc_grace_s: float = Field(
+        3600.0,
+        ge=0,
+        description="Retention: wait this long before removing dropped versions or unreferenced uploads, seconds.",
+    )
 
-    replica_lease_s: float = Field(30.0, gt=0, description="Fleet: a replica counts as live this long after its last report, seconds (it renews every third of it).")
-    replica_forget_s: float = Field(3600.0, ge=0, description="Fleet: a replica whose lease ran out this long ago is deleted from the fleet view, seconds.")
-    fleet_poll_interval_s: float = Field(1.0, gt=0, description="Fleet: the longest a process answers fleet queries from its last read of the replica records, seconds (also how often fleet long-polls re-read them).")
+    replica_lease_s: float = Field(
+        30.0,
+        gt=0,
+        description="Fleet: a replica counts as live this long after its last report, seconds (it renews every third of it).",
+    )
+    replica_forget_s: float = Field(
+        3600.0,
+        ge=0,
+        description="Fleet: a replica whose lease ran out this long ago is deleted from the fleet view, seconds.",
+    )
+    fleet_poll_interval_s: float = Field(
+        1.0,
+        gt=0,
+        description="Fleet: the longest a process answers fleet queries from its last read of the replica records, seconds (also how often fleet long-polls re-read them).",
+    )
 
     log_level: str = Field("info", description="uvicorn log level.")
 

@@ -39,7 +39,9 @@ def squashes_key(run: str) -> str:
 def squash_key(run: str, base: int, target: int) -> str:
     """Key of the squash ``base -> target`` of ``run``."""
     if not 0 <= base < target < 10**12:
-        raise InvalidRequestError(f"squash {base} -> {target} of run {run!r}: want 0 <= base < target < 10**12", run_id=run)
+        raise InvalidRequestError(
+            f"squash {base} -> {target} of run {run!r}: want 0 <= base < target < 10**12", run_id=run
+        )
     return f"{squashes_key(run)}{target:012d}-{base:012d}.json"
 
 
@@ -74,23 +76,36 @@ def drop_squash(ledger: Ledger, run: str, base: int, target: int) -> bool:
 def _check_files(ledger: Ledger, squash: SquashManifest) -> None:
     # Every blob stored, of the stated size, sound; its index agrees with the two versions.
     run = squash.run_id
-    base, target = ledger.committed(run, squash.base_version).manifest, ledger.committed(run, squash.target_version).manifest
+    base, target = (
+        ledger.committed(run, squash.base_version).manifest,
+        ledger.committed(run, squash.target_version).manifest,
+    )
     indexes = []
     for f in squash.files:
         stat = ledger.stat_blob(run, f.sha256)
         if stat is None:
-            raise BlobMissingError(f"squash {squash.base_version} -> {squash.target_version} of run {run!r} references {f.path!r} (sha256 {f.sha256}), never uploaded: PUT it first", run_id=run, sha256=f.sha256)
+            raise BlobMissingError(
+                f"squash {squash.base_version} -> {squash.target_version} of run {run!r} references {f.path!r} (sha256 {f.sha256}), never uploaded: PUT it first",
+                run_id=run,
+                sha256=f.sha256,
+            )
         if stat.size_bytes != f.size_bytes or not blob_is_sound(ledger.store, run, f.sha256, stat):
             raise BlobMismatchError(
-                f"squash {squash.base_version} -> {squash.target_version} of run {run!r}: the stored {f.path!r} is not {f.size_bytes} bytes of sha256 {f.sha256}: upload it again", run_id=run, sha256=f.sha256
+                f"squash {squash.base_version} -> {squash.target_version} of run {run!r}: the stored {f.path!r} is not {f.size_bytes} bytes of sha256 {f.sha256}: upload it again",
+                run_id=run,
+                sha256=f.sha256,
             )
         data, _ = ledger.store.get(blob_key(run, f.sha256))
         try:
-            patch = read_patch(data, f.size_bytes, what=f"{f.path} of squash {squash.base_version} -> {squash.target_version}")
+            patch = read_patch(
+                data, f.size_bytes, what=f"{f.path} of squash {squash.base_version} -> {squash.target_version}"
+            )
         except PatchError as exc:
             raise InvalidRequestError(exc.message, run_id=run) from None
         if patch.encoding != squash.encoding:
-            raise InvalidRequestError(f"{f.path}: encoding {patch.encoding!r}, the squash says {squash.encoding!r}", run_id=run)
+            raise InvalidRequestError(
+                f"{f.path}: encoding {patch.encoding!r}, the squash says {squash.encoding!r}", run_id=run
+            )
         indexes.append((f.path, patch.entries))
     try:
         check_patch_lineage(indexes, base, target)
@@ -115,10 +130,17 @@ def put_squash(ledger: Ledger, run: str, squash: SquashManifest) -> bool:
     body = canonical_json(squash)
     if _same_stored(ledger, key, body, squash):
         return False
-    for version, digest in ((squash.base_version, squash.base_manifest_sha256), (squash.target_version, squash.target_manifest_sha256)):
+    for version, digest in (
+        (squash.base_version, squash.base_manifest_sha256),
+        (squash.target_version, squash.target_manifest_sha256),
+    ):
         info = ledger.committed(run, version).info
         if info.manifest_sha256 != digest:
-            raise InvalidRequestError(f"squash {squash.base_version} -> {squash.target_version} of run {run!r} names manifest {digest} for version {version}, which is {info.manifest_sha256}", run_id=run, version=version)
+            raise InvalidRequestError(
+                f"squash {squash.base_version} -> {squash.target_version} of run {run!r} names manifest {digest} for version {version}, which is {info.manifest_sha256}",
+                run_id=run,
+                version=version,
+            )
     blobs = sorted({f.sha256 for f in squash.files})
     intent = f"{intents_key(run)}{uuid.uuid4().hex}.json"
     ledger.store.put_new(intent, json.dumps(blobs).encode())
@@ -129,7 +151,10 @@ def put_squash(ledger: Ledger, run: str, squash: SquashManifest) -> bool:
             return True
         if _same_stored(ledger, key, body, squash):
             return False
-        raise VersionConflictError(f"squash {squash.base_version} -> {squash.target_version} of run {run!r} was stored meanwhile with other content", run_id=run)
+        raise VersionConflictError(
+            f"squash {squash.base_version} -> {squash.target_version} of run {run!r} was stored meanwhile with other content",
+            run_id=run,
+        )
     finally:
         ledger.store.delete(intent)
 
@@ -159,7 +184,9 @@ def squash_blobs(ledger: Ledger, run: str, cache: dict[tuple[str, str], set[str]
             continue
         if (o.key, o.etag) not in cache:
             try:
-                cache[(o.key, o.etag)] = {f.sha256 for f in SquashManifest.model_validate_json(ledger.store.get(o.key)[0]).files}
+                cache[(o.key, o.etag)] = {
+                    f.sha256 for f in SquashManifest.model_validate_json(ledger.store.get(o.key)[0]).files
+                }
             except NotFoundError:
                 continue
         out |= cache[(o.key, o.etag)]

@@ -66,7 +66,11 @@ def latest(
 
 def _versions_table(run: str, infos: list[VersionInfo]) -> None:
     """One row per version: number, snapshot, delta and snapshot bytes, commit time."""
-    _table(f"run {run}", ["version", "snapshot", "delta bytes", "snapshot bytes", "committed at"], [[i.version, i.snapshot, i.size_bytes, i.snapshot_bytes, i.committed_at] for i in infos])
+    _table(
+        f"run {run}",
+        ["version", "snapshot", "delta bytes", "snapshot bytes", "committed at"],
+        [[i.version, i.snapshot, i.size_bytes, i.snapshot_bytes, i.committed_at] for i in infos],
+    )
 
 
 @app.command("list")
@@ -91,7 +95,13 @@ def list_versions(
 
 
 @app.command()
-def show(bulletin: Bulletin, run: Run, version: Annotated[int, typer.Option(help="version number")], token: Token = None, as_json: AsJson = False) -> None:
+def show(
+    bulletin: Bulletin,
+    run: Run,
+    version: Annotated[int, typer.Option(help="version number")],
+    token: Token = None,
+    as_json: AsJson = False,
+) -> None:
     """One version's manifest (files; --json prints the canonical manifest)."""
     try:
         with _client(bulletin, token) as c:
@@ -101,7 +111,9 @@ def show(bulletin: Bulletin, run: Run, version: Annotated[int, typer.Option(help
     if as_json:
         sys.stdout.write(canonical_json(m).decode() + "\n")
         return
-    typer.echo(f"run {m.run_id} version {m.version} base {m.base_version} snapshot={m.snapshot} encoding={m.encoding} tensors={len(m.tensors)} changed={m.stats.changed_elements}/{m.stats.total_elements}")
+    typer.echo(
+        f"run {m.run_id} version {m.version} base {m.base_version} snapshot={m.snapshot} encoding={m.encoding} tensors={len(m.tensors)} changed={m.stats.changed_elements}/{m.stats.total_elements}"
+    )
     _table("files", ["path", "role", "bytes", "sha256"], [[f.path, f.role, f.size_bytes, f.sha256] for f in m.files])
 
 
@@ -123,4 +135,8 @@ def plan(
     if as_json:
         typer.echo(p.model_dump_json())
         return
-    _table(f"run {run}: {p.from_version} -> {p.to_version}, {p.total_bytes} bytes", ["version", "kind", "files", "bytes"], [[s.version, s.kind, len(s.files), s.size_bytes] for s in p.steps])
+    _table(
+        f"run {run}: {p.from_version} -> {p.to_version}, {p.total_bytes} bytes",
+        ["version", "kind", "files", "bytes"],
+        [[s.version, s.kind, len(s.files), s.size_bytes] for s in p.steps],
+    )

@@ -20,17 +20,32 @@ from .errors import DemoError
 
 #: Where Debian's chromium package puts the browser.
 CHROMIUM = "/usr/bin/chromium"
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 def require_browser() -> None:
     """Raise :class:`DemoError` naming what is missing when Chromium or playwright is not installed."""
     if not os.access(CHROMIUM, os.X_OK):
-        raise DemoError(f"no browser at {CHROMIUM}: the status page screenshot needs Debian's chromium (`apt-get install -y chromium`, run by `make venv`)", browser=CHROMIUM)
+        raise DemoError(
+            f"no browser at {CHROMIUM}: the status page screenshot needs Debian's chromium (`apt-get install -y chromium`, run by `make venv`)",
+            browser=CHROMIUM,
+        )
     try:
         import playwright.sync_api  # noqa: F401 - only checking that it is installed
     except ImportError:
-        raise DemoError("the python package playwright is not installed: pip install 'stitchboard[test]' (it drives /usr/bin/chromium)", browser=CHROMIUM) from None
+        raise DemoError(
+            "the python package playwright is not installed: pip install 'stitchboard[test]' (it drives /usr/bin/chromium)",
+            browser=CHROMIUM,
+        ) from None
 
 
 @contextmanager
@@ -44,7 +59,13 @@ def browser_page(viewport: tuple[int, int] = (1280, 900)) -> Iterator[Any]:
     from playwright.sync_api import sync_playwright
 
     with tempfile.TemporaryDirectory(prefix="stitchboard-chromium-") as profile, sync_playwright() as p:
-        context = p.chromium.launch_persistent_context(profile, executable_path=CHROMIUM, args=FLAGS, headless=True, viewport={"width": viewport[0], "height": viewport[1]})
+        context = p.chromium.launch_persistent_context(
+            profile,
+            executable_path=CHROMIUM,
+            args=FLAGS,
+            headless=True,
+            viewport={"width": viewport[0], "height": viewport[1]},
+        )
         try:
             yield context.pages[0] if context.pages else context.new_page()
         finally:
@@ -72,7 +93,9 @@ class StatusPage:
     svgs: int
 
 
-def read_status_page(page: Any, bulletin: str, run: str, token: str | None, screenshot: Path | None = None) -> StatusPage:
+def read_status_page(
+    page: Any, bulletin: str, run: str, token: str | None, screenshot: Path | None = None
+) -> StatusPage:
     """Open ``bulletin``'s status page for ``run`` in ``page`` (logging in with ``token`` through the
     page's form when the bulletin asks for one), read it, and save a full-page ``screenshot``.
 
@@ -90,7 +113,10 @@ def read_status_page(page: Any, bulletin: str, run: str, token: str | None, scre
             raise DemoError(f"the status page of {bulletin} refused the token: {page.inner_text('#login-error')}")
     page.click(f"a[href='/status/runs/{run}']")
     page.wait_for_selector("#replicas")
-    rows = [(tr.get_attribute("data-replica") or "", tr.locator(".applied").inner_text()) for tr in page.locator("tr.replica").all()]
+    rows = [
+        (tr.get_attribute("data-replica") or "", tr.locator(".applied").inner_text())
+        for tr in page.locator("tr.replica").all()
+    ]
     result = StatusPage(
         latest_version=page.inner_text("#latest-version"),
         live_replicas=int(page.inner_text("#live-replicas")),

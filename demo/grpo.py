@@ -35,7 +35,9 @@ def group_advantages(samples: list[Sample]) -> list[float]:
     return out
 
 
-def policy_gradient_step(model: torch.nn.Module, tokenizer, optimizer: torch.optim.Optimizer, samples: list[Sample]) -> float:
+def policy_gradient_step(
+    model: torch.nn.Module, tokenizer, optimizer: torch.optim.Optimizer, samples: list[Sample]
+) -> float:
     """Take one optimizer step on ``samples``; returns the loss (0.0 and no step if all advantages are 0).
 
     Args:

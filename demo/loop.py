@@ -108,7 +108,9 @@ class DemoResult:
         return bool(self.checks) and all(self.checks.values())
 
 
-def run_demo(cfg: DemoConfig, on_row=lambda row: None, on_event=lambda text: None, wait_for_user=lambda: None) -> DemoResult:
+def run_demo(
+    cfg: DemoConfig, on_row=lambda row: None, on_event=lambda text: None, wait_for_user=lambda: None
+) -> DemoResult:
     """Run the demo; every process it starts is stopped when it returns or raises.
 
     Args:
@@ -133,19 +135,30 @@ def run_demo(cfg: DemoConfig, on_row=lambda row: None, on_event=lambda text: Non
         port = free_port()
         bulletin_url = f"http://127.0.0.1:{port}"
         store = workdir / f"store-{int(time.time())}"
-        bulletin = procs.start("bulletin", [*stitchboard_cli(), "bulletin", "serve", "--store", f"file://{store}", "--port", str(port)], f"{bulletin_url}/healthz")
+        bulletin = procs.start(
+            "bulletin",
+            [*stitchboard_cli(), "bulletin", "serve", "--store", f"file://{store}", "--port", str(port)],
+            f"{bulletin_url}/healthz",
+        )
         bulletin.wait_healthy(120)
         on_event(f"bulletin on {bulletin_url}, store {store}")
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-        publisher = Publisher(bulletin_url, cfg.run_id, assets=model_dir, workdir=workdir / "publisher", served=cfg.served)
+        publisher = Publisher(
+            bulletin_url, cfg.run_id, assets=model_dir, workdir=workdir / "publisher", served=cfg.served
+        )
         with publisher:
             v0 = publisher.publish(model, step=0)
             on_event(f"version 0 published ({v0.snapshot_bytes / 1e6:.0f} MB snapshot)")
             boot_dir = _boot_folder(cfg, model_dir, bulletin_url, workdir)
-            rollouts = [start_rollout(procs, i, boot_dir, bulletin_url, cfg.run_id, 0, workdir / f"handoff-{i}", kind=cfg.engine) for i in range(cfg.engines)]
+            rollouts = [
+                start_rollout(
+                    procs, i, boot_dir, bulletin_url, cfg.run_id, 0, workdir / f"handoff-{i}", kind=cfg.engine
+                )
+                for i in range(cfg.engines)
+            ]
             for r in rollouts:
                 r.engine.wait_healthy(cfg.startup_timeout_s)
                 r.sidecar.wait_healthy(120)
@@ -162,7 +175,10 @@ def run_demo(cfg: DemoConfig, on_row=lambda row: None, on_event=lambda text: Non
             after = [greedy(r.url, exact_version=version) for r in rollouts]
             applied = [wait_applied(r.url, version, 60)[0] for r in rollouts]
             fleet_problems = check_fleet(publisher, bulletin_url, version, cfg.engines, workdir / "status.png")
-            on_event("; ".join(fleet_problems) or f"fleet view: {cfg.engines} replica(s) at version {version}; status page saved as {workdir / 'status.png'}")
+            on_event(
+                "; ".join(fleet_problems)
+                or f"fleet view: {cfg.engines} replica(s) at version {version}; status page saved as {workdir / 'status.png'}"
+            )
         for r in rollouts:  # free the cores for the fresh engine
             procs.stop(r.sidecar)
             procs.stop(r.engine)
@@ -181,7 +197,9 @@ def run_demo(cfg: DemoConfig, on_row=lambda row: None, on_event=lambda text: Non
             problems = [p for r in result.rows for p in r.routing_problems]
             result.checks[ROUTING_CHECK] = bool(result.rows) and not problems
             if problems:
-                result.reasons.append(f"{len(problems)} of {sum(r.completions for r in result.rows)} sampled answers lacked their routing, e.g. {problems[0]}")
+                result.reasons.append(
+                    f"{len(problems)} of {sum(r.completions for r in result.rows)} sampled answers lacked their routing, e.g. {problems[0]}"
+                )
         result.reasons += fleet_problems
         _check(result, before, after, reference, applied)
         if cfg.keep:
@@ -208,12 +226,25 @@ def _pause_seconds(status: SidecarStatus) -> float:
 def _train_step(cfg, step, version, rollouts, model, tokenizer, optimizer, publisher, routing=None) -> StepRow:
     samples, seen, problems = [], set(), []
     for i, prompt in enumerate(prompts_for_step(step, cfg.prompts_per_step)):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt.message}], tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt.message}], tokenize=False, add_generation_prompt=True
+        )
         url = rollouts[i % len(rollouts)].url
-        completions, stamps, lacking = sample(url, text, cfg.group_size, min_version=version, max_tokens=cfg.max_tokens, seed=cfg.seed * 100_000 + step * 100 + i, routing=routing)
+        completions, stamps, lacking = sample(
+            url,
+            text,
+            cfg.group_size,
+            min_version=version,
+            max_tokens=cfg.max_tokens,
+            seed=cfg.seed * 100_000 + step * 100 + i,
+            routing=routing,
+        )
         seen.add(stamps)
         problems += lacking
-        samples += [Sample(text, c, completion_reward(tokenizer, c) if cfg.preset else reward(prompt, c), group=i) for c in completions]
+        samples += [
+            Sample(text, c, completion_reward(tokenizer, c) if cfg.preset else reward(prompt, c), group=i)
+            for c in completions
+        ]
     loss = policy_gradient_step(model, tokenizer, optimizer, samples)
     t0 = time.monotonic()
     res = publisher.publish(model, step=step)
@@ -235,11 +266,15 @@ def _train_step(cfg, step, version, rollouts, model, tokenizer, optimizer, publi
     )
 
 
-def _check(result: DemoResult, before: list[dict], after: list[list[dict]], reference: list[dict], applied: list[int]) -> None:
+def _check(
+    result: DemoResult, before: list[dict], after: list[list[dict]], reference: list[dict], applied: list[int]
+) -> None:
     rows = result.rows
     result.checks["every step changed weights"] = bool(rows) and all(r.changed_pct > 0 for r in rows)
     starts = [min(v[0] for v in r.versions_seen) for r in rows]
-    result.checks["response version stamps advanced"] = len(rows) > 1 and starts == sorted(starts) and starts[-1] > starts[0]
+    result.checks["response version stamps advanced"] = (
+        len(rows) > 1 and starts == sorted(starts) and starts[-1] > starts[0]
+    )
     result.checks["every engine applied the last version"] = all(a == result.final_version for a in applied)
     result.checks["engine == fresh engine from the pulled checkpoint (bitwise)"] = all(a == reference for a in after)
     result.checks["last version differs from version 0"] = all(a != before for a in after)
@@ -250,5 +285,7 @@ def _check(result: DemoResult, before: list[dict], after: list[list[dict]], refe
         for i, a in enumerate(after):
             for p, (x, y) in enumerate(zip(a, reference, strict=False)):
                 if x != y:
-                    result.reasons.append(f"engine {i}, oracle prompt {p}: {x['tokens']} {x['token_logprobs']} != fresh {y['tokens']} {y['token_logprobs']}")
+                    result.reasons.append(
+                        f"engine {i}, oracle prompt {p}: {x['tokens']} {x['token_logprobs']} != fresh {y['tokens']} {y['token_logprobs']}"
+                    )
                     break

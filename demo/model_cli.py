@@ -19,7 +19,13 @@ app = typer.Typer(help="Build the SmolLM2-135M-Instruct bf16 checkpoint used by 
 
 @app.command("build-smollm2")
 def build_smollm2(
-    cache_dir: Annotated[Path | None, typer.Option("--cache-dir", help="Checkpoint folder to create (default: $STITCH_DEMO_CACHE/models/smollm2-135m-instruct-bf16).")] = None,
+    cache_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "--cache-dir",
+            help="Checkpoint folder to create (default: $STITCH_DEMO_CACHE/models/smollm2-135m-instruct-bf16).",
+        ),
+    ] = None,
 ) -> None:
     """Build the checkpoint once (about 25 s, 270 MB) and print its folder; exit 1 on failure."""
     try:

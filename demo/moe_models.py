@@ -137,7 +137,10 @@ def build_moe_checkpoint(arch: str, out_dir: Path, seed: int = 0) -> Path:
     config = moe_config(arch)
     missing = [m for m in ("torch", "transformers", "safetensors") if importlib.util.find_spec(m) is None]
     if missing:
-        raise MissingModelDependencyError(f"building a MoE checkpoint needs {', '.join(missing)}; install with: pip install 'stitchboard[model]'", missing=missing)
+        raise MissingModelDependencyError(
+            f"building a MoE checkpoint needs {', '.join(missing)}; install with: pip install 'stitchboard[model]'",
+            missing=missing,
+        )
     out = Path(out_dir).expanduser()
     if out.exists():
         raise ModelBuildError(f"{out} exists; remove it or pick another folder", path=str(out))
@@ -186,7 +189,9 @@ def moe_preset_checkpoint(preset: str) -> Path:
         if (folder / "model.safetensors").is_file():
             return folder
         if folder.exists():
-            raise ModelBuildError(f"{folder} exists but holds no model.safetensors; remove it and build again", path=str(folder))
+            raise ModelBuildError(
+                f"{folder} exists but holds no model.safetensors; remove it and build again", path=str(folder)
+            )
         staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.building-", dir=folder.parent))
         try:
             arch, seed = PRESETS[preset]

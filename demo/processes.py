@@ -84,7 +84,12 @@ def _nice_autogroup(pid: int, nice: int) -> None:
             return
         except OSError as exc:
             if exc.errno != errno.EAGAIN or attempt + 1 == AUTOGROUP_TRIES:
-                log.warning("could not set the CPU niceness of process %d's session to %d (%s): it competes with other sessions at the default share", pid, nice, exc)
+                log.warning(
+                    "could not set the CPU niceness of process %d's session to %d (%s): it competes with other sessions at the default share",
+                    pid,
+                    nice,
+                    exc,
+                )
                 return
             time.sleep(0.11)
 
@@ -105,14 +110,28 @@ class ManagedProcess:
             a session of its own, and the kernel shares the CPU between sessions first.
     """
 
-    def __init__(self, name: str, argv: list[str], log_path: Path, health_url: str, env: dict[str, str] | None = None, nice: int = 0) -> None:
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        log_path: Path,
+        health_url: str,
+        env: dict[str, str] | None = None,
+        nice: int = 0,
+    ) -> None:
         self.name = name
         self.argv = argv
         self.log_path = log_path
         self.health_url = health_url
         self._log = open(log_path, "ab")  # noqa: SIM115 - the child writes to it until stop() closes it
         command = ["nice", "-n", str(nice), *argv] if nice else argv
-        self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, start_new_session=True)
+        self.proc = subprocess.Popen(
+            command,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
         if nice:
             _nice_autogroup(self.proc.pid, nice)
 
@@ -131,9 +150,15 @@ class ManagedProcess:
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout_s:
             if self.proc.poll() is not None:
-                raise DemoError(f"{self.name} exited with status {self.proc.returncode}; log {self.log_path}:\n{self.log_tail()}")
-            if "error while attempting to bind on address" in self.log_tail():  # uvicorn gave up the port; the process may linger
-                raise DemoError(f"{self.name} could not bind its port (another process took it); log {self.log_path}:\n{self.log_tail()}")
+                raise DemoError(
+                    f"{self.name} exited with status {self.proc.returncode}; log {self.log_path}:\n{self.log_tail()}"
+                )
+            if (
+                "error while attempting to bind on address" in self.log_tail()
+            ):  # uvicorn gave up the port; the process may linger
+                raise DemoError(
+                    f"{self.name} could not bind its port (another process took it); log {self.log_path}:\n{self.log_tail()}"
+                )
             try:
                 if httpx.get(self.health_url, timeout=2).status_code == 200:
                     return time.monotonic() - t0
@@ -163,7 +188,9 @@ class ProcessGroup:
         self.log_dir = log_dir
         self.processes: list[ManagedProcess] = []
 
-    def start(self, name: str, argv: list[str], health_url: str, env: dict[str, str] | None = None, nice: int = 0) -> ManagedProcess:
+    def start(
+        self, name: str, argv: list[str], health_url: str, env: dict[str, str] | None = None, nice: int = 0
+    ) -> ManagedProcess:
         """Start a process logging to ``<log_dir>/<name>.log`` (``nice``: see :class:`ManagedProcess`)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         proc = ManagedProcess(name, argv, self.log_dir / f"{name}.log", health_url, env, nice)

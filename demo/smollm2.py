@@ -143,7 +143,9 @@ def build_smollm2_checkpoint(cache_dir: Path | None = None) -> Path:
             staging.chmod(0o755)  # mkdtemp makes it owner-only; the cache may be shared
             staging.rename(folder)
         except Exception as exc:
-            raise ModelBuildError(f"building the SmolLM2 checkpoint from {gguf_path} failed: {exc}", path=str(folder)) from exc
+            raise ModelBuildError(
+                f"building the SmolLM2 checkpoint from {gguf_path} failed: {exc}", path=str(folder)
+            ) from exc
         finally:
             shutil.rmtree(staging, ignore_errors=True)  # gone already once renamed into place
     return folder

@@ -55,17 +55,27 @@ def _is_base(name: str, entry: PatchEntry, view: Mapping[str, RawTensor], encodi
         return True
     if encoding == "overwrite" and current == entry.target[XXH3_128]:
         return False
-    hint = f" ({encoding} patches are valid only on their exact base, not on their own result)" if current == entry.target[XXH3_128] else ""
-    raise BaseMismatchError(f"tensor {name!r} is not the patch's base (xxh3 {current} != {entry.base[XXH3_128]}){hint}: fetch the base version or an anchor and apply again")
+    hint = (
+        f" ({encoding} patches are valid only on their exact base, not on their own result)"
+        if current == entry.target[XXH3_128]
+        else ""
+    )
+    raise BaseMismatchError(
+        f"tensor {name!r} is not the patch's base (xxh3 {current} != {entry.base[XXH3_128]}){hint}: fetch the base version or an anchor and apply again"
+    )
 
 
 def _plan_writes(view: Mapping[str, RawTensor], patch: Patch) -> list[TensorDelta]:
     for name, entry in patch.entries.items():
         have = view.get(name)
         if have is None:
-            raise TensorSetMismatchError(f"patch touches tensor {name!r}, which the view does not have: apply it to its base version")
+            raise TensorSetMismatchError(
+                f"patch touches tensor {name!r}, which the view does not have: apply it to its base version"
+            )
         if have.dtype != entry.dtype or tuple(have.shape) != entry.shape:
-            raise TensorSetMismatchError(f"tensor {name!r} is {have.dtype}{list(have.shape)} but the patch is for {entry.dtype}{list(entry.shape)}")
+            raise TensorSetMismatchError(
+                f"tensor {name!r} is {have.dtype}{list(have.shape)} but the patch is for {entry.dtype}{list(entry.shape)}"
+            )
     if patch.encoding == "cond":
         for name, entry in patch.entries.items():
             _is_base(name, entry, view, patch.encoding)
@@ -99,11 +109,15 @@ def apply_patch(view: Mapping[str, RawTensor], patch: Patch) -> ApplyResult:
             old = bits[delta.positions]
             undo.append((bits, delta.positions, old))
             bits[delta.positions] = (old ^ delta.values) if patch.encoding == "xor" else delta.values
-        checked = [] if patch.encoding == "cond" else writes  # cond deltas were checked against their targets before writing
+        checked = (
+            [] if patch.encoding == "cond" else writes
+        )  # cond deltas were checked against their targets before writing
         for delta in checked:
             got = checksum(view[delta.entry.name])
             if got != delta.entry.target[XXH3_128]:
-                raise TargetMismatchError(f"tensor {delta.entry.name!r} does not match its target checksum after apply; the write was undone")
+                raise TargetMismatchError(
+                    f"tensor {delta.entry.name!r} does not match its target checksum after apply; the write was undone"
+                )
     except BaseException:
         for bits, positions, old in reversed(undo):
             bits[positions] = old

@@ -49,12 +49,16 @@ def checkpoint_files(path: str | os.PathLike[str]) -> tuple[dict[str, str], Path
         else:
             files = sorted(p.glob("*.safetensors"))
             if len(files) != 1:
-                raise FileNotFoundError(f"{path}: expected {INDEX_NAME}, {SINGLE_NAME} or exactly one .safetensors file")
+                raise FileNotFoundError(
+                    f"{path}: expected {INDEX_NAME}, {SINGLE_NAME} or exactly one .safetensors file"
+                )
             p = files[0]
     if p.name.endswith(".json"):
         index = load_json(p.read_bytes(), f"{p}: safetensors index")
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) and "/" not in v and _is_file_name(v) for v in weight_map.values()):
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(v, str) and "/" not in v and _is_file_name(v) for v in weight_map.values()
+        ):
             raise PatchFormatError(f"{p}: weight_map must map tensor names to shard file names in the same folder")
         return dict(weight_map), p.parent
     if not p.exists():
@@ -79,7 +83,9 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, RawTensor]:
             if name in out:
                 raise PatchFormatError(f"{where}: tensor {name!r} appears in more than one shard")
             if weight_map.get(name) != shard:
-                raise PatchFormatError(f"{where}: tensor {name!r} is in {shard} but the index says {weight_map.get(name)}")
+                raise PatchFormatError(
+                    f"{where}: tensor {name!r} is in {shard} but the index says {weight_map.get(name)}"
+                )
             out[name] = t
     missing = sorted(set(weight_map) - set(out))
     if missing:
@@ -116,7 +122,9 @@ def plan_shards(tensors: Mapping[str, RawTensor], max_shard_bytes: int = DEFAULT
     return {name: shard_name(i, len(groups)) for i, group in enumerate(groups) for name in group}
 
 
-def write_shards(folder: str | os.PathLike[str], tensors: Mapping[str, RawTensor], weight_map: Mapping[str, str]) -> list[Path]:
+def write_shards(
+    folder: str | os.PathLike[str], tensors: Mapping[str, RawTensor], weight_map: Mapping[str, str]
+) -> list[Path]:
     """Write the shards ``weight_map`` names (tensor name -> shard file name), in name order,
     into ``folder`` (created if needed), each with the ``{"format": "pt"}`` metadata
     transformers expects. A sharded publisher writes its own shards of one checkpoint with it.
@@ -131,7 +139,9 @@ def write_shards(folder: str | os.PathLike[str], tensors: Mapping[str, RawTensor
     folder.mkdir(parents=True, exist_ok=True)
     written = []
     for shard in sorted(set(weight_map.values())):
-        write_safetensors(folder / shard, {n: tensors[n] for n in sorted(weight_map) if weight_map[n] == shard}, {"format": "pt"})
+        write_safetensors(
+            folder / shard, {n: tensors[n] for n in sorted(weight_map) if weight_map[n] == shard}, {"format": "pt"}
+        )
         written.append(folder / shard)
     return written
 

@@ -177,7 +177,9 @@ def check_compatible(name: str, base: RawTensor, target: RawTensor) -> None:
         TensorSetMismatchError: naming the tensor; publish an anchor instead.
     """
     if base.dtype != target.dtype or tuple(base.shape) != tuple(target.shape):
-        raise TensorSetMismatchError(f"tensor {name!r} changed from {base.dtype}{list(base.shape)} to {target.dtype}{list(target.shape)}: a delta cannot express that; publish an anchor (full snapshot)")
+        raise TensorSetMismatchError(
+            f"tensor {name!r} changed from {base.dtype}{list(base.shape)} to {target.dtype}{list(target.shape)}: a delta cannot express that; publish an anchor (full snapshot)"
+        )
 
 
 def encode_tensor(
@@ -226,7 +228,12 @@ def encode_tensor(
     return EncodedTensor(entry, gaps, values)
 
 
-def build_patch(encoded: list[EncodedTensor], encoding: PatchEncoding = "xor", metadata: Mapping[str, str] | None = None, level: int = DEFAULT_LEVEL) -> bytes:
+def build_patch(
+    encoded: list[EncodedTensor],
+    encoding: PatchEncoding = "xor",
+    metadata: Mapping[str, str] | None = None,
+    level: int = DEFAULT_LEVEL,
+) -> bytes:
     """Assemble tensor deltas into patch-file bytes (deterministic for equal input).
 
     Args:

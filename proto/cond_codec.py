@@ -116,7 +116,9 @@ def encode(base: RawTensor, target: RawTensor) -> tuple[int, bytes]:
         (number of changed elements, the tensor's coded stream; empty when nothing changed).
     """
     lay = LAYOUTS[base.dtype]
-    return _condcoder.encode(base.bits, target.bits, DTYPE_SIZES[base.dtype], lay.class_shift, lay.class_bits, lay.sign_magnitude)
+    return _condcoder.encode(
+        base.bits, target.bits, DTYPE_SIZES[base.dtype], lay.class_shift, lay.class_bits, lay.sign_magnitude
+    )
 
 
 def decode(stream: np.ndarray, base: RawTensor, count: int, what: str) -> tuple[np.ndarray, np.ndarray]:
@@ -138,7 +140,16 @@ def decode(stream: np.ndarray, base: RawTensor, count: int, what: str) -> tuple[
     positions = np.empty(count, dtype=np.int64)
     values = np.empty(count, dtype=base.bits.dtype)
     try:
-        _condcoder.decode(base.bits, stream, positions, values, DTYPE_SIZES[base.dtype], lay.class_shift, lay.class_bits, lay.sign_magnitude)
+        _condcoder.decode(
+            base.bits,
+            stream,
+            positions,
+            values,
+            DTYPE_SIZES[base.dtype],
+            lay.class_shift,
+            lay.class_bits,
+            lay.sign_magnitude,
+        )
     except ValueError as exc:
         raise PatchFormatError(f"{what}: {exc}") from None
     return positions, values

@@ -96,7 +96,9 @@ def load_json(text: str | bytes, what: str, **kwargs: object) -> object:
         raise PatchFormatError(f"{what}: not valid JSON ({exc})") from None
 
 
-def parse_safetensors(buf: bytes | bytearray | memoryview | mmap.mmap, what: str = "file") -> tuple[dict[str, str], dict[str, RawTensor]]:
+def parse_safetensors(
+    buf: bytes | bytearray | memoryview | mmap.mmap, what: str = "file"
+) -> tuple[dict[str, str], dict[str, RawTensor]]:
     """Parse a safetensors buffer strictly into (``__metadata__``, name -> :class:`RawTensor`).
 
     Tensor bits are zero-copy views of ``buf`` (aligned copies only where the data is not
@@ -110,10 +112,14 @@ def parse_safetensors(buf: bytes | bytearray | memoryview | mmap.mmap, what: str
     view = memoryview(buf).cast("B")
     total = len(view)
     if total < 8:
-        raise PatchFormatError(f"{what}: truncated ({total} bytes; a safetensors file starts with an 8-byte header length)")
+        raise PatchFormatError(
+            f"{what}: truncated ({total} bytes; a safetensors file starts with an 8-byte header length)"
+        )
     (hlen,) = struct.unpack("<Q", view[:8])
     if hlen > total - 8:
-        raise PatchFormatError(f"{what}: header length {hlen} is larger than the file ({total} bytes): truncated or not safetensors")
+        raise PatchFormatError(
+            f"{what}: header length {hlen} is larger than the file ({total} bytes): truncated or not safetensors"
+        )
     if hlen > MAX_HEADER_BYTES:
         raise PatchFormatError(f"{what}: header of {hlen} bytes exceeds {MAX_HEADER_BYTES}")
     header = load_json(bytes(view[8 : 8 + hlen]), f"{what}: header", object_pairs_hook=_no_duplicates)
@@ -136,22 +142,34 @@ def parse_safetensors(buf: bytes | bytearray | memoryview | mmap.mmap, what: str
         dtype, shape, offs = entry["dtype"], entry["shape"], entry["data_offsets"]
         if dtype not in DTYPE_SIZES:
             raise PatchFormatError(f"{what}: tensor {name!r} has unknown dtype {dtype!r}")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        ):
             raise PatchFormatError(f"{what}: tensor {name!r} has invalid shape {shape!r}")
         if numel_of(shape) > MAX_NUMEL:
             raise PatchFormatError(f"{what}: tensor {name!r} shape {shape} overflows")
-        if not (isinstance(offs, list) and len(offs) == 2 and all(isinstance(o, int) and not isinstance(o, bool) for o in offs)):
+        if not (
+            isinstance(offs, list)
+            and len(offs) == 2
+            and all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
+        ):
             raise PatchFormatError(f"{what}: tensor {name!r} has invalid data_offsets {offs!r}")
         begin, end = offs
         if not 0 <= begin <= end <= data_len:
-            raise PatchFormatError(f"{what}: tensor {name!r} data_offsets {offs} outside the {data_len}-byte data section (truncated file?)")
+            raise PatchFormatError(
+                f"{what}: tensor {name!r} data_offsets {offs} outside the {data_len}-byte data section (truncated file?)"
+            )
         if end - begin != numel_of(shape) * DTYPE_SIZES[dtype]:
-            raise PatchFormatError(f"{what}: tensor {name!r} holds {end - begin} bytes but shape {shape} of {dtype} needs {numel_of(shape) * DTYPE_SIZES[dtype]}")
+            raise PatchFormatError(
+                f"{what}: tensor {name!r} holds {end - begin} bytes but shape {shape} of {dtype} needs {numel_of(shape) * DTYPE_SIZES[dtype]}"
+            )
         spans.append((begin, end, name))
     cursor = 0
     for begin, end, name in sorted(spans):
         if begin != cursor:
-            raise PatchFormatError(f"{what}: tensor {name!r} data starts at {begin}, expected {cursor} (overlap or gap)")
+            raise PatchFormatError(
+                f"{what}: tensor {name!r} data starts at {begin}, expected {cursor} (overlap or gap)"
+            )
         cursor = end
     if cursor != data_len:
         raise PatchFormatError(f"{what}: {data_len - cursor} trailing bytes after the last tensor")
@@ -185,7 +203,9 @@ def _specs(tensors: Mapping[str, RawTensor]) -> dict[str, TensorSpec]:
     for name, t in tensors.items():
         if not t.bits.flags.c_contiguous:
             raise ValueError(f"tensor {name!r}: bits must be C-contiguous")
-        specs[name] = TensorSpec(dtype=SPEC_NAMES[t.dtype], shape=list(t.shape), data_ptr=t.bits.ctypes.data, data_len=t.bits.nbytes)
+        specs[name] = TensorSpec(
+            dtype=SPEC_NAMES[t.dtype], shape=list(t.shape), data_ptr=t.bits.ctypes.data, data_len=t.bits.nbytes
+        )
     return specs
 
 
@@ -194,7 +214,9 @@ def serialize_safetensors(tensors: Mapping[str, RawTensor], metadata: Mapping[st
     return bytes(serialize(_specs(tensors), metadata=dict(metadata) if metadata else None))
 
 
-def write_safetensors(path: str | os.PathLike[str], tensors: Mapping[str, RawTensor], metadata: Mapping[str, str] | None = None) -> int:
+def write_safetensors(
+    path: str | os.PathLike[str], tensors: Mapping[str, RawTensor], metadata: Mapping[str, str] | None = None
+) -> int:
     """Write raw tensors as a safetensors file, atomically (temp file + fsync + rename).
 
     Returns:

@@ -24,7 +24,18 @@ import numpy as np
 import zstandard
 
 from . import _bitdiff, cond_codec
-from .codec import ENCODINGS, FORMAT, FORMAT_VERSION, INDEX_KEY, PAYLOAD_KEY, PatchEntry, checksum, patched_checksum, payload_layout, payload_size
+from .codec import (
+    ENCODINGS,
+    FORMAT,
+    FORMAT_VERSION,
+    INDEX_KEY,
+    PAYLOAD_KEY,
+    PatchEntry,
+    checksum,
+    patched_checksum,
+    payload_layout,
+    payload_size,
+)
 from .container import RawTensor, load_json, parse_safetensors
 from .dtypes import DTYPE_SIZES, MAX_NUMEL, bits_type, numel_of
 from .errors import BaseMismatchError, PatchFormatError, SchemaError, TargetMismatchError, TensorSetMismatchError
@@ -62,7 +73,15 @@ class Patch:
         size_bytes: size of the patch file in bytes.
     """
 
-    def __init__(self, encoding: str, entries: list[PatchEntry], metadata: dict[str, str], size_bytes: int, frame: memoryview, what: str):
+    def __init__(
+        self,
+        encoding: str,
+        entries: list[PatchEntry],
+        metadata: dict[str, str],
+        size_bytes: int,
+        frame: memoryview,
+        what: str,
+    ):
         self.encoding = encoding
         self.entries = {e.name: e for e in entries}
         self.metadata = metadata
@@ -71,7 +90,9 @@ class Patch:
         self._what = what
         self._layout = dict(zip(self.entries, payload_layout(entries), strict=True))
         # cond: where each tensor's stream starts (the last running sum, the payload size, pairs with no entry)
-        self._stream_at = dict(zip(self.entries, itertools.accumulate([0] + [e.gap_bytes for e in entries]), strict=False))
+        self._stream_at = dict(
+            zip(self.entries, itertools.accumulate([0] + [e.gap_bytes for e in entries]), strict=False)
+        )
         self._payload_bytes = payload_size(entries, encoding)
         self._payload: np.ndarray | None = None
 
@@ -125,19 +146,29 @@ class Patch:
     def _cond_delta(self, entry: PatchEntry, base: RawTensor | None, base_verified: bool) -> TensorDelta:
         name = entry.name
         if base is None:
-            raise ValueError(f"{self._what}: a cond patch decodes against its base: pass tensor {name!r}'s current bits")
+            raise ValueError(
+                f"{self._what}: a cond patch decodes against its base: pass tensor {name!r}'s current bits"
+            )
         if base.dtype != entry.dtype or tuple(base.shape) != entry.shape:
-            raise TensorSetMismatchError(f"tensor {name!r} is {base.dtype}{list(base.shape)} but the patch is for {entry.dtype}{list(entry.shape)}")
+            raise TensorSetMismatchError(
+                f"tensor {name!r} is {base.dtype}{list(base.shape)} but the patch is for {entry.dtype}{list(entry.shape)}"
+            )
         if not base_verified and checksum(base) != entry.base[XXH3_128]:
-            raise BaseMismatchError(f"tensor {name!r} is not the base of {self._what}: a cond patch decodes only against its exact base")
+            raise BaseMismatchError(
+                f"tensor {name!r} is not the base of {self._what}: a cond patch decodes only against its exact base"
+            )
         at = self._stream_at[name]
         stream = self._decompressed()[at : at + entry.gap_bytes]
         positions, values = cond_codec.decode(stream, base, entry.count, f"{self._what}: tensor {name!r}")
         if patched_checksum(base, positions, values) != entry.target[XXH3_128]:
-            raise TargetMismatchError(f"tensor {name!r} of {self._what} decodes to bits that do not match its target checksum (a corrupt stream); nothing was written")
+            raise TargetMismatchError(
+                f"tensor {name!r} of {self._what} decodes to bits that do not match its target checksum (a corrupt stream); nothing was written"
+            )
         return TensorDelta(entry, self.encoding, positions, values)
 
-    def deltas(self, bases: Mapping[str, RawTensor] | None = None, *, bases_verified: bool = False, threads: int | None = None) -> dict[str, TensorDelta]:
+    def deltas(
+        self, bases: Mapping[str, RawTensor] | None = None, *, bases_verified: bool = False, threads: int | None = None
+    ) -> dict[str, TensorDelta]:
         """Decode and validate every tensor's delta (all of them, before any use).
 
         Args:
@@ -152,10 +183,16 @@ class Patch:
         if self.encoding != "cond":
             return {name: self.delta(name) for name in self.entries}
         if bases is None:
-            raise ValueError(f"{self._what}: a cond patch decodes against its base: pass the current bits of its tensors")
+            raise ValueError(
+                f"{self._what}: a cond patch decodes against its base: pass the current bits of its tensors"
+            )
         order = sorted(self.entries, key=lambda n: -self.entries[n].numel)
         with ThreadPoolExecutor(max_workers=threads or min(8, os.cpu_count() or 1)) as pool:
-            decoded = dict(zip(order, pool.map(lambda n: self.delta(n, bases[n], base_verified=bases_verified), order), strict=True))
+            decoded = dict(
+                zip(
+                    order, pool.map(lambda n: self.delta(n, bases[n], base_verified=bases_verified), order), strict=True
+                )
+            )
         return {name: decoded[name] for name in self.entries}
 
 
@@ -175,7 +212,9 @@ def _decompress_exact(frame: memoryview | bytes, want: int, what: str) -> bytes:
     """
     declared = _declared_size(frame)
     if declared != want:
-        raise PatchFormatError(f"{what}: zstd frame declares {declared} bytes, the index implies {want}; refusing to decompress")
+        raise PatchFormatError(
+            f"{what}: zstd frame declares {declared} bytes, the index implies {want}; refusing to decompress"
+        )
     dobj = zstandard.ZstdDecompressor().decompressobj()
     try:
         raw = dobj.decompress(frame)
@@ -208,7 +247,9 @@ def _entry_from_json(obj: object, encoding: str, what: str) -> PatchEntry:
     if not 1 <= count <= numel:
         raise PatchFormatError(f"{what}: tensor {name!r} claims {count} changed elements of {numel}")
     if encoding == "cond" and gap_bytes < cond_codec.MIN_STREAM_BYTES:
-        raise PatchFormatError(f"{what}: tensor {name!r} has a {gap_bytes}-byte coded stream; one with changes has at least {cond_codec.MIN_STREAM_BYTES}")
+        raise PatchFormatError(
+            f"{what}: tensor {name!r} has a {gap_bytes}-byte coded stream; one with changes has at least {cond_codec.MIN_STREAM_BYTES}"
+        )
     if encoding != "cond" and not count <= gap_bytes <= 10 * count:
         raise PatchFormatError(f"{what}: tensor {name!r} has {gap_bytes} gap bytes for {count} varints")
     for key in ("base", "target"):
@@ -241,12 +282,16 @@ def read_patch(data: bytes | bytearray | memoryview, expected_size: int | None =
         raise PatchFormatError(f"{what}: {len(data)} bytes, the manifest says {expected_size}")
     meta, tensors = parse_safetensors(data, what)
     if set(meta) != {FORMAT}:
-        raise PatchFormatError(f"{what}: not a stitchboard patch (no {FORMAT!r} metadata); an anchor is a plain checkpoint, load it instead")
+        raise PatchFormatError(
+            f"{what}: not a stitchboard patch (no {FORMAT!r} metadata); an anchor is a plain checkpoint, load it instead"
+        )
     header = load_json(meta[FORMAT], f"{what}: {FORMAT!r} metadata")
     if not isinstance(header, dict) or set(header) != {"format_version", "encoding", "metadata"}:
         raise PatchFormatError(f"{what}: {FORMAT!r} metadata must have format_version, encoding, metadata")
     if header["format_version"] != FORMAT_VERSION:
-        raise PatchFormatError(f"{what}: patch format version {header['format_version']!r} is not supported (this reader knows {FORMAT_VERSION}); upgrade stitchboard")
+        raise PatchFormatError(
+            f"{what}: patch format version {header['format_version']!r} is not supported (this reader knows {FORMAT_VERSION}); upgrade stitchboard"
+        )
     encoding, extra = header["encoding"], header["metadata"]
     if encoding not in ENCODINGS:
         raise PatchFormatError(f"{what}: unknown encoding {encoding!r}")
@@ -258,7 +303,9 @@ def read_patch(data: bytes | bytearray | memoryview, expected_size: int | None =
     index = tensors[INDEX_KEY].bits.data
     declared = _declared_size(index)
     if not 0 <= declared <= MAX_INDEX_BYTES:
-        raise PatchFormatError(f"{what}: {INDEX_KEY} declares {declared} bytes (limit {MAX_INDEX_BYTES}); refusing to decompress")
+        raise PatchFormatError(
+            f"{what}: {INDEX_KEY} declares {declared} bytes (limit {MAX_INDEX_BYTES}); refusing to decompress"
+        )
     items = load_json(_decompress_exact(index, declared, f"{what}: {INDEX_KEY}"), f"{what}: {INDEX_KEY}")
     if not isinstance(items, list):
         raise PatchFormatError(f"{what}: {INDEX_KEY} is not a list")
@@ -271,5 +318,7 @@ def read_patch(data: bytes | bytearray | memoryview, expected_size: int | None =
     if encoding == "cond" and len(frame) != want:
         raise PatchFormatError(f"{what}: {PAYLOAD_KEY} holds {len(frame)} bytes, the index implies {want}")
     if encoding != "cond" and _declared_size(frame) != want:
-        raise PatchFormatError(f"{what}: {PAYLOAD_KEY} declares {_declared_size(frame)} bytes, the index implies {want}; refusing to decompress")
+        raise PatchFormatError(
+            f"{what}: {PAYLOAD_KEY} declares {_declared_size(frame)} bytes, the index implies {want}; refusing to decompress"
+        )
     return Patch(encoding, entries, dict(extra), len(data), frame, what)

@@ -42,9 +42,15 @@ def check_same_tensor_set(base: Mapping[str, RawTensor], target: Mapping[str, Ra
         TensorSetMismatchError: listing added, removed or changed tensors; publish an anchor.
     """
     added, removed = sorted(set(target) - set(base)), sorted(set(base) - set(target))
-    changed = sorted(n for n in set(base) & set(target) if (base[n].dtype, tuple(base[n].shape)) != (target[n].dtype, tuple(target[n].shape)))
+    changed = sorted(
+        n
+        for n in set(base) & set(target)
+        if (base[n].dtype, tuple(base[n].shape)) != (target[n].dtype, tuple(target[n].shape))
+    )
     if added or removed or changed:
-        raise TensorSetMismatchError(f"tensor set changed (added {added[:3]}, removed {removed[:3]}, dtype/shape changed {changed[:3]}): a delta cannot express that; publish an anchor (full snapshot)")
+        raise TensorSetMismatchError(
+            f"tensor set changed (added {added[:3]}, removed {removed[:3]}, dtype/shape changed {changed[:3]}): a delta cannot express that; publish an anchor (full snapshot)"
+        )
 
 
 def diff_views(
@@ -80,7 +86,9 @@ def diff_views(
 
     def one(name: str) -> tuple[str, str, EncodedTensor | None]:
         target_sum = checksum(target[name])
-        enc = encode_tensor(name, base[name], target[name], encoding, base_checksum=known.get(name), target_checksum=target_sum)
+        enc = encode_tensor(
+            name, base[name], target[name], encoding, base_checksum=known.get(name), target_checksum=target_sum
+        )
         return name, target_sum, enc
 
     with ThreadPoolExecutor(max_workers=threads or min(8, os.cpu_count() or 1)) as pool:

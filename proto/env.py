@@ -40,7 +40,9 @@ def warn_legacy_env(name: str, stacklevel: int = 1) -> None:
         KeyError: ``name`` is not a renamed variable.
     """
     legacy = RENAMED_ENV[name]
-    warnings.warn(f"{legacy} is a legacy name, read for now: set {name} instead", LegacyEnvWarning, stacklevel=stacklevel + 1)
+    warnings.warn(
+        f"{legacy} is a legacy name, read for now: set {name} instead", LegacyEnvWarning, stacklevel=stacklevel + 1
+    )
 
 
 def env_setting(name: str, environ: Mapping[str, str] | None = None) -> str | None:

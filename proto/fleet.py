@@ -31,7 +31,9 @@ def check_replica_id(replica_id: str) -> str:
         SchemaError: with the offending id.
     """
     if not _REPLICA_ID.fullmatch(replica_id) or ".." in replica_id:
-        raise SchemaError(f"invalid replica id {replica_id!r}: use 1-128 characters of [A-Za-z0-9._-], starting alphanumeric")
+        raise SchemaError(
+            f"invalid replica id {replica_id!r}: use 1-128 characters of [A-Za-z0-9._-], starting alphanumeric"
+        )
     return replica_id
 
 
@@ -172,13 +174,23 @@ def needed_replicas(live: int, min_replicas: int | None, fraction: float | None)
     return max(wants) if wants else None
 
 
-def count_fleet(view: FleetView, version: int, min_replicas: int | None = None, fraction: float | None = None) -> FleetCount:
+def count_fleet(
+    view: FleetView, version: int, min_replicas: int | None = None, fraction: float | None = None
+) -> FleetCount:
     """Count ``view``'s live replicas at or past ``version`` against a requirement (see :func:`needed_replicas`)."""
     live = [r for r in view.replicas if r.live]
     at = [r for r in live if r.report.applied_version is not None and r.report.applied_version >= version]
     below = [r for r in live if r.report.applied_version is None or r.report.applied_version < version]
     needed = needed_replicas(len(live), min_replicas, fraction)
-    laggards = [Laggard(replica_id=r.report.replica_id, applied_version=r.report.applied_version, state=r.report.state, error=r.report.last_error.message if r.report.last_error else None) for r in below]
+    laggards = [
+        Laggard(
+            replica_id=r.report.replica_id,
+            applied_version=r.report.applied_version,
+            state=r.report.state,
+            error=r.report.last_error.message if r.report.last_error else None,
+        )
+        for r in below
+    ]
     return FleetCount(
         run_id=view.run_id,
         version=version,
@@ -200,5 +212,9 @@ def describe_laggards(count: FleetCount) -> str:
     if count.expired:
         parts.append(f"lease expired: {', '.join(count.expired)}")
     if not parts:
-        return "no live replica reports to the bulletin" if not count.live else f"none: every live replica is there, but only {count.live} report to the bulletin"
+        return (
+            "no live replica reports to the bulletin"
+            if not count.live
+            else f"none: every live replica is there, but only {count.live} report to the bulletin"
+        )
     return "; ".join(parts)

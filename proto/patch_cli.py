@@ -37,7 +37,12 @@ def diff(
     base: Annotated[Path, typer.Argument(help="base checkpoint (.safetensors, index json or folder)")],
     target: Annotated[Path, typer.Argument(help="target checkpoint with the same tensors")],
     output: Annotated[Path, typer.Option("-o", "--output", help="patch file to write")],
-    encoding: Annotated[str, typer.Option(help="cond (smallest; valid only on its base), xor (fastest; valid only on its base) or overwrite (idempotent)")] = "cond",
+    encoding: Annotated[
+        str,
+        typer.Option(
+            help="cond (smallest; valid only on its base), xor (fastest; valid only on its base) or overwrite (idempotent)"
+        ),
+    ] = "cond",
 ) -> None:
     """Write the patch taking BASE to TARGET and print changed elements and bytes per change."""
     try:
@@ -58,7 +63,9 @@ def diff(
 def apply(
     base: Annotated[Path, typer.Argument(help="base checkpoint the patch was made from")],
     patch: Annotated[Path, typer.Argument(help="patch file")],
-    output: Annotated[Path, typer.Option("-o", "--output", help="output: a .safetensors file, or a folder for a sharded base")],
+    output: Annotated[
+        Path, typer.Option("-o", "--output", help="output: a .safetensors file, or a folder for a sharded base")
+    ],
 ) -> None:
     """Apply PATCH to BASE and write OUTPUT; every touched tensor is verified against its target checksum."""
     try:
@@ -72,7 +79,9 @@ def apply(
             write_safetensors(output, out, read_safetensors(where)[0])
     except (StitchError, OSError, ValueError) as exc:
         _fail(exc)
-    console.print(f"applied {p.changed_elements:,} element changes in {len(p.entries)} tensors ({p.encoding}); verified; wrote {output}")
+    console.print(
+        f"applied {p.changed_elements:,} element changes in {len(p.entries)} tensors ({p.encoding}); verified; wrote {output}"
+    )
 
 
 @app.command()
@@ -92,10 +101,21 @@ def inspect(file: Annotated[Path, typer.Argument(help="a patch file or a checkpo
         console.print(f"  {k}: {v}")
     table = Table("tensor", "dtype", "shape", "changed", "%", "stream bytes (raw)")
     for e in p.entries.values():
-        table.add_row(e.name, e.dtype, json.dumps(list(e.shape)), f"{e.count:,}", f"{100 * e.count / max(e.numel, 1):.3f}", f"{e.gap_bytes:,}")
+        table.add_row(
+            e.name,
+            e.dtype,
+            json.dumps(list(e.shape)),
+            f"{e.count:,}",
+            f"{100 * e.count / max(e.numel, 1):.3f}",
+            f"{e.gap_bytes:,}",
+        )
     console.print(table)
     n = p.changed_elements
-    console.print(f"total: {n:,} changed elements, {len(data) / n:.3f} bytes per changed element (whole file)" if n else "empty delta")
+    console.print(
+        f"total: {n:,} changed elements, {len(data) / n:.3f} bytes per changed element (whole file)"
+        if n
+        else "empty delta"
+    )
 
 
 def _inspect_checkpoint(path: Path) -> None:
@@ -103,5 +123,7 @@ def _inspect_checkpoint(path: Path) -> None:
     table = Table("tensor", "dtype", "shape", "bytes")
     for name, t in sorted(tensors.items()):
         table.add_row(name, t.dtype, json.dumps(list(t.shape)), f"{t.nbytes:,}")
-    console.print(f"[bold]{path}[/bold]: checkpoint (anchor) with {len(tensors)} tensors, {sum(t.nbytes for t in tensors.values()):,} bytes")
+    console.print(
+        f"[bold]{path}[/bold]: checkpoint (anchor) with {len(tensors)} tensors, {sum(t.nbytes for t in tensors.values()):,} bytes"
+    )
     console.print(table)

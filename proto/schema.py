@@ -17,7 +17,16 @@ import json
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, ValidationError, field_validator, model_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from .dtypes import DTYPE_SIZES, MAX_NUMEL, numel_of
 from .errors import SchemaError
@@ -34,7 +43,19 @@ _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _ALGORITHM = re.compile(r"[a-z0-9_]{1,32}")
 #: Hex digits of the digest of each known checksum algorithm; others take 8-128 hex digits.
-DIGEST_HEX_DIGITS = {XXH3_128: 32, "xxh3_64": 16, "xxh64": 16, "xxh32": 8, "crc32": 8, "crc32c": 8, "md5": 32, "sha1": 40, "sha256": 64, "sha512": 128, "blake2b": 128}
+DIGEST_HEX_DIGITS = {
+    XXH3_128: 32,
+    "xxh3_64": 16,
+    "xxh64": 16,
+    "xxh32": 8,
+    "crc32": 8,
+    "crc32c": 8,
+    "md5": 32,
+    "sha1": 40,
+    "sha256": 64,
+    "sha512": 128,
+    "blake2b": 128,
+}
 #: The checkpoint's own files in a version folder: an asset must not be named like one of them.
 CHECKPOINT_INDEX_NAME = "model.safetensors.index.json"
 
@@ -50,9 +71,19 @@ def check_name(name: str, what: str = "name") -> str:
     Raises:
         SchemaError: with the offending name.
     """
-    bad = not name or ".." in name or name.startswith(("/", "\\")) or "\\" in name or re.match(r"^[A-Za-z]:", name) is not None or any(ord(c) < 32 or ord(c) == 127 for c in name) or len(name) > 1024
+    bad = (
+        not name
+        or ".." in name
+        or name.startswith(("/", "\\"))
+        or "\\" in name
+        or re.match(r"^[A-Za-z]:", name) is not None
+        or any(ord(c) < 32 or ord(c) == 127 for c in name)
+        or len(name) > 1024
+    )
     if bad or any(part in ("", ".") for part in name.removesuffix("/").split("/")):
-        raise SchemaError(f"invalid {what} {name!r}: use a relative name without '..', '.' or empty segments, NUL or control characters")
+        raise SchemaError(
+            f"invalid {what} {name!r}: use a relative name without '..', '.' or empty segments, NUL or control characters"
+        )
     return name
 
 
@@ -272,7 +303,9 @@ class VersionManifest(_Model):
     @classmethod
     def _schema(cls, v: int) -> int:
         if not 1 <= v <= SCHEMA_VERSION:
-            raise ValueError(f"schema_version {v} is not supported (this reader knows 1..{SCHEMA_VERSION}); upgrade stitchboard")
+            raise ValueError(
+                f"schema_version {v} is not supported (this reader knows 1..{SCHEMA_VERSION}); upgrade stitchboard"
+            )
         return v
 
     @model_validator(mode="after")
@@ -281,7 +314,9 @@ class VersionManifest(_Model):
             if self.base_version is not None or not self.snapshot:
                 raise ValueError("version 0 must be an anchor: base_version null and snapshot true")
         elif self.base_version != self.version - 1:
-            raise ValueError(f"version {self.version} must have base_version {self.version - 1}, got {self.base_version}")
+            raise ValueError(
+                f"version {self.version} must have base_version {self.version - 1}, got {self.base_version}"
+            )
         dup = duplicates([t.name for t in self.tensors])
         if dup:
             raise ValueError(f"duplicate tensor names: {dup[:5]}")
@@ -376,7 +411,9 @@ class PlanStep(_Model):
         if (self.kind == "squash") != (self.base_version is not None):
             raise ValueError("a squash step names its base_version; other steps do not")
         if self.base_version is not None and not 0 <= self.base_version < self.version - 1:
-            raise ValueError(f"squash to version {self.version} from base {self.base_version}: the base must be at least two versions older")
+            raise ValueError(
+                f"squash to version {self.version} from base {self.base_version}: the base must be at least two versions older"
+            )
         return self
 
     @model_serializer(mode="wrap")
@@ -425,7 +462,9 @@ def check_publishable(manifest: VersionManifest) -> VersionManifest:
     """
     shadows = [f.path for f in manifest.files if f.role == "asset" and is_checkpoint_file(f.path)]
     if shadows:
-        raise SchemaError(f"version {manifest.version} of run {manifest.run_id!r}: asset paths {shadows[:5]} are named like checkpoint files (*.safetensors, {CHECKPOINT_INDEX_NAME}); rename the assets")
+        raise SchemaError(
+            f"version {manifest.version} of run {manifest.run_id!r}: asset paths {shadows[:5]} are named like checkpoint files (*.safetensors, {CHECKPOINT_INDEX_NAME}); rename the assets"
+        )
     return manifest
 
 

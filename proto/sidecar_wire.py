@@ -37,7 +37,18 @@ END_FIELD = "weight_version_end"
 #: ``booting``; ``idle``; ``staging`` (fetching files, or the engine staging while it serves);
 #: ``committing`` / ``recovering`` / ``resuming`` (the engine is paused: :data:`COMMIT_STATES`);
 #: ``retrying`` (the last attempt failed; backing off); ``unhealthy`` (a recovery failed).
-SidecarState = Literal["starting", "waiting_for_engine", "booting", "idle", "staging", "committing", "recovering", "resuming", "retrying", "unhealthy"]
+SidecarState = Literal[
+    "starting",
+    "waiting_for_engine",
+    "booting",
+    "idle",
+    "staging",
+    "committing",
+    "recovering",
+    "resuming",
+    "retrying",
+    "unhealthy",
+]
 #: States while a commit holds the engine paused; in ``resuming`` the new version is already
 #: marked applied and the engine is being resumed.
 COMMIT_STATES: frozenset[SidecarState] = frozenset({"committing", "recovering", "resuming"})

@@ -73,9 +73,13 @@ class SquashManifest(_Model):
     @model_validator(mode="after")
     def _check(self) -> SquashManifest:
         if not 1 <= self.schema_version <= SCHEMA_VERSION:
-            raise ValueError(f"schema_version {self.schema_version} is not supported (this reader knows 1..{SCHEMA_VERSION}); upgrade stitchboard")
+            raise ValueError(
+                f"schema_version {self.schema_version} is not supported (this reader knows 1..{SCHEMA_VERSION}); upgrade stitchboard"
+            )
         if self.target_version - self.base_version < MIN_SQUASH_SPAN:
-            raise ValueError(f"a squash spans at least {MIN_SQUASH_SPAN} versions: {self.base_version} -> {self.target_version} is not one (use the version's delta)")
+            raise ValueError(
+                f"a squash spans at least {MIN_SQUASH_SPAN} versions: {self.base_version} -> {self.target_version} is not one (use the version's delta)"
+            )
         if not self.files:
             raise ValueError("a squash has at least one patch file")
         if any(f.role != "patch" for f in self.files):
@@ -96,7 +100,9 @@ class SquashList(_Model):
     squashes: list[SquashManifest]
 
 
-def check_patch_lineage(files: Iterable[tuple[str, Mapping[str, PatchEntry]]], base: VersionManifest, target: VersionManifest) -> None:
+def check_patch_lineage(
+    files: Iterable[tuple[str, Mapping[str, PatchEntry]]], base: VersionManifest, target: VersionManifest
+) -> None:
     """Check that patch files take the view of ``base`` to the view of ``target``, by their indexes alone.
 
     Every listed tensor must be in both versions with the entry's dtype and shape, carry the base
@@ -113,7 +119,9 @@ def check_patch_lineage(files: Iterable[tuple[str, Mapping[str, PatchEntry]]], b
     """
     what = f"the squash {base.version} -> {target.version} of run {target.run_id!r}"
     if base.layout() != target.layout():
-        raise SchemaError(f"{what}: versions {base.version} and {target.version} have different tensor sets: only an anchor leads across that")
+        raise SchemaError(
+            f"{what}: versions {base.version} and {target.version} have different tensor sets: only an anchor leads across that"
+        )
     before, after = base.checksums(), target.checksums()
     specs = target.tensor_map()
     touched: set[str] = set()
@@ -121,13 +129,17 @@ def check_patch_lineage(files: Iterable[tuple[str, Mapping[str, PatchEntry]]], b
         for name, entry in entries.items():
             spec = specs.get(name)
             if spec is None or entry.dtype != spec.dtype or list(entry.shape) != spec.shape:
-                raise SchemaError(f"{what}: {path}: tensor {name!r} is not in version {target.version} with that dtype and shape")
+                raise SchemaError(
+                    f"{what}: {path}: tensor {name!r} is not in version {target.version} with that dtype and shape"
+                )
             if name in touched:
                 raise SchemaError(f"{what}: tensor {name!r} appears in two patch files")
             if entry.base.get(XXH3_128) != before[name]:
                 raise SchemaError(f"{what}: {path}: tensor {name!r}'s base checksum is not version {base.version}'s")
             if entry.target.get(XXH3_128) != after[name]:
-                raise SchemaError(f"{what}: {path}: tensor {name!r}'s target checksum is not version {target.version}'s")
+                raise SchemaError(
+                    f"{what}: {path}: tensor {name!r}'s target checksum is not version {target.version}'s"
+                )
             touched.add(name)
     moved = sorted(n for n in after if n not in touched and after[n] != before[n])
     if moved:

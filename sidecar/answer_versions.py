@@ -122,7 +122,10 @@ class AnswerVersionCheck:
             if reason is None and self.gate.claims != claims:
                 reason = "the sidecar dropped its claim on the engine while the request ran"
             if reason is not None:
-                raise AnswerVersionMismatchError(f"the engine answered, but is no longer what the sidecar verified: {reason}; retry the request", start_version=start)
+                raise AnswerVersionMismatchError(
+                    f"the engine answered, but is no longer what the sidecar verified: {reason}; retry the request",
+                    start_version=start,
+                )
             return
         for label in reported:
             version = parse_version(label)

@@ -48,7 +48,9 @@ log = logging.getLogger("stitchboard.sidecar")
 _ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
 
 
-def create_app(settings: SidecarSettings, engine: EngineAdapter | None = None, client: BulletinClient | None = None) -> FastAPI:
+def create_app(
+    settings: SidecarSettings, engine: EngineAdapter | None = None, client: BulletinClient | None = None
+) -> FastAPI:
     """Build a sidecar app; the reconciler starts with the app's lifespan.
 
     Args:
@@ -63,22 +65,42 @@ def create_app(settings: SidecarSettings, engine: EngineAdapter | None = None, c
         engine = create_adapter(settings)
         owned.append(engine)
     if client is None:
-        client = BulletinClient(settings.bulletin, settings.token, timeout_s=settings.bulletin_timeout_s, retries=settings.bulletin_retries)
+        client = BulletinClient(
+            settings.bulletin, settings.token, timeout_s=settings.bulletin_timeout_s, retries=settings.bulletin_retries
+        )
         owned.append(client)
     metrics = SidecarMetrics()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         gate = Gate()
-        fetcher = Fetcher(client, settings.run, Path(settings.handoff_dir) / f"sidecar-{settings.port}", settings.download_concurrency)
+        fetcher = Fetcher(
+            client, settings.run, Path(settings.handoff_dir) / f"sidecar-{settings.port}", settings.download_concurrency
+        )
         reconciler = Reconciler(settings, client, engine, gate, metrics, fetcher)
-        routing = RoutingSource(engine.routed_experts, settings.engine_call_timeout_s) if hasattr(engine, "routed_experts") else None  # vLLM: routing replay
-        proxy = Proxy(settings, gate, metrics, check_engine=reconciler.check_engine, spans=reconciler.spans, salter=reconciler.salter, routing=routing)
+        routing = (
+            RoutingSource(engine.routed_experts, settings.engine_call_timeout_s)
+            if hasattr(engine, "routed_experts")
+            else None
+        )  # vLLM: routing replay
+        proxy = Proxy(
+            settings,
+            gate,
+            metrics,
+            check_engine=reconciler.check_engine,
+            spans=reconciler.spans,
+            salter=reconciler.salter,
+            routing=routing,
+        )
         app.state.gate, app.state.reconciler, app.state.proxy = gate, reconciler, proxy
         task = asyncio.create_task(reconciler.run(), name="stitch-reconciler")
-        reporter = Reporter.for_sidecar(settings, reconciler, gate) if settings.report else None  # the fleet view (sidecar/report.py)
+        reporter = (
+            Reporter.for_sidecar(settings, reconciler, gate) if settings.report else None
+        )  # the fleet view (sidecar/report.py)
         reporting = asyncio.create_task(reporter.run_forever(), name="stitch-report") if reporter else None
-        log.info("sidecar following run %r at %s for the engine at %s", settings.run, settings.bulletin, settings.engine_url)
+        log.info(
+            "sidecar following run %r at %s for the engine at %s", settings.run, settings.bulletin, settings.engine_url
+        )
         try:
             yield
         finally:
@@ -95,7 +117,12 @@ def create_app(settings: SidecarSettings, engine: EngineAdapter | None = None, c
             for resource in owned:
                 resource.close()
 
-    app = FastAPI(title="stitchboard sidecar", version="1", description="Keeps one engine at the run's latest weight version and gates requests by version.", lifespan=lifespan)
+    app = FastAPI(
+        title="stitchboard sidecar",
+        version="1",
+        description="Keeps one engine at the run's latest weight version and gates requests by version.",
+        lifespan=lifespan,
+    )
     app.state.metrics = metrics
 
     @app.exception_handler(SidecarError)
@@ -121,13 +148,33 @@ def create_app(settings: SidecarSettings, engine: EngineAdapter | None = None, c
         if reconciler.unhealthy_reason:
             return _unhealthy({**body, "status": "unhealthy", "reason": reconciler.unhealthy_reason})
         if applied is None:
-            return _unhealthy({**body, "status": "recovering" if reconciler.state == "recovering" else "starting", "reason": "no verified weight version applied"})
+            return _unhealthy(
+                {
+                    **body,
+                    "status": "recovering" if reconciler.state == "recovering" else "starting",
+                    "reason": "no verified weight version applied",
+                }
+            )
         if request.app.state.gate.stalled:
-            return _unhealthy({**body, "status": "engine_slow", "reason": f"the engine has not answered a state check in {settings.engine_call_timeout_s:g} s: new requests are held until it does"})
+            return _unhealthy(
+                {
+                    **body,
+                    "status": "engine_slow",
+                    "reason": f"the engine has not answered a state check in {settings.engine_call_timeout_s:g} s: new requests are held until it does",
+                }
+            )
         if not reconciler.engine_busy:  # the engine is still the instance, at the version, verified?
             dropped = await reconciler.check_engine()
             if dropped is not None:
-                return _unhealthy({**body, "applied_version": None, "state": reconciler.state, "status": "engine_changed", "reason": dropped})
+                return _unhealthy(
+                    {
+                        **body,
+                        "applied_version": None,
+                        "state": reconciler.state,
+                        "status": "engine_changed",
+                        "reason": dropped,
+                    }
+                )
         try:
             ok = await asyncio.wait_for(asyncio.to_thread(engine.health), settings.engine_call_timeout_s)
             reason = "the engine's health check failed"
@@ -168,7 +215,9 @@ def create_app(settings: SidecarSettings, engine: EngineAdapter | None = None, c
     async def proxied(request: Request, path: str) -> Response:
         """Engine routes: OpenAI routes gated and stamped, read-only routes as they are, the rest 403
         (paths normalised first, dot segments 400, bodies over ``max_body_bytes`` 413)."""
-        route = normalise_path(request.scope.get("raw_path", b"").decode("latin-1").split("?", 1)[0] or request.url.path)
+        route = normalise_path(
+            request.scope.get("raw_path", b"").decode("latin-1").split("?", 1)[0] or request.url.path
+        )
         proxy: Proxy = request.app.state.proxy
         kind = proxy.routes.kind(request.method, route)
         if kind == "model":
@@ -176,7 +225,9 @@ def create_app(settings: SidecarSettings, engine: EngineAdapter | None = None, c
         if kind == "read":
             return await proxy.forward_plain(request, route, await read_body(request, settings.max_body_bytes))
         raise RouteForbiddenError(
-            f"{request.method} {route} is not forwarded: the sidecar serves inference and read-only routes; engine control (pause, weight updates, sleep...) is the sidecar's alone", method=request.method, path=route
+            f"{request.method} {route} is not forwarded: the sidecar serves inference and read-only routes; engine control (pause, weight updates, sleep...) is the sidecar's alone",
+            method=request.method,
+            path=route,
         )
 
     return app

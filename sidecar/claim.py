@@ -69,7 +69,15 @@ class ClaimKeeper(abc.ABC):
         fetcher: fetches plans into the hand-off folder.
     """
 
-    def __init__(self, settings: SidecarSettings, client: BulletinClient, engine: EngineAdapter, gate: Gate, metrics: SidecarMetrics, fetcher: Fetcher) -> None:
+    def __init__(
+        self,
+        settings: SidecarSettings,
+        client: BulletinClient,
+        engine: EngineAdapter,
+        gate: Gate,
+        metrics: SidecarMetrics,
+        fetcher: Fetcher,
+    ) -> None:
         self.settings = settings
         self.run_id = settings.run
         self.client = client
@@ -83,7 +91,9 @@ class ClaimKeeper(abc.ABC):
         self.last_sync: SyncReport | None = None
         self.refused: Refusal | None = None  # the last plan that could not be staged, until one is applied
         self.pause_by_route: dict[str, float] = {}  # route kind -> its last pause, seconds
-        self._refused_plans: dict[tuple[int | None, int], float] = {}  # (from, to) -> when to try it again, Unix seconds
+        self._refused_plans: dict[
+            tuple[int | None, int], float
+        ] = {}  # (from, to) -> when to try it again, Unix seconds
         self._failures = 0
         self._force_anchor = False
         self._resume_pending = False
@@ -107,7 +117,9 @@ class ClaimKeeper(abc.ABC):
 
     async def _engine_io(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Run a blocking engine-adapter call in the engine pool."""
-        return await asyncio.get_running_loop().run_in_executor(self._engine_pool, functools.partial(fn, *args, **kwargs))
+        return await asyncio.get_running_loop().run_in_executor(
+            self._engine_pool, functools.partial(fn, *args, **kwargs)
+        )
 
     def _publish(self) -> None:
         self.metrics.versions(self.gate.applied, self.gate.target)
@@ -187,10 +199,16 @@ class ClaimKeeper(abc.ABC):
                 try:
                     state = await asyncio.wait_for(asyncio.shield(call), call_s)
                 except TimeoutError:
-                    log.warning("the engine has not answered its state call in %g s: new requests are held until it does (at most %g s)", call_s, stall_s)
+                    log.warning(
+                        "the engine has not answered its state call in %g s: new requests are held until it does (at most %g s)",
+                        call_s,
+                        stall_s,
+                    )
                     self.gate.set_stalled(True)
                     try:
-                        state = await asyncio.wait_for(call, stall_s - call_s + 1.0)  # the call's own timeout ends it first
+                        state = await asyncio.wait_for(
+                            call, stall_s - call_s + 1.0
+                        )  # the call's own timeout ends it first
                     finally:
                         self.gate.set_stalled(False)
             except Exception as exc:  # noqa: BLE001 - an engine that cannot say what it holds backs no claim
@@ -252,7 +270,12 @@ class ClaimKeeper(abc.ABC):
             self.state = "idle"
             return None
         if phase not in IDLE_PHASES or paused:
-            log.warning("engine is in phase %r (paused: %s) holding version %s: an earlier commit was interrupted; recovering", phase, paused, version)
+            log.warning(
+                "engine is in phase %r (paused: %s) holding version %s: an earlier commit was interrupted; recovering",
+                phase,
+                paused,
+                version,
+            )
             await self._recover_interrupted(version if phase in IDLE_PHASES else None, paused)
             return None
         manifest = None
@@ -316,7 +339,9 @@ class ClaimKeeper(abc.ABC):
         try:
             manifest = await self._io(self.client.manifest, self.run_id, version)
         except NotFoundError:
-            log.warning("%s version %d, which run %r does not have: loading the nearest anchor", claim, version, self.run_id)
+            log.warning(
+                "%s version %d, which run %r does not have: loading the nearest anchor", claim, version, self.run_id
+            )
             return None
         want = manifest.checksums()
         try:
@@ -325,11 +350,25 @@ class ClaimKeeper(abc.ABC):
             if exc.details.get("cause") != UnmappedTensorError.type:
                 raise  # the engine could not answer now: boot retries
             # names the engine has no place for: another model
-            log.warning("%s version %d, but the engine cannot read run %r's tensors (%s): loading the nearest anchor", claim, version, self.run_id, exc)
+            log.warning(
+                "%s version %d, but the engine cannot read run %r's tensors (%s): loading the nearest anchor",
+                claim,
+                version,
+                self.run_id,
+                exc,
+            )
             return None
         differ = sorted(n for n in want if held.get(n) != want[n])
         if differ:
-            log.warning("%s version %d, but %d of %d tensors differ from run %r's (first: %s): loading the nearest anchor", claim, version, len(differ), len(want), self.run_id, differ[0])
+            log.warning(
+                "%s version %d, but %d of %d tensors differ from run %r's (first: %s): loading the nearest anchor",
+                claim,
+                version,
+                len(differ),
+                len(want),
+                self.run_id,
+                differ[0],
+            )
             return None
         return manifest
 

@@ -32,16 +32,51 @@ def _settings(**overrides: Any) -> SidecarSettings:
 def run_sidecar(
     bulletin: Annotated[str | None, typer.Option(help="bulletin URL (env STITCH_SIDECAR_BULLETIN)")] = None,
     run: Annotated[str | None, typer.Option("--run", help="run id to follow (env STITCH_SIDECAR_RUN)")] = None,
-    token: Annotated[str | None, typer.Option(help="bearer token with scope replica (reads, and reports this replica to the fleet view; env STITCH_SIDECAR_TOKEN)")] = None,
+    token: Annotated[
+        str | None,
+        typer.Option(
+            help="bearer token with scope replica (reads, and reports this replica to the fleet view; env STITCH_SIDECAR_TOKEN)"
+        ),
+    ] = None,
     engine: Annotated[str | None, typer.Option(help="engine kind: vllm or sglang (env STITCH_SIDECAR_ENGINE)")] = None,
-    engine_url: Annotated[str | None, typer.Option(help="engine base URL on this host (env STITCH_SIDECAR_ENGINE_URL, default http://127.0.0.1:8001)")] = None,
-    host: Annotated[str | None, typer.Option(help="address to listen on (env STITCH_SIDECAR_HOST, default 127.0.0.1)")] = None,
+    engine_url: Annotated[
+        str | None,
+        typer.Option(
+            help="engine base URL on this host (env STITCH_SIDECAR_ENGINE_URL, default http://127.0.0.1:8001)"
+        ),
+    ] = None,
+    host: Annotated[
+        str | None, typer.Option(help="address to listen on (env STITCH_SIDECAR_HOST, default 127.0.0.1)")
+    ] = None,
     port: Annotated[int | None, typer.Option(help="TCP port (env STITCH_SIDECAR_PORT, default 8000)")] = None,
-    boot_version: Annotated[int | None, typer.Option(help="published version the engine's boot checkpoint is; omit to load the nearest anchor (env STITCH_SIDECAR_BOOT_VERSION)")] = None,
-    handoff_dir: Annotated[str | None, typer.Option(help="memory-backed folder shared with the engine (env STITCH_SIDECAR_HANDOFF_DIR, default /dev/shm/stitchboard)")] = None,
-    salt_cache: Annotated[bool | None, typer.Option("--salt-cache/--reset-cache", help="salt the prefix cache by version instead of resetting it at every commit (env STITCH_SIDECAR_SALT_CACHE, default reset)")] = None,
-    replica_id: Annotated[str | None, typer.Option(help="stable id of this replica in the fleet view (env STITCH_SIDECAR_REPLICA_ID, default <host name>-<port>)")] = None,
-    log_level: Annotated[str | None, typer.Option(help="log level (env STITCH_SIDECAR_LOG_LEVEL, default info)")] = None,
+    boot_version: Annotated[
+        int | None,
+        typer.Option(
+            help="published version the engine's boot checkpoint is; omit to load the nearest anchor (env STITCH_SIDECAR_BOOT_VERSION)"
+        ),
+    ] = None,
+    handoff_dir: Annotated[
+        str | None,
+        typer.Option(
+            help="memory-backed folder shared with the engine (env STITCH_SIDECAR_HANDOFF_DIR, default /dev/shm/stitchboard)"
+        ),
+    ] = None,
+    salt_cache: Annotated[
+        bool | None,
+        typer.Option(
+            "--salt-cache/--reset-cache",
+            help="salt the prefix cache by version instead of resetting it at every commit (env STITCH_SIDECAR_SALT_CACHE, default reset)",
+        ),
+    ] = None,
+    replica_id: Annotated[
+        str | None,
+        typer.Option(
+            help="stable id of this replica in the fleet view (env STITCH_SIDECAR_REPLICA_ID, default <host name>-<port>)"
+        ),
+    ] = None,
+    log_level: Annotated[
+        str | None, typer.Option(help="log level (env STITCH_SIDECAR_LOG_LEVEL, default info)")
+    ] = None,
 ) -> None:
     """Follow RUN at the bulletin, apply its versions to the engine, and proxy its OpenAI API (other settings: STITCH_SIDECAR_* env vars, see stitchboard.sidecar.settings)."""
     settings = _settings(
@@ -61,4 +96,10 @@ def run_sidecar(
     from .app import create_app
 
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level, timeout_graceful_shutdown=5)
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=5,
+    )

@@ -12,10 +12,20 @@ from typing import Any, Self
 
 import httpx
 
-from stitchboard.proto.sidecar_wire import COMMIT_STATES, END_FIELD, EXACT_HEADER, MIN_HEADER, START_FIELD, WAIT_HEADER, SidecarStatus
+from stitchboard.proto.sidecar_wire import (
+    COMMIT_STATES,
+    END_FIELD,
+    EXACT_HEADER,
+    MIN_HEADER,
+    START_FIELD,
+    WAIT_HEADER,
+    SidecarStatus,
+)
 
 
-def version_headers(*, min_version: int | None = None, exact_version: int | None = None, wait_s: float | None = None) -> dict[str, str]:
+def version_headers(
+    *, min_version: int | None = None, exact_version: int | None = None, wait_s: float | None = None
+) -> dict[str, str]:
     """The ``X-Stitch-*`` request headers for a weight-version constraint (None: not sent)."""
     headers = {}
     if min_version is not None:
@@ -76,7 +86,9 @@ class SidecarClient:
         except httpx.HTTPError:
             return False
 
-    def wait_status(self, predicate: Callable[[SidecarStatus], bool], what: str, timeout_s: float = 300.0, poll_s: float = 0.1) -> SidecarStatus:
+    def wait_status(
+        self, predicate: Callable[[SidecarStatus], bool], what: str, timeout_s: float = 300.0, poll_s: float = 0.1
+    ) -> SidecarStatus:
         """Poll the status until ``predicate(status)``; returns that status.
 
         Raises:
@@ -96,9 +108,21 @@ class SidecarClient:
 
     def wait_applied(self, version: int, timeout_s: float = 300.0) -> SidecarStatus:
         """Wait until ``version`` is applied and its commit has finished (the engine resumed)."""
-        return self.wait_status(lambda s: s.applied_version == version and s.state not in COMMIT_STATES, f"version {version} applied", timeout_s)
+        return self.wait_status(
+            lambda s: s.applied_version == version and s.state not in COMMIT_STATES,
+            f"version {version} applied",
+            timeout_s,
+        )
 
-    def complete(self, body: dict[str, Any], *, min_version: int | None = None, exact_version: int | None = None, wait_s: float | None = None, timeout_s: float = 600.0) -> httpx.Response:
+    def complete(
+        self,
+        body: dict[str, Any],
+        *,
+        min_version: int | None = None,
+        exact_version: int | None = None,
+        wait_s: float | None = None,
+        timeout_s: float = 600.0,
+    ) -> httpx.Response:
         """``POST /v1/completions`` with ``body`` and a weight-version constraint; the raw answer
         (stamps in its JSON: :func:`stamps`)."""
         headers = version_headers(min_version=min_version, exact_version=exact_version, wait_s=wait_s)

@@ -183,27 +183,39 @@ class Fetcher:
         tensors = load_checkpoint(where)
         want = manifest.tensor_map()
         if set(tensors) != set(want):
-            raise StagingError(f"snapshot of version {manifest.version}: tensors differ from the manifest (missing {sorted(set(want) - set(tensors))[:3]}, extra {sorted(set(tensors) - set(want))[:3]})")
+            raise StagingError(
+                f"snapshot of version {manifest.version}: tensors differ from the manifest (missing {sorted(set(want) - set(tensors))[:3]}, extra {sorted(set(tensors) - set(want))[:3]})"
+            )
         for name, t in tensors.items():
             spec = want[name]
             if t.dtype != spec.dtype or list(t.shape) != spec.shape or checksum(t) != spec.checksums[XXH3_128]:
-                raise StagingError(f"snapshot of version {manifest.version}: tensor {name!r} differs from the manifest (dtype, shape or checksum)")
+                raise StagingError(
+                    f"snapshot of version {manifest.version}: tensor {name!r} differs from the manifest (dtype, shape or checksum)"
+                )
 
     def _check_delta(self, manifest: VersionManifest, paths: list[Path], previous: VersionManifest | None) -> None:
         v = manifest.version
         want = manifest.tensor_map()
         before = previous.tensor_map() if previous is not None and previous.version == v - 1 else None
-        if before is not None and {(n, s.dtype, tuple(s.shape)) for n, s in before.items()} != {(n, s.dtype, tuple(s.shape)) for n, s in want.items()}:
-            raise StagingError(f"version {v} changes the tensor set of version {v - 1}: a delta cannot, it needs an anchor")
+        if before is not None and {(n, s.dtype, tuple(s.shape)) for n, s in before.items()} != {
+            (n, s.dtype, tuple(s.shape)) for n, s in want.items()
+        }:
+            raise StagingError(
+                f"version {v} changes the tensor set of version {v - 1}: a delta cannot, it needs an anchor"
+            )
         touched: set[str] = set()
         for path in paths:
             patch = read_patch(path.read_bytes(), what=str(path))
             if patch.encoding != manifest.encoding:
-                raise StagingError(f"{path}: encoding {patch.encoding!r}, the manifest of version {v} says {manifest.encoding!r}")
+                raise StagingError(
+                    f"{path}: encoding {patch.encoding!r}, the manifest of version {v} says {manifest.encoding!r}"
+                )
             for name, entry in patch.entries.items():
                 spec = want.get(name)
                 if spec is None or entry.dtype != spec.dtype or list(entry.shape) != spec.shape:
-                    raise StagingError(f"{path}: tensor {name!r} is not in version {v}'s manifest with that dtype and shape")
+                    raise StagingError(
+                        f"{path}: tensor {name!r} is not in version {v}'s manifest with that dtype and shape"
+                    )
                 if name in touched:
                     raise StagingError(f"version {v}: tensor {name!r} appears in two patch files")
                 if entry.target.get(XXH3_128) != spec.checksums[XXH3_128]:
@@ -214,14 +226,22 @@ class Fetcher:
             if patch.encoding != "cond":  # cond decodes only against the base: the engine does it (module doc)
                 patch.deltas()  # decode every tensor's positions now, while the engine serves
         if before is not None:
-            moved = sorted(n for n in want if n not in touched and want[n].checksums[XXH3_128] != before[n].checksums[XXH3_128])
+            moved = sorted(
+                n for n in want if n not in touched and want[n].checksums[XXH3_128] != before[n].checksums[XXH3_128]
+            )
             if moved:
                 raise StagingError(f"version {v}: tensors {moved[:3]} change checksum but no patch touches them")
 
-    def _check_squash(self, step: PlanStep, manifest: VersionManifest, paths: list[Path], previous: VersionManifest | None) -> None:
+    def _check_squash(
+        self, step: PlanStep, manifest: VersionManifest, paths: list[Path], previous: VersionManifest | None
+    ) -> None:
         base_version = step.from_version
         assert base_version is not None  # a squash step always names its base (PlanStep checks it)
-        base = previous if previous is not None and previous.version == base_version else self.client.manifest(self.run, base_version)
+        base = (
+            previous
+            if previous is not None and previous.version == base_version
+            else self.client.manifest(self.run, base_version)
+        )
         indexes = []
         for path in paths:
             patch = read_patch(path.read_bytes(), what=str(path))

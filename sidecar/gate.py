@@ -87,7 +87,9 @@ def _wait(value: Any, what: str) -> float | None:
 
 def _merge(a: Any, b: Any, what: str) -> Any:
     if a is not None and b is not None and a != b:
-        raise InvalidVersionConstraintError(f"{what} given twice with different values ({a} in the header, {b} in the body)")
+        raise InvalidVersionConstraintError(
+            f"{what} given twice with different values ({a} in the header, {b} in the body)"
+        )
     return a if a is not None else b
 
 
@@ -107,12 +109,28 @@ def parse_constraint(headers: Mapping[str, str], body: Any) -> VersionConstraint
     if field is None:
         field = {}
     if not isinstance(field, dict) or set(field) - {"min_version", "exact_version", "wait_s"}:
-        raise InvalidVersionConstraintError(f"{BODY_FIELD} must be an object with min_version, exact_version and/or wait_s, got {field!r}")
-    low = _merge(_version(headers.get(MIN_HEADER), "X-Stitch-Min-Version"), _version(field.get("min_version"), "weight_version.min_version"), "min_version")
-    exact = _merge(_version(headers.get(EXACT_HEADER), "X-Stitch-Exact-Version"), _version(field.get("exact_version"), "weight_version.exact_version"), "exact_version")
-    wait = _merge(_wait(headers.get(WAIT_HEADER), "X-Stitch-Wait-S"), _wait(field.get("wait_s"), "weight_version.wait_s"), "wait_s")
+        raise InvalidVersionConstraintError(
+            f"{BODY_FIELD} must be an object with min_version, exact_version and/or wait_s, got {field!r}"
+        )
+    low = _merge(
+        _version(headers.get(MIN_HEADER), "X-Stitch-Min-Version"),
+        _version(field.get("min_version"), "weight_version.min_version"),
+        "min_version",
+    )
+    exact = _merge(
+        _version(headers.get(EXACT_HEADER), "X-Stitch-Exact-Version"),
+        _version(field.get("exact_version"), "weight_version.exact_version"),
+        "exact_version",
+    )
+    wait = _merge(
+        _wait(headers.get(WAIT_HEADER), "X-Stitch-Wait-S"),
+        _wait(field.get("wait_s"), "weight_version.wait_s"),
+        "wait_s",
+    )
     if low is not None and exact is not None and exact < low:
-        raise InvalidVersionConstraintError(f"exact_version {exact} is below min_version {low}: no version satisfies both")
+        raise InvalidVersionConstraintError(
+            f"exact_version {exact} is below min_version {low}: no version satisfies both"
+        )
     return VersionConstraint(low, exact, wait)
 
 
@@ -224,7 +242,13 @@ class Gate:
             if held:
                 self.waiting -= 1
         if self.applied is None or self.committing or self.stalled:
-            why = "a commit is under way" if self.committing else "no verified weight version is applied yet" if self.applied is None else "the engine is slow to answer its state check"
+            why = (
+                "a commit is under way"
+                if self.committing
+                else "no verified weight version is applied yet"
+                if self.applied is None
+                else "the engine is slow to answer its state check"
+            )
             raise NotReadyError(f"{why} (held {wait_s:g} s)", applied_version=self.applied, target_version=self.target)
         raise WeightVersionNotReadyError(
             f"weight version not ready after {wait_s:g} s: applied {self.applied}, target {self.target}, wanted {constraint.details()}",

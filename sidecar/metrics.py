@@ -18,24 +18,88 @@ class SidecarMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.applied_version = Gauge("stitch_sidecar_applied_version", "Verified version the engine holds (-1: none).", registry=r)
-        self.target_version = Gauge("stitch_sidecar_target_version", "Newest version known at the bulletin (-1: none).", registry=r)
-        self.lag_versions = Gauge("stitch_sidecar_lag_versions", "Target minus applied version (target + 1 while nothing is applied).", registry=r)
-        self.healthy = Gauge("stitch_sidecar_healthy", "1 when the engine answers and the last sync did not leave the sidecar unhealthy.", registry=r)
+        self.applied_version = Gauge(
+            "stitch_sidecar_applied_version", "Verified version the engine holds (-1: none).", registry=r
+        )
+        self.target_version = Gauge(
+            "stitch_sidecar_target_version", "Newest version known at the bulletin (-1: none).", registry=r
+        )
+        self.lag_versions = Gauge(
+            "stitch_sidecar_lag_versions",
+            "Target minus applied version (target + 1 while nothing is applied).",
+            registry=r,
+        )
+        self.healthy = Gauge(
+            "stitch_sidecar_healthy",
+            "1 when the engine answers and the last sync did not leave the sidecar unhealthy.",
+            registry=r,
+        )
         self.in_flight = Gauge("stitch_sidecar_requests_in_flight", "Admitted requests not yet completed.", registry=r)
-        self.bytes_fetched = Counter("stitch_sidecar_bytes_fetched", "Bytes downloaded from the bulletin and verified.", registry=r)
-        self.commits = Counter("stitch_sidecar_commits", "Commits by outcome (applied, flipped: empty deltas only, failed).", ["outcome"], registry=r)
-        self.claims_dropped = Counter("stitch_sidecar_claims_dropped", "Times the applied version was withdrawn because the engine restarted, changed its record or stopped answering.", registry=r)
-        self.recoveries = Counter("stitch_sidecar_recoveries", "Anchor recoveries by outcome (ok, failed).", ["outcome"], registry=r)
-        self.pause_seconds = Histogram("stitch_sidecar_pause_seconds", "Time the engine spent paused per commit, seconds, by route kind (delta, staged_anchor, anchor, recovery).", ["route"], buckets=_SECONDS, registry=r)
-        self.refusals = Counter("stitch_sidecar_refusals", "Plans the engine refused before any write (the held version kept serving), by route kind.", ["route"], registry=r)
-        self.refused_version = Gauge("stitch_sidecar_refused_version", "Version of the last refused plan, until one at or past it is applied (-1: none).", registry=r)
-        self.apply_seconds = Histogram("stitch_sidecar_apply_seconds", "Time the engine spent applying patches or snapshots per commit, seconds.", buckets=_SECONDS, registry=r)
-        self.stage_seconds = Histogram("stitch_sidecar_stage_seconds", "Download and verify time per sync, seconds.", buckets=_SECONDS, registry=r)
-        self.engine_stage_seconds = Histogram("stitch_sidecar_engine_stage_seconds", "Time the engine spent staging an update while serving (decode, checks, GEMM packing), seconds.", buckets=_SECONDS, registry=r)
-        self.sync_seconds = Histogram("stitch_sidecar_sync_seconds", "From seeing a new version at the bulletin to having it applied, seconds.", buckets=_SECONDS, registry=r)
-        self.requests_held = Counter("stitch_sidecar_requests_held", "Requests held by the gate before admission (or rejection).", registry=r)
-        self.requests_rejected = Counter("stitch_sidecar_requests_rejected", "Requests refused by the sidecar, by error type.", ["reason"], registry=r)
+        self.bytes_fetched = Counter(
+            "stitch_sidecar_bytes_fetched", "Bytes downloaded from the bulletin and verified.", registry=r
+        )
+        self.commits = Counter(
+            "stitch_sidecar_commits",
+            "Commits by outcome (applied, flipped: empty deltas only, failed).",
+            ["outcome"],
+            registry=r,
+        )
+        self.claims_dropped = Counter(
+            "stitch_sidecar_claims_dropped",
+            "Times the applied version was withdrawn because the engine restarted, changed its record or stopped answering.",
+            registry=r,
+        )
+        self.recoveries = Counter(
+            "stitch_sidecar_recoveries", "Anchor recoveries by outcome (ok, failed).", ["outcome"], registry=r
+        )
+        self.pause_seconds = Histogram(
+            "stitch_sidecar_pause_seconds",
+            "Time the engine spent paused per commit, seconds, by route kind (delta, staged_anchor, anchor, recovery).",
+            ["route"],
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.refusals = Counter(
+            "stitch_sidecar_refusals",
+            "Plans the engine refused before any write (the held version kept serving), by route kind.",
+            ["route"],
+            registry=r,
+        )
+        self.refused_version = Gauge(
+            "stitch_sidecar_refused_version",
+            "Version of the last refused plan, until one at or past it is applied (-1: none).",
+            registry=r,
+        )
+        self.apply_seconds = Histogram(
+            "stitch_sidecar_apply_seconds",
+            "Time the engine spent applying patches or snapshots per commit, seconds.",
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.stage_seconds = Histogram(
+            "stitch_sidecar_stage_seconds", "Download and verify time per sync, seconds.", buckets=_SECONDS, registry=r
+        )
+        self.engine_stage_seconds = Histogram(
+            "stitch_sidecar_engine_stage_seconds",
+            "Time the engine spent staging an update while serving (decode, checks, GEMM packing), seconds.",
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.sync_seconds = Histogram(
+            "stitch_sidecar_sync_seconds",
+            "From seeing a new version at the bulletin to having it applied, seconds.",
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.requests_held = Counter(
+            "stitch_sidecar_requests_held", "Requests held by the gate before admission (or rejection).", registry=r
+        )
+        self.requests_rejected = Counter(
+            "stitch_sidecar_requests_rejected",
+            "Requests refused by the sidecar, by error type.",
+            ["reason"],
+            registry=r,
+        )
         for g in (self.applied_version, self.target_version, self.refused_version):
             g.set(-1)
         for kind in ROUTE_KINDS:

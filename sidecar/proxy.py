@@ -53,7 +53,22 @@ from .stamps import SseStamper, event_data, stamp_answer
 
 T = TypeVar("T")
 log = logging.getLogger("stitchboard.sidecar")
-_HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade", "proxy-authorization", "proxy-authenticate", "trailer", "accept-encoding", "content-encoding", "date", "server"}
+_HOP = {
+    "host",
+    "content-length",
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "te",
+    "upgrade",
+    "proxy-authorization",
+    "proxy-authenticate",
+    "trailer",
+    "accept-encoding",
+    "content-encoding",
+    "date",
+    "server",
+}
 
 
 def is_json_body(content_type: str | None) -> bool:
@@ -168,9 +183,17 @@ class Proxy:
         self.gate = gate
         self.metrics = metrics
         self.routes = route_table(settings.engine)
-        self.versions = AnswerVersionCheck(gate, check_engine, settings.engine_call_timeout_s) if self.routes.reports_versions and check_engine is not None else None
+        self.versions = (
+            AnswerVersionCheck(gate, check_engine, settings.engine_call_timeout_s)
+            if self.routes.reports_versions and check_engine is not None
+            else None
+        )
         timeout = httpx.Timeout(settings.engine_timeout_s, connect=settings.engine_call_timeout_s, pool=None)
-        self.http = httpx.AsyncClient(base_url=settings.engine_url.rstrip("/"), timeout=timeout, limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        self.http = httpx.AsyncClient(
+            base_url=settings.engine_url.rstrip("/"),
+            timeout=timeout,
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+        )
 
     async def aclose(self) -> None:
         """Close the connection pool."""
@@ -191,9 +214,15 @@ class Proxy:
         return task.result()
 
     def _upstream_request(self, request: Request, path: str, body: bytes) -> httpx.Request:
-        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP and not k.lower().startswith("x-stitch-")]
+        headers = [
+            (k, v)
+            for k, v in request.headers.items()
+            if k.lower() not in _HOP and not k.lower().startswith("x-stitch-")
+        ]
         headers.append(("accept-encoding", "identity"))  # bytes pass through as they are
-        return self.http.build_request(request.method, path, params=list(request.query_params.multi_items()), headers=headers, content=body)
+        return self.http.build_request(
+            request.method, path, params=list(request.query_params.multi_items()), headers=headers, content=body
+        )
 
     async def _open(self, upstream: httpx.Request) -> httpx.Response:
         # Sends the request; reads the whole answer unless it is an SSE stream.
@@ -205,7 +234,9 @@ class Proxy:
             try:
                 await response.aread()
             except httpx.TransportError as exc:
-                raise EngineUnavailableError(f"the engine at {self.settings.engine_url} broke off its answer: {exc!r}") from None
+                raise EngineUnavailableError(
+                    f"the engine at {self.settings.engine_url} broke off its answer: {exc!r}"
+                ) from None
             finally:
                 await response.aclose()
         return response
@@ -226,7 +257,9 @@ class Proxy:
             return Response(status_code=499)
         if response.is_stream_consumed:
             return Response(response.content, status_code=response.status_code, headers=self._headers(response))
-        return _ProxyStream(response.aiter_raw(), response.aclose, status_code=response.status_code, headers=self._headers(response))
+        return _ProxyStream(
+            response.aiter_raw(), response.aclose, status_code=response.status_code, headers=self._headers(response)
+        )
 
     async def forward_model(self, request: Request, path: str, body: bytes) -> Response:
         """Gate, forward and stamp a request whose answer depends on the weights (``path`` on the
@@ -249,9 +282,16 @@ class Proxy:
         start_len = wants_routing(request.headers, payload, path) if self.routing is not None else None
         if self.routing is not None and start_len is not None:
             await self.routing.require_moe()
-        sg_start = wants_routing(request.headers, payload, path) if self.routing is None and self.settings.engine == "sglang" else None
+        sg_start = (
+            wants_routing(request.headers, payload, path)
+            if self.routing is None and self.settings.engine == "sglang"
+            else None
+        )
         want = want or sg_start is not None  # SGLang's rows are tagged from the output tokens' spans
-        wait_s = min(constraint.wait_s if constraint.wait_s is not None else self.settings.request_wait_s, self.settings.max_request_wait_s)
+        wait_s = min(
+            constraint.wait_s if constraint.wait_s is not None else self.settings.request_wait_s,
+            self.settings.max_request_wait_s,
+        )
         try:
             start, held, claims = await self._unless_gone(request, self.gate.admit(constraint, wait_s))
         except ClientGone:
@@ -259,11 +299,21 @@ class Proxy:
         self.metrics.in_flight.set(self.gate.in_flight)
         if held:
             self.metrics.requests_held.inc()
-        routed = RoutedExperts(self.routing, start_len, payload, request.headers.get("x-request-id")) if self.routing is not None and start_len is not None else None
+        routed = (
+            RoutedExperts(self.routing, start_len, payload, request.headers.get("x-request-id"))
+            if self.routing is not None and start_len is not None
+            else None
+        )
         sg_routed = SglangRoutedExperts(sg_start, payload) if sg_start is not None else None
         client_id = routed.request_id if routed is not None else request.headers.get("x-request-id")
         spans = Spans(self.spans, self.routes.reports_versions, start, path, payload, client_id) if want else None
-        if self.salter.salt(path, payload, start) or had_field or routed is not None or sg_routed is not None or (spans is not None and spans.changed_body):
+        if (
+            self.salter.salt(path, payload, start)
+            or had_field
+            or routed is not None
+            or sg_routed is not None
+            or (spans is not None and spans.changed_body)
+        ):
             body = json.dumps(payload).encode()
         released = False
 
@@ -324,8 +374,17 @@ class Proxy:
             content = json.dumps(answer).encode()
         return Response(content, status_code=response.status_code, headers=headers)
 
-    def _streamed_answer(self, response: httpx.Response, headers: dict[str, str], path: str, admitted: _Admitted) -> Response:
-        start, claims, release, spans, routed, sg_routed = admitted.start, admitted.claims, admitted.release, admitted.spans, admitted.routed, admitted.sg_routed
+    def _streamed_answer(
+        self, response: httpx.Response, headers: dict[str, str], path: str, admitted: _Admitted
+    ) -> Response:
+        start, claims, release, spans, routed, sg_routed = (
+            admitted.start,
+            admitted.claims,
+            admitted.release,
+            admitted.spans,
+            admitted.routed,
+            admitted.sg_routed,
+        )
         final = _finished_output if path in self.routes.final_in_place else None
 
         def streamed_spans() -> tuple[list[dict[str, int]] | None, dict[int, list[dict[str, int]]] | None]:
@@ -336,7 +395,11 @@ class Proxy:
                 stamper.extra = sg_routed.fields(top)
             return top, per_choice
 
-        stamper = SseStamper(start, lambda: self.gate.applied, final) if spans is None else SpanStamper(start, lambda: self.gate.applied, final, streamed_spans)
+        stamper = (
+            SseStamper(start, lambda: self.gate.applied, final)
+            if spans is None
+            else SpanStamper(start, lambda: self.gate.applied, final, streamed_spans)
+        )
         check = self.versions
         vouched = check is None  # a reported version was checked, or no check applies
 

@@ -62,17 +62,23 @@ def build_rebase(staged: FetchedPlan, held: Mapping[str, str], out: Path) -> tup
     view = _target_view(staged)
     want = staged.steps[-1].manifest.checksums()
     if set(view) != set(want):
-        raise StagingError(f"the anchor route to version {staged.to_version} builds tensors {sorted(set(view) ^ set(want))[:3]} that differ from its manifest's")
+        raise StagingError(
+            f"the anchor route to version {staged.to_version} builds tensors {sorted(set(view) ^ set(want))[:3]} that differ from its manifest's"
+        )
     wrong = [n for n in sorted(want) if checksum(view[n]) != want[n]]
     if wrong:
-        raise StagingError(f"the anchor route to version {staged.to_version} builds {len(wrong)} tensors with other checksums than its manifest's (first: {wrong[0]!r})")
+        raise StagingError(
+            f"the anchor route to version {staged.to_version} builds {len(wrong)} tensors with other checksums than its manifest's (first: {wrong[0]!r})"
+        )
     differ = [n for n in sorted(want) if held.get(n) != want[n]]
     if not differ:
         return None, 0
     encoded = []
     for name in differ:
         target = view[name]
-        other = RawTensor(target.dtype, tuple(target.shape), ~target.bits)  # differs in every element: all positions listed
+        other = RawTensor(
+            target.dtype, tuple(target.shape), ~target.bits
+        )  # differs in every element: all positions listed
         enc = encode_tensor(name, other, target, "overwrite", base_checksum=held[name], target_checksum=want[name])
         if enc is not None:
             encoded.append(enc)

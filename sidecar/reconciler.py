@@ -101,9 +101,13 @@ class Reconciler(ClaimKeeper):
         # In the pause: the engine's output-token counts of the marked requests (None: an engine that cannot count).
         counts = getattr(self.engine, "output_counts", None)
         try:
-            self._pause_counts = {} if not self.spans.wanted() else None if counts is None else await self._engine_io(counts)
+            self._pause_counts = (
+                {} if not self.spans.wanted() else None if counts is None else await self._engine_io(counts)
+            )
         except Exception as exc:  # noqa: BLE001 - spans are lost for these requests, the commit goes on
-            log.warning("the engine could not count output tokens at the pause (the requests in flight get no spans): %r", exc)
+            log.warning(
+                "the engine could not count output tokens at the pause (the requests in flight get no spans): %r", exc
+            )
             self._pause_counts = None
 
     def _fault(self, phase: str) -> None:
@@ -187,7 +191,9 @@ class Reconciler(ClaimKeeper):
         if left <= 0:
             return False
         self.state = "retrying"
-        latest = await self._unless_reboot(self._io(self.client.latest, self.run_id, target, min(left, self.settings.poll_wait_s)))
+        latest = await self._unless_reboot(
+            self._io(self.client.latest, self.run_id, target, min(left, self.settings.poll_wait_s))
+        )
         if latest is not None and latest > target:
             self._set_target(latest)
         return True
@@ -218,7 +224,9 @@ class Reconciler(ClaimKeeper):
         seen = time.perf_counter()
         self.state = "staging"
         staged = await self._stage(target)
-        while (newer := await self._io(self.client.latest, self.run_id, staged.to_version)) is not None and newer > staged.to_version:
+        while (
+            newer := await self._io(self.client.latest, self.run_id, staged.to_version)
+        ) is not None and newer > staged.to_version:
             log.info("version %d appeared while staging %d: coalescing it into this commit", newer, staged.to_version)
             self._set_target(newer)
             staged = await self._stage(newer)
@@ -233,7 +241,12 @@ class Reconciler(ClaimKeeper):
         except (StagingError, PatchError) as exc:
             if not any(s.kind == "squash" for s in plan.steps):
                 raise
-            log.warning("the plan %s -> %d through a squash failed its checks (%s): taking the route without squashes", start, target, exc)
+            log.warning(
+                "the plan %s -> %d through a squash failed its checks (%s): taking the route without squashes",
+                start,
+                target,
+                exc,
+            )
             plan = await self._io(self.client.plan, self.run_id, start, target)
             staged = await self._io(self.fetcher.fetch, plan, base)
         self.metrics.bytes_fetched.inc(staged.bytes_fetched)
@@ -273,7 +286,11 @@ class Reconciler(ClaimKeeper):
         except Exception as exc:  # nothing was written: the held version keeps serving
             raise self._refuse(staged, route, exc) from exc
         if prepared is None:  # an anchor route that changes no bit of what the engine holds
-            await self._engine_io(self.engine.set_version, staged.to_version, staged.from_version if route == "delta" else self.gate.applied)
+            await self._engine_io(
+                self.engine.set_version,
+                staged.to_version,
+                staged.from_version if route == "delta" else self.gate.applied,
+            )
             self._finish(staged, seen, 0.0, 0.0, flipped=True, route="flip")
             return
         if prepared:  # time passed while the engine staged: look again
@@ -292,14 +309,24 @@ class Reconciler(ClaimKeeper):
                 apply_s = await self._apply(staged, prepared)
             except Exception as exc:  # any apply failure leads to the anchor, unless nothing was written
                 if prepared and isinstance(exc, ApplyRefusedError) and await self._still_holds(held):
-                    raise self._refuse(staged, route, exc) from exc  # refused before the write: the held version serves on
+                    raise self._refuse(
+                        staged, route, exc
+                    ) from exc  # refused before the write: the held version serves on
                 self._error(exc, f"applying versions {staged.from_version}->{staged.to_version}")
                 self.metrics.commits.labels("failed").inc()
                 self._set_applied(None)
                 route = "recovery"
                 await self._recover(staged.to_version, seen, paused_at)
                 return
-            self._finish(staged, seen, time.perf_counter() - paused_at, apply_s, flipped=False, engine_stage_s=engine_stage_s, route=route)
+            self._finish(
+                staged,
+                seen,
+                time.perf_counter() - paused_at,
+                apply_s,
+                flipped=False,
+                engine_stage_s=engine_stage_s,
+                route=route,
+            )
         finally:
             try:
                 await self._resume()
@@ -316,7 +343,12 @@ class Reconciler(ClaimKeeper):
             state = await self._engine_io(self.engine.state)
         except Exception:  # noqa: BLE001 - an engine that cannot say backs no claim
             return False
-        return version is not None and state.instance == self._instance and state.version == version and state.phase in ("idle", "paused")
+        return (
+            version is not None
+            and state.instance == self._instance
+            and state.version == version
+            and state.phase in ("idle", "paused")
+        )
 
     def _route_of(self, staged: FetchedPlan) -> RouteKind:
         # How the plan reaches the engine: staged while serving (a delta plan from the applied
@@ -352,7 +384,10 @@ class Reconciler(ClaimKeeper):
             # Empty deltas between them change no bit: each delta runs from the previous one's version.
             deltas = [s for s in staged.steps if not s.empty]
             ends: list[int | None] = [staged.from_version, *(s.version for s in deltas[:-1])]
-            steps = [([str(p) for p in s.paths], ends[i], s.version if i < len(deltas) - 1 else staged.to_version) for i, s in enumerate(deltas)]
+            steps = [
+                ([str(p) for p in s.paths], ends[i], s.version if i < len(deltas) - 1 else staged.to_version)
+                for i, s in enumerate(deltas)
+            ]
         await self._engine_io(self.engine.stage_patches, steps)
         seconds = time.perf_counter() - start
         self.metrics.engine_stage_seconds.observe(seconds)
@@ -387,14 +422,20 @@ class Reconciler(ClaimKeeper):
         else:
             for step in staged.steps:
                 if step.kind == "snapshot":
-                    await self._engine_io(self.engine.load_snapshot, [str(p) for p in step.paths], step.version, step.manifest.checksums())
+                    await self._engine_io(
+                        self.engine.load_snapshot, [str(p) for p in step.paths], step.version, step.manifest.checksums()
+                    )
                 elif step.empty:
                     await self._engine_io(self.engine.set_version, step.version, step.base_version)
                 else:  # a delta, or a squash from its base
-                    await self._engine_io(self.engine.apply_patch, [str(p) for p in step.paths], step.base_version, step.version)
+                    await self._engine_io(
+                        self.engine.apply_patch, [str(p) for p in step.paths], step.base_version, step.version
+                    )
         held = (await self._engine_io(self.engine.state)).version
         if held != staged.to_version:
-            raise EngineVersionMismatchError(f"after applying, the engine records version {held}, expected {staged.to_version}")
+            raise EngineVersionMismatchError(
+                f"after applying, the engine records version {held}, expected {staged.to_version}"
+            )
         if self.gate.applied is None or not self._keep_cache:
             await self._engine_io(self.engine.reset_prefix_cache)
             self.salter.was_reset()
@@ -402,7 +443,17 @@ class Reconciler(ClaimKeeper):
         self.metrics.apply_seconds.observe(seconds)
         return seconds
 
-    def _finish(self, staged: FetchedPlan, seen: float, pause_s: float, apply_s: float, *, flipped: bool, route: RouteKind, engine_stage_s: float = 0.0) -> None:
+    def _finish(
+        self,
+        staged: FetchedPlan,
+        seen: float,
+        pause_s: float,
+        apply_s: float,
+        *,
+        flipped: bool,
+        route: RouteKind,
+        engine_stage_s: float = 0.0,
+    ) -> None:
         self._set_applied(staged.to_version, staged.steps[-1].manifest if staged.steps else self._manifest)
         self.unhealthy_reason = None
         self._force_anchor = False
@@ -423,7 +474,13 @@ class Reconciler(ClaimKeeper):
         self.metrics.sync_seconds.observe(total)
         self.fetcher.discard()
         self.state = "idle" if flipped else "resuming"  # idle once the engine is resumed
-        log.info("engine at version %d (from %s, %d bytes, %.3f s)", staged.to_version, staged.from_version, staged.bytes_fetched, total)
+        log.info(
+            "engine at version %d (from %s, %d bytes, %.3f s)",
+            staged.to_version,
+            staged.from_version,
+            staged.bytes_fetched,
+            total,
+        )
 
     async def _recover(self, target: int, seen: float, paused_at: float | None) -> None:
         # The engine is paused and holds no verified version: load the nearest anchor, then deltas.
@@ -441,4 +498,11 @@ class Reconciler(ClaimKeeper):
             self._publish()
             raise
         self.metrics.recoveries.labels("ok").inc()
-        self._finish(staged, seen, 0.0 if paused_at is None else time.perf_counter() - paused_at, apply_s, flipped=False, route="recovery")
+        self._finish(
+            staged,
+            seen,
+            0.0 if paused_at is None else time.perf_counter() - paused_at,
+            apply_s,
+            flipped=False,
+            route="recovery",
+        )

@@ -88,7 +88,11 @@ class SidecarSource:
                 route=sync.route,
                 finished_at=round(sync.finished_at, 3),
             ),
-            last_error=None if error is None else ErrorNote(type=str(error["type"]), message=str(error["message"])[:1000], at=round(float(error["at"]), 3)),
+            last_error=None
+            if error is None
+            else ErrorNote(
+                type=str(error["type"]), message=str(error["message"])[:1000], at=round(float(error["at"]), 3)
+            ),
             history=list(self.history),
             started_at=round(self.started_at, 3),
         )
@@ -108,7 +112,16 @@ class Reporter:
     """
 
     def __init__(
-        self, bulletin: str, token: str | None, run: str, source: Callable[[], ReplicaReport], *, min_interval_s: float = 1.0, max_backoff_s: float = 60.0, http: httpx.AsyncClient | None = None, check_s: float = CHECK_S
+        self,
+        bulletin: str,
+        token: str | None,
+        run: str,
+        source: Callable[[], ReplicaReport],
+        *,
+        min_interval_s: float = 1.0,
+        max_backoff_s: float = 60.0,
+        http: httpx.AsyncClient | None = None,
+        check_s: float = CHECK_S,
     ) -> None:
         self.run = run
         self.source = source
@@ -127,7 +140,14 @@ class Reporter:
         """The reporter of a sidecar built from its settings (``replica_id``, ``report_min_interval_s``, token)."""
         replica_id = settings.replica_id or default_replica_id(settings.port)
         source = SidecarSource(replica_id, settings.engine, reconciler, gate)
-        return cls(settings.bulletin, settings.token, settings.run, source, min_interval_s=settings.report_min_interval_s, max_backoff_s=settings.report_max_backoff_s)
+        return cls(
+            settings.bulletin,
+            settings.token,
+            settings.run,
+            source,
+            min_interval_s=settings.report_min_interval_s,
+            max_backoff_s=settings.report_max_backoff_s,
+        )
 
     async def send(self, report: ReplicaReport) -> ReportAccepted:
         """Send one report; the lease the bulletin granted.
@@ -136,7 +156,11 @@ class Reporter:
             httpx.HTTPError: the bulletin could not be reached.
             BulletinError: the bulletin refused the report (its answer's type).
         """
-        r = await self._http.put(f"/v1/runs/{self.run}/replicas/{report.replica_id}", content=report.model_dump_json(), headers={"content-type": "application/json"})
+        r = await self._http.put(
+            f"/v1/runs/{self.run}/replicas/{report.replica_id}",
+            content=report.model_dump_json(),
+            headers={"content-type": "application/json"},
+        )
         if r.status_code >= 400:
             try:
                 body: object = r.json()
@@ -179,11 +203,19 @@ class Reporter:
                     self.failures += 1
                     retry_at = time.monotonic() + backoff
                     if self.failures == 1 or self.failures % 10 == 0:
-                        log.warning("report %d to the bulletin's fleet view failed (%s: %s); trying again in %.1f s", self.failures, type(exc).__name__, exc, backoff)
+                        log.warning(
+                            "report %d to the bulletin's fleet view failed (%s: %s); trying again in %.1f s",
+                            self.failures,
+                            type(exc).__name__,
+                            exc,
+                            backoff,
+                        )
                     backoff = min(backoff * 2, self.max_backoff_s)
                 else:
                     if self.failures:
-                        log.info("reports to the bulletin's fleet view go through again after %d failures", self.failures)
+                        log.info(
+                            "reports to the bulletin's fleet view go through again after %d failures", self.failures
+                        )
                     self.failures, backoff = 0, self.min_interval_s
                     self.sent += 1
                     self.last_sent, changed_since = report, float("inf")

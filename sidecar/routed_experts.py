@@ -77,8 +77,12 @@ def wants_routing(headers: Mapping[str, str], payload: Any, path: str) -> int | 
     if path not in ROUTED_PATHS:
         raise RoutedExpertsRefusedError(f"{WANT_FIELD} is served on {', '.join(sorted(ROUTED_PATHS))}, not on {path}")
     prompt = body.get("prompt")
-    if body.get("n", 1) not in (1, None) or (isinstance(prompt, list) and len(prompt) > 1 and not all(isinstance(t, int) for t in prompt)):
-        raise RoutedExpertsRefusedError(f"{WANT_FIELD}: one output per request (n 1, one prompt); send the prompts as separate requests")
+    if body.get("n", 1) not in (1, None) or (
+        isinstance(prompt, list) and len(prompt) > 1 and not all(isinstance(t, int) for t in prompt)
+    ):
+        raise RoutedExpertsRefusedError(
+            f"{WANT_FIELD}: one output per request (n 1, one prompt); send the prompts as separate requests"
+        )
     return start_len
 
 
@@ -109,7 +113,10 @@ class RoutingSource:
             self._moe = (bool(report.get("moe")), str(report.get("model")))
         moe, model = self._moe
         if not moe:
-            raise RoutedExpertsRefusedError(f"the model {model!r} has no mixture-of-experts layers: {WANT_FIELD} is served only for MoE models", model=model)
+            raise RoutedExpertsRefusedError(
+                f"the model {model!r} has no mixture-of-experts layers: {WANT_FIELD} is served only for MoE models",
+                model=model,
+            )
 
     async def take(self, mark: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """The engine's report and the routing of request ``mark`` (None: none captured)."""
@@ -119,12 +126,18 @@ class RoutingSource:
 
 def _usage(answer: Any) -> tuple[int, int] | None:
     usage = answer.get("usage") if isinstance(answer, dict) else None
-    if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int) and isinstance(usage.get("completion_tokens"), int):
+    if (
+        isinstance(usage, dict)
+        and isinstance(usage.get("prompt_tokens"), int)
+        and isinstance(usage.get("completion_tokens"), int)
+    ):
         return usage["prompt_tokens"], usage["completion_tokens"]
     return None
 
 
-def routed_fields(report: dict[str, Any], routing: dict[str, Any] | None, start_len: int, usage: tuple[int, int] | None) -> dict[str, Any]:
+def routed_fields(
+    report: dict[str, Any], routing: dict[str, Any] | None, start_len: int, usage: tuple[int, int] | None
+) -> dict[str, Any]:
     """The answer's fields (see the module docstring) from the worker's capture of one request.
 
     Args:
@@ -136,16 +149,24 @@ def routed_fields(report: dict[str, Any], routing: dict[str, Any] | None, start_
     """
     fields: dict[str, Any] = {"sglext": {"routed_experts": None}, START_LEN_FIELD: start_len, VERSIONS_FIELD: None}
     if usage is None or routing is None or "error" in routing:
-        fields[ERROR_FIELD] = "the engine did not report the answer's length" if usage is None else (routing or {}).get("error", "the engine captured no routing for this request")
+        fields[ERROR_FIELD] = (
+            "the engine did not report the answer's length"
+            if usage is None
+            else (routing or {}).get("error", "the engine captured no routing for this request")
+        )
         return fields
     end = sum(usage) - 1  # rows [start_len, end): the last output token is never read
     start_len = fields[START_LEN_FIELD] = min(start_len, max(end, 0))
     first, row_bytes = int(routing["start"]), 4 * int(report["num_layers"]) * int(report["top_k"])
     rows = base64.b64decode(routing["rows"])
     if first > start_len or first + len(rows) // row_bytes < end:
-        fields[ERROR_FIELD] = f"the engine routed positions {first}..{first + len(rows) // row_bytes - 1} in this request, not all of {start_len}..{end - 1}"
+        fields[ERROR_FIELD] = (
+            f"the engine routed positions {first}..{first + len(rows) // row_bytes - 1} in this request, not all of {start_len}..{end - 1}"
+        )
         return fields
-    fields["sglext"]["routed_experts"] = base64.b64encode(rows[(start_len - first) * row_bytes : (end - first) * row_bytes]).decode()
+    fields["sglext"]["routed_experts"] = base64.b64encode(
+        rows[(start_len - first) * row_bytes : (end - first) * row_bytes]
+    ).decode()
     spans = []
     for version, begin, stop in routing["versions"]:
         lo, hi = max(begin, start_len), min(stop, end)
@@ -173,7 +194,9 @@ class RoutedExperts:
         self.strip_usage = False
         self.usage: tuple[int, int] | None = None
         prompt = payload.get("prompt")
-        cached_ok = isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) and start_len >= len(prompt) - 1
+        cached_ok = (
+            isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) and start_len >= len(prompt) - 1
+        )
         if not cached_ok:
             own = payload.get("cache_salt")
             payload["cache_salt"] = f"{own}|{self.mark}" if isinstance(own, str) and own else self.mark
@@ -199,7 +222,12 @@ class RoutedExperts:
             report, routing = await self.source.take(self.mark)
         except Exception as exc:  # noqa: BLE001 - the answer still goes out, saying why it has no routing
             log.warning("routed experts of %s not collected: %r", self.mark, exc)
-            return {"sglext": {"routed_experts": None}, START_LEN_FIELD: self.start_len, VERSIONS_FIELD: None, ERROR_FIELD: f"the engine's routing could not be collected: {exc}"}
+            return {
+                "sglext": {"routed_experts": None},
+                START_LEN_FIELD: self.start_len,
+                VERSIONS_FIELD: None,
+                ERROR_FIELD: f"the engine's routing could not be collected: {exc}",
+            }
         return routed_fields(report, routing, self.start_len, usage)
 
     async def attach(self, answer: Any) -> None:

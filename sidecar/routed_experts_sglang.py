@@ -33,7 +33,9 @@ from .routed_experts import ERROR_FIELD, START_LEN_FIELD, VERSIONS_FIELD, WANT_F
 SALT_MARK = "stitch-routing"
 
 
-def row_versions(spans: list[dict[str, int]] | None, prompt_tokens: int, completion_tokens: int, start_len: int) -> list[dict[str, int]] | None:
+def row_versions(
+    spans: list[dict[str, int]] | None, prompt_tokens: int, completion_tokens: int, start_len: int
+) -> list[dict[str, int]] | None:
     """``[{"version", "start", "end"}]`` over the rows ``[start_len, prompt_tokens +
     completion_tokens - 1)`` (row ``r`` = position ``start_len + r``) from the output tokens'
     spans (None without spans): span ``[s, e)`` of output tokens covers positions
@@ -73,14 +75,22 @@ class SglangRoutedExperts:
     def see_event(self, event: Any) -> None:
         """Read one decoded stream event (the usage chunk gives the lengths)."""
         usage = event.get("usage") if isinstance(event, dict) else None
-        if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int) and isinstance(usage.get("completion_tokens"), int):
+        if (
+            isinstance(usage, dict)
+            and isinstance(usage.get("prompt_tokens"), int)
+            and isinstance(usage.get("completion_tokens"), int)
+        ):
             self.usage = usage["prompt_tokens"], usage["completion_tokens"]
 
     def fields(self, spans: list[dict[str, int]] | None) -> dict[str, Any]:
         """The top-level routing fields for the output tokens' ``spans`` (after the stream's usage)."""
         fields: dict[str, Any] = {START_LEN_FIELD: self.start_len, VERSIONS_FIELD: None}
         if self.usage is None or not spans:
-            fields[ERROR_FIELD] = "the engine did not report the answer's length" if self.usage is None else "the answer carries no weight versions"
+            fields[ERROR_FIELD] = (
+                "the engine did not report the answer's length"
+                if self.usage is None
+                else "the answer carries no weight versions"
+            )
             return fields
         fields[VERSIONS_FIELD] = row_versions(spans, *self.usage, self.start_len)
         return fields
@@ -94,4 +104,7 @@ class SglangRoutedExperts:
         sglext = answer.get("sglext")
         if not (isinstance(sglext, dict) and sglext.get("routed_experts")):
             answer["sglext"] = {**(sglext if isinstance(sglext, dict) else {}), "routed_experts": None}
-            answer.setdefault(ERROR_FIELD, "the engine returned no routed_experts (was it started without stitchboard's loader, or before the sidecar's first call?)")
+            answer.setdefault(
+                ERROR_FIELD,
+                "the engine returned no routed_experts (was it started without stitchboard's loader, or before the sidecar's first call?)",
+            )

@@ -75,13 +75,24 @@ _SGLANG_MODEL = (
 VLLM_ROUTES = RouteTable(
     engine="vllm",
     model=_post(*_VLLM_MODEL),
-    read=frozenset({("GET", "/v1/models"), ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/version"), ("GET", "/ping"), ("GET", "/load")}),
+    read=frozenset(
+        {
+            ("GET", "/v1/models"),
+            ("POST", "/tokenize"),
+            ("POST", "/detokenize"),
+            ("GET", "/version"),
+            ("GET", "/ping"),
+            ("GET", "/load"),
+        }
+    ),
 )
 
 SGLANG_ROUTES = RouteTable(
     engine="sglang",
-    model=_post(*_SGLANG_MODEL) | {("PUT", "/generate"), ("PUT", "/encode"), ("PUT", "/classify"), ("PUT", "/v1/rerank")},
-    read=frozenset({("GET", "/v1/models"), ("GET", "/model_info"), ("GET", "/get_model_info"), ("GET", "/ping")}) | _post("/tokenize", "/detokenize", "/v1/tokenize", "/v1/detokenize", "/v1/messages/count_tokens"),
+    model=_post(*_SGLANG_MODEL)
+    | {("PUT", "/generate"), ("PUT", "/encode"), ("PUT", "/classify"), ("PUT", "/v1/rerank")},
+    read=frozenset({("GET", "/v1/models"), ("GET", "/model_info"), ("GET", "/get_model_info"), ("GET", "/ping")})
+    | _post("/tokenize", "/detokenize", "/v1/tokenize", "/v1/detokenize", "/v1/messages/count_tokens"),
     reports_versions=True,
     final_in_place=frozenset({"/generate"}),
 )

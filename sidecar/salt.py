@@ -59,7 +59,13 @@ class CacheSalter:
         if not self.enabled:
             return False
         own = payload.get(SALT_FIELD) if isinstance(payload, dict) else None
-        if path not in self.paths or not isinstance(payload, dict) or not (own is None or isinstance(own, str) or (isinstance(own, list) and all(isinstance(s, str) for s in own))):
+        if (
+            path not in self.paths
+            or not isinstance(payload, dict)
+            or not (
+                own is None or isinstance(own, str) or (isinstance(own, list) and all(isinstance(s, str) for s in own))
+            )
+        ):
             self.unsalted_since_reset = True
             return False
         payload[SALT_FIELD] = [_salted(s, version) for s in own] if isinstance(own, list) else _salted(own, version)

@@ -40,30 +40,64 @@ class SidecarSettings(BaseSettings):
 
     bulletin: str = Field(..., description="Base URL of the bulletin, e.g. http://bulletin:8700.")
     run: str = Field(..., description="Run id to follow.")
-    token: str | None = Field(None, description="Bearer token with scope replica (read and report; None: open bulletin).")
+    token: str | None = Field(
+        None, description="Bearer token with scope replica (read and report; None: open bulletin)."
+    )
     engine: Literal["vllm", "sglang"] = Field("vllm", description="Engine kind behind the sidecar: vllm or sglang.")
     engine_url: str = Field("http://127.0.0.1:8001", description="Base URL of the engine's HTTP server (same host).")
     host: str = Field("127.0.0.1", description="Address the sidecar listens on.")
     port: int = Field(8000, description="TCP port the sidecar listens on (clients use it instead of the engine's).")
-    boot_version: int | None = Field(None, ge=0, description="Published version the engine's boot checkpoint is; None: load the nearest anchor into the engine.")
-    handoff_dir: str = Field(default_factory=default_handoff_dir, description="Memory-backed folder where staged patches are handed to the engine.")
-
-    poll_wait_s: float = Field(30.0, gt=0, description="Long-poll wait of one 'latest version' request to the bulletin, seconds.")
-    download_concurrency: int = Field(4, ge=1, description="Files downloaded at once.")
-    bulletin_retries: int = Field(4, ge=0, description="Extra attempts of a bulletin request after a transport error or 5xx.")
-    bulletin_timeout_s: float = Field(30.0, gt=0, description="Timeout of one bulletin request (a long-poll adds its wait), seconds.")
-    retry_backoff_s: float = Field(0.5, gt=0, description="First delay after a failed sync, seconds; doubles per failure up to max_backoff_s.")
-    max_backoff_s: float = Field(30.0, gt=0, description="Longest delay between failed syncs, seconds.")
-    anchor_after_failures: int = Field(2, ge=1, description="Consecutive failed syncs of the delta route after which the sidecar takes the anchor route.")
-    refused_retry_s: float = Field(30.0, ge=0, description="Wait before the same plan (from, to version) is tried again after the engine refused it, seconds; a newer version ends the wait.")
-    stage_anchor_routes: bool = Field(
-        True, description="Stage anchor routes on an engine that holds a verified version while it serves: the target is built in the sidecar and only the tensors that differ are written in the pause."
+    boot_version: int | None = Field(
+        None,
+        ge=0,
+        description="Published version the engine's boot checkpoint is; None: load the nearest anchor into the engine.",
+    )
+    handoff_dir: str = Field(
+        default_factory=default_handoff_dir,
+        description="Memory-backed folder where staged patches are handed to the engine.",
     )
 
-    request_wait_s: float = Field(30.0, ge=0, description="How long a request whose version constraint is unmet is held by default, seconds.")
+    poll_wait_s: float = Field(
+        30.0, gt=0, description="Long-poll wait of one 'latest version' request to the bulletin, seconds."
+    )
+    download_concurrency: int = Field(4, ge=1, description="Files downloaded at once.")
+    bulletin_retries: int = Field(
+        4, ge=0, description="Extra attempts of a bulletin request after a transport error or 5xx."
+    )
+    bulletin_timeout_s: float = Field(
+        30.0, gt=0, description="Timeout of one bulletin request (a long-poll adds its wait), seconds."
+    )
+    retry_backoff_s: float = Field(
+        0.5, gt=0, description="First delay after a failed sync, seconds; doubles per failure up to max_backoff_s."
+    )
+    max_backoff_s: float = Field(30.0, gt=0, description="Longest delay between failed syncs, seconds.")
+    anchor_after_failures: int = Field(
+        2,
+        ge=1,
+        description="Consecutive failed syncs of the delta route after which the sidecar takes the anchor route.",
+    )
+    refused_retry_s: float = Field(
+        30.0,
+        ge=0,
+        description="Wait before the same plan (from, to version) is tried again after the engine refused it, seconds; a newer version ends the wait.",
+    )
+    stage_anchor_routes: bool = Field(
+        True,
+        description="Stage anchor routes on an engine that holds a verified version while it serves: the target is built in the sidecar and only the tensors that differ are written in the pause.",
+    )
+
+    request_wait_s: float = Field(
+        30.0, ge=0, description="How long a request whose version constraint is unmet is held by default, seconds."
+    )
     max_request_wait_s: float = Field(600.0, ge=0, description="Upper bound on a request's X-Stitch-Wait-S, seconds.")
-    engine_timeout_s: float = Field(600.0, gt=0, description="Read timeout of a proxied request to the engine, seconds.")
-    engine_call_timeout_s: float = Field(10.0, gt=0, description="Timeout of a control call to the engine (health, state, pause, resume, prefix-cache reset), seconds.")
+    engine_timeout_s: float = Field(
+        600.0, gt=0, description="Read timeout of a proxied request to the engine, seconds."
+    )
+    engine_call_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="Timeout of a control call to the engine (health, state, pause, resume, prefix-cache reset), seconds.",
+    )
     engine_stall_timeout_s: float = Field(
         120.0,
         gt=0,
@@ -72,21 +106,49 @@ class SidecarSettings(BaseSettings):
             "Past engine_call_timeout_s new requests are held: a long step or a first-use kernel compile holds the engine's control calls, while a restarted or killed engine refuses them at once."
         ),
     )
-    engine_apply_timeout_s: float = Field(900.0, gt=0, description="Timeout of an engine call that reads or writes weights (stage, commit, apply, snapshot load, checksums), seconds.")
-    engine_check_interval_s: float = Field(
-        1.0, gt=0, description="How often the sidecar checks that the engine is still the instance, at the version, it verified (also at every /health and before every commit), seconds."
+    engine_apply_timeout_s: float = Field(
+        900.0,
+        gt=0,
+        description="Timeout of an engine call that reads or writes weights (stage, commit, apply, snapshot load, checksums), seconds.",
     )
-    retry_after_s: int = Field(2, ge=1, description="Retry-After of answers a retry can fix (503, 409 WeightVersionNotReady), seconds.")
-    salt_cache: bool = Field(False, description="Salt each request's prefix-cache key by the version it is admitted under (cache_salt, vLLM and SGLang) instead of resetting the cache at every commit (sidecar/salt.py).")
-    max_body_bytes: int = Field(64 * 1024 * 1024, ge=1, description="Largest request body the proxy reads, bytes; larger ones get 413.")
+    engine_check_interval_s: float = Field(
+        1.0,
+        gt=0,
+        description="How often the sidecar checks that the engine is still the instance, at the version, it verified (also at every /health and before every commit), seconds.",
+    )
+    retry_after_s: int = Field(
+        2, ge=1, description="Retry-After of answers a retry can fix (503, 409 WeightVersionNotReady), seconds."
+    )
+    salt_cache: bool = Field(
+        False,
+        description="Salt each request's prefix-cache key by the version it is admitted under (cache_salt, vLLM and SGLang) instead of resetting the cache at every commit (sidecar/salt.py).",
+    )
+    max_body_bytes: int = Field(
+        64 * 1024 * 1024, ge=1, description="Largest request body the proxy reads, bytes; larger ones get 413."
+    )
 
-    replica_id: str | None = Field(None, description="Stable id of this replica in the bulletin's fleet view (1-128 of [A-Za-z0-9._-]); None: '<host name>-<port>'.")
-    report: bool = Field(True, description="Report this replica to the bulletin's fleet view (needs a token with the replica scope once the bulletin has tokens).")
-    report_min_interval_s: float = Field(1.0, gt=0, description="Fleet reports: the least time between two reports that do not change the applied version, seconds.")
-    report_max_backoff_s: float = Field(60.0, gt=0, description="Fleet reports: the longest wait after failed reports, seconds.")
+    replica_id: str | None = Field(
+        None,
+        description="Stable id of this replica in the bulletin's fleet view (1-128 of [A-Za-z0-9._-]); None: '<host name>-<port>'.",
+    )
+    report: bool = Field(
+        True,
+        description="Report this replica to the bulletin's fleet view (needs a token with the replica scope once the bulletin has tokens).",
+    )
+    report_min_interval_s: float = Field(
+        1.0,
+        gt=0,
+        description="Fleet reports: the least time between two reports that do not change the applied version, seconds.",
+    )
+    report_max_backoff_s: float = Field(
+        60.0, gt=0, description="Fleet reports: the longest wait after failed reports, seconds."
+    )
 
     log_level: str = Field("info", description="Log level of the sidecar and uvicorn.")
-    fault_phase: Literal["paused"] | None = Field(None, description="Crash tests only: exit the process (status 86) at this phase of a commit; 'paused': right after pausing the engine. None: never.")
+    fault_phase: Literal["paused"] | None = Field(
+        None,
+        description="Crash tests only: exit the process (status 86) at this phase of a commit; 'paused': right after pausing the engine. None: never.",
+    )
 
     @field_validator("replica_id")
     @classmethod

@@ -186,7 +186,9 @@ class SpanLedger:
         out = {}
         for index, n in lengths.items():
             key = f"{index // entry.choices}:{index % entry.choices}"
-            out[index] = build_spans(entry.start, [(v, counts.get(key, 0)) for v, counts in entry.boundaries if counts is not None], n)
+            out[index] = build_spans(
+                entry.start, [(v, counts.get(key, 0)) for v, counts in entry.boundaries if counts is not None], n
+            )
         return out
 
 
@@ -209,7 +211,9 @@ class Spans:
         client_id: the client's ``X-Request-Id``, kept in front of the mark.
     """
 
-    def __init__(self, ledger: SpanLedger, engine_reports: bool, start: int, path: str, payload: Any, client_id: str | None) -> None:
+    def __init__(
+        self, ledger: SpanLedger, engine_reports: bool, start: int, path: str, payload: Any, client_id: str | None
+    ) -> None:
         self.ledger, self.start = ledger, start
         body = payload if isinstance(payload, dict) else {}
         # SGLang's OpenAI streams report no spans: they are counted like vLLM's requests, marked by
@@ -219,7 +223,9 @@ class Spans:
         by_params = counted and not single_output(body) and isinstance(body.get("custom_params") or {}, dict)
         self.engine_reports = engine_reports and not (by_rid or by_params)
         choices = body["n"] if isinstance(body.get("n"), int) else 1
-        self.request_id = None if self.engine_reports else ledger.open(start, body.get("rid") if by_rid else client_id, choices)
+        self.request_id = (
+            None if self.engine_reports else ledger.open(start, body.get("rid") if by_rid else client_id, choices)
+        )
         self.multi = not self.engine_reports and not single_output(payload)
         self.changed_body = self.strip_usage = self.strip_ids = False
         self.n: int | None = None
@@ -274,7 +280,11 @@ class Spans:
             answer[SPANS_FIELD] = spans[0] if spans else None
             return
         choices = [c for c in answer.get("choices") or [] if isinstance(c, dict)]
-        lengths = {c["index"]: len(c["token_ids"]) for c in choices if isinstance(c.get("index"), int) and isinstance(c.get("token_ids"), list)}
+        lengths = {
+            c["index"]: len(c["token_ids"])
+            for c in choices
+            if isinstance(c.get("index"), int) and isinstance(c.get("token_ids"), list)
+        }
         per_choice = self.ledger.close(self.request_id, lengths if len(lengths) == len(choices) else None) or {}
         for c in choices:
             c[SPANS_FIELD] = per_choice.get(c.get("index", -1))
@@ -298,7 +308,9 @@ class Spans:
             for c in event.get("choices") or []:
                 if isinstance(c, dict) and isinstance(c.get("index"), int):
                     ids = c.get("token_ids")
-                    self.lengths[c["index"]] = self.lengths.get(c["index"], 0) + (len(ids) if isinstance(ids, list) else 0)
+                    self.lengths[c["index"]] = self.lengths.get(c["index"], 0) + (
+                        len(ids) if isinstance(ids, list) else 0
+                    )
             if self.strip_ids and self._strip(event):
                 return EDITED
         return SEND

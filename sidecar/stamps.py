@@ -67,7 +67,9 @@ class SseStamper:
             stream gets no extra stamp event).
     """
 
-    def __init__(self, start: int, end: Callable[[], int | None], is_final: Callable[[dict[str, Any]], bool] | None = None) -> None:
+    def __init__(
+        self, start: int, end: Callable[[], int | None], is_final: Callable[[dict[str, Any]], bool] | None = None
+    ) -> None:
         self.start, self.end, self.is_final = start, end, is_final
         self.buf = b""
         self.last_data: bytes | None = None
@@ -113,7 +115,9 @@ class SseStamper:
     def finish(self) -> bytes:
         """Bytes to send at the end of the stream (the rest, and the stamp if none was sent)."""
         rest, self.buf = self.buf, b""
-        return rest + (b"" if self.stamped else (b"\n\n" if rest and not rest.endswith(b"\n\n") else b"") + self._stamp_event())
+        return rest + (
+            b"" if self.stamped else (b"\n\n" if rest and not rest.endswith(b"\n\n") else b"") + self._stamp_event()
+        )
 
     def error(self, message: str, type_: str, code: int) -> bytes:
         """Bytes that end the stream with an error: the stamp (unless sent), then an error event

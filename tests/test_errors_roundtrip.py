@@ -31,7 +31,12 @@ def test_bulletin_errors_come_back_as_the_same_class(cls: type[BulletinError]) -
     assert isinstance(sent, BulletinError)
     again = error_from_body(sent.status, json.loads(json.dumps(sent.body())))
     assert type(again) is cls
-    assert (again.type, again.status, again.message, again.details) == (cls.type, cls.status, sent.message, sent.details)
+    assert (again.type, again.status, again.message, again.details) == (
+        cls.type,
+        cls.status,
+        sent.message,
+        sent.details,
+    )
     assert again.body() == sent.body()
 
 

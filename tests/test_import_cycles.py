@@ -109,7 +109,11 @@ def describe(graph: dict[str, set[str]], component: list[str]) -> str:
 def test_no_import_cycle_inside_the_package(package: str) -> None:
     graph = import_graph(package)
     found = cycles(graph)
-    assert not found, f"import cycles in {package}: " + " | ".join(describe(graph, c) for c in found) + "; move what both sides need into a module they both import"
+    assert not found, (
+        f"import cycles in {package}: "
+        + " | ".join(describe(graph, c) for c in found)
+        + "; move what both sides need into a module they both import"
+    )
 
 
 def test_the_resolver_sees_every_kind_of_import(tmp_path: Path) -> None:

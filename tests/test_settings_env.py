@@ -49,7 +49,14 @@ def test_bulletin_warns_at_start_up_about_variables_it_ignores(monkeypatch, tmp_
     monkeypatch.setenv("STITCH_BULLETIN_URL", "http://bulletin:8700")  # a client's legacy name
     monkeypatch.setenv("STITCH_BULLETIN_STOER", "file:///typo")
     monkeypatch.setenv("STITCH_BULLETIN_KEEP_SNAPSHOTS", "3")  # a real field: no warning
-    assert ignored_env_names({"STITCH_BULLETIN_URL": "", "stitch_bulletin_stoer": "", "STITCH_BULLETIN_KEEP_SNAPSHOTS": "", "STITCH_SIDECAR_RUN": ""}) == ["STITCH_BULLETIN_URL", "stitch_bulletin_stoer"]
+    assert ignored_env_names(
+        {
+            "STITCH_BULLETIN_URL": "",
+            "stitch_bulletin_stoer": "",
+            "STITCH_BULLETIN_KEEP_SNAPSHOTS": "",
+            "STITCH_SIDECAR_RUN": "",
+        }
+    ) == ["STITCH_BULLETIN_URL", "stitch_bulletin_stoer"]
     app = create_app(BulletinSettings(store=f"file://{tmp_path}", tokens={"t": {"scopes": ["read"]}}))
     with caplog.at_level(logging.WARNING, logger="stitchboard.bulletin"), TestClient(app):
         pass
@@ -63,11 +70,22 @@ def test_bulletin_warns_at_start_up_about_variables_it_ignores(monkeypatch, tmp_
 def test_readme_settings_table_names_every_prefix_variable_and_legacy_name():
     readme = (ROOT / "README.md").read_text()
     section = readme.split("\n## Settings\n", 1)[1].split("\n## ", 1)[0]
-    rows = [[c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]] for line in section.splitlines() if line.startswith("| ")][2:]  # after header and rule
+    rows = [
+        [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+        for line in section.splitlines()
+        if line.startswith("| ")
+    ][2:]  # after header and rule
     worker = (ROOT / "sidecar" / "engines" / "vllm" / "worker.py").read_text()
     engine = re.findall(r'^FAULT(?:_VERSION)?_ENV = "([A-Z_]+)"$', worker, re.MULTILINE)
     assert len(engine) == 2
-    prefixes = [BulletinSettings.model_config["env_prefix"], "STITCH_CLIENT_", SidecarSettings.model_config["env_prefix"], "STITCH_BOOT_", "STITCH_ENGINE_", "STITCH_DEMO_"]
+    prefixes = [
+        BulletinSettings.model_config["env_prefix"],
+        "STITCH_CLIENT_",
+        SidecarSettings.model_config["env_prefix"],
+        "STITCH_BOOT_",
+        "STITCH_ENGINE_",
+        "STITCH_DEMO_",
+    ]
     assert [cells[1] for cells in rows] == [f"`{p}`" for p in prefixes], "one row per role, in this order"
     for name in [*RENAMED_ENV, *RENAMED_ENV.values(), *engine]:
         assert f"`{name}`" in section, f"the settings table does not name {name}"

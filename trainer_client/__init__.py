@@ -16,7 +16,16 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .errors import AssetsError, CheckpointNameError, FleetTimeoutError, PublisherClosedError, PublishError, ResumeError, ServedViewError, TrainerError
+    from .errors import (
+        AssetsError,
+        CheckpointNameError,
+        FleetTimeoutError,
+        PublisherClosedError,
+        PublishError,
+        ResumeError,
+        ServedViewError,
+        TrainerError,
+    )
     from .fleet import FleetPacing, wait_for_fleet
     from .publish_result import PublishResult
     from .publisher import Publisher
@@ -82,7 +91,9 @@ def __getattr__(name: str) -> Any:
     """
     source = _SOURCES.get(name)
     if source is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}; its public names are {', '.join(__all__)}")
+        raise AttributeError(
+            f"module {__name__!r} has no attribute {name!r}; its public names are {', '.join(__all__)}"
+        )
     value = getattr(import_module(f"{__name__}.{source}"), name)
     globals()[name] = value
     return value

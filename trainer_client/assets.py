@@ -48,7 +48,9 @@ class Asset:
     @property
     def ref(self) -> FileRef:
         """The manifest entry (role ``asset``)."""
-        return FileRef(path=self.path, sha256=hashlib.sha256(self.data).hexdigest(), size_bytes=len(self.data), role="asset")
+        return FileRef(
+            path=self.path, sha256=hashlib.sha256(self.data).hexdigest(), size_bytes=len(self.data), role="asset"
+        )
 
 
 def load_assets(source: str | os.PathLike[str] | Mapping[str, bytes]) -> list[Asset]:

@@ -31,10 +31,20 @@ def publish(
     bulletin: Bulletin,
     run: Run,
     token: Token = None,
-    anchor: Annotated[bool, typer.Option("--anchor", help="make this version an anchor (carry a full snapshot)")] = False,
-    skip_rebuild: Annotated[bool, typer.Option("--skip-rebuild", help="do not download the latest version; send changed tensors whole, as an anchor")] = False,
+    anchor: Annotated[
+        bool, typer.Option("--anchor", help="make this version an anchor (carry a full snapshot)")
+    ] = False,
+    skip_rebuild: Annotated[
+        bool,
+        typer.Option(
+            "--skip-rebuild", help="do not download the latest version; send changed tensors whole, as an anchor"
+        ),
+    ] = False,
     step: Annotated[int | None, typer.Option(help="training step, stored in the manifest metadata")] = None,
-    assets: Annotated[Path | None, typer.Option(help="folder of config/tokenizer files for a new run (default: the checkpoint's folder)")] = None,
+    assets: Annotated[
+        Path | None,
+        typer.Option(help="folder of config/tokenizer files for a new run (default: the checkpoint's folder)"),
+    ] = None,
 ) -> None:
     """Publish CHECKPOINT as the run's next version (version 0 with its assets on a new run); print the version."""
     from stitchboard.bulletin.client import BulletinClient
@@ -53,7 +63,9 @@ def publish(
         with BulletinClient(bulletin, token, retries=5, backoff_s=0.5) as client:
             new_run = client.latest(run) is None
             run_assets = folder if new_run and any((folder / n).is_file() for n in ASSET_NAMES) else None
-            with Publisher(bulletin, run, token, assets=run_assets, resume="anchor" if skip_rebuild else "rebuild", client=client) as publisher:
+            with Publisher(
+                bulletin, run, token, assets=run_assets, resume="anchor" if skip_rebuild else "rebuild", client=client
+            ) as publisher:
                 result = publisher.publish_view(view, step=step, anchor=anchor)
     except (StitchError, OSError, ValueError) as exc:
         raise _fail(exc) from exc
@@ -79,4 +91,6 @@ def pull(
     except (StitchError, OSError, ValueError) as exc:
         raise _fail(exc) from exc
     m = rebuilt.manifest
-    typer.echo(f"version {m.version} of run {run}: {len(m.tensors)} tensors, {len(rebuilt.assets)} asset files, verified -> {output}")
+    typer.echo(
+        f"version {m.version} of run {run}: {len(m.tensors)} tensors, {len(rebuilt.assets)} asset files, verified -> {output}"
+    )

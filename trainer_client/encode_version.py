@@ -96,7 +96,9 @@ def encode_part(
     total = sum(t.numel for t in view.values())
     if base is None:
         return EncodedPart(None, encoding, checksums_of(view), 0, total, [], False)
-    common = sorted(n for n in view if n in base and (base[n].dtype, tuple(base[n].shape)) == (view[n].dtype, tuple(view[n].shape)))
+    common = sorted(
+        n for n in view if n in base and (base[n].dtype, tuple(base[n].shape)) == (view[n].dtype, tuple(view[n].shape))
+    )
     changed_set = len(common) != len(view) or len(common) != len(base)
     rest = {n: view[n] for n in view if n not in set(common)}
     sums = checksums_of(rest)
@@ -109,7 +111,15 @@ def encode_part(
             metadata=metadata,
         )
         sums.update(diff.target_checksums)
-        return EncodedPart(diff.patch, encoding, dict(sorted(sums.items())), diff.changed_elements, total, diff.changed_tensors, changed_set)
+        return EncodedPart(
+            diff.patch,
+            encoding,
+            dict(sorted(sums.items())),
+            diff.changed_elements,
+            total,
+            diff.changed_tensors,
+            changed_set,
+        )
     sums.update(checksums_of({n: view[n] for n in common}))
 
     def whole(name: str) -> EncodedTensor | None:
@@ -117,7 +127,9 @@ def encode_part(
         if sums[name] == base[name].checksum:
             return None
         flipped = RawTensor(t.dtype, t.shape, np.invert(t.bits))  # differs from t everywhere
-        return encode_tensor(name, flipped, t, "overwrite", base_checksum=base[name].checksum, target_checksum=sums[name])
+        return encode_tensor(
+            name, flipped, t, "overwrite", base_checksum=base[name].checksum, target_checksum=sums[name]
+        )
 
     encoded = [e for e in _pool_map(whole, common) if e is not None]
     return EncodedPart(
@@ -152,7 +164,10 @@ def bytes_ref(name: str, data: bytes, role: FileRole) -> FileRef:
 
 def tensor_specs(view: Mapping[str, RawTensor], checksums: Mapping[str, str]) -> list[TensorSpec]:
     """The manifest's tensor list, sorted by name."""
-    return [TensorSpec(name=n, dtype=view[n].dtype, shape=list(view[n].shape), checksums={XXH3_128: checksums[n]}) for n in sorted(view)]
+    return [
+        TensorSpec(name=n, dtype=view[n].dtype, shape=list(view[n].shape), checksums={XXH3_128: checksums[n]})
+        for n in sorted(view)
+    ]
 
 
 def build_manifest(

@@ -26,7 +26,16 @@ log = logging.getLogger("stitchboard.trainer_client")
 POLL_S = 30.0
 
 
-def wait_for_fleet(client: BulletinClient, run: str, version: int, *, min_replicas: int | None = None, fraction: float | None = None, timeout_s: float = 300.0, what: str | None = None) -> FleetCount:
+def wait_for_fleet(
+    client: BulletinClient,
+    run: str,
+    version: int,
+    *,
+    min_replicas: int | None = None,
+    fraction: float | None = None,
+    timeout_s: float = 300.0,
+    what: str | None = None,
+) -> FleetCount:
     """Block until enough live replicas of ``run`` have applied ``version`` or a later one.
 
     Args:
@@ -52,11 +61,15 @@ def wait_for_fleet(client: BulletinClient, run: str, version: int, *, min_replic
     deadline = time.monotonic() + timeout_s
     while True:
         remaining = deadline - time.monotonic()
-        count = fleet.count(run, version, min_replicas=min_replicas, fraction=fraction, wait_s=max(0.0, min(remaining, POLL_S)))
+        count = fleet.count(
+            run, version, min_replicas=min_replicas, fraction=fraction, wait_s=max(0.0, min(remaining, POLL_S))
+        )
         if count.met:
             return count
         if time.monotonic() >= deadline:
-            wanted = f"{count.needed} replicas" + (f" ({fraction:.0%} of {count.live} live)" if fraction is not None else "")
+            wanted = f"{count.needed} replicas" + (
+                f" ({fraction:.0%} of {count.live} live)" if fraction is not None else ""
+            )
             head = what or f"waiting for {wanted} of run {run!r} at version >= {version}"
             raise FleetTimeoutError(
                 f"{head}: only {count.at_or_above} of {count.live} live replicas got there within {timeout_s:g} s; lagging: {describe_laggards(count)}",
@@ -104,8 +117,24 @@ class FleetPacing:
             return None
         start = time.perf_counter()
         what = f"publishing version {version} of run {run!r} with max_lag={self.max_lag} waits for replicas at version >= {need}"
-        count = wait_for_fleet(client, run, need, min_replicas=self.min_replicas, fraction=self.fraction, timeout_s=self.timeout_s, what=what)
+        count = wait_for_fleet(
+            client,
+            run,
+            need,
+            min_replicas=self.min_replicas,
+            fraction=self.fraction,
+            timeout_s=self.timeout_s,
+            what=what,
+        )
         waited = time.perf_counter() - start
         if waited > 0.05:
-            log.info("run %s: version %d waited %.2f s for %d replicas at >= %d (max_lag %d)", run, version, waited, count.at_or_above, need, self.max_lag)
+            log.info(
+                "run %s: version %d waited %.2f s for %d replicas at >= %d (max_lag %d)",
+                run,
+                version,
+                waited,
+                count.at_or_above,
+                need,
+                self.max_lag,
+            )
         return count

@@ -35,7 +35,16 @@ from stitchboard.proto.schema import XXH3_128, Encoding, FileRef, VersionManifes
 
 from .assets import load_assets
 from .async_publish import BoundedWorker
-from .encode_version import BaseTensor, EncodedPart, build_manifest, bytes_ref, encode_part, file_ref, tensor_specs, version_metadata
+from .encode_version import (
+    BaseTensor,
+    EncodedPart,
+    build_manifest,
+    bytes_ref,
+    encode_part,
+    file_ref,
+    tensor_specs,
+    version_metadata,
+)
 from .fleet import FleetPacing, wait_for_fleet
 from .publish_result import PublishResult, log_result
 from .recipes import check_served_options
@@ -43,7 +52,15 @@ from .resume import resume_publisher
 from .served_view import DtypeMap
 from .squash import DEFAULT_SQUASH_DEPTHS, Squasher
 from .uploads import upload_assets, upload_files
-from .version_parts import EncodeReport, PublishedVersion, RankPart, ViewPart, needs_snapshot, shard_layout, version_result
+from .version_parts import (
+    EncodeReport,
+    PublishedVersion,
+    RankPart,
+    ViewPart,
+    needs_snapshot,
+    shard_layout,
+    version_result,
+)
 
 log = logging.getLogger("stitchboard.trainer_client")
 
@@ -126,7 +143,9 @@ class PublisherCore(ABC):
         if snapshot_every < 1:
             raise ValueError(f"snapshot_every must be >= 1, got {snapshot_every}")
         if encoding not in ENCODINGS:
-            raise ValueError(f"unknown encoding {encoding!r}: use one of {ENCODINGS} (cond: smallest, the default; xor: fastest)")
+            raise ValueError(
+                f"unknown encoding {encoding!r}: use one of {ENCODINGS} (cond: smallest, the default; xor: fastest)"
+            )
         self.run = check_run_id(run)
         self.encoding: Encoding = encoding
         self.snapshot_every = snapshot_every
@@ -156,7 +175,12 @@ class PublisherCore(ABC):
         given = None if given is None else [self.served.asset(a) for a in given]  # config.json's quantization_config
         published, refs = resume_publisher(self.client, self.run, mode, given, workdir=self.workdir)
         if published is not None and self.rank == 0:
-            log.info("run %s: resuming after version %d (%s)", self.run, published.version, "view rebuilt and verified" if published.view else "next version is an anchor")
+            log.info(
+                "run %s: resuming after version %d (%s)",
+                self.run,
+                published.version,
+                "view rebuilt and verified" if published.view else "next version is an anchor",
+            )
         return published, refs, {a.path: a.data for a in given or []}
 
     @property
@@ -270,10 +294,14 @@ class PublisherCore(ABC):
             raise
         return self._worker.submit(lambda: self._publish_view(view, step, bool(anchor), metadata, cast_s))
 
-    def wait_for_fleet(self, version: int, *, min_replicas: int | None = None, fraction: float | None = None, timeout_s: float = 300.0) -> FleetCount:
+    def wait_for_fleet(
+        self, version: int, *, min_replicas: int | None = None, fraction: float | None = None, timeout_s: float = 300.0
+    ) -> FleetCount:
         """Block until enough live replicas serve ``version`` or later (see :func:`.fleet.wait_for_fleet`; neither
         ``min_replicas`` nor ``fraction``: every live replica). Raises :class:`FleetTimeoutError` naming the laggards."""
-        return wait_for_fleet(self.client, self.run, version, min_replicas=min_replicas, fraction=fraction, timeout_s=timeout_s)
+        return wait_for_fleet(
+            self.client, self.run, version, min_replicas=min_replicas, fraction=fraction, timeout_s=timeout_s
+        )
 
     def flush(self) -> None:
         """Wait until every :meth:`publish_async` is committed; raise the first failure, if any."""
@@ -302,17 +330,25 @@ class PublisherCore(ABC):
         if pending is None or pending.manifest.version != version:
             return False
         self._pending = None
-        if not self._on_committer(lambda: canonical_json(self.client.manifest(self.run, version)) == canonical_json(pending.manifest)):
+        if not self._on_committer(
+            lambda: canonical_json(self.client.manifest(self.run, version)) == canonical_json(pending.manifest)
+        ):
             return False
         log.warning("run %s: version %d was committed although its publish reported a failure", self.run, version)
         self._published = pending.published
         return True
 
-    def _publish_view(self, view: ViewPart, step: int | None, anchor: bool, metadata: Mapping[str, Any] | None, cast_s: float) -> PublishResult:
+    def _publish_view(
+        self, view: ViewPart, step: int | None, anchor: bool, metadata: Mapping[str, Any] | None, cast_s: float
+    ) -> PublishResult:
         with self._lock:
             if self.pacing is not None:
                 pacing = self.pacing
-                self._on_committer(lambda: pacing.before_publish(self.client, self.run, 0 if self._published is None else self._published.version + 1))
+                self._on_committer(
+                    lambda: pacing.before_publish(
+                        self.client, self.run, 0 if self._published is None else self._published.version + 1
+                    )
+                )
             while True:
                 try:
                     return self._attempt(view, step, anchor, metadata, cast_s)
@@ -326,11 +362,24 @@ class PublisherCore(ABC):
         if view.error is not None:
             raise view.error
         base = None if last is None else {n: last.tensors[n] for n in view.tensors if n in last.tensors}
-        part = encode_part(view.tensors, base, last.view if last else None, self.encoding, self._patch_metadata(version))
+        part = encode_part(
+            view.tensors, base, last.view if last else None, self.encoding, self._patch_metadata(version)
+        )
         changed = last is not None and (set(last.tensors) != view.names or part.tensor_set_changed)
-        return part, EncodeReport(changed, shard_groups(view.tensors, self.max_shard_bytes), sum(t.nbytes for t in view.tensors.values()))
+        return part, EncodeReport(
+            changed, shard_groups(view.tensors, self.max_shard_bytes), sum(t.nbytes for t in view.tensors.values())
+        )
 
-    def _write_and_upload(self, folder: Path, version: int, view: ViewPart, part: EncodedPart, weight_map: dict[str, str], index: tuple[FileRef, bytes] | None, snapshot: bool) -> tuple[float, RankPart]:
+    def _write_and_upload(
+        self,
+        folder: Path,
+        version: int,
+        view: ViewPart,
+        part: EncodedPart,
+        weight_map: dict[str, str],
+        index: tuple[FileRef, bytes] | None,
+        snapshot: bool,
+    ) -> tuple[float, RankPart]:
         """Write this rank's patch and shards, upload them (rank 0: the index and assets too); (write seconds, record)."""
         t0 = time.perf_counter()
         items: list[tuple[FileRef, bytes | Path]] = []
@@ -339,13 +388,19 @@ class PublisherCore(ABC):
         own = {n: shard for n, shard in weight_map.items() if n in view.tensors}
         items += [(file_ref(p, "snapshot"), p) for p in write_shards(folder, view.tensors, own)]
         write_s = time.perf_counter() - t0
-        uploaded = upload_files(self.client, self.run, items + ([index] if index is not None and self.rank == 0 else []))
+        uploaded = upload_files(
+            self.client, self.run, items + ([index] if index is not None and self.rank == 0 else [])
+        )
         if snapshot and self.rank == 0:
             uploaded += upload_assets(self.client, self.run, self._assets, self._asset_data)
         specs = tensor_specs(view.tensors, part.checksums)
-        return write_s, RankPart(part.encoding, [ref for ref, _ in items], specs, part.changed_elements, len(part.changed_tensors), uploaded)
+        return write_s, RankPart(
+            part.encoding, [ref for ref, _ in items], specs, part.changed_elements, len(part.changed_tensors), uploaded
+        )
 
-    def _attempt(self, view: ViewPart, step: int | None, anchor: bool, metadata: Mapping[str, Any] | None, cast_s: float) -> PublishResult:
+    def _attempt(
+        self, view: ViewPart, step: int | None, anchor: bool, metadata: Mapping[str, Any] | None, cast_s: float
+    ) -> PublishResult:
         last = self._published
         version = 0 if last is None else last.version + 1
         t0 = time.perf_counter()
@@ -359,7 +414,10 @@ class PublisherCore(ABC):
             index = (bytes_ref(INDEX_NAME, data, "snapshot"), data)
         t1 = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="stitchboard-publish-", dir=self.workdir) as tmp:
-            write_s, parts = self._exchange(f"uploading version {version}", lambda: self._write_and_upload(Path(tmp), version, view, part, weight_map, index, snapshot))
+            write_s, parts = self._exchange(
+                f"uploading version {version}",
+                lambda: self._write_and_upload(Path(tmp), version, view, part, weight_map, index, snapshot),
+            )
         t2 = time.perf_counter()
         files = [f for p in parts for f in p.files]
         manifest = build_manifest(
@@ -374,7 +432,9 @@ class PublisherCore(ABC):
             metadata=version_metadata(step, tensor_set_changed, metadata),
         ).model_copy(update={"served": self.served.name})
         tensors = {t.name: BaseTensor(t.dtype, tuple(t.shape), t.checksums[XXH3_128]) for t in manifest.tensors}
-        published = PublishedVersion(version, view.tensors, tensors, 0 if snapshot or last is None else last.since_anchor + 1)
+        published = PublishedVersion(
+            version, view.tensors, tensors, 0 if snapshot or last is None else last.since_anchor + 1
+        )
         try:
             self._on_committer(lambda: self.client.publish(manifest))
         except UnavailableError:
@@ -383,8 +443,24 @@ class PublisherCore(ABC):
         self._published, self._pending = published, None
         t3 = time.perf_counter()
         old = None if last is None or tensor_set_changed else last.view
-        self._squasher.after_commit(manifest, old, view.tensors, {n: t.checksum for n, t in last.tensors.items()} if last else {}, self._exchange, self._on_committer)
-        result = version_result(manifest, snapshot, parts, cast_s=cast_s, diff_s=t1 - t0, write_s=write_s, upload_s=t2 - t1 - write_s, commit_s=t3 - t2)
+        self._squasher.after_commit(
+            manifest,
+            old,
+            view.tensors,
+            {n: t.checksum for n, t in last.tensors.items()} if last else {},
+            self._exchange,
+            self._on_committer,
+        )
+        result = version_result(
+            manifest,
+            snapshot,
+            parts,
+            cast_s=cast_s,
+            diff_s=t1 - t0,
+            write_s=write_s,
+            upload_s=t2 - t1 - write_s,
+            commit_s=t3 - t2,
+        )
         if self.rank == 0:
             log_result(self.run, result)
         return result

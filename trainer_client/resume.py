@@ -73,7 +73,9 @@ def _download(client: BulletinClient, run: str, ref: FileRef, folder: Path) -> P
     return client.download_blob(run, ref.sha256, folder / ref.path, expected_size=ref.size_bytes)
 
 
-def rebuild_version(client: BulletinClient, run: str, version: int | None = None, workdir: str | os.PathLike[str] | None = None) -> RebuiltVersion:
+def rebuild_version(
+    client: BulletinClient, run: str, version: int | None = None, workdir: str | os.PathLike[str] | None = None
+) -> RebuiltVersion:
     """Rebuild ``version`` (None: the latest) of ``run`` from its anchor and deltas, and verify it.
 
     Downloads the anchor's snapshot shards into a temporary folder under ``workdir`` (default:
@@ -102,7 +104,9 @@ def rebuild_version(client: BulletinClient, run: str, version: int | None = None
         for step in plan.steps[1:]:
             for ref in step.files:
                 path = _download(client, run, ref, folder / f"v{step.version}")
-                apply_patch(view, read_patch(path.read_bytes(), ref.size_bytes, what=f"{ref.path} of version {step.version}"))
+                apply_patch(
+                    view, read_patch(path.read_bytes(), ref.size_bytes, what=f"{ref.path} of version {step.version}")
+                )
     sums = verify_view(manifest, view)
     return RebuiltVersion(manifest, view, sums, [f for f in anchor.files if f.role == "asset"])
 
@@ -115,12 +119,21 @@ def verify_pulled(rebuilt: RebuiltVersion, out: Path) -> None:
         ResumeError: naming the tensors or asset files that differ.
     """
     verify_view(rebuilt.manifest, load_checkpoint(out))
-    bad = [ref.path for ref in rebuilt.assets if not (out / ref.path).is_file() or sha256_file(out / ref.path) != ref.sha256]
+    bad = [
+        ref.path
+        for ref in rebuilt.assets
+        if not (out / ref.path).is_file() or sha256_file(out / ref.path) != ref.sha256
+    ]
     if bad:
-        raise ResumeError(f"version {rebuilt.manifest.version} of run {rebuilt.manifest.run_id!r}: asset files written to {out} differ from the manifest: {bad[:3]}", files=bad)
+        raise ResumeError(
+            f"version {rebuilt.manifest.version} of run {rebuilt.manifest.run_id!r}: asset files written to {out} differ from the manifest: {bad[:3]}",
+            files=bad,
+        )
 
 
-def pull_version(client: BulletinClient, run: str, out: str | os.PathLike[str], version: int | None = None) -> RebuiltVersion:
+def pull_version(
+    client: BulletinClient, run: str, out: str | os.PathLike[str], version: int | None = None
+) -> RebuiltVersion:
     """Materialize a version as a plain HF folder: safetensors checkpoint + run assets, verified.
 
     ``out`` must not exist or be empty. The weights are verified against the manifest before
@@ -139,7 +152,10 @@ def pull_version(client: BulletinClient, run: str, out: str | os.PathLike[str], 
     rebuilt = rebuild_version(client, run, version, workdir=out.parent if out.parent.exists() else None)
     shadows = [ref.path for ref in rebuilt.assets if is_checkpoint_file(ref.path)]
     if shadows:
-        raise ResumeError(f"version {rebuilt.manifest.version} of run {run!r} lists assets named like checkpoint files {shadows[:3]}; they would replace the weights: publish a new run with renamed assets", files=shadows)
+        raise ResumeError(
+            f"version {rebuilt.manifest.version} of run {run!r} lists assets named like checkpoint files {shadows[:3]}; they would replace the weights: publish a new run with renamed assets",
+            files=shadows,
+        )
     out.mkdir(parents=True, exist_ok=True)
     save_checkpoint(out, rebuilt.view)
     for ref in rebuilt.assets:
@@ -148,7 +164,13 @@ def pull_version(client: BulletinClient, run: str, out: str | os.PathLike[str], 
     return rebuilt
 
 
-def resume_publisher(client: BulletinClient, run: str, mode: str, given: list[Asset] | None, workdir: str | os.PathLike[str] | None = None) -> tuple[PublishedVersion | None, list[FileRef]]:
+def resume_publisher(
+    client: BulletinClient,
+    run: str,
+    mode: str,
+    given: list[Asset] | None,
+    workdir: str | os.PathLike[str] | None = None,
+) -> tuple[PublishedVersion | None, list[FileRef]]:
     """Where a publisher starting on ``run`` goes on from: (its last version, the run's asset refs).
 
     Args:

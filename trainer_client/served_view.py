@@ -92,7 +92,14 @@ def _storage_key(t: torch.Tensor) -> tuple | None:
     if getattr(t, "is_sparse", False) or t.numel() == 0:
         return None
     local = t.to_local() if hasattr(t, "to_local") else t
-    return (local.device, local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape), tuple(local.stride()), local.dtype)
+    return (
+        local.device,
+        local.untyped_storage().data_ptr(),
+        local.storage_offset(),
+        tuple(local.shape),
+        tuple(local.stride()),
+        local.dtype,
+    )
 
 
 def _reverted_hf_state(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -148,7 +155,9 @@ def checkpoint_state(model_or_state_dict: torch.nn.Module | Mapping[str, torch.T
         if name in out:
             if _storage_key(out[name]) == _storage_key(tensor) and _storage_key(tensor) is not None:
                 continue
-            raise CheckpointNameError(f"{raw_name!r} and another tensor both map to checkpoint name {name!r}", name=name)
+            raise CheckpointNameError(
+                f"{raw_name!r} and another tensor both map to checkpoint name {name!r}", name=name
+            )
         key = _storage_key(tensor)
         if key is not None:
             groups.setdefault(key, []).append(name)
@@ -182,7 +191,9 @@ def to_raw(t: torch.Tensor) -> RawTensor:
     """
     dtype = TORCH_DTYPE_NAMES.get(t.dtype)
     if dtype is None:
-        raise ServedViewError(f"dtype {t.dtype} has no safetensors name; serve it as one of {sorted(map(str, TORCH_DTYPE_NAMES))}")
+        raise ServedViewError(
+            f"dtype {t.dtype} has no safetensors name; serve it as one of {sorted(map(str, TORCH_DTYPE_NAMES))}"
+        )
     if t.device.type != "cpu" or not t.is_contiguous():
         raise ServedViewError("to_raw needs a contiguous CPU tensor")
     flat = t.reshape(-1)
@@ -203,7 +214,9 @@ def gather_full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def cast_served(name: str, t: torch.Tensor, dtypes: DtypeMap | None = None, default: torch.dtype = torch.bfloat16) -> RawTensor:
+def cast_served(
+    name: str, t: torch.Tensor, dtypes: DtypeMap | None = None, default: torch.dtype = torch.bfloat16
+) -> RawTensor:
     """A host copy of one tensor in its served dtype, as raw bits (always a fresh copy)."""
     target = served_dtype(name, t, dtypes, default)
     with torch.no_grad():

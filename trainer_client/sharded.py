@@ -114,7 +114,15 @@ class ShardedPublisher(PublisherCore):
 
     _lockstep = True
 
-    def __init__(self, url: str, run: str, token: str | None = None, *, group: dist.ProcessGroup | None = None, **options: Unpack[PublisherOptions]) -> None:
+    def __init__(
+        self,
+        url: str,
+        run: str,
+        token: str | None = None,
+        *,
+        group: dist.ProcessGroup | None = None,
+        **options: Unpack[PublisherOptions],
+    ) -> None:
         if not dist.is_initialized():
             raise PublishError("ShardedPublisher needs torch.distributed initialized (init_process_group)")
         self.group = group

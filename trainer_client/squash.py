@@ -59,7 +59,9 @@ def check_depths(depths: Iterable[int]) -> tuple[int, ...]:
     """
     out = tuple(sorted({int(d) for d in depths}))
     if any(d < MIN_SQUASH_SPAN for d in out):
-        raise ValueError(f"squash depths must be >= {MIN_SQUASH_SPAN} (one version back is the delta itself), got {list(out)}")
+        raise ValueError(
+            f"squash depths must be >= {MIN_SQUASH_SPAN} (one version back is the delta itself), got {list(out)}"
+        )
     return out
 
 
@@ -106,7 +108,13 @@ class RecentViews:
         self.reset()
         self.latest, self.latest_digest = manifest.version, manifest_sha256(manifest)
 
-    def record(self, manifest: VersionManifest, old: Mapping[str, RawTensor] | None, new: Mapping[str, RawTensor], old_checksums: Mapping[str, str]) -> None:
+    def record(
+        self,
+        manifest: VersionManifest,
+        old: Mapping[str, RawTensor] | None,
+        new: Mapping[str, RawTensor],
+        old_checksums: Mapping[str, str],
+    ) -> None:
         """Note version ``manifest.version`` (its view ``new``) after version ``manifest.version - 1`` (``old``).
 
         The records restart here (older versions can no longer be rebuilt) when ``old`` is
@@ -118,7 +126,12 @@ class RecentViews:
             old_checksums: every tensor's xxh3-128 in the old version (all processes' tensors).
         """
         new_sums = manifest.checksums()
-        if old is None or self.latest != manifest.version - 1 or set(old) != set(new) or set(old_checksums) != set(new_sums):
+        if (
+            old is None
+            or self.latest != manifest.version - 1
+            or set(old) != set(new)
+            or set(old_checksums) != set(new_sums)
+        ):
             self.start(manifest)
             return
         moved = sorted(n for n in new if new_sums[n] != old_checksums[n])
@@ -128,7 +141,9 @@ class RecentViews:
             return at, old[name].bits[at]
 
         changes = dict(zip(moved, _pool_map(reverse, moved), strict=True))
-        self._records.append(_Record(manifest.version, dict(old_checksums), self.latest_digest, manifest.stats.encoded_bytes, changes))
+        self._records.append(
+            _Record(manifest.version, dict(old_checksums), self.latest_digest, manifest.stats.encoded_bytes, changes)
+        )
         self.latest, self.latest_digest = manifest.version, manifest_sha256(manifest)
 
     def bases(self) -> list[int]:
@@ -168,7 +183,14 @@ class RecentViews:
         return dict(zip(names, _pool_map(rebuild, names), strict=True))
 
 
-def encode_squash(views: RecentViews, base: int, latest: Mapping[str, RawTensor], target_checksums: Mapping[str, str], encoding: Encoding, metadata: Mapping[str, str]) -> tuple[bytes, int]:
+def encode_squash(
+    views: RecentViews,
+    base: int,
+    latest: Mapping[str, RawTensor],
+    target_checksums: Mapping[str, str],
+    encoding: Encoding,
+    metadata: Mapping[str, str],
+) -> tuple[bytes, int]:
     """The patch taking this process's tensors from version ``base`` to the latest: (file bytes, changed elements).
 
     Args:
@@ -182,7 +204,12 @@ def encode_squash(views: RecentViews, base: int, latest: Mapping[str, RawTensor]
     base_sums, _ = views.base_of(base)
     old = views.view_at(base, latest)
     names = sorted(n for n in old if base_sums[n] != target_checksums[n])
-    encoded = _pool_map(lambda n: encode_tensor(n, old[n], latest[n], encoding, base_checksum=base_sums[n], target_checksum=target_checksums[n]), names)
+    encoded = _pool_map(
+        lambda n: encode_tensor(
+            n, old[n], latest[n], encoding, base_checksum=base_sums[n], target_checksum=target_checksums[n]
+        ),
+        names,
+    )
     kept = [e for e in encoded if e is not None]
     return build_patch(kept, encoding, metadata), sum(e.entry.count for e in kept)
 
@@ -211,7 +238,13 @@ class Squasher:
         self.stored: list[tuple[int, int]] = []
 
     def after_commit(
-        self, manifest: VersionManifest, old: Mapping[str, RawTensor] | None, new: Mapping[str, RawTensor], old_checksums: Mapping[str, str], exchange: Exchange, on_committer: OnCommitter
+        self,
+        manifest: VersionManifest,
+        old: Mapping[str, RawTensor] | None,
+        new: Mapping[str, RawTensor],
+        old_checksums: Mapping[str, str],
+        exchange: Exchange,
+        on_committer: OnCommitter,
     ) -> list[SquashManifest]:
         """Record version ``manifest.version`` and store its squashes; the records stored (on every rank).
 
@@ -220,11 +253,15 @@ class Squasher:
         """
         if not self.depths:
             return []
-        if old is not None and manifest.version > 0 and self.views.latest != manifest.version - 1:  # a resumed publisher: learn the base's manifest
+        if (
+            old is not None and manifest.version > 0 and self.views.latest != manifest.version - 1
+        ):  # a resumed publisher: learn the base's manifest
             try:
                 self.views.start(on_committer(lambda: self.client.manifest(self.run, manifest.version - 1)))
             except BulletinError as exc:
-                log.warning("run %s: reading version %d for its squashes failed (%s)", self.run, manifest.version - 1, exc)
+                log.warning(
+                    "run %s: reading version %d for its squashes failed (%s)", self.run, manifest.version - 1, exc
+                )
         self.views.record(manifest, old, new, old_checksums)
         out = []
         for base in [manifest.version - d for d in self.depths if manifest.version - d in self.views.bases()]:
@@ -237,7 +274,14 @@ class Squasher:
                 out.append(stored)
         return out
 
-    def _squash(self, manifest: VersionManifest, base: int, new: Mapping[str, RawTensor], exchange: Exchange, on_committer: OnCommitter) -> SquashManifest | None:
+    def _squash(
+        self,
+        manifest: VersionManifest,
+        base: int,
+        new: Mapping[str, RawTensor],
+        exchange: Exchange,
+        on_committer: OnCommitter,
+    ) -> SquashManifest | None:
         target = manifest.version
         what = f"squash {base} -> {target} of run {self.run!r}"
 

@@ -29,7 +29,9 @@ from stitchboard.proto.squash_schema import SquashManifest
 from .resume import rebuild_version
 from .squash import SUGGESTED_SQUASH_DEPTHS, Squasher, check_depths
 
-app = typer.Typer(help="A run's squashes (one patch from an older version to a newer one): list, drop, rebuild.", no_args_is_help=True)
+app = typer.Typer(
+    help="A run's squashes (one patch from an older version to a newer one): list, drop, rebuild.", no_args_is_help=True
+)
 log = logging.getLogger("stitchboard.trainer_client")
 
 
@@ -38,7 +40,14 @@ def _alone(what: str, work: Callable[[], tuple[Any, Any]]) -> tuple[Any, list[An
     return kept, [shared]
 
 
-def rebuild_squashes(client: BulletinClient, run: str, depths: Sequence[int] = SUGGESTED_SQUASH_DEPTHS, since: int | None = None, encoding: Encoding = "cond", workdir: str | Path | None = None) -> list[SquashManifest]:
+def rebuild_squashes(
+    client: BulletinClient,
+    run: str,
+    depths: Sequence[int] = SUGGESTED_SQUASH_DEPTHS,
+    since: int | None = None,
+    encoding: Encoding = "cond",
+    workdir: str | Path | None = None,
+) -> list[SquashManifest]:
     """Make the squashes ``target - d -> target`` of ``run`` for every stored target >= ``since`` and depth ``d``.
 
     Args:
@@ -73,13 +82,18 @@ def rebuild_squashes(client: BulletinClient, run: str, depths: Sequence[int] = S
         for version in [v for v in numbers if v > start]:
             manifest = client.manifest(run, version)
             if version != previous.version + 1 or manifest.layout() != previous.layout():
-                view, previous = rebuild_version(client, run, version, workdir).view, manifest  # a gap or a new tensor set: start again here
+                view, previous = (
+                    rebuild_version(client, run, version, workdir).view,
+                    manifest,
+                )  # a gap or a new tensor set: start again here
                 squasher.views.start(manifest)
                 continue
             new = view
             for ref in manifest.files_of("patch"):
                 path = client.download_blob(run, ref.sha256, Path(tmp) / ref.sha256, ref.size_bytes)
-                new = apply_to_copy(new, read_patch(path.read_bytes(), ref.size_bytes, what=f"{ref.path} of version {version}"))
+                new = apply_to_copy(
+                    new, read_patch(path.read_bytes(), ref.size_bytes, what=f"{ref.path} of version {version}")
+                )
                 path.unlink()
             missing = tuple(d for d in depths if version >= first_target and (version - d, version) not in have)
             if missing:
@@ -117,13 +131,24 @@ def list_(bulletin: Bulletin, run: Run, token: Token = None) -> None:
 
 
 @app.command()
-def drop(bulletin: Bulletin, run: Run, token: Token = None, span: Annotated[list[str] | None, typer.Argument(help="BASE-TARGET spans to drop (none: every squash of the run)")] = None) -> None:
+def drop(
+    bulletin: Bulletin,
+    run: Run,
+    token: Token = None,
+    span: Annotated[
+        list[str] | None, typer.Argument(help="BASE-TARGET spans to drop (none: every squash of the run)")
+    ] = None,
+) -> None:
     """Drop squashes (plans stop using them at once; their blobs go with the next gc); print how many."""
     from stitchboard.proto.errors import StitchError
 
     try:
         with BulletinClient(bulletin, token) as client:
-            spans = [tuple(int(x) for x in s.split("-", 1)) for s in span] if span else [(s.base_version, s.target_version) for s in client.squashes(run)]
+            spans = (
+                [tuple(int(x) for x in s.split("-", 1)) for s in span]
+                if span
+                else [(s.base_version, s.target_version) for s in client.squashes(run)]
+            )
             typer.echo(sum(client.drop_squash(run, base, target) for base, target in spans))
     except (StitchError, ValueError) as exc:
         raise _fail(exc) from exc
@@ -134,7 +159,9 @@ def rebuild(
     bulletin: Bulletin,
     run: Run,
     token: Token = None,
-    depths: Annotated[str, typer.Option(help="comma-separated squash depths (versions back from each target)")] = ",".join(map(str, SUGGESTED_SQUASH_DEPTHS)),
+    depths: Annotated[
+        str, typer.Option(help="comma-separated squash depths (versions back from each target)")
+    ] = ",".join(map(str, SUGGESTED_SQUASH_DEPTHS)),
     since: Annotated[int | None, typer.Option(help="first target version (default: every stored version)")] = None,
     encoding: Annotated[str, typer.Option(help="cond (smallest), xor or overwrite")] = "cond",
 ) -> None:

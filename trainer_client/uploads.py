@@ -28,5 +28,7 @@ def upload_assets(client: BulletinClient, run: str, refs: list[FileRef], data: M
     sent = upload_files(client, run, [(ref, data[ref.path]) for ref in refs if ref.path in data])
     for ref in refs:
         if ref.path not in data and client.has_blob(run, ref.sha256) != ref.size_bytes:
-            raise PublishError(f"run asset {ref.path} ({ref.sha256}) is gone from the bulletin; pass assets= to upload it again")
+            raise PublishError(
+                f"run asset {ref.path} ({ref.sha256}) is gone from the bulletin; pass assets= to upload it again"
+            )
     return sent

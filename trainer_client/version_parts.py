@@ -108,7 +108,17 @@ def shard_layout(groups_by_rank: list[list[list[str]]]) -> dict[str, str]:
     return {name: shard_name(i, len(groups)) for i, group in enumerate(groups) for name in group}
 
 
-def version_result(manifest: VersionManifest, snapshot: bool, parts: list[RankPart], *, cast_s: float, diff_s: float, write_s: float, upload_s: float, commit_s: float) -> PublishResult:
+def version_result(
+    manifest: VersionManifest,
+    snapshot: bool,
+    parts: list[RankPart],
+    *,
+    cast_s: float,
+    diff_s: float,
+    write_s: float,
+    upload_s: float,
+    commit_s: float,
+) -> PublishResult:
     """The :class:`PublishResult` of a committed ``manifest`` built from ``parts`` (``snapshot``:
     the version was meant to carry one; the seconds are this rank's)."""
     return PublishResult(

@@ -22,7 +22,17 @@ from .base import CHUNK_BYTES, ObjectStat, Store, StreamDigest, check_key
 from .folder import FileStore
 from .s3 import S3Settings, S3Store
 
-__all__ = ["CHUNK_BYTES", "FileStore", "ObjectStat", "S3Settings", "S3Store", "Store", "StreamDigest", "check_key", "open_store"]
+__all__ = [
+    "CHUNK_BYTES",
+    "FileStore",
+    "ObjectStat",
+    "S3Settings",
+    "S3Store",
+    "Store",
+    "StreamDigest",
+    "check_key",
+    "open_store",
+]
 
 
 def open_store(url: str, settings: S3Settings | None = None) -> Store:

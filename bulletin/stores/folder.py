@@ -42,7 +42,9 @@ class FileStore:
         self.root.mkdir(parents=True, exist_ok=True)
         (self.root / ".locks").mkdir(exist_ok=True)
         self.url = f"file://{self.root}"
-        self.upload_dir: Path | None = self.root / ".uploads"  # same filesystem: a verified upload is linked, not copied
+        self.upload_dir: Path | None = (
+            self.root / ".uploads"
+        )  # same filesystem: a verified upload is linked, not copied
         self.part_bytes: int | None = None
 
     @staticmethod

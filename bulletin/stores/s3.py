@@ -58,10 +58,14 @@ class S3Settings(BaseModel):
     s3_secret_access_key: str | None = Field(None, description="S3 secret key.")
     s3_session_token: str | None = Field(None, description="S3 session token.")
     s3_addressing_style: Literal["auto", "path", "virtual"] = Field("auto", description="S3 bucket addressing style.")
-    s3_multipart_threshold_bytes: int = Field(64 * MiB, gt=0, description="Blobs at least this large go up as multipart uploads, bytes.")
+    s3_multipart_threshold_bytes: int = Field(
+        64 * MiB, gt=0, description="Blobs at least this large go up as multipart uploads, bytes."
+    )
     s3_multipart_chunk_bytes: int = Field(64 * MiB, ge=5 * MiB, description="Part size of multipart uploads, bytes.")
     s3_max_concurrency: int = Field(8, gt=0, description="Parallel parts per multipart transfer.")
-    s3_checksum_attempts: int = Field(3, ge=1, description="Times a body S3 refuses as corrupted (BadDigest) is sent before the upload fails.")
+    s3_checksum_attempts: int = Field(
+        3, ge=1, description="Times a body S3 refuses as corrupted (BadDigest) is sent before the upload fails."
+    )
 
 
 def _code(exc: ClientError) -> str:
@@ -125,13 +129,18 @@ class S3Store:
             if code in _MISSING:
                 raise NotFoundError(f"no object {key!r} in {self.url}", key=key) from None
             if code in _PRECONDITION:
-                raise ConflictError(f"conditional write of {key!r} in {self.url} refused ({code}): the object exists or changed", key=key) from None
+                raise ConflictError(
+                    f"conditional write of {key!r} in {self.url} refused ({code}): the object exists or changed",
+                    key=key,
+                ) from None
             raise self._unavailable(key, exc) from exc
         except (BotoCoreError, S3UploadFailedError) as exc:
             raise self._unavailable(key, exc) from exc
 
     def _unavailable(self, key: str, exc: Exception) -> UnavailableError:
-        return UnavailableError(f"S3 request for {key!r} in {self.url} failed: {exc}; check the endpoint and credentials", key=key)
+        return UnavailableError(
+            f"S3 request for {key!r} in {self.url} failed: {exc}; check the endpoint and credentials", key=key
+        )
 
     def stat(self, key: str) -> ObjectStat | None:
         try:
@@ -139,7 +148,9 @@ class S3Store:
                 r = self._client.head_object(Bucket=self.bucket, Key=self._key(key))
         except NotFoundError:
             return None
-        return ObjectStat(key, r["ContentLength"], r["ETag"], r["LastModified"].timestamp(), r.get("Metadata", {}).get(RECORD_META))
+        return ObjectStat(
+            key, r["ContentLength"], r["ETag"], r["LastModified"].timestamp(), r.get("Metadata", {}).get(RECORD_META)
+        )
 
     def get(self, key: str) -> tuple[bytes, str]:
         with self._errors(key):
@@ -186,7 +197,9 @@ class S3Store:
 
                 def send() -> Any:
                     with open(path, "rb") as f:
-                        return self._client.put_object(Bucket=self.bucket, Key=self._key(key), Body=f, ChecksumSHA256=checksum, Metadata=meta)
+                        return self._client.put_object(
+                            Bucket=self.bucket, Key=self._key(key), Body=f, ChecksumSHA256=checksum, Metadata=meta
+                        )
 
                 self._acknowledged(key, self._checked(key, send), checksum)
             else:
@@ -196,12 +209,17 @@ class S3Store:
         """Raise :class:`UnavailableError` when the checksum S3 acknowledged is not the one sent (stores that acknowledge none pass)."""
         acknowledged = answer.get("ChecksumSHA256")
         if acknowledged and acknowledged != sent:
-            raise UnavailableError(f"S3 acknowledged {key!r} in {self.url} with checksum {acknowledged}, not the {sent} sent: the upload is not trusted; retry it", key=key)
+            raise UnavailableError(
+                f"S3 acknowledged {key!r} in {self.url} with checksum {acknowledged}, not the {sent} sent: the upload is not trusted; retry it",
+                key=key,
+            )
 
     def _put_parts(self, key: str, path: Path, parts: builtins.list[bytes], meta: dict[str, str]) -> None:
         """A multipart upload whose every part carries its SHA-256 (aborted on failure)."""
         part_bytes = self.part_bytes or 0
-        upload = self._client.create_multipart_upload(Bucket=self.bucket, Key=self._key(key), ChecksumAlgorithm="SHA256", Metadata=meta)["UploadId"]
+        upload = self._client.create_multipart_upload(
+            Bucket=self.bucket, Key=self._key(key), ChecksumAlgorithm="SHA256", Metadata=meta
+        )["UploadId"]
 
         def put_part(number: int) -> dict[str, Any]:
             checksum = b64_digest(parts[number - 1])
@@ -210,14 +228,23 @@ class S3Store:
                 with open(path, "rb") as f:
                     f.seek((number - 1) * part_bytes)
                     body = f.read(part_bytes)
-                return self._client.upload_part(Bucket=self.bucket, Key=self._key(key), UploadId=upload, PartNumber=number, Body=body, ChecksumSHA256=checksum)
+                return self._client.upload_part(
+                    Bucket=self.bucket,
+                    Key=self._key(key),
+                    UploadId=upload,
+                    PartNumber=number,
+                    Body=body,
+                    ChecksumSHA256=checksum,
+                )
 
             return {"PartNumber": number, "ETag": self._checked(key, send)["ETag"], "ChecksumSHA256": checksum}
 
         try:
             with ThreadPoolExecutor(self._concurrency) as pool:
                 done = list(pool.map(put_part, range(1, len(parts) + 1)))
-            answer = self._client.complete_multipart_upload(Bucket=self.bucket, Key=self._key(key), UploadId=upload, MultipartUpload={"Parts": done})
+            answer = self._client.complete_multipart_upload(
+                Bucket=self.bucket, Key=self._key(key), UploadId=upload, MultipartUpload={"Parts": done}
+            )
             self._acknowledged(key, answer, f"{b64_digest(hashlib.sha256(b''.join(parts)).digest())}-{len(parts)}")
         except BaseException:
             with contextlib.suppress(ClientError, BotoCoreError):
@@ -253,7 +280,9 @@ class S3Store:
         if prefix:
             check_key(prefix)
         start = len(self.prefix + prefix)
-        return sorted(p["Prefix"][start:].rstrip("/") for page in self._pages(prefix) for p in page.get("CommonPrefixes", []))
+        return sorted(
+            p["Prefix"][start:].rstrip("/") for page in self._pages(prefix) for p in page.get("CommonPrefixes", [])
+        )
 
     def delete(self, key: str) -> None:
         with contextlib.suppress(NotFoundError), self._errors(key):
@@ -264,7 +293,9 @@ class S3Store:
         if method == "PUT":
             if sha256 is None:
                 raise ValueError(f"a presigned PUT of {key!r} needs the object's sha256")
-            params.update(ChecksumSHA256=b64_digest(bytes.fromhex(sha256)), Metadata={RECORD_META: sha256}, IfNoneMatch="*")
+            params.update(
+                ChecksumSHA256=b64_digest(bytes.fromhex(sha256)), Metadata={RECORD_META: sha256}, IfNoneMatch="*"
+            )
         op = {"GET": "get_object", "PUT": "put_object"}[method]
         with self._errors(key):
             url: str = self._client.generate_presigned_url(op, Params=params, ExpiresIn=expires_s)
@@ -274,11 +305,15 @@ class S3Store:
         # Writes to S3 are atomic; what an interrupted one leaves is an unfinished multipart upload.
         cutoff, removed = time.time() - older_than_s, 0
         with self._errors(prefix):
-            for page in self._client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=self.prefix + check_key(prefix)):
+            for page in self._client.get_paginator("list_multipart_uploads").paginate(
+                Bucket=self.bucket, Prefix=self.prefix + check_key(prefix)
+            ):
                 for up in page.get("Uploads", []):
                     if up["Initiated"].timestamp() <= cutoff:
                         with contextlib.suppress(ClientError):
-                            self._client.abort_multipart_upload(Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"])
+                            self._client.abort_multipart_upload(
+                                Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"]
+                            )
                         removed += 1
         return removed
 
@@ -287,4 +322,7 @@ class S3Store:
             with self._errors(""):
                 self._client.head_bucket(Bucket=self.bucket)
         except NotFoundError:
-            raise UnavailableError(f"bucket {self.bucket!r} of {self.url} does not exist: create it, or fix the store URL (STITCH_BULLETIN_STORE)", key="") from None
+            raise UnavailableError(
+                f"bucket {self.bucket!r} of {self.url} does not exist: create it, or fix the store URL (STITCH_BULLETIN_STORE)",
+                key="",
+            ) from None

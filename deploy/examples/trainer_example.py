@@ -34,8 +34,16 @@ TEXT = (
 def build_parser() -> argparse.ArgumentParser:
     """The command-line options (kept importable without torch, for the deploy tests)."""
     p = argparse.ArgumentParser(description="Train SmolLM2-135M on the CPU and publish every step to a bulletin.")
-    p.add_argument("--bulletin", default=env_setting("STITCH_CLIENT_BULLETIN") or "http://127.0.0.1:8700", help="bulletin base URL [env STITCH_CLIENT_BULLETIN]")
-    p.add_argument("--token", default=env_setting("STITCH_CLIENT_TOKEN"), help="bearer token with the publish scope [env STITCH_CLIENT_TOKEN]")
+    p.add_argument(
+        "--bulletin",
+        default=env_setting("STITCH_CLIENT_BULLETIN") or "http://127.0.0.1:8700",
+        help="bulletin base URL [env STITCH_CLIENT_BULLETIN]",
+    )
+    p.add_argument(
+        "--token",
+        default=env_setting("STITCH_CLIENT_TOKEN"),
+        help="bearer token with the publish scope [env STITCH_CLIENT_TOKEN]",
+    )
     p.add_argument("--run", required=True, help="run id")
     p.add_argument("--steps", type=int, default=20, help="optimizer steps to take and publish (default 20)")
     p.add_argument("--lr", type=float, default=3e-6, help="AdamW learning rate (default 3e-6)")
@@ -71,7 +79,10 @@ def main(argv: list[str] | None = None) -> None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             r = publisher.publish(model, step=step)
-            print(f"step {step}: loss {loss.item():.4f} -> version {r.version}, {r.changed_fraction:.2%} of values changed", flush=True)
+            print(
+                f"step {step}: loss {loss.item():.4f} -> version {r.version}, {r.changed_fraction:.2%} of values changed",
+                flush=True,
+            )
             time.sleep(args.interval_s)
 
 

@@ -44,7 +44,9 @@ def main() -> int:
     for p in problems:
         print(p, file=sys.stderr)
     if not problems:
-        print(f"SGLang environment ok: torch {torch.__version__}, sglang {sglang.__version__}; pip check lists only the {len(LEFT_OUT)} requirements left out on purpose")
+        print(
+            f"SGLang environment ok: torch {torch.__version__}, sglang {sglang.__version__}; pip check lists only the {len(LEFT_OUT)} requirements left out on purpose"
+        )
     return 1 if problems else 0
 
 

@@ -36,7 +36,9 @@ def _cpu_reports_amx() -> bool:
 
 
 def main() -> int:
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]  # look for a real kernel, not at ./sgl_kernel
+    sys.path[:] = [
+        p for p in sys.path if Path(p or ".").resolve() != HERE
+    ]  # look for a real kernel, not at ./sgl_kernel
     target = Path(sysconfig.get_paths()["purelib"]) / "sgl_kernel"
     spec = importlib.util.find_spec("sgl_kernel")
     if spec is not None and spec.origin and not (target / "__init__.py").exists():
@@ -51,10 +53,15 @@ def main() -> int:
     flags = answer.stdout.split()
     if answer.returncode != 0 or flags[-1:] != ["0"]:
         shutil.rmtree(target, ignore_errors=True)
-        print(f"with the stand-in installed SGLang's AMX gate is not closed ({answer.stdout.strip()} {answer.stderr[-500:]}): removed it", file=sys.stderr)
+        print(
+            f"with the stand-in installed SGLang's AMX gate is not closed ({answer.stdout.strip()} {answer.stderr[-500:]}): removed it",
+            file=sys.stderr,
+        )
         return 1
     amx = _cpu_reports_amx()
-    print(f"sgl_kernel stand-in installed at {target} (CPU reports AMX: {amx}; torch AMX tile support: {flags[0] == '1'}; SGLang's AMX gate: closed)")
+    print(
+        f"sgl_kernel stand-in installed at {target} (CPU reports AMX: {amx}; torch AMX tile support: {flags[0] == '1'}; SGLang's AMX gate: closed)"
+    )
     return 0
 
 

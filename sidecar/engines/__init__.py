@@ -36,12 +36,21 @@ def create_adapter(settings: SidecarSettings) -> EngineAdapter:
     if settings.engine == "vllm":
         from .vllm.adapter import VllmEngine
 
-        return VllmEngine(settings.engine_url, timeout_s=settings.engine_call_timeout_s, apply_timeout_s=settings.engine_apply_timeout_s)
+        return VllmEngine(
+            settings.engine_url,
+            timeout_s=settings.engine_call_timeout_s,
+            apply_timeout_s=settings.engine_apply_timeout_s,
+        )
     if settings.engine == "sglang":
         from pathlib import Path
 
         from .sglang.adapter import SglangEngine
 
         records = Path(settings.handoff_dir) / f"sidecar-{settings.port}" / "sglang-records"
-        return SglangEngine(settings.engine_url, records, timeout_s=settings.engine_call_timeout_s, apply_timeout_s=settings.engine_apply_timeout_s)
+        return SglangEngine(
+            settings.engine_url,
+            records,
+            timeout_s=settings.engine_call_timeout_s,
+            apply_timeout_s=settings.engine_apply_timeout_s,
+        )
     raise ValueError(f"no engine adapter for engine {settings.engine!r}: use one of 'vllm', 'sglang'")

@@ -62,7 +62,9 @@ class EngineAdapter(Protocol):
     def commit_staged(self, to_version: int) -> dict[str, Any]:
         """Write the staged update (engine paused), verified; returns the commit report."""
 
-    def load_snapshot(self, paths: Sequence[str], version: int, checksums: dict[str, str] | None = None) -> dict[str, Any]:
+    def load_snapshot(
+        self, paths: Sequence[str], version: int, checksums: dict[str, str] | None = None
+    ) -> dict[str, Any]:
         """Load a full snapshot (anchor shards) in place, verified; returns the load report."""
 
     def set_version(self, version: int, base: int | None = None) -> None:

@@ -76,11 +76,17 @@ def parse_answers(method: str, results: Any) -> list[RankAnswer]:
             engine code loaded?).
     """
     if not isinstance(results, list) or not results:
-        raise EngineRequestError(f"{method}: unexpected answer {str(results)[:300]} (is the stitchboard worker extension loaded?)", path="/collective_rpc")
+        raise EngineRequestError(
+            f"{method}: unexpected answer {str(results)[:300]} (is the stitchboard worker extension loaded?)",
+            path="/collective_rpc",
+        )
     try:
         return [RankAnswer.model_validate(r) for r in results]
     except ValidationError as exc:
-        raise EngineRequestError(f"{method}: a rank's answer has the wrong shape ({exc.error_count()} errors: {str(exc)[:300]})", path="/collective_rpc") from None
+        raise EngineRequestError(
+            f"{method}: a rank's answer has the wrong shape ({exc.error_count()} errors: {str(exc)[:300]})",
+            path="/collective_rpc",
+        ) from None
 
 
 def combine(answers: Sequence[RankAnswer]) -> EngineState:
@@ -117,4 +123,6 @@ def raise_if_failed(method: str, answers: Sequence[RankAnswer]) -> None:
         raise ApplyFailedError(f"{method}: {err.message}", **{**details, "restored": bool(details.get("restored"))})
     if err.type == EngineStateError.type:
         raise EngineStateError(f"{method}: {err.message}", **details)
-    raise ApplyRefusedError(f"{method} refused, nothing written: {err.type}: {err.message}", **{**details, "cause": err.type})
+    raise ApplyRefusedError(
+        f"{method} refused, nothing written: {err.type}: {err.message}", **{**details, "cause": err.type}
+    )

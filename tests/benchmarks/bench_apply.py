@@ -68,7 +68,10 @@ def main() -> int:
     from tests.support.training import CpuTrainer
 
     def raw(view: dict) -> dict[str, RawTensor]:
-        return {n: RawTensor("BF16", tuple(t.shape), t.contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1)) for n, t in view.items()}
+        return {
+            n: RawTensor("BF16", tuple(t.shape), t.contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1))
+            for n, t in view.items()
+        }
 
     model_dir = build_smollm2_checkpoint()
     work = Path(tempfile.mkdtemp(prefix="stitch-bench-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
@@ -86,7 +89,12 @@ def main() -> int:
         def back_to(version: int) -> None:  # unmeasured: reload the base by snapshot
             engine.pause()
             try:
-                engine.load_snapshot(sorted(str(p) for p in (work / f"snapshot-v{version}").glob("*.safetensors")) if version else [str(model_dir / "model.safetensors")], version)
+                engine.load_snapshot(
+                    sorted(str(p) for p in (work / f"snapshot-v{version}").glob("*.safetensors"))
+                    if version
+                    else [str(model_dir / "model.safetensors")],
+                    version,
+                )
             finally:
                 engine.resume()
 
@@ -96,7 +104,11 @@ def main() -> int:
             diff = diff_views(view, nxt)
             patch_path = work / f"v{step}.patch"
             patch_path.write_bytes(diff.patch)
-            shards = [p for p in save_checkpoint(work / f"snapshot-v{step}", nxt, max_shard_bytes=128 * 1024**2) if p.suffix == ".safetensors"]
+            shards = [
+                p
+                for p in save_checkpoint(work / f"snapshot-v{step}", nxt, max_shard_bytes=128 * 1024**2)
+                if p.suffix == ".safetensors"
+            ]
             sums = {n: checksum(t) for n, t in nxt.items()}
             row = {}
             t = time.perf_counter()
@@ -104,9 +116,14 @@ def main() -> int:
             row["stage_s"] = time.perf_counter() - t
             row["staged"] = _paused(engine, lambda step=step: engine.commit_staged(step))
             back_to(step - 1)
-            row["one_call"] = _paused(engine, lambda step=step, patch_path=patch_path: engine.apply_patch(str(patch_path), step - 1, step))
+            row["one_call"] = _paused(
+                engine, lambda step=step, patch_path=patch_path: engine.apply_patch(str(patch_path), step - 1, step)
+            )
             back_to(step - 1)
-            row["snapshot"] = _paused(engine, lambda step=step, shards=shards, sums=sums: engine.load_snapshot([str(p) for p in shards], step, sums))
+            row["snapshot"] = _paused(
+                engine,
+                lambda step=step, shards=shards, sums=sums: engine.load_snapshot([str(p) for p in shards], step, sums),
+            )
             rows.append(row)
             print(
                 f"step {step}: {diff.changed_elements / diff.total_elements:.2%} changed, patch {len(diff.patch) / 1e6:.2f} MB: "
@@ -117,7 +134,11 @@ def main() -> int:
             view = nxt
         med = lambda xs: statistics.median(xs) * 1e3
         stage_keys = ("read_s", "check_s", "build_s", "pack_s")
-        print(f"staging (engine serving): {med([r['stage_s'] for r in rows]):.0f} ms median (" + ", ".join(f"{k[:-2]} {med([r['stage'][k] for r in rows]):.0f}" for k in stage_keys) + ")")
+        print(
+            f"staging (engine serving): {med([r['stage_s'] for r in rows]):.0f} ms median ("
+            + ", ".join(f"{k[:-2]} {med([r['stage'][k] for r in rows]):.0f}" for k in stage_keys)
+            + ")"
+        )
         for label, keys in (
             ("staged", ("write_s", "swap_s", "verify_s")),
             ("one_call", stage_keys + ("write_s", "swap_s", "verify_s")),
@@ -131,7 +152,9 @@ def main() -> int:
             )
         ratio = statistics.median(r["staged"][1] for r in rows) / statistics.median(r["snapshot"][1] for r in rows)
         one_call = statistics.median(r["one_call"][1] for r in rows) / statistics.median(r["snapshot"][1] for r in rows)
-        print(f"patch / snapshot pause: {ratio:.2f}x staged (target <= 0.5x); {one_call:.2f}x when staged inside the pause")
+        print(
+            f"patch / snapshot pause: {ratio:.2f}x staged (target <= 0.5x); {one_call:.2f}x when staged inside the pause"
+        )
         engine.close()
     finally:
         server.stop()

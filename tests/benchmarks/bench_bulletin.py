@@ -47,7 +47,15 @@ RUN = "bench"
 def start_bulletin(store: str, port: int, log_level: str = "warning") -> subprocess.Popen:
     """``stitchboard bulletin serve`` on ``port`` over ``store`` as a subprocess, once healthy."""
     env = {**os.environ, "STITCH_BULLETIN_STORE": store, "STITCH_BULLETIN_LOG_LEVEL": log_level}
-    cmd = [sys.executable, "-c", "from stitchboard.proto.cli import main; main()", "bulletin", "serve", "--port", str(port)]
+    cmd = [
+        sys.executable,
+        "-c",
+        "from stitchboard.proto.cli import main; main()",
+        "bulletin",
+        "serve",
+        "--port",
+        str(port),
+    ]
     proc = subprocess.Popen(cmd, env=env)
     for _ in range(300):
         try:
@@ -64,7 +72,15 @@ def _manifest(client: BulletinClient, version: int, tensors: int) -> VersionMani
     digest = hashlib.sha256(data).hexdigest()
     client.put_blob(RUN, digest, data)
     role = "snapshot" if version == 0 else "patch"
-    specs = [TensorSpec(name=f"model.layers.{i // 9}.w{i % 9}.weight", dtype="BF16", shape=[576, 576], checksums={"xxh3_128": f"{version * 1000 + i:032x}"}) for i in range(tensors)]
+    specs = [
+        TensorSpec(
+            name=f"model.layers.{i // 9}.w{i % 9}.weight",
+            dtype="BF16",
+            shape=[576, 576],
+            checksums={"xxh3_128": f"{version * 1000 + i:032x}"},
+        )
+        for i in range(tensors)
+    ]
     total = sum(t.numel for t in specs)
     return VersionManifest(
         run_id=RUN,
@@ -73,7 +89,11 @@ def _manifest(client: BulletinClient, version: int, tensors: int) -> VersionMani
         snapshot=version == 0,
         tensors=specs,
         files=[FileRef(path=f"{role}-{version}.safetensors", sha256=digest, size_bytes=len(data), role=role)],
-        stats=VersionStats(changed_elements=0 if version == 0 else 10, total_elements=total, encoded_bytes=0 if version == 0 else len(data)),
+        stats=VersionStats(
+            changed_elements=0 if version == 0 else 10,
+            total_elements=total,
+            encoded_bytes=0 if version == 0 else len(data),
+        ),
     )
 
 
@@ -160,7 +180,9 @@ class Round:
     load_after: float
 
 
-async def notify_latency(url: str, port: int, client: BulletinClient, clients: int, rounds: int, tensors: int, server_pid: int) -> list[Round]:
+async def notify_latency(
+    url: str, port: int, client: BulletinClient, clients: int, rounds: int, tensors: int, server_pid: int
+) -> list[Round]:
     """Per round, each of ``clients`` connections long-polls for the next version, then one publish (see :class:`Round`).
 
     The client's own cyclic garbage collector is held off from the publish to the last answer:
@@ -169,7 +191,9 @@ async def notify_latency(url: str, port: int, client: BulletinClient, clients: i
     loop = asyncio.get_running_loop()
     conns: list[LongPoll] = []
     for i in range(0, clients, 100):  # connect in batches to stay under the listen backlog
-        made = await asyncio.gather(*(loop.create_connection(LongPoll, "127.0.0.1", port) for _ in range(min(100, clients - i))))
+        made = await asyncio.gather(
+            *(loop.create_connection(LongPoll, "127.0.0.1", port) for _ in range(min(100, clients - i)))
+        )
         conns += [protocol for _, protocol in made]
     results = []
     for version in range(1, rounds + 1):
@@ -190,7 +214,16 @@ async def notify_latency(url: str, port: int, client: BulletinClient, clients: i
         for raw in bodies:
             head, _, body = raw.partition(b"\r\n\r\n")
             assert _head(head)[0] == 200 and json.loads(body)["version"] == version, raw[:300]
-        results.append(Round(sorted(c.answered_at - t0 for c in conns), publish_s, server_cpu_s, client_cpu_s, load_before, os.getloadavg()[0]))
+        results.append(
+            Round(
+                sorted(c.answered_at - t0 for c in conns),
+                publish_s,
+                server_cpu_s,
+                client_cpu_s,
+                load_before,
+                os.getloadavg()[0],
+            )
+        )
     for c in conns:
         assert c.transport is not None
         c.transport.close()
@@ -221,7 +254,9 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def _report(clients: int, rounds: list[Round]) -> None:
-    print(f"long-poll: {clients} clients, publish -> each client answered (ms; load = 1-minute load average before -> after):")
+    print(
+        f"long-poll: {clients} clients, publish -> each client answered (ms; load = 1-minute load average before -> after):"
+    )
     for i, r in enumerate(rounds, 1):
         xs = r.latencies_s
         print(
@@ -235,14 +270,24 @@ def _report(clients: int, rounds: list[Round]) -> None:
         f"  all rounds: p50 {_pct(everything, 0.50):.1f} ms, p99 {p99:.1f} ms, mean {statistics.mean(everything) * 1000:.1f} ms, worst round's p99 {worst:.1f} ms  (target p99 <= {target:.0f} ms in every round: {'met' if worst <= target else 'NOT met'})"
     )
     best = min(range(len(rounds)), key=lambda i: _pct(rounds[i].latencies_s, 0.99))
-    print(f"  least disturbed round ({best + 1}): p99 {_pct(rounds[best].latencies_s, 0.99):.1f} ms, server CPU {rounds[best].server_cpu_s * 1000:.1f} ms")
+    print(
+        f"  least disturbed round ({best + 1}): p99 {_pct(rounds[best].latencies_s, 0.99):.1f} ms, server CPU {rounds[best].server_cpu_s * 1000:.1f} ms"
+    )
     cpu = statistics.median(r.server_cpu_s for r in rounds)
-    print(f"  server CPU from the publish to the last answer: median {cpu * 1000:.1f} ms per round, {cpu / clients * 1e6:.1f} us per answer")
+    print(
+        f"  server CPU from the publish to the last answer: median {cpu * 1000:.1f} ms per round, {cpu / clients * 1e6:.1f} us per answer"
+    )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--clients", type=int, nargs="+", default=[1000], help="client counts, each against a fresh bulletin (e.g. --clients 5000 1000)")
+    ap.add_argument(
+        "--clients",
+        type=int,
+        nargs="+",
+        default=[1000],
+        help="client counts, each against a fresh bulletin (e.g. --clients 5000 1000)",
+    )
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tensors", type=int, default=300, help="tensors per manifest (SmolLM2-135M has ~270)")
     ap.add_argument("--get-seconds", type=float, default=5.0)
@@ -254,7 +299,9 @@ def main() -> None:
     if soft < want:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(want, hard), hard))
 
-    print(f"bulletin benchmark: 1 process on loopback, local-folder store, {os.cpu_count()} CPUs (clients in one process on the same CPUs)")
+    print(
+        f"bulletin benchmark: 1 process on loopback, local-folder store, {os.cpu_count()} CPUs (clients in one process on the same CPUs)"
+    )
     for n, clients in enumerate(args.clients):
         with tempfile.TemporaryDirectory() as folder:
             port = free_port()
@@ -271,7 +318,9 @@ def main() -> None:
                 proc.terminate()
                 proc.wait(10)
         _report(clients, rounds)
-    print(f"manifest GETs: {gets / elapsed:.0f}/s ({args.tensors}-tensor manifest, {size} bytes, {args.get_connections} keep-alive connections, {elapsed:.1f} s)")
+    print(
+        f"manifest GETs: {gets / elapsed:.0f}/s ({args.tensors}-tensor manifest, {size} bytes, {args.get_connections} keep-alive connections, {elapsed:.1f} s)"
+    )
 
 
 if __name__ == "__main__":

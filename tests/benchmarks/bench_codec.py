@@ -43,7 +43,10 @@ HELD_OUT_LAYERS = ("model.layers.7.", "model.layers.23.")
 
 def raw_view(view: dict[str, torch.Tensor]) -> dict[str, RawTensor]:
     """bf16 torch tensors -> RawTensor views sharing memory."""
-    return {n: RawTensor("BF16", tuple(t.shape), t.reshape(-1).view(torch.int16).numpy().view(np.uint16)) for n, t in view.items()}
+    return {
+        n: RawTensor("BF16", tuple(t.shape), t.reshape(-1).view(torch.int16).numpy().view(np.uint16))
+        for n, t in view.items()
+    }
 
 
 def baseline_index_value(base: dict[str, RawTensor], target: dict[str, RawTensor]) -> int:
@@ -95,7 +98,9 @@ def _position_bits(ctx: np.ndarray, changed: np.ndarray) -> float:
 
 def _value_bits(ctx: np.ndarray, symbol: np.ndarray) -> float:
     """Zero-order bits to code ``symbol`` given ``ctx`` (Σ over contexts of n H)."""
-    _, pair_counts = np.unique((ctx.astype(np.int64) << 32) | (symbol.astype(np.int64) & 0xFFFFFFFF), return_counts=True)
+    _, pair_counts = np.unique(
+        (ctx.astype(np.int64) << 32) | (symbol.astype(np.int64) & 0xFFFFFFFF), return_counts=True
+    )
     _, ctx_counts = np.unique(ctx, return_counts=True)
     return float(-(pair_counts * np.log2(pair_counts)).sum() + (ctx_counts * np.log2(ctx_counts)).sum())
 
@@ -109,8 +114,18 @@ def context_costs(base: dict[str, RawTensor], target: dict[str, RawTensor]) -> d
     ``cond`` codes positions given the base's exponent and values (steps in bit order, larger
     steps lumped as one symbol here) given exponent and sign; each other line adds one context.
     """
-    labels = ["positions: exponent (cond)", "positions: + sign", "positions: + top mantissa bit", "positions: + left neighbour changed"]
-    labels += ["positions: + row change rate", "  its side information", "positions: + column change rate", "  its side information "]
+    labels = [
+        "positions: exponent (cond)",
+        "positions: + sign",
+        "positions: + top mantissa bit",
+        "positions: + left neighbour changed",
+    ]
+    labels += [
+        "positions: + row change rate",
+        "  its side information",
+        "positions: + column change rate",
+        "  its side information ",
+    ]
     labels += ["values: exponent", "values: + sign (cond)", "values: + top mantissa bit"]
     bits = dict.fromkeys(labels, 0.0)
     changed_total = 0
@@ -121,7 +136,12 @@ def context_costs(base: dict[str, RawTensor], target: dict[str, RawTensor]) -> d
         changed_total += int(changed.sum())
         exp = ((x >> 7) & 0xFF).astype(np.int64)
         left = np.concatenate([[False], changed[:-1]])
-        ctxs = {labels[0]: exp, labels[1]: (x >> 7).astype(np.int64), labels[2]: ((x >> 6) & 0x1FF).astype(np.int64), labels[3]: 2 * exp + left}
+        ctxs = {
+            labels[0]: exp,
+            labels[1]: (x >> 7).astype(np.int64),
+            labels[2]: ((x >> 6) & 0x1FF).astype(np.int64),
+            labels[3]: 2 * exp + left,
+        }
         for axis, label, side in ((1, labels[4], labels[5]), (0, labels[6], labels[7])):
             ctxs[label] = exp
             if len(b.shape) == 2 and b.shape[0] > 1:
@@ -134,12 +154,21 @@ def context_costs(base: dict[str, RawTensor], target: dict[str, RawTensor]) -> d
         old, new = x[changed].astype(np.int64), target[name].bits[changed].astype(np.int64)
         key_old, key_new = (np.where(v >= 0x8000, 0x7FFF - (v & 0x7FFF), v | 0x8000) for v in (old, new))
         step = np.clip(key_new - key_old, -64, 64)
-        for label, ctx in zip(labels[8:], (exp[changed], (x[changed] >> 7).astype(np.int64), (x[changed] >> 6).astype(np.int64)), strict=True):
+        for label, ctx in zip(
+            labels[8:],
+            (exp[changed], (x[changed] >> 7).astype(np.int64), (x[changed] >> 6).astype(np.int64)),
+            strict=True,
+        ):
             bits[label] += _value_bits(ctx, step)
     return {label: v / 8 / changed_total for label, v in bits.items()}
 
 
-def measure(prev: dict[str, torch.Tensor], cur: dict[str, torch.Tensor], dst: dict[str, torch.Tensor], sums: dict[str, str] | None) -> tuple[dict[str, float], dict[str, ViewDiff]]:
+def measure(
+    prev: dict[str, torch.Tensor],
+    cur: dict[str, torch.Tensor],
+    dst: dict[str, torch.Tensor],
+    sums: dict[str, str] | None,
+) -> tuple[dict[str, float], dict[str, ViewDiff]]:
     """One step's figures (bytes per changed element, times per copy) and its patches."""
     base_raw, cur_raw = raw_view(prev), raw_view(cur)
     copy_s = best_of(lambda: [dst[n].copy_(cur[n]) for n in cur])
@@ -161,7 +190,9 @@ def measure(prev: dict[str, torch.Tensor], cur: dict[str, torch.Tensor], dst: di
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--contexts", action="store_true", help="also print the cost under richer contexts every 10th step")
+    parser.add_argument(
+        "--contexts", action="store_true", help="also print the cost under richer contexts every 10th step"
+    )
     args = parser.parse_args()
     console = Console(width=220)
     trainer = CpuTrainer(build_smollm2_checkpoint(), batch_size=1, seq_len=32)
@@ -169,7 +200,19 @@ def main() -> None:
     dst = {n: torch.empty_like(t) for n, t in prev.items()}
     full_bytes = sum(t.numel() * 2 for t in prev.values())
     sums: dict[str, str] | None = None
-    columns = ["cond", "xor", "overwrite", "idx+val", "xor+zstd", "cond enc/copy", "cond dec/copy", "xor enc/copy", "xor dec/copy", "copy ms", "cond KB"]
+    columns = [
+        "cond",
+        "xor",
+        "overwrite",
+        "idx+val",
+        "xor+zstd",
+        "cond enc/copy",
+        "cond dec/copy",
+        "xor enc/copy",
+        "xor dec/copy",
+        "copy ms",
+        "cond KB",
+    ]
     table = Table("step", "% chg", *columns, title="bytes per changed element; times vs one copy")
     rows, contexts = [], []
     for step in range(1, args.steps + 1):
@@ -177,8 +220,12 @@ def main() -> None:
         cur = trainer.served_view()
         row, diffs = measure(prev, cur, dst, sums)
         rows.append(row)
-        cells = [f"{row[k]:.3f}" for k in ("cond", "xor", "overwrite", "iv", "xz")] + [f"{row[k]:.1f}x" for k in ("cond enc", "cond dec", "xor enc", "xor dec")]
-        table.add_row(str(step), f"{row['pct']:.3f}", *cells, f"{row['copy ms']:.1f}", f"{len(diffs['cond'].patch) / 1024:.0f}")
+        cells = [f"{row[k]:.3f}" for k in ("cond", "xor", "overwrite", "iv", "xz")] + [
+            f"{row[k]:.1f}x" for k in ("cond enc", "cond dec", "xor enc", "xor dec")
+        ]
+        table.add_row(
+            str(step), f"{row['pct']:.3f}", *cells, f"{row['copy ms']:.1f}", f"{len(diffs['cond'].patch) / 1024:.0f}"
+        )
         if args.contexts and step % 10 == 0:
             contexts.append((step, context_costs(raw_view(prev), raw_view(cur))))
         prev, sums = {k: v.clone() for k, v in cur.items()}, diffs["cond"].target_checksums
@@ -206,21 +253,40 @@ def held_out(trainer: CpuTrainer, last: dict[str, torch.Tensor], console: Consol
         trainer.step()
         cur = trainer.served_view()
         views.append({n: cur[n].clone() for n in keep})
-    table = Table("pair", "tensors", "% chg", "cond", "xor", "cond bytes", title=f"held-out pairs: {' and '.join(HELD_OUT_LAYERS)}* (bytes per changed element)")
+    table = Table(
+        "pair",
+        "tensors",
+        "% chg",
+        "cond",
+        "xor",
+        "cond bytes",
+        title=f"held-out pairs: {' and '.join(HELD_OUT_LAYERS)}* (bytes per changed element)",
+    )
     out = []
     for a, b in ((0, 1), (1, 2), (0, 3)):
         base, target = raw_view(views[a]), raw_view(views[b])
         cond, xor = diff_views(base, target, "cond"), diff_views(base, target, "xor")
         n = cond.changed_elements
         out.append(len(cond.patch) / n)
-        table.add_row(f"N+{a} -> N+{b}", str(len(keep)), f"{100 * n / cond.total_elements:.3f}", f"{out[-1]:.3f}", f"{len(xor.patch) / n:.3f}", f"{len(cond.patch):,}")
+        table.add_row(
+            f"N+{a} -> N+{b}",
+            str(len(keep)),
+            f"{100 * n / cond.total_elements:.3f}",
+            f"{out[-1]:.3f}",
+            f"{len(xor.patch) / n:.3f}",
+            f"{len(cond.patch):,}",
+        )
     console.print(table)
     return out
 
 
 def print_contexts(contexts: list[tuple[int, dict[str, float]]], console: Console) -> None:
     """One column per measured step: zero-order bytes per changed element under each context."""
-    table = Table("context (zero-order bytes per changed element)", *(f"step {s}" for s, _ in contexts), title="what further context would add")
+    table = Table(
+        "context (zero-order bytes per changed element)",
+        *(f"step {s}" for s, _ in contexts),
+        title="what further context would add",
+    )
     for label in contexts[0][1]:
         table.add_row(label, *(f"{c[label]:.4f}" for _, c in contexts))
     console.print(table)

@@ -70,7 +70,17 @@ def converge_latency(sidecars: int, versions: int) -> list[float]:
                 run = f"bench-{uuid.uuid4().hex[:6]}"
                 pub = Publisher(client, run, Path(folder))
                 pub.publish(make_view(0, tensors=8, numel=1 << 16))
-                started = [start_sidecar(url, run, f"replica-{i}", FakeEngine(token_delay_s=0.01), Path(folder) / "handoff", report_min_interval_s=1.0) for i in range(sidecars)]
+                started = [
+                    start_sidecar(
+                        url,
+                        run,
+                        f"replica-{i}",
+                        FakeEngine(token_delay_s=0.01),
+                        Path(folder) / "handoff",
+                        report_min_interval_s=1.0,
+                    )
+                    for i in range(sidecars)
+                ]
                 fleet = FleetClient(client)
                 fleet.count(run, 0, min_replicas=sidecars, wait_s=120)
                 out = []
@@ -135,19 +145,26 @@ class SimulatedReplica:
         )  # fmt: skip
 
 
-async def _simulate(url: str, replicas: int, seconds: float, version_every_s: float, counts: Callable[[str], dict[str, int]]) -> tuple[dict[str, int], float, int]:
+async def _simulate(
+    url: str, replicas: int, seconds: float, version_every_s: float, counts: Callable[[str], dict[str, int]]
+) -> tuple[dict[str, int], float, int]:
     clock = {"version": 1.0, "at": time.monotonic() - 10}
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=60) as http:
         # a check every second: the cadence differs from a sidecar's 0.1 s, what is sent does not
-        reporters = [Reporter(url, None, "fleet-bench", SimulatedReplica(f"sim-{i:04d}", clock), http=http, check_s=1.0) for i in range(replicas)]
+        reporters = [
+            Reporter(url, None, "fleet-bench", SimulatedReplica(f"sim-{i:04d}", clock), http=http, check_s=1.0)
+            for i in range(replicas)
+        ]
         tasks = [asyncio.create_task(r.run_forever()) for r in reporters]
         while sum(r.sent > 0 for r in reporters) < replicas:  # every replica has its first report in
             await asyncio.sleep(0.2)
 
         async def trainer() -> None:  # a trainer long-polling the fleet the whole time
             while True:
-                await http.get("/v1/runs/fleet-bench/fleet", params={"version": 10**6, "min_replicas": replicas, "wait_s": 30})
+                await http.get(
+                    "/v1/runs/fleet-bench/fleet", params={"version": 10**6, "min_replicas": replicas, "wait_s": 30}
+                )
 
         waiter = asyncio.create_task(trainer())
         await asyncio.sleep(2.0)
@@ -195,7 +212,9 @@ def _s3_settings() -> Iterator[BulletinSettings]:
                 break
             except EndpointConnectionError:  # the server is still starting
                 time.sleep(0.1)
-        yield BulletinSettings(store="s3://fleet-bench/stitch", s3_endpoint_url=endpoint, s3_region="us-east-1", s3_addressing_style="path")
+        yield BulletinSettings(
+            store="s3://fleet-bench/stitch", s3_endpoint_url=endpoint, s3_region="us-east-1", s3_addressing_style="path"
+        )
     finally:
         server.terminate()
         server.join(10)
@@ -227,7 +246,9 @@ def store_rate(kind: str, replicas: int, seconds: float, version_every_s: float)
     The bulletin runs in a child process (its store counts the calls); the replicas in this one.
     """
     with tempfile.TemporaryDirectory() as folder, contextlib.ExitStack() as stack:
-        settings = stack.enter_context(_s3_settings()) if kind == "s3" else BulletinSettings(store=f"file://{folder}/store")
+        settings = (
+            stack.enter_context(_s3_settings()) if kind == "s3" else BulletinSettings(store=f"file://{folder}/store")
+        )
         port = free_port()
         ours, theirs = multiprocessing.Pipe()
         lock = threading.Lock()
@@ -238,7 +259,9 @@ def store_rate(kind: str, replicas: int, seconds: float, version_every_s: float)
                 answer: dict[str, int] = ours.recv()
                 return answer
 
-        child = multiprocessing.get_context("spawn").Process(target=_serve_counting, args=(settings.model_dump_json(), port, theirs), daemon=True)
+        child = multiprocessing.get_context("spawn").Process(
+            target=_serve_counting, args=(settings.model_dump_json(), port, theirs), daemon=True
+        )
         child.start()
         try:
             for _ in range(600):
@@ -260,18 +283,27 @@ def main() -> None:
     ap.add_argument("--replicas", type=int, default=1000)
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--version-every-s", type=float, default=10.0)
-    ap.add_argument("--store", choices=["s3", "file"], default="s3", help="store of the request count: S3 (moto on loopback) or a local folder")
+    ap.add_argument(
+        "--store",
+        choices=["s3", "file"],
+        default="s3",
+        help="store of the request count: S3 (moto on loopback) or a local folder",
+    )
     args = ap.parse_args()
 
     latencies = converge_latency(args.sidecars, args.versions)
-    print(f"fleet benchmark: {args.sidecars} sidecars over fake engines, 1 bulletin process, local-folder store, loopback")
+    print(
+        f"fleet benchmark: {args.sidecars} sidecars over fake engines, 1 bulletin process, local-folder store, loopback"
+    )
     print(
         f"  publish -> {args.sidecars} of {args.sidecars} replicas current (fleet long-poll answered), {len(latencies)} versions: p50 {_pct(latencies, 0.5):.0f} ms, p99 {_pct(latencies, 0.99):.0f} ms, mean {statistics.mean(latencies) * 1000:.0f} ms"
     )
     counts, elapsed, sent = store_rate(args.store, args.replicas, args.seconds, args.version_every_s)
     total = sum(counts.values())
     by_op = ", ".join(f"{op} {n / elapsed:.1f}/s" for op, n in sorted(counts.items(), key=lambda kv: -kv[1]))
-    print(f"  {args.replicas} simulated replicas over a {args.store} store (lease 30 s, renewed every 10 s; a version every {args.version_every_s:g} s; 1 trainer long-polling the fleet), {elapsed:.0f} s:")
+    print(
+        f"  {args.replicas} simulated replicas over a {args.store} store (lease 30 s, renewed every 10 s; a version every {args.version_every_s:g} s; 1 trainer long-polling the fleet), {elapsed:.0f} s:"
+    )
     print(f"    reports accepted {sent / elapsed:.1f}/s; store requests {total / elapsed:.1f}/s ({by_op})")
 
 

@@ -97,7 +97,9 @@ def measure(step: int, old: dict[str, RawTensor], new: dict[str, RawTensor]) -> 
     return StepFigures(step, {c: (v[0], v[1]) for c, v in counts.items()}, len(patch), full), patch
 
 
-def run_engine(checkpoint: Path, views: list[dict[str, RawTensor]], patches: list[Path], folder: Path, figures: list[StepFigures]) -> tuple[float, float, dict]:
+def run_engine(
+    checkpoint: Path, views: list[dict[str, RawTensor]], patches: list[Path], folder: Path, figures: list[StepFigures]
+) -> tuple[float, float, dict]:
     """Apply every patch on a real vLLM (pause timed per step into ``figures``); returns the
     first snapshot load's pause, the final one's and the final one's report, seconds."""
     from stitchboard.sidecar.engines.vllm.adapter import VllmEngine
@@ -155,7 +157,15 @@ def table(preset: str, figures: list[StepFigures]) -> Table:
         t.add_column(col, justify="right")
     for f in figures:
         ms = lambda s: f"{1000 * s:.1f}" if s is not None else "-"
-        t.add_row(str(f.step), *(f"{f.pct(c):.3f}" for c in CLASSES), f"{f.total_pct:.3f}", f"{f.patch_bytes:,}", f"{f.full_bytes / f.patch_bytes:.1f}", ms(f.stage_s), ms(f.pause_s))
+        t.add_row(
+            str(f.step),
+            *(f"{f.pct(c):.3f}" for c in CLASSES),
+            f"{f.total_pct:.3f}",
+            f"{f.patch_bytes:,}",
+            f"{f.full_bytes / f.patch_bytes:.1f}",
+            ms(f.stage_s),
+            ms(f.pause_s),
+        )
     return t
 
 
@@ -176,7 +186,9 @@ def main() -> None:
         trainer = CpuTrainer(checkpoint, batch_size=args.batch, seq_len=args.seq_len, lr=args.lr)
         views = [copy_view(raw_view(trainer.served_view()))]
         figures: list[StepFigures] = []
-        with tempfile.TemporaryDirectory(prefix="bench-moe-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as tmp:
+        with tempfile.TemporaryDirectory(
+            prefix="bench-moe-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None
+        ) as tmp:
             patches = []
             for step in range(1, args.steps + 1):
                 t = time.perf_counter()
@@ -187,7 +199,9 @@ def main() -> None:
                 figures.append(fig)
                 patches.append(Path(tmp) / f"v{step}.patch")
                 patches[-1].write_bytes(patch)
-                console.print(f"{preset} step {step}: trained in {train_s:.2f} s, {fig.total_pct:.3f} % changed, patch {fig.patch_bytes:,} B")
+                console.print(
+                    f"{preset} step {step}: trained in {train_s:.2f} s, {fig.total_pct:.3f} % changed, patch {fig.patch_bytes:,} B"
+                )
             snapshot = None
             if not args.no_engine:
                 snapshot = run_engine(checkpoint, views, patches, Path(tmp), figures)

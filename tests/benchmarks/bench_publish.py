@@ -31,7 +31,9 @@ from tests.support.training import CpuTrainer
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--off", type=int, default=8, help="timed steps without publishing")
-    parser.add_argument("--on", type=int, default=10, help="timed steps with publish_async after each (version 10 is an anchor)")
+    parser.add_argument(
+        "--on", type=int, default=10, help="timed steps with publish_async after each (version 10 is an anchor)"
+    )
     args = parser.parse_args()
 
     checkpoint = build_smollm2_checkpoint()
@@ -61,7 +63,19 @@ def main() -> None:
         server.kill()
 
     table = Table(title="publish per version (SmolLM2-135M, bf16 view 269 MB)")
-    for col in ("version", "anchor", "changed %", "patch bytes", "patch/view %", "snapshot bytes", "cast s", "diff+enc s", "write s", "upload s", "commit s"):
+    for col in (
+        "version",
+        "anchor",
+        "changed %",
+        "patch bytes",
+        "patch/view %",
+        "snapshot bytes",
+        "cast s",
+        "diff+enc s",
+        "write s",
+        "upload s",
+        "commit s",
+    ):
         table.add_column(col, justify="right")
     for r in results:
         table.add_row(
@@ -88,8 +102,12 @@ def main() -> None:
             f"commit {statistics.median(r.commit_s for r in deltas):.3f} s, cast (on the training thread) {statistics.median(r.cast_s for r in deltas):.3f} s"
         )
     mean_off, mean_on = statistics.mean(off), statistics.mean(on)
-    console.print(f"step time without publishing: mean {mean_off:.3f} s, median {statistics.median(off):.3f} s ({len(off)} steps)")
-    console.print(f"step time with publish_async: mean {mean_on:.3f} s, median {statistics.median(on):.3f} s ({len(on)} steps); final flush {tail:.3f} s")
+    console.print(
+        f"step time without publishing: mean {mean_off:.3f} s, median {statistics.median(off):.3f} s ({len(off)} steps)"
+    )
+    console.print(
+        f"step time with publish_async: mean {mean_on:.3f} s, median {statistics.median(on):.3f} s ({len(on)} steps); final flush {tail:.3f} s"
+    )
     console.print(
         f"ratio with/without publishing: means {mean_on / mean_off:.3f}, medians {statistics.median(on) / statistics.median(off):.3f} "
         f"(target <= 1.1); means counting the final flush {(sum(on) + tail) / len(on) / mean_off:.3f}"

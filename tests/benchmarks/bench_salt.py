@@ -36,20 +36,35 @@ from tests.support.vllm_server import VllmServer
 
 def _counter(engine_url: str, name: str) -> float:
     text = httpx.get(f"{engine_url}/metrics", timeout=30).text
-    return sum(float(m.group(1)) for m in re.finditer(rf"^vllm:{name}_total(?:{{[^}}]*}})? ([0-9.e+]+)$", text, re.MULTILINE))
+    return sum(
+        float(m.group(1)) for m in re.finditer(rf"^vllm:{name}_total(?:{{[^}}]*}})? ([0-9.e+]+)$", text, re.MULTILINE)
+    )
 
 
-def _workload(engine: str, sidecar_url: str, model: str, prefix: str, requests: int, version: int) -> tuple[float, float]:
+def _workload(
+    engine: str, sidecar_url: str, model: str, prefix: str, requests: int, version: int
+) -> tuple[float, float]:
     # The requests of one version; returns (cached, prompt) tokens where the answers report them (SGLang).
     cached = prompt = 0.0
     for i in range(requests):
         text = f"{prefix} Question {version}-{i}: how many boats?"
         if engine == "sglang":
-            r = httpx.post(f"{sidecar_url}/generate", json={"text": text, "sampling_params": {"max_new_tokens": 8, "temperature": 0}}, timeout=600)
+            r = httpx.post(
+                f"{sidecar_url}/generate",
+                json={"text": text, "sampling_params": {"max_new_tokens": 8, "temperature": 0}},
+                timeout=600,
+            )
             r.raise_for_status()
-            cached, prompt = cached + r.json()["meta_info"]["cached_tokens"], prompt + r.json()["meta_info"]["prompt_tokens"]
+            cached, prompt = (
+                cached + r.json()["meta_info"]["cached_tokens"],
+                prompt + r.json()["meta_info"]["prompt_tokens"],
+            )
         else:
-            r = httpx.post(f"{sidecar_url}/v1/completions", json={"model": model, "prompt": text, "max_tokens": 8, "temperature": 0}, timeout=600)
+            r = httpx.post(
+                f"{sidecar_url}/v1/completions",
+                json={"model": model, "prompt": text, "max_tokens": 8, "temperature": 0},
+                timeout=600,
+            )
             r.raise_for_status()
     time.sleep(0.5)  # vLLM's counters are updated just after its last answer
     return cached, prompt
@@ -57,17 +72,27 @@ def _workload(engine: str, sidecar_url: str, model: str, prefix: str, requests: 
 
 def _hits(engine: str, url: str) -> tuple[float, float]:
     # vLLM's prefix-cache counters (hit, queried tokens) now; SGLang's answers report theirs instead.
-    return (_counter(url, "prefix_cache_hits"), _counter(url, "prefix_cache_queries")) if engine == "vllm" else (0.0, 0.0)
+    return (
+        (_counter(url, "prefix_cache_hits"), _counter(url, "prefix_cache_queries")) if engine == "vllm" else (0.0, 0.0)
+    )
 
 
-def run_mode(mode: str, run: VllmRun, engine: VllmServer | SglangServer, folder: Path, args: argparse.Namespace) -> dict[str, float]:
+def run_mode(
+    mode: str, run: VllmRun, engine: VllmServer | SglangServer, folder: Path, args: argparse.Namespace
+) -> dict[str, float]:
     """Follow ``args.versions`` commits with the sidecar in ``mode``; returns hit rate and pause figures."""
     (folder / mode).mkdir()
-    env = {"STITCH_SIDECAR_SALT_CACHE": str(mode == "salt").lower(), "STITCH_SIDECAR_REPORT": "false", "STITCH_SIDECAR_ENGINE": args.engine}
+    env = {
+        "STITCH_SIDECAR_SALT_CACHE": str(mode == "salt").lower(),
+        "STITCH_SIDECAR_REPORT": "false",
+        "STITCH_SIDECAR_ENGINE": args.engine,
+    }
     if args.engine == "sglang":
         env["STITCH_SIDECAR_BOOT_VERSION"] = "0"  # the server was started from version 0's checkpoint
     sidecar = SidecarProcess(run, engine.url, folder / mode, env)
-    prefix = " ".join(f"Item {i}: the harbour master counted {i * 7 % 13} boats and {i * 5 % 11} nets." for i in range(args.prefix))
+    prefix = " ".join(
+        f"Item {i}: the harbour master counted {i * 7 % 13} boats and {i * 5 % 11} nets." for i in range(args.prefix)
+    )
     pauses: list[float] = []
     try:
         sidecar.wait_applied(run.latest, timeout_s=600)
@@ -82,7 +107,13 @@ def run_mode(mode: str, run: VllmRun, engine: VllmServer | SglangServer, folder:
         hits, queries = hits + after[0] - before[0], queries + after[1] - before[1]
     finally:
         sidecar.stop()
-    return {"hit_rate": hits / queries if queries else 0.0, "hits": hits, "queries": queries, "pause_p50_s": statistics.median(pauses), "pause_mean_s": statistics.fmean(pauses)}
+    return {
+        "hit_rate": hits / queries if queries else 0.0,
+        "hits": hits,
+        "queries": queries,
+        "pause_p50_s": statistics.median(pauses),
+        "pause_mean_s": statistics.fmean(pauses),
+    }
 
 
 def main() -> None:
@@ -93,9 +124,15 @@ def main() -> None:
     parser.add_argument("--prefix", type=int, default=20, help="sentences of the shared prefix (~20 tokens each)")
     args = parser.parse_args()
     model_dir = build_smollm2_checkpoint()
-    with tempfile.TemporaryDirectory(prefix="bench-salt-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as tmp:
+    with tempfile.TemporaryDirectory(
+        prefix="bench-salt-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None
+    ) as tmp:
         folder = Path(tmp)
-        engine: VllmServer | SglangServer = SglangServer(model_dir, folder / "engine.log") if args.engine == "sglang" else VllmServer(model_dir, folder / "engine.log")
+        engine: VllmServer | SglangServer = (
+            SglangServer(model_dir, folder / "engine.log")
+            if args.engine == "sglang"
+            else VllmServer(model_dir, folder / "engine.log")
+        )
         run = None
         try:
             engine.wait_ready()
@@ -105,12 +142,18 @@ def main() -> None:
             if run is not None:
                 run.close()
             engine.stop()
-    print(f"{args.engine}: {args.versions} commits per mode, {args.requests} requests per version sharing a {args.prefix}-sentence prefix, commits while idle")
+    print(
+        f"{args.engine}: {args.versions} commits per mode, {args.requests} requests per version sharing a {args.prefix}-sentence prefix, commits while idle"
+    )
     print(f"{'mode':6} {'hit rate':>9} {'hit tokens':>11} {'queried':>8} {'pause p50':>10} {'pause mean':>11}")
     for mode, r in results.items():
-        print(f"{mode:6} {r['hit_rate']:9.3f} {r['hits']:11.0f} {r['queries']:8.0f} {r['pause_p50_s'] * 1e3:8.1f}ms {r['pause_mean_s'] * 1e3:9.1f}ms")
+        print(
+            f"{mode:6} {r['hit_rate']:9.3f} {r['hits']:11.0f} {r['queries']:8.0f} {r['pause_p50_s'] * 1e3:8.1f}ms {r['pause_mean_s'] * 1e3:9.1f}ms"
+        )
     reset, salt = results["reset"], results["salt"]
-    print(f"salt/reset: hit rate {salt['hit_rate'] / reset['hit_rate'] if reset['hit_rate'] else float('nan'):.3f}, pause p50 {salt['pause_p50_s'] / reset['pause_p50_s']:.3f}")
+    print(
+        f"salt/reset: hit rate {salt['hit_rate'] / reset['hit_rate'] if reset['hit_rate'] else float('nan'):.3f}, pause p50 {salt['pause_p50_s'] / reset['pause_p50_s']:.3f}"
+    )
 
 
 if __name__ == "__main__":

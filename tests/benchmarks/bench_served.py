@@ -89,25 +89,50 @@ def measure(step: int, recipe: str, old: dict[str, RawTensor], new: dict[str, Ra
 
 def table(rows: list[Row], bf16: dict[int, int], title: str) -> Table:
     t = Table(title=title)
-    for col in ("step", "recipe", "codes changed %", "scales changed %", "rest (bf16) %", "patch bytes", "bytes / changed", "vs bf16 patch"):
+    for col in (
+        "step",
+        "recipe",
+        "codes changed %",
+        "scales changed %",
+        "rest (bf16) %",
+        "patch bytes",
+        "bytes / changed",
+        "vs bf16 patch",
+    ):
         t.add_column(col, justify="right")
     for r in rows:
         ratio = r.patch_bytes / bf16[r.step] if bf16.get(r.step) else float("nan")
-        t.add_row(str(r.step), r.recipe, f"{r.codes_pct:.3f}", f"{r.scales_pct:.3f}" if r.recipe != "bf16" else "-", f"{r.rest_pct:.3f}", f"{r.patch_bytes:,}", f"{r.bytes_per_changed:.3f}", f"{ratio:.3f}")
+        t.add_row(
+            str(r.step),
+            r.recipe,
+            f"{r.codes_pct:.3f}",
+            f"{r.scales_pct:.3f}" if r.recipe != "bf16" else "-",
+            f"{r.rest_pct:.3f}",
+            f"{r.patch_bytes:,}",
+            f"{r.bytes_per_changed:.3f}",
+            f"{ratio:.3f}",
+        )
     return t
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--model", help=f"a MoE preset ({', '.join(PRESETS)}) or a checkpoint folder (default: SmolLM2-135M)")
+    parser.add_argument(
+        "--model", help=f"a MoE preset ({', '.join(PRESETS)}) or a checkpoint folder (default: SmolLM2-135M)"
+    )
     args = parser.parse_args()
     console = Console(width=140)
     model_dir, preset = resolve_model(args.model)
     trainer = CpuTrainer(model_dir or build_smollm2_checkpoint(), batch_size=1, seq_len=32)
     model_name = preset or (model_dir.name if model_dir else "SmolLM2-135M")
     recipes = [get_recipe(n) for n in RECIPE_NAMES]
-    prev = {r.name: r.apply({n: RawTensor(t.dtype, t.shape, t.bits.copy()) for n, t in raw_view(trainer.served_view()).items()}) for r in recipes}
+    prev = {
+        r.name: r.apply(
+            {n: RawTensor(t.dtype, t.shape, t.bits.copy()) for n, t in raw_view(trainer.served_view()).items()}
+        )
+        for r in recipes
+    }
     rows: list[Row] = []
     for step in range(1, args.steps + 1):
         trainer.step()
@@ -118,7 +143,9 @@ def main() -> None:
             prev[r.name] = cur
         console.print(f"step {step}: " + ", ".join(f"{x.recipe} {x.patch_bytes:,} B" for x in rows[-len(recipes) :]))
     bf16 = {r.step: r.patch_bytes for r in rows if r.recipe == "bf16"}
-    console.print(table(rows, bf16, f"served views on {args.steps} real AdamW steps of {model_name} (lr 3e-6), cond patches"))
+    console.print(
+        table(rows, bf16, f"served views on {args.steps} real AdamW steps of {model_name} (lr 3e-6), cond patches")
+    )
     medians = []
     for name in RECIPE_NAMES:
         mine = [r for r in rows if r.recipe == name]

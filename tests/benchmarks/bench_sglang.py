@@ -49,7 +49,10 @@ def _raw_view(trainer) -> dict:
 
     from stitchboard.proto.container import RawTensor
 
-    return {n: RawTensor("BF16", tuple(t.shape), t.contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1)) for n, t in trainer.served_view().items()}
+    return {
+        n: RawTensor("BF16", tuple(t.shape), t.contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1))
+        for n, t in trainer.served_view().items()
+    }
 
 
 def _one_step(adapter: SglangEngine, run: VllmRun, model_dir: Path, folder: Path, url: str) -> dict:
@@ -66,7 +69,12 @@ def _one_step(adapter: SglangEngine, run: VllmRun, model_dir: Path, folder: Path
     v = adapter.state().version or 0
     t = time.perf_counter()
     staged = adapter.stage_patches([([str(patch)], v, v + 1)])
-    out: dict = {"stage_s": time.perf_counter() - t, "in_engine": staged["in_engine"], "changed": d.changed_elements, "bytes": len(d.patch)}
+    out: dict = {
+        "stage_s": time.perf_counter() - t,
+        "in_engine": staged["in_engine"],
+        "changed": d.changed_elements,
+        "bytes": len(d.patch),
+    }
     out.update({k: float(staged.get(k, 0.0)) for k in STAGE_KEYS})
     marks = [time.perf_counter()]
     adapter.pause()
@@ -82,8 +90,20 @@ def _one_step(adapter: SglangEngine, run: VllmRun, model_dir: Path, folder: Path
         adapter.resume()
     marks.append(time.perf_counter())
     steps = [b - a for a, b in itertools.pairwise(marks)]
-    out.update(pause_s=marks[-1] - marks[0], pause_call_s=steps[0], commit_s=steps[1], state_s=steps[2], flush_s=steps[3], resume_s=steps[4])
-    out.update({k: float(report.get(k, 0.0)) for k in COMMIT_KEYS}, committed=bool(report["committed"]), flushed=bool(report.get("flushed")), stager_flush_s=float(report.get("flush_s", 0.0)))
+    out.update(
+        pause_s=marks[-1] - marks[0],
+        pause_call_s=steps[0],
+        commit_s=steps[1],
+        state_s=steps[2],
+        flush_s=steps[3],
+        resume_s=steps[4],
+    )
+    out.update(
+        {k: float(report.get(k, 0.0)) for k in COMMIT_KEYS},
+        committed=bool(report["committed"]),
+        flushed=bool(report.get("flushed")),
+        stager_flush_s=float(report.get("flush_s", 0.0)),
+    )
     checkpoint = folder / "checkpoint"
     save_checkpoint(checkpoint, target)
     copy_model_files(model_dir, checkpoint)
@@ -114,7 +134,9 @@ def main() -> int:
         engine.wait_ready()
         print(f"SGLang TP=1 ready in {time.perf_counter() - t:.1f} s")
         run = VllmRun(model_dir, folder / "run")
-        sidecar = SidecarProcess(run, engine.url, folder, {"STITCH_SIDECAR_ENGINE": "sglang", "STITCH_SIDECAR_BOOT_VERSION": "0"})
+        sidecar = SidecarProcess(
+            run, engine.url, folder, {"STITCH_SIDECAR_ENGINE": "sglang", "STITCH_SIDECAR_BOOT_VERSION": "0"}
+        )
         sidecar.wait_applied(0, 600)
         from_start, from_commit, pauses = [], [], []
         for _ in range(STEPS):

@@ -67,7 +67,9 @@ def main() -> None:
     parser.add_argument("--tensors", type=int, default=32)
     parser.add_argument("--numel", type=int, default=262144, help="elements per tensor (BF16)")
     parser.add_argument("--fraction", type=float, default=0.01, help="fraction of elements changed per step")
-    parser.add_argument("--engine-url", help="a real vLLM (with the stitchboard worker extension) instead of the fake engine")
+    parser.add_argument(
+        "--engine-url", help="a real vLLM (with the stitchboard worker extension) instead of the fake engine"
+    )
     parser.add_argument("--checkpoint", help="with --engine-url: the checkpoint folder the engine serves (version 0)")
     args = parser.parse_args()
     if bool(args.engine_url) != bool(args.checkpoint):
@@ -82,12 +84,21 @@ def main() -> None:
         if args.engine_url:
             view = copy_view(load_checkpoint(args.checkpoint))
             engine, engine_server = VllmEngine(args.engine_url), None
-            settings = SidecarSettings(bulletin=url, run=RUN, engine_url=args.engine_url, boot_version=0, handoff_dir=f"{tmp}/handoff", log_level="warning")
+            settings = SidecarSettings(
+                bulletin=url,
+                run=RUN,
+                engine_url=args.engine_url,
+                boot_version=0,
+                handoff_dir=f"{tmp}/handoff",
+                log_level="warning",
+            )
         else:
             view = make_view(0, args.tensors, args.numel)
             engine = FakeEngine(token_delay_s=0.0)
             engine_server = AppServer(engine.app())
-            settings = SidecarSettings(bulletin=url, run=RUN, engine_url=engine_server.url, handoff_dir=f"{tmp}/handoff", log_level="warning")
+            settings = SidecarSettings(
+                bulletin=url, run=RUN, engine_url=engine_server.url, handoff_dir=f"{tmp}/handoff", log_level="warning"
+            )
             engine.url = engine_server.url
         anchor = publisher.publish(view)
         if args.engine_url:
@@ -105,7 +116,11 @@ def main() -> None:
                 holder: dict[str, float] = {}
 
                 def held(v: int = step, out: dict = holder) -> None:
-                    r = http.post("/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 1}, headers={"X-Stitch-Min-Version": str(v), "X-Stitch-Wait-S": "60"})
+                    r = http.post(
+                        "/v1/completions",
+                        json={"model": model, "prompt": "x", "max_tokens": 1},
+                        headers={"X-Stitch-Min-Version": str(v), "X-Stitch-Wait-S": "60"},
+                    )
                     out["at"] = time.perf_counter()
                     out["end"] = r.json()["weight_version_end"]
 
@@ -136,7 +151,9 @@ def main() -> None:
     ms = lambda xs: ", ".join(f"{1000 * x:.1f}" for x in (statistics.median(xs), _pct(xs, 0.9), max(xs)))
     view_mb = sum(t.nbytes for t in view.values()) / 1e6
     kind = f"vLLM at {args.engine_url}" if args.engine_url else "fake engine"
-    print(f"sidecar publish -> applied over loopback, {kind}, {args.steps} steps, view {view_mb:.1f} MB, {args.fraction:.1%} changed per step")
+    print(
+        f"sidecar publish -> applied over loopback, {kind}, {args.steps} steps, view {view_mb:.1f} MB, {args.fraction:.1%} changed per step"
+    )
     print(f"  patch size per step: median {statistics.median(sizes) / 1024:.1f} KiB")
     print(f"  publish call (manifest commit; files uploaded before) (ms p50, p90, max): {ms(published)}")
     print(f"  publish -> applied  (ms p50, p90, max): {ms(applied)}   target p50 <= 1000 ms")

@@ -34,7 +34,9 @@ SPANS = (2, 5, 9)
 ENCODINGS = ("cond", "xor")
 
 
-def manifest_of(version: int, view: dict[str, RawTensor], checksums: dict[str, str], patch_bytes: int, changed: int) -> VersionManifest:
+def manifest_of(
+    version: int, view: dict[str, RawTensor], checksums: dict[str, str], patch_bytes: int, changed: int
+) -> VersionManifest:
     """The manifest a publisher would commit for ``view`` (a stand-in patch file of ``patch_bytes``)."""
     patch = FileRef(path="patch.safetensors", sha256="0" * 64, size_bytes=patch_bytes, role="patch")
     return VersionManifest(
@@ -42,15 +44,22 @@ def manifest_of(version: int, view: dict[str, RawTensor], checksums: dict[str, s
         version=version,
         base_version=version - 1,
         snapshot=False,
-        tensors=[TensorSpec(name=n, dtype=t.dtype, shape=list(t.shape), checksums={"xxh3_128": checksums[n]}) for n, t in sorted(view.items())],
+        tensors=[
+            TensorSpec(name=n, dtype=t.dtype, shape=list(t.shape), checksums={"xxh3_128": checksums[n]})
+            for n, t in sorted(view.items())
+        ],
         files=[patch],
-        stats=VersionStats(changed_elements=changed, total_elements=sum(t.numel for t in view.values()), encoded_bytes=patch_bytes),
+        stats=VersionStats(
+            changed_elements=changed, total_elements=sum(t.numel for t in view.values()), encoded_bytes=patch_bytes
+        ),
     )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--warmup", type=int, default=10, help="steps before the measured ones (the masters start on the bf16 grid)")
+    parser.add_argument(
+        "--warmup", type=int, default=10, help="steps before the measured ones (the masters start on the bf16 grid)"
+    )
     parser.add_argument("--steps", type=int, default=max(SPANS))
     args = parser.parse_args()
     console = Console(width=200)
@@ -74,7 +83,12 @@ def main() -> None:
             diff = diff_views(old_raw, new_raw, enc, base_checksums=sums)
             deltas[enc].append((len(diff.patch), diff.changed_elements, time.perf_counter() - t0))
             t0 = time.perf_counter()
-            recent[enc].record(manifest_of(first + step, new_raw, diff.target_checksums, len(diff.patch), diff.changed_elements), old_raw, new_raw, sums)
+            recent[enc].record(
+                manifest_of(first + step, new_raw, diff.target_checksums, len(diff.patch), diff.changed_elements),
+                old_raw,
+                new_raw,
+                sums,
+            )
             if enc == "cond":
                 record_s.append(time.perf_counter() - t0)
         sums, prev = diff.target_checksums, cur
@@ -102,7 +116,13 @@ def main() -> None:
             ratios[enc].append(len(data) / chain)
             cells += [f"{len(data) / 1024:.0f}", f"{chain / 1024:.0f}", f"{len(data) / chain:.2f}"]
         delta_s = statistics.median(d[2] for d in deltas["cond"])
-        table.add_row(str(k), *cells, f"{squash_changed:,} / {chain_changed:,}", f"{encode_s[k]:.2f}", f"{encode_s[k] / delta_s:.1f}x")
+        table.add_row(
+            str(k),
+            *cells,
+            f"{squash_changed:,} / {chain_changed:,}",
+            f"{encode_s[k]:.2f}",
+            f"{encode_s[k] / delta_s:.1f}x",
+        )
     console.print(table)
     delta_s = statistics.median(d[2] for d in deltas["cond"])
     record = statistics.median(record_s)
@@ -112,7 +132,11 @@ def main() -> None:
         f"cond squash/chain bytes: {', '.join(f'k={k} {r:.2f}' for k, r in zip(spans, ratios['cond'], strict=True))}; "
         f"per published version: delta encode {delta_s:.2f} s (median), reverse record {record:.2f} s; "
         f"suggested depths {SUGGESTED_SQUASH_DEPTHS} (off by default): about {extra:.2f} s more per version ({extra / delta_s:.1f}x the delta's encode"
-        + ("" if len(shown) == len(SUGGESTED_SQUASH_DEPTHS) else f"; depths without a measured span counted as 0: {sorted(set(SUGGESTED_SQUASH_DEPTHS) - set(shown))}")
+        + (
+            ""
+            if len(shown) == len(SUGGESTED_SQUASH_DEPTHS)
+            else f"; depths without a measured span counted as 0: {sorted(set(SUGGESTED_SQUASH_DEPTHS) - set(shown))}"
+        )
         + ")"
     )
 

@@ -35,7 +35,9 @@ class ThreadServer(AppServer):
         super().__init__(self.app, graceful_shutdown_s=1, http=CoalescingHttpToolsProtocol)
 
     def client(self, token: str | None = None, **kwargs) -> BulletinClient:
-        return BulletinClient(self.url, token, retries=kwargs.pop("retries", 1), backoff_s=kwargs.pop("backoff_s", 0.01), **kwargs)
+        return BulletinClient(
+            self.url, token, retries=kwargs.pop("retries", 1), backoff_s=kwargs.pop("backoff_s", 0.01), **kwargs
+        )
 
 
 class ProcessServer:
@@ -51,7 +53,15 @@ class ProcessServer:
             if value is not None:
                 env[f"STITCH_BULLETIN_{name.upper()}"] = str(value)
         env["STITCH_BULLETIN_LOG_LEVEL"] = "warning"
-        cmd = [sys.executable, "-c", "from stitchboard.proto.cli import main; main()", "bulletin", "serve", "--port", str(self.port)]
+        cmd = [
+            sys.executable,
+            "-c",
+            "from stitchboard.proto.cli import main; main()",
+            "bulletin",
+            "serve",
+            "--port",
+            str(self.port),
+        ]
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + 180  # a loaded machine can take tens of seconds to start the CLI
         while True:
@@ -61,7 +71,9 @@ class ProcessServer:
             except httpx.TransportError:
                 pass
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"bulletin subprocess did not start: {self.proc.stderr.read().decode()[-2000:] if self.proc.stderr else ''}")
+                raise RuntimeError(
+                    f"bulletin subprocess did not start: {self.proc.stderr.read().decode()[-2000:] if self.proc.stderr else ''}"
+                )
             time.sleep(0.05)
 
     def kill(self) -> None:
@@ -92,7 +104,13 @@ class Backend:
                         p = Path(dirpath) / f
                         out[str(p.relative_to(self.root))] = hashlib.sha256(p.read_bytes()).hexdigest()
             return out
-        s3 = boto3.client("s3", endpoint_url=self.settings.s3_endpoint_url, region_name="us-east-1", aws_access_key_id="testing", aws_secret_access_key="testing")
+        s3 = boto3.client(
+            "s3",
+            endpoint_url=self.settings.s3_endpoint_url,
+            region_name="us-east-1",
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+        )
         out = {}
         for page in s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket):
             for o in page.get("Contents", []):
@@ -113,7 +131,13 @@ def make_backend(kind: str, request: pytest.FixtureRequest, tmp_path, **override
     endpoint = request.getfixturevalue("moto_endpoint")
     bucket = f"b-{uuid.uuid4().hex[:16]}"
     boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
-    settings = BulletinSettings(store=f"s3://{bucket}/stitch", s3_endpoint_url=endpoint, s3_region="us-east-1", s3_addressing_style="path", **limits)
+    settings = BulletinSettings(
+        store=f"s3://{bucket}/stitch",
+        s3_endpoint_url=endpoint,
+        s3_region="us-east-1",
+        s3_addressing_style="path",
+        **limits,
+    )
     return Backend("s3", settings, bucket=bucket)
 
 
@@ -121,7 +145,9 @@ def sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def make_manifest(run: str, version: int, files: list[FileRef], *, snapshot: bool | None = None, metadata: dict | None = None) -> VersionManifest:
+def make_manifest(
+    run: str, version: int, files: list[FileRef], *, snapshot: bool | None = None, metadata: dict | None = None
+) -> VersionManifest:
     """A valid manifest over ``files`` (stats derived from them)."""
     tensor = TensorSpec(name="model.w", dtype="BF16", shape=[8], checksums={"xxh3_128": f"{version:032x}"})
     return VersionManifest(
@@ -131,19 +157,34 @@ def make_manifest(run: str, version: int, files: list[FileRef], *, snapshot: boo
         snapshot=any(f.role == "snapshot" for f in files) if snapshot is None else snapshot,
         tensors=[tensor],
         files=files,
-        stats=VersionStats(changed_elements=0 if version == 0 else 1, total_elements=8, encoded_bytes=sum(f.size_bytes for f in files if f.role == "patch")),
+        stats=VersionStats(
+            changed_elements=0 if version == 0 else 1,
+            total_elements=8,
+            encoded_bytes=sum(f.size_bytes for f in files if f.role == "patch"),
+        ),
         metadata=metadata or {},
     )
 
 
-def upload_version(client: BulletinClient, run: str, version: int, *, snapshot_bytes: int = 0, patch_bytes: int = 0, publish: bool = True, metadata: dict | None = None) -> VersionManifest:
+def upload_version(
+    client: BulletinClient,
+    run: str,
+    version: int,
+    *,
+    snapshot_bytes: int = 0,
+    patch_bytes: int = 0,
+    publish: bool = True,
+    metadata: dict | None = None,
+) -> VersionManifest:
     """Upload random files for one version (a snapshot shard and/or a patch) and publish it."""
     files = []
     for role, size in (("snapshot", snapshot_bytes), ("patch", patch_bytes)):
         if size or (role == "snapshot" and version == 0):
             data = os.urandom(max(size, 1))
             client.put_blob(run, sha(data), data)
-            files.append(FileRef(path=f"{role}-{version}.safetensors", sha256=sha(data), size_bytes=len(data), role=role))
+            files.append(
+                FileRef(path=f"{role}-{version}.safetensors", sha256=sha(data), size_bytes=len(data), role=role)
+            )
     manifest = make_manifest(run, version, files, metadata=metadata)
     if publish:
         client.publish(manifest)

@@ -39,7 +39,9 @@ class FleetSidecar:
                 server.stop()
 
 
-def start_sidecar(bulletin: str, run: str, replica_id: str, engine: FakeEngine, handoff: Path, token: str | None = None, **overrides) -> FleetSidecar:
+def start_sidecar(
+    bulletin: str, run: str, replica_id: str, engine: FakeEngine, handoff: Path, token: str | None = None, **overrides
+) -> FleetSidecar:
     """Serve a sidecar of ``run`` reporting as ``replica_id`` to ``bulletin`` (and the engine's HTTP API, unless it is served)."""
     owned = []
     if not engine.url:

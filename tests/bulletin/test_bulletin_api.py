@@ -52,7 +52,9 @@ def test_the_client_follows_version_pages(request, tmp_path, run):
             for v in range(5):
                 upload_version(c, run, v, snapshot_bytes=10 if v == 0 else 0)
             page = httpx.get(f"{srv.url}/v1/runs/{run}/versions", params={"after": 0, "limit": 100}).json()
-            assert [i["version"] for i in page["versions"]] == [1, 2] and page["next_after"] == 2 and page["run_id"] == run
+            assert (
+                [i["version"] for i in page["versions"]] == [1, 2] and page["next_after"] == 2 and page["run_id"] == run
+            )
             assert [i.version for i in c.versions(run)] == [0, 1, 2, 3, 4]
             assert [i.version for i in c.versions(run, after=1, limit=3)] == [2, 3, 4]
     finally:
@@ -80,7 +82,9 @@ def test_blob_upload_download_range_etag(client, run, tmp_path):
 
     base = f"{client.url}/v1/runs/{run}/blobs/{digest}"
     r = httpx.get(base, headers={"range": "bytes=10-19"})
-    assert r.status_code == 206 and r.content == data[10:20] and r.headers["content-range"] == f"bytes 10-19/{len(data)}"
+    assert (
+        r.status_code == 206 and r.content == data[10:20] and r.headers["content-range"] == f"bytes 10-19/{len(data)}"
+    )
     r = httpx.get(base, headers={"range": "bytes=-5"})
     assert r.status_code == 206 and r.content == data[-5:]
     assert httpx.get(base, headers={"range": f"bytes={len(data)}-"}).status_code == 416
@@ -145,7 +149,11 @@ def test_plan_api(client, run):
     upload_version(client, run, 3, patch_bytes=100)
 
     p = client.plan(run, from_version=1)
-    assert p.to_version == 3 and [(s.version, s.kind) for s in p.steps] == [(2, "delta"), (3, "delta")] and p.total_bytes == 200
+    assert (
+        p.to_version == 3
+        and [(s.version, s.kind) for s in p.steps] == [(2, "delta"), (3, "delta")]
+        and p.total_bytes == 200
+    )
     p = client.plan(run)
     assert [(s.version, s.kind) for s in p.steps] == [(2, "snapshot"), (3, "delta")] and p.total_bytes == 5100
     assert client.plan(run, from_version=3).steps == []
@@ -159,7 +167,14 @@ def test_ops_endpoints_and_openapi(client, run):
     assert httpx.get(f"{client.url}/healthz").json() == {"status": "ok"}
     assert httpx.get(f"{client.url}/readyz").json()["status"] == "ready"
     paths = httpx.get(f"{client.url}/openapi.json").json()["paths"]
-    for p in ("/v1/runs/{run}/blobs/{sha256}", "/v1/runs/{run}/versions", "/v1/runs/{run}/versions/latest", "/v1/runs/{run}/versions/{version}", "/v1/runs", "/v1/runs/{run}/plan"):
+    for p in (
+        "/v1/runs/{run}/blobs/{sha256}",
+        "/v1/runs/{run}/versions",
+        "/v1/runs/{run}/versions/latest",
+        "/v1/runs/{run}/versions/{version}",
+        "/v1/runs",
+        "/v1/runs/{run}/plan",
+    ):
         assert p in paths
     text = httpx.get(f"{client.url}/metrics").text
     assert f'stitch_bulletin_publishes_total{{outcome="created",run="{run}"}} 1.0' in text

@@ -12,7 +12,13 @@ import typer
 from typer.testing import CliRunner
 
 from stitchboard.bulletin.client import BulletinClient
-from stitchboard.bulletin.errors import ForbiddenError, NotFoundError, UnauthorizedError, UnavailableError, VersionConflictError
+from stitchboard.bulletin.errors import (
+    ForbiddenError,
+    NotFoundError,
+    UnauthorizedError,
+    UnavailableError,
+    VersionConflictError,
+)
 from stitchboard.bulletin.settings import TokenGrant
 from stitchboard.bulletin.versions_cli import app as versions_cli
 from stitchboard.proto.cli import build_app
@@ -35,7 +41,13 @@ def secured(request, tmp_path):
 
 
 def test_tokens_and_scopes(secured):
-    with secured.client("pub") as pub, secured.client("reader") as reader, secured.client("pub-a") as pub_a, secured.client() as anon, secured.client("nope") as wrong:
+    with (
+        secured.client("pub") as pub,
+        secured.client("reader") as reader,
+        secured.client("pub-a") as pub_a,
+        secured.client() as anon,
+        secured.client("nope") as wrong,
+    ):
         upload_version(pub, "run-b", 0, snapshot_bytes=10)
         assert reader.latest("run-b") == 0
         assert pub.latest("run-b") == 0  # publish implies read
@@ -100,15 +112,23 @@ def test_client_clis_read_the_client_variables_and_their_legacy_names(secured):
     args = ["latest", "--run", "env-run", "--json"]
     unset = dict.fromkeys(("STITCH_CLIENT_BULLETIN", "STITCH_CLIENT_TOKEN", "STITCH_BULLETIN_URL", "STITCH_TOKEN"))
     with pytest.warns(LegacyEnvWarning) as caught:
-        out = cli.invoke(versions_cli, args, env={**unset, "STITCH_BULLETIN_URL": secured.url, "STITCH_TOKEN": "reader"})
+        out = cli.invoke(
+            versions_cli, args, env={**unset, "STITCH_BULLETIN_URL": secured.url, "STITCH_TOKEN": "reader"}
+        )
     assert out.exit_code == 0 and json.loads(out.output)["version"] == 0, out.output
     assert sorted(str(w.message).split()[0] for w in caught) == ["STITCH_BULLETIN_URL", "STITCH_TOKEN"]
     legacy_wrong = {"STITCH_BULLETIN_URL": "http://127.0.0.1:9", "STITCH_TOKEN": "nope"}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        out = cli.invoke(versions_cli, args, env={**unset, **legacy_wrong, "STITCH_CLIENT_BULLETIN": secured.url, "STITCH_CLIENT_TOKEN": "reader"})
+        out = cli.invoke(
+            versions_cli,
+            args,
+            env={**unset, **legacy_wrong, "STITCH_CLIENT_BULLETIN": secured.url, "STITCH_CLIENT_TOKEN": "reader"},
+        )
         assert out.exit_code == 0 and json.loads(out.output)["version"] == 0, out.output
-        out = cli.invoke(versions_cli, [*args, "--bulletin", secured.url, "--token", "reader"], env={**unset, **legacy_wrong})
+        out = cli.invoke(
+            versions_cli, [*args, "--bulletin", secured.url, "--token", "reader"], env={**unset, **legacy_wrong}
+        )
         assert out.exit_code == 0 and json.loads(out.output)["version"] == 0, out.output
     assert not [w for w in caught if issubclass(w.category, LegacyEnvWarning)]
     # One declaration of both options, in every client command.
@@ -118,7 +138,10 @@ def test_client_clis_read_the_client_variables_and_their_legacy_names(secured):
         for part in path:
             cmd = cmd.commands[part]
         envvars = {p.name: p.envvar for p in cmd.params if p.name in ("bulletin", "token")}
-        assert envvars == {"bulletin": ["STITCH_CLIENT_BULLETIN", "STITCH_BULLETIN_URL"], "token": ["STITCH_CLIENT_TOKEN", "STITCH_TOKEN"]}, path
+        assert envvars == {
+            "bulletin": ["STITCH_CLIENT_BULLETIN", "STITCH_BULLETIN_URL"],
+            "token": ["STITCH_CLIENT_TOKEN", "STITCH_TOKEN"],
+        }, path
 
 
 def _scripted(answers: list[httpx.Response | Exception]):
@@ -136,7 +159,9 @@ def _scripted(answers: list[httpx.Response | Exception]):
 
 def test_client_retries_5xx_and_transport_errors_but_never_4xx():
     ok = httpx.Response(200, json={"run_id": "r", "version": 3, "snapshot": False, "manifest_sha256": "0" * 64})
-    transport, calls = _scripted([httpx.Response(503, json={"type": "Unavailable", "message": "busy"}), httpx.ConnectError("refused"), ok])
+    transport, calls = _scripted(
+        [httpx.Response(503, json={"type": "Unavailable", "message": "busy"}), httpx.ConnectError("refused"), ok]
+    )
     assert BulletinClient("http://b", retries=3, backoff_s=0.001, transport=transport).latest("r") == 3
     assert len(calls) == 3
 

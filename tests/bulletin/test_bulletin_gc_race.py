@@ -30,7 +30,9 @@ LATER_S, GRACE_S = 120.0, 60.0
 class HookStore:
     """A store that runs ``hook`` once, after (or before) the first call of ``method`` whose key or prefix contains ``where``."""
 
-    def __init__(self, inner: Store, method: str, where: str, hook: Callable[[], None], *, before: bool = False) -> None:
+    def __init__(
+        self, inner: Store, method: str, where: str, hook: Callable[[], None], *, before: bool = False
+    ) -> None:
         self._inner, self._method, self._where, self._hook, self._before = inner, method, where, hook, before
         self.fired = threading.Event()
 
@@ -97,7 +99,9 @@ def _gc(store: Store, run: str) -> GcReport:
 def test_gc_running_between_a_publishs_checks_and_its_commit_spares_the_blob(backend, run):
     store, patch, _ = _setup(backend, run)
     reports: list[GcReport] = []
-    publishing = HookStore(store, "put_new", "versions/000000000001", lambda: reports.append(_gc(store, run)), before=True)
+    publishing = HookStore(
+        store, "put_new", "versions/000000000001", lambda: reports.append(_gc(store, run)), before=True
+    )
     Ledger(publishing).publish(run, make_manifest(run, 1, [patch]))
     assert publishing.fired.is_set() and reports[0].blobs_removed == {}
     assert stored_digest(store, blob_key(run, patch.sha256)) == patch.sha256  # v1 is committed and its blob is there
@@ -122,7 +126,14 @@ def test_gc_holding_a_blob_makes_a_publish_wait_then_spares_it(backend, run):
 
     threads: list[threading.Thread] = []
     report = GcReport()
-    collect_run(Ledger(HookStore(store, "put_new", "gc-locks/", publish_while_gc_holds_the_lock), cache_entries=0), run, 2, GRACE_S, report, now=time.time() + LATER_S)
+    collect_run(
+        Ledger(HookStore(store, "put_new", "gc-locks/", publish_while_gc_holds_the_lock), cache_entries=0),
+        run,
+        2,
+        GRACE_S,
+        report,
+        now=time.time() + LATER_S,
+    )
     threads[0].join(10)
     assert errors == [] and report.blobs_removed == {}
     assert Ledger(store).latest(run).version == 1
@@ -147,7 +158,14 @@ def test_a_publish_that_starts_after_gc_decided_is_refused_and_a_reupload_repair
         assert watched.event.wait(10)
 
     report = GcReport()
-    collect_run(Ledger(HookStore(store, "list", "intents/", publish_after_gc_read_the_intents), cache_entries=0), run, 2, GRACE_S, report, now=time.time() + LATER_S)
+    collect_run(
+        Ledger(HookStore(store, "list", "intents/", publish_after_gc_read_the_intents), cache_entries=0),
+        run,
+        2,
+        GRACE_S,
+        report,
+        now=time.time() + LATER_S,
+    )
     threads[0].join(10)
     assert report.blobs_removed == {run: [patch.sha256]}
     assert len(errors) == 1 and isinstance(errors[0], BlobMissingError)  # not committed over a missing blob

@@ -26,7 +26,9 @@ def _history(spec: dict[int, tuple[int, int]]):
     """version -> (patch bytes, snapshot bytes) as manifests."""
     out = {}
     for v, (patch, snap) in spec.items():
-        files = ([_f("patch", patch, f"p{v}")] if patch else []) + ([_f("snapshot", snap, f"s{v}"), _f("asset", 1, f"a{v}")] if snap else [])
+        files = ([_f("patch", patch, f"p{v}")] if patch else []) + (
+            [_f("snapshot", snap, f"s{v}"), _f("asset", 1, f"a{v}")] if snap else []
+        )
         out[v] = make_manifest("r", v, files)
     return out
 
@@ -63,7 +65,10 @@ def test_kept_from():
 
 def test_gc_keeps_policy_and_waits_out_the_grace_period(client, backend, run):
     # snapshots at 0, 3, 5; K=2 keeps 3.. ; versions 0-2 fall out once 5 is committed
-    manifests = [upload_version(client, run, v, snapshot_bytes=100 if v in (0, 3, 5) else 0, patch_bytes=0 if v == 0 else 20) for v in range(7)]
+    manifests = [
+        upload_version(client, run, v, snapshot_bytes=100 if v in (0, 3, 5) else 0, patch_bytes=0 if v == 0 else 20)
+        for v in range(7)
+    ]
     orphan = b"never published"
     client.put_blob(run, sha(orphan), orphan)
     ledger = Ledger(open_store(backend.settings.store, backend.settings), cache_entries=0)
@@ -95,8 +100,14 @@ def test_gc_keeps_policy_and_waits_out_the_grace_period(client, backend, run):
 def test_gc_cli(client, backend, run):
     upload_version(client, run, 0, snapshot_bytes=10)
     upload_version(client, run, 1, snapshot_bytes=10, patch_bytes=5)
-    env = {f"STITCH_BULLETIN_{k.upper()}": str(v) for k, v in backend.settings.model_dump(exclude={"tokens"}).items() if v is not None}
-    result = CliRunner().invoke(bulletin_cli, ["gc", "--keep-snapshots", "1", "--grace-s", "0", "--run", run, "--dry-run", "--json"], env=env)
+    env = {
+        f"STITCH_BULLETIN_{k.upper()}": str(v)
+        for k, v in backend.settings.model_dump(exclude={"tokens"}).items()
+        if v is not None
+    }
+    result = CliRunner().invoke(
+        bulletin_cli, ["gc", "--keep-snapshots", "1", "--grace-s", "0", "--run", run, "--dry-run", "--json"], env=env
+    )
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["versions_removed"] == {run: [0]}
     result = CliRunner().invoke(bulletin_cli, ["gc", "--keep-snapshots", "1", "--grace-s", "0", "--run", run], env=env)
@@ -106,9 +117,13 @@ def test_gc_cli(client, backend, run):
 
 def test_plan_never_crosses_a_tensor_set_change_with_deltas():
     h = _history({0: (0, 1000), 1: (10, 0), 2: (10, 1000), 3: (10, 0)})
-    grown = h[2].model_copy(update={"tensors": [*h[2].tensors, h[2].tensors[0].model_copy(update={"name": "model.new"})]})
+    grown = h[2].model_copy(
+        update={"tensors": [*h[2].tensors, h[2].tensors[0].model_copy(update={"name": "model.new"})]}
+    )
     h[2] = grown.model_copy(update={"stats": grown.stats.model_copy(update={"total_elements": 16})})
-    h[3] = h[3].model_copy(update={"tensors": h[2].tensors, "stats": h[3].stats.model_copy(update={"total_elements": 16})})
+    h[3] = h[3].model_copy(
+        update={"tensors": h[2].tensors, "stats": h[3].stats.model_copy(update={"total_elements": 16})}
+    )
     p = make_plan("r", 1, 3, h.get)  # the delta of 2 is cheaper, but only 2's snapshot leads past the change
     assert [(s.version, s.kind) for s in p.steps] == [(2, "snapshot"), (3, "delta")]
 

@@ -19,7 +19,9 @@ def _race(urls: list[str], run: str, bodies: list[bytes]) -> list[httpx.Response
     def post(i: int) -> None:
         with httpx.Client(timeout=30) as http:
             barrier.wait()
-            results[i] = http.post(f"{urls[i]}/v1/runs/{run}/versions", content=bodies[i], headers={"content-type": "application/json"})
+            results[i] = http.post(
+                f"{urls[i]}/v1/runs/{run}/versions", content=bodies[i], headers={"content-type": "application/json"}
+            )
 
     threads = [threading.Thread(target=post, args=(i,)) for i in range(len(urls))]
     for t in threads:
@@ -36,7 +38,9 @@ def test_two_bulletins_racing_for_one_version(backend, run):
             base = upload_version(ca, run, 0, snapshot_bytes=100)
             for version in range(1, 9):
                 files = upload_version(ca, run, version, patch_bytes=64, publish=False).files
-                mine, theirs = (canonical_json(make_manifest(run, version, files, metadata={"writer": w})) for w in ("a", "b"))
+                mine, theirs = (
+                    canonical_json(make_manifest(run, version, files, metadata={"writer": w})) for w in ("a", "b")
+                )
                 ra, rb = _race([a.url, b.url], run, [mine, theirs])
                 codes = sorted((ra.status_code, rb.status_code))
                 if codes == [201, 201] and backend.name == "s3":

@@ -56,12 +56,21 @@ def test_repeated_path_is_refused(small, run):
         assert r.status_code == 422 and "more than once" in r.json()["message"], r.text
 
 
-@pytest.mark.parametrize("path", ["model.safetensors.index.json", "model-00001-of-00002.safetensors", "sub/extra.safetensors"])
+@pytest.mark.parametrize(
+    "path", ["model.safetensors.index.json", "model-00001-of-00002.safetensors", "sub/extra.safetensors"]
+)
 def test_asset_named_like_a_checkpoint_file_is_refused(small, run, path):
     with small.client() as client:
         body = _v0(client, run)
         body["files"][0]["path"] = "model-00001-of-00001.safetensors"
-        body["files"].append({"path": path, "sha256": body["files"][0]["sha256"], "size_bytes": body["files"][0]["size_bytes"], "role": "asset"})
+        body["files"].append(
+            {
+                "path": path,
+                "sha256": body["files"][0]["sha256"],
+                "size_bytes": body["files"][0]["size_bytes"],
+                "role": "asset",
+            }
+        )
         r = _post(small.url, run, body)
         assert r.status_code == 422 and "named like checkpoint files" in r.json()["message"], r.text
         assert client.latest(run) is None
@@ -71,7 +80,14 @@ def test_asset_named_like_a_checkpoint_file_is_refused(small, run, path):
 def test_dot_empty_and_directory_paths_are_refused(small, run, path):
     with small.client() as client:
         body = _v0(client, run)
-        body["files"].append({"path": path, "sha256": body["files"][0]["sha256"], "size_bytes": body["files"][0]["size_bytes"], "role": "asset"})
+        body["files"].append(
+            {
+                "path": path,
+                "sha256": body["files"][0]["sha256"],
+                "size_bytes": body["files"][0]["size_bytes"],
+                "role": "asset",
+            }
+        )
         r = _post(small.url, run, body)
         assert r.status_code == 422, r.text
 

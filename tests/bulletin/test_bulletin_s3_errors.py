@@ -18,9 +18,14 @@ def test_a_body_cut_mid_stream_raises_unavailable_naming_the_key(request, tmp_pa
     backend = make_backend("s3", request, tmp_path)
     data = os.urandom(4 << 20)
     open_store(backend.settings.store, backend.settings).put_new("blobs/big", data)
-    proxy = FaultProxy(backend.settings.s3_endpoint_url or "", [Rule("cut", method="GET", path="/blobs/big", cut_after_bytes=256 << 10)])
+    proxy = FaultProxy(
+        backend.settings.s3_endpoint_url or "",
+        [Rule("cut", method="GET", path="/blobs/big", cut_after_bytes=256 << 10)],
+    )
     try:
-        through_proxy = S3Store(backend.bucket or "", "stitch", backend.settings.model_copy(update={"s3_endpoint_url": proxy.url}))
+        through_proxy = S3Store(
+            backend.bucket or "", "stitch", backend.settings.model_copy(update={"s3_endpoint_url": proxy.url})
+        )
         chunks = through_proxy.iter_range("blobs/big", 0, len(data) - 1)  # the answer's headers get through
         with pytest.raises(UnavailableError, match="'blobs/big'") as caught:
             b"".join(chunks)

@@ -34,11 +34,21 @@ def test_a_squash_put_is_checked_against_its_versions(server, client, run, tmp_p
     with pytest.raises(VersionConflictError, match="drop it first"):
         client.put_squash(s14.model_copy(update={"changed_elements": s14.changed_elements + 1}))
     assert client.drop_squash(run, 1, 4) is True and client.drop_squash(run, 1, 4) is False
-    assert all(s.kind == "delta" for s in client.plan(run, 1, 4, squash=True).steps), "a dropped squash is no longer planned"
+    assert all(s.kind == "delta" for s in client.plan(run, 1, 4, squash=True).steps), (
+        "a dropped squash is no longer planned"
+    )
     before = backend.keys()
     bad = [
-        (s14.model_copy(update={"target_manifest_sha256": s03.target_manifest_sha256}), InvalidRequestError, "names manifest"),
-        (s14.model_copy(update={"base_version": 0, "base_manifest_sha256": s03.base_manifest_sha256}), InvalidRequestError, "base checksum"),
+        (
+            s14.model_copy(update={"target_manifest_sha256": s03.target_manifest_sha256}),
+            InvalidRequestError,
+            "names manifest",
+        ),
+        (
+            s14.model_copy(update={"base_version": 0, "base_manifest_sha256": s03.base_manifest_sha256}),
+            InvalidRequestError,
+            "base checksum",
+        ),
         (s14.model_copy(update={"files": s03.files, "size_bytes": s03.size_bytes}), InvalidRequestError, "checksum"),
         (s14.model_copy(update={"target_version": 7}), NotFoundError, "no version 7"),
     ]
@@ -48,8 +58,12 @@ def test_a_squash_put_is_checked_against_its_versions(server, client, run, tmp_p
     assert backend.keys() == before, "a refused put writes nothing"
     assert client.put_squash(s14) is True, "a dropped squash can be stored again"
     assert [s.kind for s in client.plan(run, 1, 4, squash=True).steps] == ["squash"]
-    old_client = httpx.get(f"{server.url}/v1/runs/{run}/plan", params={"from": 1, "to": 4}).json()  # a client that does not know squash steps
-    assert [sorted(step) for step in old_client["steps"]] == [["files", "kind", "size_bytes", "version"]] * 3 and {s["kind"] for s in old_client["steps"]} == {"delta"}
+    old_client = httpx.get(
+        f"{server.url}/v1/runs/{run}/plan", params={"from": 1, "to": 4}
+    ).json()  # a client that does not know squash steps
+    assert [sorted(step) for step in old_client["steps"]] == [["files", "kind", "size_bytes", "version"]] * 3 and {
+        s["kind"] for s in old_client["steps"]
+    } == {"delta"}
 
 
 def test_retention_drops_squashes_with_their_versions(server, client, run, tmp_path):
@@ -59,7 +73,9 @@ def test_retention_drops_squashes_with_their_versions(server, client, run, tmp_p
     ledger = server.app.state.bulletin.ledger
     report = collect_garbage(ledger, keep_snapshots=1, grace_s=0.0, runs=[run])
     assert report.versions_removed[run] == [0, 1, 2, 3, 4, 5]
-    assert sorted(report.squashes_removed[run]) == [(v - 2, v) for v in range(2, 8)], "every squash with a removed base or target goes"
+    assert sorted(report.squashes_removed[run]) == [(v - 2, v) for v in range(2, 8)], (
+        "every squash with a removed base or target goes"
+    )
     assert spans(client, run) == [(6, 8)]
     for span, record in records.items():
         stored = client.has_blob(run, record.files[0].sha256) is not None
@@ -96,7 +112,11 @@ def test_dropped_squashes_are_rebuilt_from_the_stored_anchor_and_deltas(server, 
     assert set(original) == {(0, 3), (1, 4), (2, 5), (0, 5), (3, 6), (1, 6)}
     cli = CliRunner()
     dropped = cli.invoke(squash_cli.app, ["drop", "--bulletin", server.url, "--run", run, "0-3", "1-6"])
-    assert dropped.exit_code == 0 and dropped.output.strip() == "2" and set(spans(client, run)) == set(original) - {(0, 3), (1, 6)}
+    assert (
+        dropped.exit_code == 0
+        and dropped.output.strip() == "2"
+        and set(spans(client, run)) == set(original) - {(0, 3), (1, 6)}
+    )
     assert cli.invoke(squash_cli.app, ["drop", "--bulletin", server.url, "--run", run]).output.strip() == "4"
     rebuilt = cli.invoke(squash_cli.app, ["rebuild", "--bulletin", server.url, "--run", run, "--depths", "3,5"])
     assert rebuilt.exit_code == 0, rebuilt.output

@@ -40,7 +40,9 @@ def _trickle(url: str, run: str, gap_s: float, body_bytes: int) -> tuple[bytes, 
     data = os.urandom(body_bytes)
     started = time.monotonic()
     with socket.create_connection((host, int(port))) as sock:
-        sock.sendall(f"PUT /v1/runs/{run}/blobs/{sha(data)} HTTP/1.1\r\nHost: x\r\nContent-Length: {body_bytes}\r\n\r\n".encode())
+        sock.sendall(
+            f"PUT /v1/runs/{run}/blobs/{sha(data)} HTTP/1.1\r\nHost: x\r\nContent-Length: {body_bytes}\r\n\r\n".encode()
+        )
         sock.settimeout(gap_s)
         for i in range(body_bytes):
             try:
@@ -59,7 +61,10 @@ def _trickle(url: str, run: str, gap_s: float, body_bytes: int) -> tuple[bytes, 
 
 @pytest.mark.parametrize(
     ("limits", "gap_s"),
-    [({"upload_min_bytes_per_s": 1000, "upload_rate_grace_s": 1.0}, 0.4), ({"upload_idle_timeout_s": 0.5, "upload_min_bytes_per_s": 0}, 2.0)],
+    [
+        ({"upload_min_bytes_per_s": 1000, "upload_rate_grace_s": 1.0}, 0.4),
+        ({"upload_idle_timeout_s": 0.5, "upload_min_bytes_per_s": 0}, 2.0),
+    ],
     ids=["under-the-minimum-rate", "idle"],
 )
 def test_a_trickling_upload_is_answered_408_and_its_temp_file_removed(request, tmp_path, run, limits, gap_s):

@@ -66,7 +66,9 @@ def test_put_file_multipart(store, backend, tmp_path):
     data = os.urandom(6 << 20)
     path.write_bytes(data)
     if backend.name == "s3":
-        settings = backend.settings.model_copy(update={"s3_multipart_threshold_bytes": 5 << 20, "s3_multipart_chunk_bytes": 5 << 20})
+        settings = backend.settings.model_copy(
+            update={"s3_multipart_threshold_bytes": 5 << 20, "s3_multipart_chunk_bytes": 5 << 20}
+        )
         store = S3Store(backend.bucket, "stitch", settings)
     store.put_file("f/big", path)
     assert store.stat("f/big").size_bytes == len(data)
@@ -76,7 +78,13 @@ def test_put_file_multipart(store, backend, tmp_path):
 def test_the_old_import_paths_name_the_same_objects():
     from stitchboard.bulletin import s3store, store, stores
 
-    assert (store.FileStore, store.ObjectStat, store.Store, store.check_key, store.open_store) == (stores.FileStore, stores.ObjectStat, stores.Store, stores.check_key, stores.open_store)
+    assert (store.FileStore, store.ObjectStat, store.Store, store.check_key, store.open_store) == (
+        stores.FileStore,
+        stores.ObjectStat,
+        stores.Store,
+        stores.check_key,
+        stores.open_store,
+    )
     assert (s3store.S3Store, s3store.S3Settings) == (stores.S3Store, stores.S3Settings)
 
 

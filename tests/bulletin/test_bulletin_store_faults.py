@@ -40,14 +40,21 @@ def via_proxy(request, tmp_path):
 def _stored_objects(backend: Backend) -> dict[str, bytes]:
     """Every blob object in the bucket, read straight from moto (not through the proxy)."""
     s3 = boto3.client("s3", endpoint_url=backend.settings.s3_endpoint_url, region_name="us-east-1")
-    keys = [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket=backend.bucket) for o in page.get("Contents", []) if "/blobs/" in o["Key"]]
+    keys = [
+        o["Key"]
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=backend.bucket)
+        for o in page.get("Contents", [])
+        if "/blobs/" in o["Key"]
+    ]
     return {k: s3.get_object(Bucket=backend.bucket, Key=k)["Body"].read() for k in keys}
 
 
 def _publish(client, run: str, version: int, data: bytes):
     client.put_blob(run, sha(data), data)
     role = "snapshot" if version == 0 else "patch"
-    manifest = make_manifest(run, version, [FileRef(path=f"{role}-{version}", sha256=sha(data), size_bytes=len(data), role=role)])
+    manifest = make_manifest(
+        run, version, [FileRef(path=f"{role}-{version}", sha256=sha(data), size_bytes=len(data), role=role)]
+    )
     client.publish(manifest)
     return manifest
 
@@ -88,7 +95,9 @@ def test_a_body_corrupted_at_every_send_fails_the_upload_and_stores_nothing(via_
 
 
 def test_a_corrupted_multipart_part_is_sent_again(via_proxy, run):
-    backend, proxy, settings = via_proxy(max_blob_bytes=64 * MiB, s3_multipart_threshold_bytes=5 * MiB, s3_multipart_chunk_bytes=5 * MiB)
+    backend, proxy, settings = via_proxy(
+        max_blob_bytes=64 * MiB, s3_multipart_threshold_bytes=5 * MiB, s3_multipart_chunk_bytes=5 * MiB
+    )
     data = os.urandom(11 * MiB)  # 3 parts, each with its own SHA-256
     proxy.add(Rule("corrupt", method="PUT", path="partNumber=2", times=1))
     server = ThreadServer(settings)
@@ -112,12 +121,16 @@ def _overwrite_out_of_band(backend: Backend, run: str, sha256: str, data: bytes)
     s3.put_object(Bucket=backend.bucket, Key=f"stitch/{blob_key(run, sha256)}", Body=data)
 
 
-def test_a_stored_copy_that_fails_its_check_is_refused_at_commit_and_replaced_by_a_reupload(client, backend, run, tmp_path):
+def test_a_stored_copy_that_fails_its_check_is_refused_at_commit_and_replaced_by_a_reupload(
+    client, backend, run, tmp_path
+):
     data = os.urandom(5000)
     client.put_blob(run, sha(data), data)
     bad = bytes([data[0] ^ 1]) + data[1:]
     _overwrite_out_of_band(backend, run, sha(data), bad)
-    manifest = make_manifest(run, 0, [FileRef(path="snapshot-0", sha256=sha(data), size_bytes=len(data), role="snapshot")])
+    manifest = make_manifest(
+        run, 0, [FileRef(path="snapshot-0", sha256=sha(data), size_bytes=len(data), role="snapshot")]
+    )
     with pytest.raises(BlobMismatchError, match="does not hold the bytes of sha256"):
         client.publish(manifest)
     assert client.has_blob(run, sha(data)) is None  # no valid record: not stored, for an uploader
@@ -153,13 +166,23 @@ def test_presigned_uploads_carry_the_checksum_and_never_overwrite(via_proxy, run
         with server.client() as client:
             assert client.put_blob(run, sha(data), data)
             assert proxy.log[-1][0] == "PUT" and "Signature" in proxy.log[-1][1]  # it went straight to the store
-            assert open_store(backend.settings.store, backend.settings).stat(blob_key(run, sha(data))).sha256 == sha(data)
-            client.publish(make_manifest(run, 0, [FileRef(path="s", sha256=sha(data), size_bytes=len(data), role="snapshot")]))
+            assert open_store(backend.settings.store, backend.settings).stat(blob_key(run, sha(data))).sha256 == sha(
+                data
+            )
+            client.publish(
+                make_manifest(run, 0, [FileRef(path="s", sha256=sha(data), size_bytes=len(data), role="snapshot")])
+            )
             url = client._call("POST", f"/v1/runs/{run}/blobs/{sha(other)}/upload-url", what="test").json()["url"]
-            assert httpx.put(url, content=data, headers=presigned_put_headers(sha(other))).status_code == 400  # other bytes: BadDigest
+            assert (
+                httpx.put(url, content=data, headers=presigned_put_headers(sha(other))).status_code == 400
+            )  # other bytes: BadDigest
             url = client._call("POST", f"/v1/runs/{run}/blobs/{sha(data)}/upload-url", what="test").json()["url"]
-            assert httpx.put(url, content=data, headers=presigned_put_headers(sha(data))).status_code == 412  # committed: never overwritten
-            assert not client.put_blob(run, sha(data), data, force=True)  # 412, then through the bulletin: already stored
+            assert (
+                httpx.put(url, content=data, headers=presigned_put_headers(sha(data))).status_code == 412
+            )  # committed: never overwritten
+            assert not client.put_blob(
+                run, sha(data), data, force=True
+            )  # 412, then through the bulletin: already stored
     finally:
         server.stop()
 
@@ -181,4 +204,7 @@ def test_store_errors_dropped_connections_and_delays_are_retried(via_proxy, run,
     finally:
         server.stop()
     stored = _stored_objects(backend)
-    assert all(hashlib.sha256(body).hexdigest() == key.rsplit("/", 1)[-1] for key, body in stored.items()) and len(stored) == 3
+    assert (
+        all(hashlib.sha256(body).hexdigest() == key.rsplit("/", 1)[-1] for key, body in stored.items())
+        and len(stored) == 3
+    )

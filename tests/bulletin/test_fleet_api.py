@@ -21,17 +21,32 @@ from tests.sidecar.fake_engine import FakeEngine
 from tests.sidecar.sidecar_helpers import Publisher as ViewPublisher
 from tests.sidecar.sidecar_helpers import make_view, wait_for
 
-TOKENS = {"pub": TokenGrant(scopes=["publish"]), "rep": TokenGrant(scopes=["replica"]), "ro": TokenGrant(scopes=["read"])}
+TOKENS = {
+    "pub": TokenGrant(scopes=["publish"]),
+    "rep": TokenGrant(scopes=["replica"]),
+    "ro": TokenGrant(scopes=["read"]),
+}
 
 
 def _report(replica_id: str = "r1", **fields) -> ReplicaReport:
-    values = {"replica_id": replica_id, "engine": "vllm", "applied_version": None, "target_version": None, "state": "starting", "lag_versions": None, "healthy": False, "started_at": time.time()}
+    values = {
+        "replica_id": replica_id,
+        "engine": "vllm",
+        "applied_version": None,
+        "target_version": None,
+        "state": "starting",
+        "lag_versions": None,
+        "healthy": False,
+        "started_at": time.time(),
+    }
     return ReplicaReport(**{**values, **fields})
 
 
 @pytest.fixture
 def secured(tmp_path):
-    server = ThreadServer(BulletinSettings(store=f"file://{tmp_path / 'store'}", tokens=TOKENS, fleet_poll_interval_s=0.1))
+    server = ThreadServer(
+        BulletinSettings(store=f"file://{tmp_path / 'store'}", tokens=TOKENS, fleet_poll_interval_s=0.1)
+    )
     yield server
     server.stop()
 
@@ -40,7 +55,11 @@ def test_replica_scope_reports_and_reads_but_does_not_publish(secured, tmp_path)
     run = f"run-{uuid.uuid4().hex[:8]}"
     with secured.client("pub") as pub:
         ViewPublisher(pub, run, tmp_path).publish(make_view(0))
-    put = lambda token, report, rid=None: httpx.put(f"{secured.url}/v1/runs/{run}/replicas/{rid or report.replica_id}", content=report.model_dump_json(), headers={"authorization": f"Bearer {token}"})
+    put = lambda token, report, rid=None: httpx.put(
+        f"{secured.url}/v1/runs/{run}/replicas/{rid or report.replica_id}",
+        content=report.model_dump_json(),
+        headers={"authorization": f"Bearer {token}"},
+    )
     answer = put("rep", _report(applied_version=0, target_version=0, state="idle", healthy=True))
     assert answer.status_code == 200 and answer.json() == {"lease_s": 30.0, "renew_s": 10.0}
     for token in ("ro", "pub"):  # reading or publishing is not reporting
@@ -53,7 +72,9 @@ def test_replica_scope_reports_and_reads_but_does_not_publish(secured, tmp_path)
         with pytest.raises(Exception, match="needs 'publish'"):
             ViewPublisher(rep, run, tmp_path).publish(make_view(1))
         view = FleetClient(rep).replicas(run)
-    assert [(r.report.replica_id, r.report.applied_version, r.live, r.behind_latest) for r in view.replicas] == [("r1", 0, True, 0)]
+    assert [(r.report.replica_id, r.report.applied_version, r.live, r.behind_latest) for r in view.replicas] == [
+        ("r1", 0, True, 0)
+    ]
     with secured.client("ro") as ro:
         count = FleetClient(ro).count(run, 0, min_replicas=1)
     assert (count.live, count.at_or_above, count.met) == (1, 1, True)
@@ -65,7 +86,9 @@ def test_refused_reports_are_retried_and_never_stop_syncing(secured, tmp_path, c
     with secured.client("pub") as pub:
         views = ViewPublisher(pub, run, tmp_path)
         views.publish(make_view(0))
-        sidecar = start_sidecar(secured.url, run, "ro-replica", FakeEngine(), tmp_path / "handoff", token="ro")  # may read, not report
+        sidecar = start_sidecar(
+            secured.url, run, "ro-replica", FakeEngine(), tmp_path / "handoff", token="ro"
+        )  # may read, not report
         try:
             wait_for(lambda: sidecar.status()["applied_version"] == 0, 30, "version 0 applied")
             views.step(1)
@@ -83,11 +106,19 @@ def test_wait_for_fleet_and_pacing_on_a_publisher(tmp_path):
     state = {"model.w": torch.randn(64, 64), "model.v": torch.randn(128)}
     sidecar = None
     try:
-        with Publisher(server.url, run, encoding="xor", pacing=FleetPacing(max_lag=0, min_replicas=1, timeout_s=1.5), workdir=tmp_path / "pub") as publisher:
+        with Publisher(
+            server.url,
+            run,
+            encoding="xor",
+            pacing=FleetPacing(max_lag=0, min_replicas=1, timeout_s=1.5),
+            workdir=tmp_path / "pub",
+        ) as publisher:
             publisher.publish(state)  # version 0 waits for nothing
             state["model.w"][0, :8] += 1.0
             t0 = time.monotonic()
-            with pytest.raises(FleetTimeoutError, match=r"publishing version 1 .* max_lag=0 .* no live replica reports"):
+            with pytest.raises(
+                FleetTimeoutError, match=r"publishing version 1 .* max_lag=0 .* no live replica reports"
+            ):
                 publisher.publish(state)
             assert time.monotonic() - t0 >= 1.4  # it waited its timeout
             assert publisher.last_version == 0  # nothing was published

@@ -16,18 +16,28 @@ from tests.bulletin.fleet_helpers import start_sidecar
 from tests.sidecar.fake_engine import FakeEngine
 from tests.sidecar.sidecar_helpers import Publisher, make_view, wait_for
 
-TOKENS = {"pub": TokenGrant(scopes=["publish"]), "rep": TokenGrant(scopes=["replica"]), "viewer": TokenGrant(scopes=["read"]), "other-run": TokenGrant(scopes=["read"], runs=["elsewhere"])}
+TOKENS = {
+    "pub": TokenGrant(scopes=["publish"]),
+    "rep": TokenGrant(scopes=["replica"]),
+    "viewer": TokenGrant(scopes=["read"]),
+    "other-run": TokenGrant(scopes=["read"], runs=["elsewhere"]),
+}
 
 
 def test_status_page_in_chromium(tmp_path, request):
-    server = ThreadServer(BulletinSettings(store=f"file://{tmp_path / 'store'}", tokens=TOKENS, fleet_poll_interval_s=0.1))
+    server = ThreadServer(
+        BulletinSettings(store=f"file://{tmp_path / 'store'}", tokens=TOKENS, fleet_poll_interval_s=0.1)
+    )
     run = f"run-{uuid.uuid4().hex[:8]}"
     sidecars = []
     try:
         with server.client("pub") as pub:
             views = Publisher(pub, run, tmp_path)
             views.publish(make_view(0))
-            sidecars = [start_sidecar(server.url, run, f"replica-{i}", FakeEngine(), tmp_path / "handoff", token="rep") for i in range(3)]
+            sidecars = [
+                start_sidecar(server.url, run, f"replica-{i}", FakeEngine(), tmp_path / "handoff", token="rep")
+                for i in range(3)
+            ]
             for seed in (1, 2, 3):
                 views.step(seed)
             views.publish(views.views[-1], anchor=True)  # version 4: an anchor
@@ -35,14 +45,20 @@ def test_status_page_in_chromium(tmp_path, request):
             views.step(5)
             with server.client("viewer") as viewer:
                 FleetClient(viewer).count(run, 5, min_replicas=2, wait_s=30)
-                refused = lambda: (r := FleetClient(viewer).replicas(run).replicas[2].report).applied_version == 4 and r.last_error is not None
+                refused = lambda: (
+                    (r := FleetClient(viewer).replicas(run).replicas[2].report).applied_version == 4
+                    and r.last_error is not None
+                )
                 wait_for(refused, 30, "replica-2 reporting the refused version 5")
                 fleet = FleetClient(viewer).replicas(run)
             assert fleet.latest_version == 5
 
             # without a token: the login form, 401; a token of another run cannot see this one
             assert httpx.get(f"{server.url}/status").status_code == 401
-            assert httpx.get(f"{server.url}/status/runs/{run}", headers={"authorization": "Bearer other-run"}).status_code == 403
+            assert (
+                httpx.get(f"{server.url}/status/runs/{run}", headers={"authorization": "Bearer other-run"}).status_code
+                == 403
+            )
             assert httpx.post(f"{server.url}/status/login", data={"token": "wrong"}).status_code == 401
 
             with browser_page() as page:
@@ -56,7 +72,11 @@ def test_status_page_in_chromium(tmp_path, request):
             assert shown.latest_version == str(fleet.latest_version) == "5"
             assert shown.live_replicas == len(live) == 3
             assert shown.at_latest == sum(r.report.applied_version == 5 for r in live) == 2
-            assert shown.rows == [(r.report.replica_id, str(r.report.applied_version)) for r in fleet.replicas] == [("replica-0", "5"), ("replica-1", "5"), ("replica-2", "4")]
+            assert (
+                shown.rows
+                == [(r.report.replica_id, str(r.report.applied_version)) for r in fleet.replicas]
+                == [("replica-0", "5"), ("replica-1", "5"), ("replica-2", "4")]
+            )
             assert any("PlanRefused" in text and "4->5" in text for text in table_errors), table_errors
             assert shown.svgs >= 2
             assert "version timeline: 6 versions, latest 5" in shown.svg_texts

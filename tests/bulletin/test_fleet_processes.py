@@ -46,7 +46,9 @@ def test_fleet_counts_through_restart_stuck_replica_and_expired_lease(request, t
             wait_for_fleet(ca, run, 2, timeout_s=60)  # every live replica
             assert _rows(ca, run) == _rows(cb, run) == [("r1", 2, True), ("r2", 2, True), ("r3", 2, True)]
             view = FleetClient(cb).replicas(run)
-            assert view.latest_version == 2 and all(r.behind_latest == 0 and r.report.engine == "vllm" for r in view.replicas)
+            assert view.latest_version == 2 and all(
+                r.behind_latest == 0 and r.report.engine == "vllm" for r in view.replicas
+            )
             assert all(r.report.last_sync is not None and r.report.last_sync.to_version == 2 for r in view.replicas)
 
             # a stuck replica: every write of r3's engine fails (it recovers from the anchor, then fails again)
@@ -55,13 +57,21 @@ def test_fleet_counts_through_restart_stuck_replica_and_expired_lease(request, t
             with pytest.raises(FleetTimeoutError) as timeout:
                 wait_for_fleet(cb, run, 3, min_replicas=3, timeout_s=4)
             message = str(timeout.value)
-            assert "only 2 of 3 live replicas" in message and "r3 at version" in message and "last error" in message, message
+            assert "only 2 of 3 live replicas" in message and "r3 at version" in message and "last error" in message, (
+                message
+            )
             assert "r1" not in message and "r2" not in message, message
             assert timeout.value.details["laggards"] == ["r3"]
             for client in (ca, cb):
                 count = FleetClient(client).count(run, 3)
                 assert (count.live, count.at_or_above, [lag.replica_id for lag in count.laggards]) == (3, 2, ["r3"])
-                assert count.laggards[0].error and count.laggards[0].state in ("retrying", "unhealthy", "recovering", "staging", "committing")
+                assert count.laggards[0].error and count.laggards[0].state in (
+                    "retrying",
+                    "unhealthy",
+                    "recovering",
+                    "staging",
+                    "committing",
+                )
 
             # r1 restarts (same replica id, same engine), now reporting through the other bulletin
             before = {r.report.replica_id: r.report.started_at for r in FleetClient(ca).replicas(run).replicas}
@@ -81,7 +91,9 @@ def test_fleet_counts_through_restart_stuck_replica_and_expired_lease(request, t
             # r2 goes away: its lease expires and it stops counting
             sidecars.pop("r2").stop(engine_too=True)
             t0 = time.monotonic()
-            count = wait_for(lambda: (c := FleetClient(cb).count(run, 3)).expired == ["r2"] and c, LEASE_S + 10, "r2's lease expired")
+            count = wait_for(
+                lambda: (c := FleetClient(cb).count(run, 3)).expired == ["r2"] and c, LEASE_S + 10, "r2's lease expired"
+            )
             assert time.monotonic() - t0 >= LEASE_S - 2.5  # not before its lease ran out (1 s store clock resolution)
             assert (count.live, count.at_or_above) == (2, 1)
             assert ("r2", 3, False) in _rows(ca, run)

@@ -75,7 +75,9 @@ def test_a_write_goes_out_joined_to_the_next_and_a_lone_one_at_the_next_pass():
         t.write(b"h")
         big = b"B" * (JOIN_MAX_BYTES + 1)
         t.write(big)
-        assert real.calls[3:] == [("write", b"h"), ("write", big)], "a large write was kept, or went out before what was kept"
+        assert real.calls[3:] == [("write", b"h"), ("write", big)], (
+            "a large write was kept, or went out before what was kept"
+        )
         t.write(b"last")
         t.close()
         assert real.calls[5:] == [("write", b"last"), ("close", b"")]
@@ -187,7 +189,9 @@ def _raw(sock: socket.socket, request: bytes) -> bytes:
     """Send ``request`` on ``sock`` and read one answer with a content-length (or to the end)."""
     sock.sendall(request)
     data = b""
-    while b"\r\n\r\n" not in data or len(data) < data.index(b"\r\n\r\n") + 4 + int(data.split(b"content-length: ")[1].split(b"\r\n")[0]):
+    while b"\r\n\r\n" not in data or len(data) < data.index(b"\r\n\r\n") + 4 + int(
+        data.split(b"content-length: ")[1].split(b"\r\n")[0]
+    ):
         chunk = sock.recv(65536)
         if not chunk:
             break
@@ -219,7 +223,12 @@ def test_an_answer_sent_whole_is_the_asgi_answer_in_one_write(served: str):
         assert sock.recv(100) == b"", "the connection stayed open after an answer that closes it"
     with httpx.Client(base_url=served) as client:
         head = client.head("/whole")
-        assert WHOLE[-1] is False and head.status_code == 200 and head.headers["content-length"] == "14" and head.content == b""
+        assert (
+            WHOLE[-1] is False
+            and head.status_code == 200
+            and head.headers["content-length"] == "14"
+            and head.content == b""
+        )
         assert client.get("/whole").json() == {"version": 3} and WHOLE[-1] is True
 
 

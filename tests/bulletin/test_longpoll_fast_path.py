@@ -12,7 +12,11 @@ from stitchboard.bulletin.settings import BulletinSettings, TokenGrant
 from tests.bulletin.bulletin_helpers import ThreadServer, upload_version
 from tests.sidecar.sidecar_helpers import wait_for
 
-TOKENS = {"pub": TokenGrant(scopes=["publish", "metrics"]), "ro": TokenGrant(scopes=["read"], runs=["fast-run"]), "met": TokenGrant(scopes=["metrics"])}
+TOKENS = {
+    "pub": TokenGrant(scopes=["publish", "metrics"]),
+    "ro": TokenGrant(scopes=["read"], runs=["fast-run"]),
+    "met": TokenGrant(scopes=["metrics"]),
+}
 
 
 @pytest.fixture
@@ -35,13 +39,18 @@ def test_fast_path_answers_as_the_route(served):
     for params in ({"after": -2}, {"after": "x"}, {"wait_s": -1}):  # the route's validation answers
         r = httpx.get(url, params=params, headers=ro)
         assert r.status_code == 422 and r.json()["type"] == "InvalidRequest", (params, r.text)
-    assert httpx.get(url, params={"after": 0, "wait_s": 0.1, "extra": 1}, headers=ro).status_code == 204  # unknown parameters ignored, as by the route
+    assert (
+        httpx.get(url, params={"after": 0, "wait_s": 0.1, "extra": 1}, headers=ro).status_code == 204
+    )  # unknown parameters ignored, as by the route
     assert httpx.get(url).status_code == 401
     assert httpx.get(url, headers={"authorization": "Bearer met"}).status_code == 403
     other = httpx.get(f"{served.url}/v1/runs/run-{uuid.uuid4().hex[:6]}/versions/latest", headers=ro)
     assert other.status_code == 403 and other.json()["type"] == "Forbidden"
     metrics = httpx.get(f"{served.url}/metrics", headers={"authorization": "Bearer pub"}).text
-    assert 'route="/v1/runs/{run}/versions/latest",status="200"' in metrics and 'route="/v1/runs/{run}/versions/latest",status="204"' in metrics
+    assert (
+        'route="/v1/runs/{run}/versions/latest",status="200"' in metrics
+        and 'route="/v1/runs/{run}/versions/latest",status="204"' in metrics
+    )
 
 
 def test_fast_path_store_errors_are_json(served, tmp_path, monkeypatch):
@@ -53,7 +62,9 @@ def test_fast_path_store_errors_are_json(served, tmp_path, monkeypatch):
         raise UnavailableError("the store is down (test)")
 
     monkeypatch.setattr(state.ledger, "latest", broken)
-    r = httpx.get(f"{served.url}/v1/runs/fast-run/versions/latest", params={"wait_s": 1}, headers={"authorization": "Bearer ro"})
+    r = httpx.get(
+        f"{served.url}/v1/runs/fast-run/versions/latest", params={"wait_s": 1}, headers={"authorization": "Bearer ro"}
+    )
     assert r.status_code == 503 and r.json() == {"type": "Unavailable", "message": "the store is down (test)"}
 
 
@@ -93,7 +104,13 @@ def test_waiters_answered_by_the_fan_out(served, monkeypatch):
     assert [(r.status_code, r.json()["version"]) for r in answers] == [(200, 1)] * 30
     # the one that hung up was claimed too: sent whole into a closed connection, or refused (the server saw it go) and sent through ASGI
     assert len(sent_whole) == 31 and sent_whole.count(True) >= 30, sent_whole
-    waiting = lambda: "stitch_bulletin_waiters 0.0" in httpx.get(f"{served.url}/metrics", headers={"authorization": "Bearer pub"}).text
+    waiting = lambda: (
+        "stitch_bulletin_waiters 0.0"
+        in httpx.get(f"{served.url}/metrics", headers={"authorization": "Bearer pub"}).text
+    )
     wait_for(waiting, 10, "no waiter left")
     metrics = httpx.get(f"{served.url}/metrics", headers={"authorization": "Bearer pub"}).text
-    assert 'stitch_bulletin_request_seconds_count{method="GET",route="/v1/runs/{run}/versions/latest",status="200"} 31.0' in metrics
+    assert (
+        'stitch_bulletin_request_seconds_count{method="GET",route="/v1/runs/{run}/versions/latest",status="200"} 31.0'
+        in metrics
+    )

@@ -60,7 +60,9 @@ def test_a_failed_shared_read_reaches_every_waiter_and_the_next_wait_reads_again
     async def main() -> tuple[list[object], int]:
         watcher = Watcher(ledger, poll_interval_s=10.0, metrics=METRICS)
         try:
-            results = await asyncio.gather(*(watcher.wait("r", after=-1, wait_s=0.1) for _ in range(20)), return_exceptions=True)
+            results = await asyncio.gather(
+                *(watcher.wait("r", after=-1, wait_s=0.1) for _ in range(20)), return_exceptions=True
+            )
             ledger.fail, ledger.info = False, info(0)
             again = await watcher.wait("r", after=-1, wait_s=0.1)
             return list(results), again.version if again else -1

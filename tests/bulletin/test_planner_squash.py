@@ -16,7 +16,9 @@ RUN = "r"
 
 
 def ref(name: str, size: int, role: str = "patch") -> FileRef:
-    return FileRef(path=f"{name}.safetensors", sha256=hashlib.sha256(name.encode()).hexdigest(), size_bytes=size, role=role)
+    return FileRef(
+        path=f"{name}.safetensors", sha256=hashlib.sha256(name.encode()).hexdigest(), size_bytes=size, role=role
+    )
 
 
 def run_of(delta_bytes: list[int], anchors: dict[int, int]) -> dict[int, VersionManifest]:
@@ -55,7 +57,9 @@ def test_a_squash_cheaper_than_the_chain_is_taken():
 def test_the_chain_wins_when_the_squash_is_not_cheaper_and_on_a_tie():
     m = run_of([100] * 6, {})
     assert route(plan(m, 1, 6, [squash(m, 1, 6, 600)])) == [("delta", None, v) for v in range(2, 7)]
-    assert route(plan(m, 1, 6, [squash(m, 1, 6, 500)])) == [("delta", None, v) for v in range(2, 7)], "on equal bytes the deltas win"
+    assert route(plan(m, 1, 6, [squash(m, 1, 6, 500)])) == [("delta", None, v) for v in range(2, 7)], (
+        "on equal bytes the deltas win"
+    )
 
 
 def test_the_anchor_wins_when_it_is_cheapest():
@@ -82,7 +86,9 @@ def test_squashes_are_not_used_unless_the_caller_asks():
     m = run_of([100] * 6, {})
     assert all(s.kind == "delta" for s in plan(m, 1, 6).steps)
     body = plan(m, 1, 6).model_dump(mode="json")
-    assert all("base_version" not in s for s in body["steps"]), "plans for older clients carry no field they would refuse"
+    assert all("base_version" not in s for s in body["steps"]), (
+        "plans for older clients carry no field they would refuse"
+    )
 
 
 def test_a_squash_whose_versions_are_gone_or_differ_is_ignored():
@@ -98,9 +104,13 @@ def test_a_squash_whose_versions_are_gone_or_differ_is_ignored():
     changed = dict(m)
     spec = TensorSpec(name="model.other", dtype="BF16", shape=[8], checksums={"xxh3_128": "0" * 32})
     anchor = make_manifest(RUN, 6, [ref("snap-6", 5000, "snapshot")])
-    changed[6] = anchor.model_copy(update={"tensors": [*anchor.tensors, spec], "stats": anchor.stats.model_copy(update={"total_elements": 16})})
+    changed[6] = anchor.model_copy(
+        update={"tensors": [*anchor.tensors, spec], "stats": anchor.stats.model_copy(update={"total_elements": 16})}
+    )
     s6 = squash(changed, 1, 6, 10)
-    assert route(plan(changed, 1, 6, [s6])) == [("snapshot", None, 6)], "no squash (nor delta) across a tensor-set change"
+    assert route(plan(changed, 1, 6, [s6])) == [("snapshot", None, 6)], (
+        "no squash (nor delta) across a tensor-set change"
+    )
 
 
 def test_a_plan_with_nothing_held_starts_at_an_anchor_and_may_squash_from_it():

@@ -45,7 +45,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
     def counted_send(self: httpx.Client, request: httpx.Request, **kwargs: Any) -> httpx.Response:
         response = send(self, request, **kwargs)
-        if 400 <= response.status_code < 500 and request.method != "HEAD":  # a HEAD 404 is the SDK asking whether a blob is stored
+        if (
+            400 <= response.status_code < 500 and request.method != "HEAD"
+        ):  # a HEAD 404 is the SDK asking whether a blob is stored
             COUNTS["REST"] += 1
         return response
 
@@ -66,4 +68,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    terminalreporter.write_line("malformed inputs refused, per surface: " + ", ".join(f"{k} {COUNTS[k]}" for k in ("REST", "patch files", "manifests", "CLI")))
+    terminalreporter.write_line(
+        "malformed inputs refused, per surface: "
+        + ", ".join(f"{k} {COUNTS[k]}" for k in ("REST", "patch files", "manifests", "CLI"))
+    )

@@ -25,7 +25,10 @@ def copy_view(view: dict[str, RawTensor]) -> dict[str, RawTensor]:
 
 def same_bits(a: dict[str, RawTensor], b: dict[str, RawTensor]) -> bool:
     """Bitwise equality of two views (names, dtypes, shapes, bits)."""
-    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and tuple(a[k].shape) == tuple(b[k].shape) and np.array_equal(a[k].bits, b[k].bits) for k in a)
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and tuple(a[k].shape) == tuple(b[k].shape) and np.array_equal(a[k].bits, b[k].bits)
+        for k in a
+    )
 
 
 def varints(values: list[int]) -> bytes:
@@ -45,7 +48,9 @@ def bf16_payload(gap_stream: bytes, values: list[int]) -> bytes:
     return gap_stream + v.view(np.uint8).reshape(len(v), 2).T.tobytes()
 
 
-def patch_file(entries: list[dict], frame: bytes, encoding: str = "xor", index: bytes | None = None, extra: dict | None = None) -> bytes:
+def patch_file(
+    entries: list[dict], frame: bytes, encoding: str = "xor", index: bytes | None = None, extra: dict | None = None
+) -> bytes:
     """A patch file with the given index entries and payload frame (no validation)."""
     meta = {FORMAT: json.dumps({"format_version": FORMAT_VERSION, "encoding": encoding, "metadata": {}})}
     if index is None:

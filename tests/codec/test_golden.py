@@ -26,13 +26,21 @@ def fixed_views() -> tuple[dict[str, RawTensor], dict[str, RawTensor]]:
     w = (np.arange(64, dtype=np.uint32) * 2654435761 % 65521).astype(np.uint16)
     v = np.array([0x3F800000, 0x80000000, 0x7F800000, 0x00000001], dtype=np.uint32)
     q = np.arange(16, dtype=np.uint8)
-    base = {"model.w": RawTensor("BF16", (8, 8), w), "model.v": RawTensor("F32", (4,), v), "model.q": RawTensor("F8_E4M3", (16,), q)}
+    base = {
+        "model.w": RawTensor("BF16", (8, 8), w),
+        "model.v": RawTensor("F32", (4,), v),
+        "model.q": RawTensor("F8_E4M3", (16,), q),
+    }
     w2, v2, q2 = w.copy(), v.copy(), q.copy()
     w2[[0, 1, 17, 63]] += 1
     w2[40] = 0x7FC1
     v2[1] = 0x00000000
     q2[15] = 0x7F
-    target = {"model.w": RawTensor("BF16", (8, 8), w2), "model.v": RawTensor("F32", (4,), v2), "model.q": RawTensor("F8_E4M3", (16,), q2)}
+    target = {
+        "model.w": RawTensor("BF16", (8, 8), w2),
+        "model.v": RawTensor("F32", (4,), v2),
+        "model.q": RawTensor("F8_E4M3", (16,), q2),
+    }
     return base, target
 
 

@@ -44,9 +44,20 @@ def _manifest_json(n: int, duplicate: bool) -> bytes:
     names = [f"model.layers.{i // 9}.w{i % 9}.weight" for i in range(n)]
     if duplicate:
         names[-1] = names[n // 2]
-    tensors = [{"name": name, "dtype": "BF16", "shape": [4], "checksums": {"xxh3_128": f"{i:032x}"}} for i, name in enumerate(names)]
+    tensors = [
+        {"name": name, "dtype": "BF16", "shape": [4], "checksums": {"xxh3_128": f"{i:032x}"}}
+        for i, name in enumerate(names)
+    ]
     files = [{"path": "model.safetensors", "sha256": "a" * 64, "size_bytes": 8 * n, "role": "snapshot"}]
-    body = {"run_id": "r", "version": 0, "base_version": None, "snapshot": True, "tensors": tensors, "files": files, "stats": {"changed_elements": 0, "total_elements": 4 * n, "encoded_bytes": 0}}
+    body = {
+        "run_id": "r",
+        "version": 0,
+        "base_version": None,
+        "snapshot": True,
+        "tensors": tensors,
+        "files": files,
+        "stats": {"changed_elements": 0, "total_elements": 4 * n, "encoded_bytes": 0},
+    }
     return json.dumps(body).encode()
 
 
@@ -86,7 +97,12 @@ def _deep_header() -> bytes:
 
 
 def _deep_patches() -> dict[str, bytes]:
-    deep_meta = rewrite_header(patch_file([], zstandard.ZstdCompressor().compress(b"")), lambda h: h.replace(json.dumps(json.dumps({"format_version": FORMAT_VERSION, "encoding": "xor", "metadata": {}}))[1:-1], DEEP))
+    deep_meta = rewrite_header(
+        patch_file([], zstandard.ZstdCompressor().compress(b"")),
+        lambda h: h.replace(
+            json.dumps(json.dumps({"format_version": FORMAT_VERSION, "encoding": "xor", "metadata": {}}))[1:-1], DEEP
+        ),
+    )
     deep_index = patch_file([], b"", index=zstandard.ZstdCompressor(write_content_size=True).compress(DEEP.encode()))
     return {"header": _deep_header(), "metadata": deep_meta, "index": deep_index}
 
@@ -106,7 +122,9 @@ def test_deep_checkpoint_index_is_a_patch_format_error(tmp_path: Path):
 
 def _one_line_error(proc: subprocess.CompletedProcess) -> str:
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "Traceback" not in proc.stderr and "RecursionError" not in proc.stderr and "SafetensorError" not in proc.stderr, proc.stderr
+    assert (
+        "Traceback" not in proc.stderr and "RecursionError" not in proc.stderr and "SafetensorError" not in proc.stderr
+    ), proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert lines and lines[0].startswith("error"), proc.stderr
     return proc.stderr
@@ -119,7 +137,9 @@ def test_cli_inspect_and_apply_give_one_line_errors_on_deep_json(tmp_path: Path,
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(_deep_patches()[where])
     assert "nested too deep" in _one_line_error(_cli("patch", "inspect", bad))
-    assert "nested too deep" in _one_line_error(_cli("patch", "apply", tmp_path / "base", bad, "-o", tmp_path / "out.safetensors"))
+    assert "nested too deep" in _one_line_error(
+        _cli("patch", "apply", tmp_path / "base", bad, "-o", tmp_path / "out.safetensors")
+    )
     assert not (tmp_path / "out.safetensors").exists()
 
 
@@ -130,7 +150,9 @@ def test_cli_apply_into_a_missing_folder_is_a_one_line_error(tmp_path: Path):
     save_checkpoint(tmp_path / "target", target)
     patch = tmp_path / "p.safetensors"
     assert _cli("patch", "diff", tmp_path / "base", tmp_path / "target", "-o", patch).returncode == 0
-    assert "does not exist" in _one_line_error(_cli("patch", "apply", tmp_path / "base", patch, "-o", tmp_path / "missing" / "out.safetensors"))
+    assert "does not exist" in _one_line_error(
+        _cli("patch", "apply", tmp_path / "base", patch, "-o", tmp_path / "missing" / "out.safetensors")
+    )
 
 
 @pytest.mark.parametrize("name", [".", "a/", "a/./b", "a//b"])

@@ -29,7 +29,15 @@ def good_patch() -> bytes:
 
 def entry(count=1, gap_bytes=None, name="model.w", dtype="BF16", shape=(4, 8)) -> dict:
     z = "0" * 32
-    return {"name": name, "dtype": dtype, "shape": list(shape), "count": count, "gap_bytes": count if gap_bytes is None else gap_bytes, "base": {"xxh3_128": z}, "target": {"xxh3_128": z}}
+    return {
+        "name": name,
+        "dtype": dtype,
+        "shape": list(shape),
+        "count": count,
+        "gap_bytes": count if gap_bytes is None else gap_bytes,
+        "base": {"xxh3_128": z},
+        "target": {"xxh3_128": z},
+    }
 
 
 def one(gaps: list[int], values: list[int], gap_stream: bytes | None = None, **kw) -> bytes:
@@ -140,13 +148,21 @@ def test_count_larger_than_tensor():
 def test_index_and_payload_disagree():
     frame = zstandard.ZstdCompressor().compress(bf16_payload(varints([3]), [1]))
     assert_refused(patch_file([entry(2, gap_bytes=2)], frame), match="index implies")
-    assert_refused(patch_file([entry(1)], frame, extra={"stray": RawTensor("U8", (1,), np.zeros(1, np.uint8))}), match="found")
+    assert_refused(
+        patch_file([entry(1)], frame, extra={"stray": RawTensor("U8", (1,), np.zeros(1, np.uint8))}), match="found"
+    )
 
 
 def test_not_a_patch_and_future_version():
     data = good_patch()
-    assert_refused(rewrite_header(data, lambda t: t.replace('"stitchboard.patch":', '"format":', 1)), match="not a stitchboard patch")
-    assert_refused(rewrite_header(data, lambda t: t.replace('\\"format_version\\":\\"1\\"', '\\"format_version\\":\\"9\\"')), match="upgrade")
+    assert_refused(
+        rewrite_header(data, lambda t: t.replace('"stitchboard.patch":', '"format":', 1)),
+        match="not a stitchboard patch",
+    )
+    assert_refused(
+        rewrite_header(data, lambda t: t.replace('\\"format_version\\":\\"1\\"', '\\"format_version\\":\\"9\\"')),
+        match="upgrade",
+    )
 
 
 def test_every_error_is_a_patch_error():

@@ -92,7 +92,9 @@ def test_index_entry_out_of_bounds():
     entries, payload = parts(GOOD)
     numel = 64 * 64
     assert_refused(rebuilt([entries[0], {**entries[1], "count": numel + 1}], payload), match="changed elements")
-    assert_refused(rebuilt([entries[0], {**entries[1], "dtype": "F16"}], payload), error=TensorSetMismatchError, match="F16")
+    assert_refused(
+        rebuilt([entries[0], {**entries[1], "dtype": "F16"}], payload), error=TensorSetMismatchError, match="F16"
+    )
     assert_refused(rebuilt([entries[0], {**entries[1], "shape": [32, 128]}], payload), error=TensorSetMismatchError)
 
 
@@ -113,7 +115,9 @@ def test_stream_shorter_than_any_coded_stream():
 @pytest.mark.parametrize("delta", [-1, 1])
 def test_count_disagrees_with_stream(delta: int):
     entries, payload = parts(GOOD)
-    assert_refused(rebuilt([entries[0], {**entries[1], "count": entries[1]["count"] + delta}], payload), match="class counts")
+    assert_refused(
+        rebuilt([entries[0], {**entries[1], "count": entries[1]["count"] + delta}], payload), match="class counts"
+    )
 
 
 def test_wrong_base_is_refused_before_decoding():
@@ -149,7 +153,15 @@ def test_garbage_on_a_large_tensor_is_refused_quickly(stream: bytes):
     n = 1 << 22
     base = RawTensor("BF16", (n,), np.zeros(n, dtype=np.uint16))
     z = "0" * 32
-    entry = {"name": "big", "dtype": "BF16", "shape": [n], "count": n, "gap_bytes": len(stream), "base": {"xxh3_128": checksum(base)}, "target": {"xxh3_128": z}}
+    entry = {
+        "name": "big",
+        "dtype": "BF16",
+        "shape": [n],
+        "count": n,
+        "gap_bytes": len(stream),
+        "base": {"xxh3_128": checksum(base)},
+        "target": {"xxh3_128": z},
+    }
     patch = read_patch(patch_file([entry], stream, encoding="cond"))
     t0 = time.perf_counter()
     with pytest.raises(PatchFormatError):

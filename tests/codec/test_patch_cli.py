@@ -40,14 +40,31 @@ def test_diff_apply_single_file(tmp_path: Path, encoding: str | None):
     save_checkpoint(tmp_path / "base", base)
     save_checkpoint(tmp_path / "target", target)
     chosen = ["--encoding", encoding] if encoding else []
-    r = run("patch", "diff", tmp_path / "base/model.safetensors", tmp_path / "target/model.safetensors", "-o", tmp_path / "p.safetensors", *chosen)
+    r = run(
+        "patch",
+        "diff",
+        tmp_path / "base/model.safetensors",
+        tmp_path / "target/model.safetensors",
+        "-o",
+        tmp_path / "p.safetensors",
+        *chosen,
+    )
     assert r.returncode == 0, r.stderr + r.stdout
     assert "4 of 1,552 elements changed" in r.stdout and "bytes per changed element" in r.stdout
-    r = run("patch", "apply", tmp_path / "base/model.safetensors", tmp_path / "p.safetensors", "-o", tmp_path / "out.safetensors")
+    r = run(
+        "patch",
+        "apply",
+        tmp_path / "base/model.safetensors",
+        tmp_path / "p.safetensors",
+        "-o",
+        tmp_path / "out.safetensors",
+    )
     assert r.returncode == 0, r.stderr + r.stdout
     assert same_bits(load_checkpoint(tmp_path / "out.safetensors"), target)
     r = run("patch", "inspect", tmp_path / "p.safetensors")
-    assert r.returncode == 0 and "model.embed_tokens.weight" in r.stdout and f"encoding {encoding or 'cond'}" in r.stdout
+    assert (
+        r.returncode == 0 and "model.embed_tokens.weight" in r.stdout and f"encoding {encoding or 'cond'}" in r.stdout
+    )
 
 
 def test_diff_apply_sharded_checkpoint(tmp_path: Path):
@@ -56,7 +73,9 @@ def test_diff_apply_sharded_checkpoint(tmp_path: Path):
     save_checkpoint(tmp_path / "target", target, max_shard_bytes=2048)
     index = json.loads((tmp_path / "base" / INDEX_NAME).read_text())
     assert len(set(index["weight_map"].values())) > 1
-    assert run("patch", "diff", tmp_path / "base", tmp_path / "target", "-o", tmp_path / "p.safetensors").returncode == 0
+    assert (
+        run("patch", "diff", tmp_path / "base", tmp_path / "target", "-o", tmp_path / "p.safetensors").returncode == 0
+    )
     r = run("patch", "apply", tmp_path / "base", tmp_path / "p.safetensors", "-o", tmp_path / "out")
     assert r.returncode == 0, r.stderr + r.stdout
     assert json.loads((tmp_path / "out" / INDEX_NAME).read_text())["weight_map"] == index["weight_map"]

@@ -36,10 +36,26 @@ def test_valid_manifest_round_trips_canonically():
 
 def test_version_zero_is_an_anchor():
     snap = [{"path": "model.safetensors", "sha256": SHA, "size_bytes": 12, "role": "snapshot"}]
-    ok = parse_manifest(manifest(version=0, base_version=None, snapshot=True, files=snap, stats={"changed_elements": 0, "total_elements": 6, "encoded_bytes": 0}))
+    ok = parse_manifest(
+        manifest(
+            version=0,
+            base_version=None,
+            snapshot=True,
+            files=snap,
+            stats={"changed_elements": 0, "total_elements": 6, "encoded_bytes": 0},
+        )
+    )
     assert ok.snapshot
     with pytest.raises(SchemaError, match="anchor"):
-        parse_manifest(manifest(version=0, base_version=None, snapshot=False, files=[], stats={"changed_elements": 0, "total_elements": 6, "encoded_bytes": 0}))
+        parse_manifest(
+            manifest(
+                version=0,
+                base_version=None,
+                snapshot=False,
+                files=[],
+                stats={"changed_elements": 0, "total_elements": 6, "encoded_bytes": 0},
+            )
+        )
     with pytest.raises(SchemaError, match="cannot carry patch"):
         parse_manifest(manifest(version=0, base_version=None, snapshot=True, files=snap + manifest()["files"]))
 

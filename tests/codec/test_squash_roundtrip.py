@@ -27,7 +27,9 @@ from tests.codec.test_cond_codec import stepped, weight_like
 
 from .helpers import copy_view, same_bits
 
-SPECIAL_BF16 = np.array([0x8000, 0x0001, 0x8001, 0x7FC1, 0xFFC3, 0x7F80, 0xFF80, 0x0080], dtype=np.uint16)  # -0, denormals, NaN payloads, inf, smallest normal
+SPECIAL_BF16 = np.array(
+    [0x8000, 0x0001, 0x8001, 0x7FC1, 0xFFC3, 0x7F80, 0xFF80, 0x0080], dtype=np.uint16
+)  # -0, denormals, NaN payloads, inf, smallest normal
 
 
 #: Versions of the test chains start here (version 0 would have to be an anchor with a snapshot file).
@@ -36,7 +38,10 @@ FIRST = 10
 
 def manifest_of(version: int, view: dict[str, RawTensor]) -> VersionManifest:
     """A manifest for ``view`` as version ``FIRST + version`` (what RecentViews reads: the checksums)."""
-    specs = [TensorSpec(name=n, dtype=t.dtype, shape=list(t.shape), checksums={"xxh3_128": checksum(t)}) for n, t in sorted(view.items())]
+    specs = [
+        TensorSpec(name=n, dtype=t.dtype, shape=list(t.shape), checksums={"xxh3_128": checksum(t)})
+        for n, t in sorted(view.items())
+    ]
     return VersionManifest(
         run_id="r",
         version=FIRST + version,
@@ -80,7 +85,10 @@ def next_view(view: dict[str, RawTensor], rng: np.random.Generator, mask: str) -
 
 def chain(seed: int, dtypes: list[str], shapes: list[tuple[int, ...]], masks: list[str]) -> list[dict[str, RawTensor]]:
     rng = np.random.default_rng(seed)
-    first = {f"t{i}.{d}": RawTensor(d, s, weight_like(d, int(np.prod(s, dtype=np.int64)), rng)) for i, (d, s) in enumerate(zip(dtypes, shapes, strict=True))}
+    first = {
+        f"t{i}.{d}": RawTensor(d, s, weight_like(d, int(np.prod(s, dtype=np.int64)), rng))
+        for i, (d, s) in enumerate(zip(dtypes, shapes, strict=True))
+    }
     views = [first]
     for mask in masks:
         views.append(next_view(views[-1], rng, mask))
@@ -119,7 +127,9 @@ def test_squash_applied_to_its_base_is_the_latest_view(seed, dtypes, masks, enco
     got = apply_to_copy(views[base], patch)
     assert same_bits(got, views[-1])
     for name, entry in patch.entries.items():
-        assert entry.base["xxh3_128"] == checksum(views[base][name]) and entry.target["xxh3_128"] == checksum(views[-1][name])
+        assert entry.base["xxh3_128"] == checksum(views[base][name]) and entry.target["xxh3_128"] == checksum(
+            views[-1][name]
+        )
         assert checksum(views[base][name]) != checksum(views[-1][name]), "only tensors that differ are listed"
 
 

@@ -28,7 +28,9 @@ def _answer(ids: np.ndarray, prompt_tokens: int, completion_tokens: int, spans: 
     return {
         "sglext": {"routed_experts": base64.b64encode(ids.astype(np.int32).tobytes()).decode()},
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens},
-        "routed_experts_weight_versions": spans if spans is not None else [{"version": 0, "start": 0, "end": 2}, {"version": 1, "start": 2, "end": rows}],
+        "routed_experts_weight_versions": spans
+        if spans is not None
+        else [{"version": 0, "start": 0, "end": 2}, {"version": 1, "start": 2, "end": rows}],
     }
 
 
@@ -54,7 +56,9 @@ def test_routing_problem_names_what_is_missing() -> None:
     shape = RoutingShape(layers=2, top_k=2, experts=8)
     good = np.arange(7 * 2 * 2).reshape(7, 2, 2) % 8  # 5 prompt + 3 output tokens: 7 rows
     assert shape.problem(_answer(good, 5, 3)) is None
-    assert "no routed_experts (engine said no)" in (shape.problem({"sglext": {"routed_experts": None}, "routed_experts_error": "engine said no"}) or "")
+    assert "no routed_experts (engine said no)" in (
+        shape.problem({"sglext": {"routed_experts": None}, "routed_experts_error": "engine said no"}) or ""
+    )
     assert "not 7 rows" in (shape.problem(_answer(good[:6], 5, 3)) or "")
     assert "outside 0..7" in (shape.problem(_answer(good + 1, 5, 3)) or "")
     assert "do not cover" in (shape.problem(_answer(good, 5, 3, spans=[{"version": 0, "start": 0, "end": 6}])) or "")

@@ -71,6 +71,11 @@ def test_trainer_publishes_checkpoint_names_and_steps_touch_every_class(preset: 
     trainer.step()
     after = trainer.served_view()
     changed = {n for n in before if not torch.equal(before[n].view(torch.int16), after[n].view(torch.int16))}
-    classes = {"expert": (".experts.",), "router": (".gate.weight",), "attention": (".self_attn.",), "embedding": ("embed_tokens",)}
+    classes = {
+        "expert": (".experts.",),
+        "router": (".gate.weight",),
+        "attention": (".self_attn.",),
+        "embedding": ("embed_tokens",),
+    }
     for what, marks in classes.items():
         assert any(any(m in n for m in marks) for n in changed), f"no {what} tensor changed"

@@ -38,20 +38,26 @@ def test_a_niced_process_and_every_thread_it_starts_run_at_that_niceness(tmp_pat
     # The child starts a thread after it began: the niceness is set before its command runs, so
     # the thread inherits it; where the kernel groups sessions, the session's autogroup gets it too.
     script = "import os, threading, time; threading.Thread(target=time.sleep, args=(60,), daemon=True).start(); print('up', flush=True); time.sleep(60)"
-    proc = ManagedProcess("niced", [sys.executable, "-c", script], tmp_path / "p.log", "http://127.0.0.1:9/health", nice=7)
+    proc = ManagedProcess(
+        "niced", [sys.executable, "-c", script], tmp_path / "p.log", "http://127.0.0.1:9/health", nice=7
+    )
     try:
         deadline = time.monotonic() + 30
         while "up" not in (tmp_path / "p.log").read_text() and time.monotonic() < deadline:
             time.sleep(0.05)
         tasks = list(Path(f"/proc/{proc.proc.pid}/task").iterdir())
         assert len(tasks) >= 2
-        assert {os.getpriority(os.PRIO_PROCESS, int(t.name)) for t in tasks} == {min(19, os.getpriority(os.PRIO_PROCESS, 0) + 7)}
+        assert {os.getpriority(os.PRIO_PROCESS, int(t.name)) for t in tasks} == {
+            min(19, os.getpriority(os.PRIO_PROCESS, 0) + 7)
+        }
         autogroup = Path(f"/proc/{proc.proc.pid}/autogroup")
         if autogroup.exists():
             assert autogroup.read_text().split()[-1] == "7", autogroup.read_text()
     finally:
         proc.stop(grace_s=2)
-    plain = ManagedProcess("plain", [sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "q.log", "http://127.0.0.1:9/health")
+    plain = ManagedProcess(
+        "plain", [sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "q.log", "http://127.0.0.1:9/health"
+    )
     try:
         assert os.getpriority(os.PRIO_PROCESS, plain.proc.pid) == os.getpriority(os.PRIO_PROCESS, 0)
     finally:

@@ -41,7 +41,14 @@ DOCKERFILES = sorted(DOCKER_DIR.glob("*.Dockerfile"))
 K8S_MANIFESTS = sorted(p for p in K8S_DIR.glob("*.yaml") if p.name != "kustomization.yaml")
 
 #: Values of the .env secrets the compose file requires (generated: nothing real is stored).
-SECRET_KEYS = ("MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD", "S3_ACCESS_KEY_ID", "S3_SECRET_ACCESS_KEY", "TRAINER_TOKEN", "ROLLOUT_TOKEN")
+SECRET_KEYS = (
+    "MINIO_ROOT_USER",
+    "MINIO_ROOT_PASSWORD",
+    "S3_ACCESS_KEY_ID",
+    "S3_SECRET_ACCESS_KEY",
+    "TRAINER_TOKEN",
+    "ROLLOUT_TOKEN",
+)
 
 from stitchboard.sidecar.engines.vllm.launch import WORKER_EXTENSION  # noqa: F401  (the product constant, re-exported for the tests)
 
@@ -72,7 +79,9 @@ def secret_env_file(folder: Path) -> Path:
     return path
 
 
-def run_compose(args: list[str], env_files: list[Path], compose_file: Path = COMPOSE_FILE) -> subprocess.CompletedProcess:
+def run_compose(
+    args: list[str], env_files: list[Path], compose_file: Path = COMPOSE_FILE
+) -> subprocess.CompletedProcess:
     """``docker-compose --env-file ... -f FILE ARGS`` with a clean environment (no host variables leak in)."""
     cmd = [find_tool("docker-compose")]
     for f in env_files:
@@ -122,7 +131,9 @@ def cli_command(path: list[str]):
     cmd = cli_root()
     for i, part in enumerate(path):
         # typer may vendor its own click: a group is whatever has subcommands.
-        assert isinstance(getattr(cmd, "commands", None), dict), f"`stitchboard {' '.join(path[:i])}` has no subcommands, cannot run {path}"
+        assert isinstance(getattr(cmd, "commands", None), dict), (
+            f"`stitchboard {' '.join(path[:i])}` has no subcommands, cannot run {path}"
+        )
         sub = cmd.commands.get(part)
         assert sub is not None, f"`stitchboard {' '.join(path[: i + 1])}` does not exist (have: {sorted(cmd.commands)})"
         cmd = sub

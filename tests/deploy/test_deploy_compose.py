@@ -10,7 +10,14 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.deploy.deploy_helpers import COMPOSE_FILE, ENV_EXAMPLE, SECRET_KEYS, WORKER_EXTENSION, run_compose, secret_env_file
+from tests.deploy.deploy_helpers import (
+    COMPOSE_FILE,
+    ENV_EXAMPLE,
+    SECRET_KEYS,
+    WORKER_EXTENSION,
+    run_compose,
+    secret_env_file,
+)
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +71,9 @@ def test_secrets_come_only_from_env_file():
     ):
         for m in re.finditer(rf"^\s*{var}:\s*(.*)$", text, re.MULTILINE):
             assert m.group(1).startswith("${"), f"{var} is hard-coded in docker-compose.yml: {m.group(0).strip()}"
-    example = dict(line.split("=", 1) for line in ENV_EXAMPLE.read_text().splitlines() if line and not line.startswith("#"))
+    example = dict(
+        line.split("=", 1) for line in ENV_EXAMPLE.read_text().splitlines() if line and not line.startswith("#")
+    )
     for key in (*SECRET_KEYS, "HF_TOKEN"):
         assert example[key] == "", f".env.example must leave {key} empty"
     assert ".env" in Path(COMPOSE_FILE.parent / ".gitignore").read_text().split(), ".env must be git-ignored"
@@ -120,8 +129,12 @@ def test_vllm_and_sidecar_share_a_namespace_and_a_memory_volume(compose):
 
     handoff = compose["volumes"]["handoff"]
     assert handoff["driver_opts"]["type"] == "tmpfs"
-    mounts = {name: {v["target"] for v in s[name]["volumes"] if v["source"] == "handoff"} for name in ("vllm", "sidecar")}
-    assert mounts["vllm"] == mounts["sidecar"] == {sc_env["STITCH_SIDECAR_HANDOFF_DIR"]}, "the hand-off folder must be the same path in both"
+    mounts = {
+        name: {v["target"] for v in s[name]["volumes"] if v["source"] == "handoff"} for name in ("vllm", "sidecar")
+    }
+    assert mounts["vllm"] == mounts["sidecar"] == {sc_env["STITCH_SIDECAR_HANDOFF_DIR"]}, (
+        "the hand-off folder must be the same path in both"
+    )
 
 
 def test_engine_boot_from_the_run(compose):

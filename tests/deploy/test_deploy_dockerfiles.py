@@ -55,7 +55,9 @@ def test_bulletin_and_sidecar_images_are_slim_multi_stage_and_non_root():
 
 def test_vllm_image_is_the_official_one_with_the_extension():
     text = (DOCKER_DIR / "vllm.Dockerfile").read_text()
-    assert re.search(r"^ARG VLLM_IMAGE=vllm/vllm-openai:v\d+\.\d+\.\d+$", text, re.MULTILINE), "pin the official vLLM image"
+    assert re.search(r"^ARG VLLM_IMAGE=vllm/vllm-openai:v\d+\.\d+\.\d+$", text, re.MULTILINE), (
+        "pin the official vLLM image"
+    )
     assert "[sidecar]" in text and "ENV VLLM_SERVER_DEV_MODE=1" in text
 
 

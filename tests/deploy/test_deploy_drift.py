@@ -53,7 +53,10 @@ IMAGES = {
 
 @pytest.fixture(scope="module")
 def compose(tmp_path_factory) -> dict[str, Any]:
-    r = run_compose(["--profile", "trainer", "config", "--format", "json"], [ENV_EXAMPLE, secret_env_file(tmp_path_factory.mktemp("drift"))])
+    r = run_compose(
+        ["--profile", "trainer", "config", "--format", "json"],
+        [ENV_EXAMPLE, secret_env_file(tmp_path_factory.mktemp("drift"))],
+    )
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
 
@@ -116,7 +119,9 @@ def check_invocation(argv: list[str], where: str) -> None:
         raise AssertionError(f"{where}: unexpected program {argv}")
     cmd = cli_command(path)
     unknown = set(flags) - command_options(cmd)
-    assert not unknown, f"{where}: `stitchboard {' '.join(path)}` has no option {sorted(unknown)} (has {sorted(command_options(cmd))})"
+    assert not unknown, (
+        f"{where}: `stitchboard {' '.join(path)}` has no option {sorted(unknown)} (has {sorted(command_options(cmd))})"
+    )
 
 
 def trainer_parser():
@@ -145,7 +150,9 @@ def accepted_env(role: str) -> set[str]:
 
 def check_env(names: set[str], role: str, where: str) -> None:
     unknown = {n for n in names if n.startswith("STITCH")} - accepted_env(role)
-    assert not unknown, f"{where}: {sorted(unknown)} are read by nothing in the {role} (accepted: {sorted(accepted_env(role))})"
+    assert not unknown, (
+        f"{where}: {sorted(unknown)} are read by nothing in the {role} (accepted: {sorted(accepted_env(role))})"
+    )
 
 
 def role_of(argv: list[str]) -> str:
@@ -171,7 +178,9 @@ def test_scripts_read_and_pass_only_real_variables():
     boot_reads = script_reads("stitch-boot-weights")
     # The boot step reads the sidecar's own settings, plus its STITCH_BOOT_* options.
     assert {n for n in boot_reads if n.startswith("STITCH_SIDECAR_")} <= sidecar_env_names()
-    assert {n for n in boot_reads if n.startswith("STITCH_")} - sidecar_env_names() == {n for n in boot_reads if n.startswith("STITCH_BOOT_")}
+    assert {n for n in boot_reads if n.startswith("STITCH_")} - sidecar_env_names() == {
+        n for n in boot_reads if n.startswith("STITCH_BOOT_")
+    }
     # It hands the token to `stitchboard versions latest` / `pull` through their envvar.
     for path in (["versions", "latest"], ["pull"]):
         assert script_exports("stitch-boot-weights") <= command_envvars(cli_command(path)), path
@@ -180,7 +189,12 @@ def test_scripts_read_and_pass_only_real_variables():
 
 
 def test_dockerfiles_set_only_real_variables_and_run_real_commands():
-    roles = {"bulletin.Dockerfile": "bulletin", "sidecar.Dockerfile": "sidecar", "vllm.Dockerfile": "vllm", "trainer.Dockerfile": "trainer"}
+    roles = {
+        "bulletin.Dockerfile": "bulletin",
+        "sidecar.Dockerfile": "sidecar",
+        "vllm.Dockerfile": "vllm",
+        "trainer.Dockerfile": "trainer",
+    }
     assert sorted(p.name for p in DOCKERFILES) == sorted(roles)
     for df in DOCKERFILES:
         check_env(dockerfile_env(df), roles[df.name], df.name)
@@ -238,12 +252,20 @@ def test_k8s_containers_use_real_commands_variables_and_values(monkeypatch):
     from stitchboard.bulletin.settings import BulletinSettings
     from stitchboard.sidecar.settings import SidecarSettings
 
-    assert '"<rollout token>": {"scopes": ["replica"]}' in (K8S_DIR / "secret.example.yaml").read_text()  # sidecars report, never publish
-    tokens = json.dumps({"trainer-token": {"scopes": ["publish"]}, "secret-stitch_sidecar_token": {"scopes": ["replica"]}})
-    b = settings_from_env(monkeypatch, BulletinSettings, {**envs["stitchboard-bulletin/bulletin"], "STITCH_BULLETIN_TOKENS": tokens})
+    assert (
+        '"<rollout token>": {"scopes": ["replica"]}' in (K8S_DIR / "secret.example.yaml").read_text()
+    )  # sidecars report, never publish
+    tokens = json.dumps(
+        {"trainer-token": {"scopes": ["publish"]}, "secret-stitch_sidecar_token": {"scopes": ["replica"]}}
+    )
+    b = settings_from_env(
+        monkeypatch, BulletinSettings, {**envs["stitchboard-bulletin/bulletin"], "STITCH_BULLETIN_TOKENS": tokens}
+    )
     assert b.store.startswith("s3://") and b.host == "0.0.0.0"
     s = settings_from_env(monkeypatch, SidecarSettings, envs["stitchboard-rollout/sidecar"])
-    assert s.bulletin.rstrip("/") == "http://stitchboard-bulletin:{}".format(k8s_object("Service", "stitchboard-bulletin")["spec"]["ports"][0]["port"])
+    assert s.bulletin.rstrip("/") == "http://stitchboard-bulletin:{}".format(
+        k8s_object("Service", "stitchboard-bulletin")["spec"]["ports"][0]["port"]
+    )
     assert s.handoff_dir == "/handoff"
 
 
@@ -251,11 +273,21 @@ def test_deploy_files_use_no_legacy_names():
     """Legacy variable names are read for now (with a warning); the deploy files use only the new ones."""
     from stitchboard.proto.env import RENAMED_ENV
 
-    files = [COMPOSE_FILE, ENV_EXAMPLE, TRAINER_EXAMPLE, REPO / "deploy" / "README.md", *DOCKERFILES, *SCRIPTS.values(), *K8S_DIR.glob("*.yaml")]
+    files = [
+        COMPOSE_FILE,
+        ENV_EXAMPLE,
+        TRAINER_EXAMPLE,
+        REPO / "deploy" / "README.md",
+        *DOCKERFILES,
+        *SCRIPTS.values(),
+        *K8S_DIR.glob("*.yaml"),
+    ]
     for path in files:
         text = path.read_text()
         for new, legacy in RENAMED_ENV.items():
-            assert not re.search(rf"(?<![A-Z0-9_]){legacy}(?![A-Z0-9_])", text), f"{path.relative_to(REPO)} uses the legacy {legacy}: use {new}"
+            assert not re.search(rf"(?<![A-Z0-9_]){legacy}(?![A-Z0-9_])", text), (
+                f"{path.relative_to(REPO)} uses the legacy {legacy}: use {new}"
+            )
 
 
 def _module_file(module: str) -> Path:
@@ -268,10 +300,14 @@ def test_worker_extension_class_exists():
     the module that defines it (a moved public path keeps an alias)."""
     module, cls = WORKER_EXTENSION.rsplit(".", 1)
     path = _module_file(module)
-    assert module.startswith("stitchboard.sidecar.") and path.is_file(), f"{module} is not a module of the sidecar package"
+    assert module.startswith("stitchboard.sidecar.") and path.is_file(), (
+        f"{module} is not a module of the sidecar package"
+    )
     tree = ast.parse(path.read_text())
     if cls not in {n.name for n in tree.body if isinstance(n, ast.ClassDef)}:
-        (source,) = [n.module for n in tree.body if isinstance(n, ast.ImportFrom) and cls in {a.name for a in n.names}] or [None]
+        (source,) = [
+            n.module for n in tree.body if isinstance(n, ast.ImportFrom) and cls in {a.name for a in n.names}
+        ] or [None]
         assert source is not None, f"{path} neither defines nor re-exports a class {cls}"
         path = _module_file(source)
         defined = {n.name for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef)}

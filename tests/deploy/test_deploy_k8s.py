@@ -7,7 +7,15 @@ import copy
 import pytest
 import yaml
 
-from tests.deploy.deploy_helpers import K8S_DIR, K8S_MANIFESTS, WORKER_EXTENSION, k8s_docs, k8s_object, missing_tool, pod_containers
+from tests.deploy.deploy_helpers import (
+    K8S_DIR,
+    K8S_MANIFESTS,
+    WORKER_EXTENSION,
+    k8s_docs,
+    k8s_object,
+    missing_tool,
+    pod_containers,
+)
 
 #: 1.29: the first release with native sidecar containers on by default; and the newest schemas.
 K8S_VERSIONS = ("1.29.0", "latest")
@@ -59,7 +67,9 @@ def test_bulletin_is_two_stateless_replicas_behind_a_service():
     dep = k8s_object("Deployment", "stitchboard-bulletin")
     assert dep["spec"]["replicas"] == 2
     spec = dep["spec"]["template"]["spec"]
-    assert not [v for v in spec.get("volumes", []) if "persistentVolumeClaim" in v], "the bulletin keeps no state of its own"
+    assert not [v for v in spec.get("volumes", []) if "persistentVolumeClaim" in v], (
+        "the bulletin keeps no state of its own"
+    )
     (c,) = spec["containers"]
     assert c["args"] == ["bulletin", "serve"]
     assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
@@ -135,4 +145,6 @@ def test_references_resolve_and_secrets_are_not_stored():
                 if "TOKEN" in e["name"] or "SECRET" in e["name"] or "ACCESS_KEY" in e["name"]:
                     assert ref, f"{c['name']}: {e['name']} must come from a Secret"
     for name, data in configmaps.items():
-        assert not [k for k in data if "TOKEN" in k or "SECRET" in k or "ACCESS_KEY" in k], f"secret in ConfigMap {name}"
+        assert not [k for k in data if "TOKEN" in k or "SECRET" in k or "ACCESS_KEY" in k], (
+            f"secret in ConfigMap {name}"
+        )

@@ -86,8 +86,15 @@ def test_boot_step_pulls_the_latest_version_for_the_engine(bulletin, tmp_path):
 
     models = tmp_path / "models"
     models.mkdir()
-    env = _env(STITCH_SIDECAR_BULLETIN=bulletin, STITCH_SIDECAR_RUN="toy", STITCH_SIDECAR_TOKEN="rollout-tok", STITCH_BOOT_DIR=str(models))
-    r = subprocess.run(["sh", str(SCRIPTS["stitch-boot-weights"])], env=env, check=False, capture_output=True, text=True, timeout=120)
+    env = _env(
+        STITCH_SIDECAR_BULLETIN=bulletin,
+        STITCH_SIDECAR_RUN="toy",
+        STITCH_SIDECAR_TOKEN="rollout-tok",
+        STITCH_BOOT_DIR=str(models),
+    )
+    r = subprocess.run(
+        ["sh", str(SCRIPTS["stitch-boot-weights"])], env=env, check=False, capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert (models / "boot.version").read_text().strip() == "1"
     assert os.readlink(models / "boot") == "v1"
@@ -96,7 +103,14 @@ def test_boot_step_pulls_the_latest_version_for_the_engine(bulletin, tmp_path):
     assert (models / "boot" / "config.json").read_text() == '{"model_type": "toy"}'
 
     # Run again with an explicit older version: pulled next to nothing else, the newer folder removed.
-    r = subprocess.run(["sh", str(SCRIPTS["stitch-boot-weights"])], env={**env, "STITCH_BOOT_VERSION": "0"}, check=False, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        ["sh", str(SCRIPTS["stitch-boot-weights"])],
+        env={**env, "STITCH_BOOT_VERSION": "0"},
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert (models / "boot.version").read_text().strip() == "0"
     assert sorted(p.name for p in models.iterdir()) == ["boot", "boot.version", "v0"]
@@ -114,7 +128,9 @@ def test_boot_step_pulls_the_latest_version_for_the_engine(bulletin, tmp_path):
     try:
         deadline = time.monotonic() + 120  # a loaded machine can take tens of seconds to start the CLI and print
         while b"waiting for a version of run toy" not in out:
-            assert proc.poll() is None, f"the boot step exited ({proc.returncode}) instead of waiting: {(out + proc.stdout.read()).decode()}"
+            assert proc.poll() is None, (
+                f"the boot step exited ({proc.returncode}) instead of waiting: {(out + proc.stdout.read()).decode()}"
+            )
             assert time.monotonic() < deadline, f"the boot step printed no wait message within 120 s: {out.decode()}"
             if select.select([proc.stdout], [], [], 0.1)[0]:
                 out += os.read(proc.stdout.fileno(), 65536)
@@ -127,11 +143,25 @@ def test_boot_step_pulls_the_latest_version_for_the_engine(bulletin, tmp_path):
 
 def test_boot_step_from_the_base_model_pulls_nothing(tmp_path):
     (tmp_path / "boot.version").write_text("7\n")
-    env = _env(STITCH_SIDECAR_BULLETIN="http://127.0.0.1:9", STITCH_SIDECAR_RUN="toy", STITCH_BOOT_DIR=str(tmp_path), STITCH_BOOT_FROM="base")
-    r = subprocess.run(["sh", str(SCRIPTS["stitch-boot-weights"])], env=env, check=False, capture_output=True, text=True, timeout=30)
+    env = _env(
+        STITCH_SIDECAR_BULLETIN="http://127.0.0.1:9",
+        STITCH_SIDECAR_RUN="toy",
+        STITCH_BOOT_DIR=str(tmp_path),
+        STITCH_BOOT_FROM="base",
+    )
+    r = subprocess.run(
+        ["sh", str(SCRIPTS["stitch-boot-weights"])], env=env, check=False, capture_output=True, text=True, timeout=30
+    )
     assert r.returncode == 0, r.stderr
     assert not (tmp_path / "boot.version").exists(), "the sidecar must not claim a boot version for a base model"
-    r = subprocess.run(["sh", str(SCRIPTS["stitch-boot-weights"])], env={**env, "STITCH_BOOT_FROM": "nope"}, check=False, capture_output=True, text=True, timeout=30)
+    r = subprocess.run(
+        ["sh", str(SCRIPTS["stitch-boot-weights"])],
+        env={**env, "STITCH_BOOT_FROM": "nope"},
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert r.returncode == 2 and "STITCH_BOOT_FROM" in r.stderr
 
 
@@ -146,7 +176,14 @@ def test_sidecar_entry_point_passes_the_boot_version(tmp_path):
     env = {"PATH": f"{fake}{os.pathsep}/usr/bin:/bin", "STITCH_BOOT_DIR": str(models)}
 
     def run(**extra: str) -> str:
-        r = subprocess.run(["sh", str(SCRIPTS["stitch-sidecar"]), "--log-level", "debug"], env={**env, **extra}, check=False, capture_output=True, text=True, timeout=30)
+        r = subprocess.run(
+            ["sh", str(SCRIPTS["stitch-sidecar"]), "--log-level", "debug"],
+            env={**env, **extra},
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert r.returncode == 0, r.stderr
         return r.stdout
 

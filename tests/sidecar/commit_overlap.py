@@ -105,7 +105,9 @@ class LongRequests:
         self.events: list[dict] = []
         self.plain: httpx.Response | None = None
         self.failures: list[str] = []
-        self.threads = [threading.Thread(target=self._guard, args=(f,), daemon=True) for f in (self._stream, self._plain)]
+        self.threads = [
+            threading.Thread(target=self._guard, args=(f,), daemon=True) for f in (self._stream, self._plain)
+        ]
         for t in self.threads:
             t.start()
 
@@ -143,7 +145,9 @@ class LongRequests:
         last: dict | str = "none yet"
         while time.monotonic() < deadline:
             if not self.alive():
-                raise AssertionError(f"a request ended before both were generating: {self.failures or 'no error so far'}; {len(self.events)} events streamed; sidecar status {last}")
+                raise AssertionError(
+                    f"a request ended before both were generating: {self.failures or 'no error so far'}; {len(self.events)} events streamed; sidecar status {last}"
+                )
             try:
                 last = status()
             except httpx.HTTPError as exc:
@@ -151,7 +155,9 @@ class LongRequests:
             if self.events and isinstance(last, dict) and last["requests_in_flight"] == 2:
                 return
             time.sleep(0.05)
-        raise AssertionError(f"the requests were not both generating after {timeout_s} s: {len(self.events)} events streamed; sidecar status {last}")
+        raise AssertionError(
+            f"the requests were not both generating after {timeout_s} s: {len(self.events)} events streamed; sidecar status {last}"
+        )
 
     def join(self, timeout_s: float = 600.0) -> None:
         """Wait for both answers."""

@@ -78,7 +78,11 @@ class Sidecar:
     def wait_applied(self, version: int, timeout_s: float = 60.0) -> dict:
         """Wait until the sidecar reports ``version`` applied and its commit finished (the engine
         resumed: the version is marked applied just before the resume); returns the status."""
-        return wait_for(lambda: (s := self.status())["applied_version"] == version and s["state"] not in COMMIT_STATES and s, timeout_s, f"version {version} applied (status {self.status()})")
+        return wait_for(
+            lambda: (s := self.status())["applied_version"] == version and s["state"] not in COMMIT_STATES and s,
+            timeout_s,
+            f"version {version} applied (status {self.status()})",
+        )
 
     def stop(self) -> None:
         self.http.close()

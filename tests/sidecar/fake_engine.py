@@ -33,7 +33,16 @@ from stitchboard.sidecar.errors import (
     EngineUnavailableError,
 )
 
-CONTROL_ROUTES = ["/pause", "/resume", "/collective_rpc", "/update_weights", "/start_weight_update", "/reset_prefix_cache", "/sleep", "/wake_up"]
+CONTROL_ROUTES = [
+    "/pause",
+    "/resume",
+    "/collective_rpc",
+    "/update_weights",
+    "/start_weight_update",
+    "/reset_prefix_cache",
+    "/sleep",
+    "/wake_up",
+]
 
 
 def fingerprint(view: dict[str, RawTensor]) -> str:
@@ -85,7 +94,9 @@ class FakeEngine:
         fail_resume: while True, :meth:`resume` fails as for an engine that went away.
     """
 
-    def __init__(self, weights: dict[str, RawTensor] | None = None, version: int | None = None, *, token_delay_s: float = 0.01) -> None:
+    def __init__(
+        self, weights: dict[str, RawTensor] | None = None, version: int | None = None, *, token_delay_s: float = 0.01
+    ) -> None:
         self.weights = copy_view(weights or {})
         self.version = version
         self.instance = uuid.uuid4().hex
@@ -128,10 +139,17 @@ class FakeEngine:
         if self.state_delay_s:
             time.sleep(min(self.state_delay_s, timeout_s if timeout_s is not None else self.state_delay_s))
             if timeout_s is not None and self.state_delay_s > timeout_s:
-                raise EngineUnavailableError(f"engine at the fake does not answer stitch_state: ReadTimeout after {timeout_s:g} s (test)", path="/collective_rpc")
+                raise EngineUnavailableError(
+                    f"engine at the fake does not answer stitch_state: ReadTimeout after {timeout_s:g} s (test)",
+                    path="/collective_rpc",
+                )
         if self.unreachable:
-            raise EngineUnavailableError("engine at the fake does not answer stitch_state (test)", path="/collective_rpc")
-        return EngineState(self.version, "paused" if self.phase == "idle" and self.paused else self.phase, self.instance)  # type: ignore[arg-type]
+            raise EngineUnavailableError(
+                "engine at the fake does not answer stitch_state (test)", path="/collective_rpc"
+            )
+        return EngineState(
+            self.version, "paused" if self.phase == "idle" and self.paused else self.phase, self.instance
+        )  # type: ignore[arg-type]
 
     def restart(self, weights: dict[str, RawTensor]) -> None:
         """What a restarted engine is: a new instance holding ``weights`` (its boot checkpoint),
@@ -151,7 +169,9 @@ class FakeEngine:
     def resume(self) -> None:
         self.calls.append(("resume", ()))
         if self.fail_resume:
-            raise EngineUnavailableError("engine at the fake does not answer /continue_generation (test)", path="/continue_generation")
+            raise EngineUnavailableError(
+                "engine at the fake does not answer /continue_generation (test)", path="/continue_generation"
+            )
         self.paused = False
         self._running.set()
 
@@ -169,12 +189,16 @@ class FakeEngine:
         self.calls.append(("stage_patches", tuple((tuple(paths), start, end) for paths, start, end in steps)))
         with self._lock:
             if self.phase != "idle" or self.version != steps[0][1]:
-                raise RuntimeError(f"engine holds version {self.version} in phase {self.phase}, the update is from {steps[0][1]}")
+                raise RuntimeError(
+                    f"engine holds version {self.version} in phase {self.phase}, the update is from {steps[0][1]}"
+                )
             if self.refuse_stage:
                 self.refuse_stage -= 1
                 raise RuntimeError("injected staging refusal")
             self._refuse_version(steps[-1][2])
-            self.staged_names.append(sorted({n for paths, _, _ in steps for p in paths for n in read_patch(Path(p).read_bytes()).entries}))
+            self.staged_names.append(
+                sorted({n for paths, _, _ in steps for p in paths for n in read_patch(Path(p).read_bytes()).entries})
+            )
             self.staged = steps
         return {"steps": len(steps)}
 
@@ -185,7 +209,11 @@ class FakeEngine:
             if self.refuse_commit:
                 self.refuse_commit -= 1
                 self.staged = None
-                raise ApplyRefusedError("stitch_commit_staged refused, nothing written: EngineStateError: the staged update was dropped (test)", cause="EngineStateError", held=self.version)
+                raise ApplyRefusedError(
+                    "stitch_commit_staged refused, nothing written: EngineStateError: the staged update was dropped (test)",
+                    cause="EngineStateError",
+                    held=self.version,
+                )
             steps, self.staged = self.staged, None
             if not steps or steps[-1][2] != to_version:
                 raise RuntimeError(f"nothing staged ends at version {to_version}")
@@ -193,11 +221,17 @@ class FakeEngine:
 
     def _refuse_version(self, version: int) -> None:
         if version in self.refuse_versions:
-            raise ApplyRefusedError(f"version {version} refused, nothing written: UnmappedTensor: the engine lacks a tensor (test)", cause="UnmappedTensor", held=self.version)
+            raise ApplyRefusedError(
+                f"version {version} refused, nothing written: UnmappedTensor: the engine lacks a tensor (test)",
+                cause="UnmappedTensor",
+                held=self.version,
+            )
 
     def _apply(self, paths: list[str], from_version: int, to_version: int) -> int:
         if self.phase != "idle" or self.version != from_version:
-            raise RuntimeError(f"engine holds version {self.version} in phase {self.phase}, the patch is from {from_version}")
+            raise RuntimeError(
+                f"engine holds version {self.version} in phase {self.phase}, the patch is from {from_version}"
+            )
         self.phase = "applying"
         if self.fail_apply:
             self.fail_apply -= 1
@@ -240,17 +274,25 @@ class FakeEngine:
         if self.phase == "failed":
             raise RuntimeError("engine in phase failed: load a snapshot")
         if self.version != base:
-            raise EngineStateError(f"the engine records version {self.version}, not {base}", held=self.version, phase=self.phase)
+            raise EngineStateError(
+                f"the engine records version {self.version}, not {base}", held=self.version, phase=self.phase
+            )
         self.version = version
 
     def checksums(self, names: list[str]) -> dict[str, str]:
         self.calls.append(("checksums", (tuple(names),)))
         if self.refuse_checksums:
             self.refuse_checksums -= 1
-            raise ApplyRefusedError("stitch_checksums refused, nothing written: EngineStateError: busy (test)", cause="EngineStateError")
+            raise ApplyRefusedError(
+                "stitch_checksums refused, nothing written: EngineStateError: busy (test)", cause="EngineStateError"
+            )
         unknown = sorted(set(names) - set(self.weights))
         if unknown:
-            raise ApplyRefusedError(f"stitch_checksums refused, nothing written: UnmappedTensor: {unknown[:3]}", cause="UnmappedTensor", name=unknown[0])
+            raise ApplyRefusedError(
+                f"stitch_checksums refused, nothing written: UnmappedTensor: {unknown[:3]}",
+                cause="UnmappedTensor",
+                name=unknown[0],
+            )
         return {n: checksum(self.weights[n]) for n in names}
 
     def reset_prefix_cache(self) -> None:
@@ -307,8 +349,12 @@ class FakeEngine:
                     return PlainTextResponse("aborted", status_code=499)
                 text += await engine._token(i)
             engine.completed += 1
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}} if chat else {"index": 0, "text": text}
-            return JSONResponse({"id": rid, "object": obj, "created": 1, "model": "fake", "echo_body": body, "choices": [choice]})
+            choice = (
+                {"index": 0, "message": {"role": "assistant", "content": text}} if chat else {"index": 0, "text": text}
+            )
+            return JSONResponse(
+                {"id": rid, "object": obj, "created": 1, "model": "fake", "echo_body": body, "choices": [choice]}
+            )
 
         @app.post("/v1/completions")
         async def completions(request: Request):

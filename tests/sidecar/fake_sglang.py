@@ -59,7 +59,12 @@ class FakeSglang(FakeEngine):
         return "default" if self.version is None else str(self.version)
 
     def _meta(self, rid: str, labels: list[str], finished: bool) -> dict[str, Any]:
-        meta: dict[str, Any] = {"id": rid, "finish_reason": {"type": "length", "length": len(labels)} if finished else None, "completion_tokens": len(labels), "weight_version": self.label()}
+        meta: dict[str, Any] = {
+            "id": rid,
+            "finish_reason": {"type": "length", "length": len(labels)} if finished else None,
+            "completion_tokens": len(labels),
+            "weight_version": self.label(),
+        }
         if finished and len({*labels}) > 1:
             meta["weight_versions"] = spans(labels)
             meta["weight_version"] = labels[-1]
@@ -68,7 +73,9 @@ class FakeSglang(FakeEngine):
     def app(self) -> FastAPI:
         app = super().app()
         engine = self
-        app.router.routes = [r for r in app.router.routes if getattr(r, "path", None) not in ("/v1/completions", "/v1/chat/completions")]
+        app.router.routes = [
+            r for r in app.router.routes if getattr(r, "path", None) not in ("/v1/completions", "/v1/chat/completions")
+        ]
 
         async def tokens(n: int, labels: list[str]) -> str:
             text = ""
@@ -100,7 +107,14 @@ class FakeSglang(FakeEngine):
             for k, _ in enumerate(prompts):
                 labels: list[str] = []
                 text = await tokens(n, labels)
-                outs.append({"text": text, "output_ids": list(range(n)), "meta_info": engine._meta(f"r{k}", labels, True), "echo_body": body})
+                outs.append(
+                    {
+                        "text": text,
+                        "output_ids": list(range(n)),
+                        "meta_info": engine._meta(f"r{k}", labels, True),
+                        "echo_body": body,
+                    }
+                )
             engine.completed += 1
             return outs if isinstance(body["text"], list) else outs[0]
 
@@ -125,7 +139,15 @@ class FakeSglang(FakeEngine):
             engine.completed += 1
             meta = engine._meta(rid, labels, True)
             metadata = {k: meta[k] for k in ("weight_version", "weight_versions") if k in meta}
-            return {"id": rid, "object": "text_completion", "created": 1, "model": "fake", "choices": [{"index": 0, "text": text}], "metadata": metadata, "echo_body": body}
+            return {
+                "id": rid,
+                "object": "text_completion",
+                "created": 1,
+                "model": "fake",
+                "choices": [{"index": 0, "text": text}],
+                "metadata": metadata,
+                "echo_body": body,
+            }
 
         for route in SGLANG_CONTROL_ROUTES:
 

@@ -60,10 +60,14 @@ class MoeRun:
         self.run = f"moe-{preset}"
         self.folder = folder
         self.model_dir = moe_preset_checkpoint(preset)
-        self.bulletin = AppServer(create_bulletin(BulletinSettings(store=f"file://{folder / 'store'}", poll_interval_s=0.05)))
+        self.bulletin = AppServer(
+            create_bulletin(BulletinSettings(store=f"file://{folder / 'store'}", poll_interval_s=0.05))
+        )
         self.client = BulletinClient(self.bulletin.url, retries=1, backoff_s=0.05)
         self.trainer = CpuTrainer(self.model_dir, batch_size=2, seq_len=32, lr=MOE_LR)
-        self.publisher = Publisher(self.bulletin.url, self.run, client=self.client, workdir=folder / "publisher", assets=self.model_dir)
+        self.publisher = Publisher(
+            self.bulletin.url, self.run, client=self.client, workdir=folder / "publisher", assets=self.model_dir
+        )
         self.publisher.publish(self.trainer.model, step=0)
 
     @property
@@ -111,7 +115,10 @@ class MoeRun:
         """``version``'s patch files, downloaded from the bulletin (once)."""
         out = self.folder / f"patches-v{version}"
         out.mkdir(exist_ok=True)
-        return [str(self.client.download_blob(self.run, f.sha256, out / f.path, f.size_bytes)) for f in self.client.manifest(self.run, version).files_of("patch")]
+        return [
+            str(self.client.download_blob(self.run, f.sha256, out / f.path, f.size_bytes))
+            for f in self.client.manifest(self.run, version).files_of("patch")
+        ]
 
     def pull(self, version: int) -> Path:
         """``stitchboard pull``'s folder of ``version`` (a plain checkpoint + assets), made once."""
@@ -164,7 +171,9 @@ class MoeEngines:
 
         if (preset, tp) not in self.engines:
             self.stop_all()
-            server = VllmServer(moe_preset_checkpoint(preset), self.folder / f"{preset}-tp{tp}.log", tp=tp, max_model_len=MOE_CONTEXT)
+            server = VllmServer(
+                moe_preset_checkpoint(preset), self.folder / f"{preset}-tp{tp}.log", tp=tp, max_model_len=MOE_CONTEXT
+            )
             try:
                 server.wait_ready()
             except BaseException:
@@ -194,9 +203,24 @@ def moe_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MoeEngines
     engines.stop_all()
 
 
-def complete(url: str, model: str, prompt: str | list[int], tokens: int, headers: dict[str, str] | None = None, **body) -> dict:
+def complete(
+    url: str, model: str, prompt: str | list[int], tokens: int, headers: dict[str, str] | None = None, **body
+) -> dict:
     """A greedy ``/v1/completions`` answer of ``tokens`` tokens (EOS ignored, token ids returned) from ``url``."""
-    r = httpx.post(f"{url}/v1/completions", headers=headers, json={"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "return_token_ids": True, **body}, timeout=600)
+    r = httpx.post(
+        f"{url}/v1/completions",
+        headers=headers,
+        json={
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            **body,
+        },
+        timeout=600,
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -213,9 +237,15 @@ def engine_routing(engine: VllmServer, prompt: str, tokens: int) -> tuple[list[i
     to, read from its worker: ``(output token ids, int32 [positions, layers, top_k])``."""
     mark = f"stitch-routing-{uuid.uuid4().hex}"
     answer = complete(engine.url, engine.model, prompt, tokens, headers={"x-request-id": mark})
-    rpc = httpx.post(f"{engine.url}/collective_rpc", json={"method": "stitch_routed_experts", "args": [json.dumps({"marks": [mark]})]}, timeout=60).json()
+    rpc = httpx.post(
+        f"{engine.url}/collective_rpc",
+        json={"method": "stitch_routed_experts", "args": [json.dumps({"marks": [mark]})]},
+        timeout=60,
+    ).json()
     report = rpc["results"][0]["report"]
     capture = report["requests"][mark]
     assert capture["start"] == 0
-    rows = np.frombuffer(base64.b64decode(capture["rows"]), dtype=np.int32).reshape(-1, report["num_layers"], report["top_k"])
+    rows = np.frombuffer(base64.b64decode(capture["rows"]), dtype=np.int32).reshape(
+        -1, report["num_layers"], report["top_k"]
+    )
     return answer["choices"][0]["token_ids"], rows

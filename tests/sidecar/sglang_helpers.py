@@ -58,13 +58,29 @@ class SglangServer(ManagedProcess):
         url, port, model (the served model name: ``model_dir`` as a string), stub_log.
     """
 
-    def __init__(self, model_dir: Path, log_path: Path, *, tp: int = 1, loader: bool = True, env: dict[str, str] | None = None, port: int | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        log_path: Path,
+        *,
+        tp: int = 1,
+        loader: bool = True,
+        env: dict[str, str] | None = None,
+        port: int | None = None,
+    ) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = str(model_dir)
         self.stub_log = log_path.with_suffix(".sgl_kernel_calls")
         argv = forked_argv(sglang_command(model_dir, self.port, tp=tp, loader=loader), "sglang")
-        super().__init__(f"sglang-tp{tp}", argv, log_path, f"{self.url}/health", env={**sglang_env(tp, self.stub_log), **(env or {})}, nice=engine_nice())
+        super().__init__(
+            f"sglang-tp{tp}",
+            argv,
+            log_path,
+            f"{self.url}/health",
+            env={**sglang_env(tp, self.stub_log), **(env or {})},
+            nice=engine_nice(),
+        )
 
     def wait_ready(self, timeout_s: float = 600.0) -> None:
         """Wait until ``/health`` answers 200 (raises ``DemoError`` with the log's tail otherwise)."""
@@ -84,7 +100,9 @@ class SglangServer(ManagedProcess):
         super().stop(grace_s)
         remove_orphaned_shm()
         calls = self.stub_calls()
-        assert not calls, f"SGLang called the sgl_kernel stand-in {len(calls)} times (first: {calls[0]}): a stub stood in for work"
+        assert not calls, (
+            f"SGLang called the sgl_kernel stand-in {len(calls)} times (first: {calls[0]}): a stub stood in for work"
+        )
 
 
 @pytest.fixture(scope="module")

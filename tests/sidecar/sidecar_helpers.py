@@ -34,7 +34,10 @@ def wait_for(predicate: Callable[[], object], timeout_s: float = 60.0, what: str
 def make_view(seed: int = 0, tensors: int = 4, numel: int = 4096) -> dict[str, RawTensor]:
     """A small BF16 view: ``tensors`` tensors of ``numel`` elements each."""
     rng = np.random.default_rng(seed)
-    return {f"model.layers.{i}.w": RawTensor("BF16", (numel // 64, 64), rng.integers(0, 1 << 16, numel, dtype=np.uint16)) for i in range(tensors)}
+    return {
+        f"model.layers.{i}.w": RawTensor("BF16", (numel // 64, 64), rng.integers(0, 1 << 16, numel, dtype=np.uint16))
+        for i in range(tensors)
+    }
 
 
 def mutate(view: dict[str, RawTensor], seed: int, fraction: float = 0.01) -> dict[str, RawTensor]:
@@ -100,9 +103,16 @@ class Publisher:
             version=version,
             base_version=None if version == 0 else version - 1,
             snapshot=version == 0 or anchor,
-            tensors=[TensorSpec(name=n, dtype=t.dtype, shape=list(t.shape), checksums={"xxh3_128": checksum(t)}) for n, t in sorted(view.items())],
+            tensors=[
+                TensorSpec(name=n, dtype=t.dtype, shape=list(t.shape), checksums={"xxh3_128": checksum(t)})
+                for n, t in sorted(view.items())
+            ],
             files=files,
-            stats=VersionStats(changed_elements=changed, total_elements=sum(t.numel for t in view.values()), encoded_bytes=sum(f.size_bytes for f in files if f.role == "patch")),
+            stats=VersionStats(
+                changed_elements=changed,
+                total_elements=sum(t.numel for t in view.values()),
+                encoded_bytes=sum(f.size_bytes for f in files if f.role == "patch"),
+            ),
         )
         return manifest
 

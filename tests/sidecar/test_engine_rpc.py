@@ -8,8 +8,20 @@ from stitchboard.sidecar.engines.rpc import combine, parse_answers, raise_if_fai
 from stitchboard.sidecar.errors import ApplyFailedError, ApplyRefusedError, EngineRequestError, EngineStateError
 
 
-def _answer(ok: bool = True, version: int | None = 3, phase: str = "idle", instance: str = "a", error: dict | None = None, **extra) -> dict:
-    return {"ok": ok, "state": {"version": version, "phase": phase, "instance": instance}, **({"error": error} if error else {}), **extra}
+def _answer(
+    ok: bool = True,
+    version: int | None = 3,
+    phase: str = "idle",
+    instance: str = "a",
+    error: dict | None = None,
+    **extra,
+) -> dict:
+    return {
+        "ok": ok,
+        "state": {"version": version, "phase": phase, "instance": instance},
+        **({"error": error} if error else {}),
+        **extra,
+    }
 
 
 def test_ranks_combine_into_one_state_whose_instance_changes_with_any_rank():
@@ -19,7 +31,10 @@ def test_ranks_combine_into_one_state_whose_instance_changes_with_any_rank():
     assert combine(parse_answers("m", [_answer(instance="r0"), _answer(instance="new")])).instance != state.instance
 
 
-@pytest.mark.parametrize("results", [None, [], [{"ok": True}], [{"ok": True, "state": {"version": 1, "phase": "dancing"}}], [_answer(report=[1])]])
+@pytest.mark.parametrize(
+    "results",
+    [None, [], [{"ok": True}], [{"ok": True, "state": {"version": 1, "phase": "dancing"}}], [_answer(report=[1])]],
+)
 def test_an_answer_of_another_shape_is_an_engine_request_error(results):
     with pytest.raises(EngineRequestError):
         parse_answers("m", results)
@@ -31,7 +46,12 @@ def test_ranks_that_disagree_are_an_engine_state_error():
 
 
 def test_a_rank_error_becomes_the_sidecar_error_of_its_kind():
-    written = _answer(ok=False, version=None, phase="failed", error={"type": "ApplyFailed", "message": "boom", "cause": "TargetMismatch", "restored": False})
+    written = _answer(
+        ok=False,
+        version=None,
+        phase="failed",
+        error={"type": "ApplyFailed", "message": "boom", "cause": "TargetMismatch", "restored": False},
+    )
     with pytest.raises(ApplyFailedError) as failed:
         raise_if_failed("stitch_commit", parse_answers("m", [written]))
     assert failed.value.details == {"cause": "TargetMismatch", "restored": False, "held": None, "phase": "failed"}

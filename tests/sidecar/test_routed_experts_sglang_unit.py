@@ -15,11 +15,25 @@ def test_rows_carry_the_version_of_the_pass_that_routed_them():
     # 4 prompt + 5 output tokens, outputs 3.. under version 2: output token 3 was sampled from
     # position 6's pass; the prompt's rows and positions 3-5 keep version 1's first routing
     crossed = [{"version": 1, "start": 0, "end": 3}, {"version": 2, "start": 3, "end": 5}]
-    assert row_versions(crossed, 4, 5, 0) == [{"version": 1, "start": 0, "end": 6}, {"version": 2, "start": 6, "end": 8}]
-    assert row_versions(crossed, 4, 5, 5) == [{"version": 1, "start": 0, "end": 1}, {"version": 2, "start": 1, "end": 3}]
+    assert row_versions(crossed, 4, 5, 0) == [
+        {"version": 1, "start": 0, "end": 6},
+        {"version": 2, "start": 6, "end": 8},
+    ]
+    assert row_versions(crossed, 4, 5, 5) == [
+        {"version": 1, "start": 0, "end": 1},
+        {"version": 2, "start": 1, "end": 3},
+    ]
     assert row_versions(crossed, 4, 5, 7) == [{"version": 2, "start": 0, "end": 1}]
-    twice = [{"version": 1, "start": 0, "end": 1}, {"version": 2, "start": 1, "end": 2}, {"version": 3, "start": 2, "end": 5}]
-    assert row_versions(twice, 4, 5, 0) == [{"version": 1, "start": 0, "end": 4}, {"version": 2, "start": 4, "end": 5}, {"version": 3, "start": 5, "end": 8}]
+    twice = [
+        {"version": 1, "start": 0, "end": 1},
+        {"version": 2, "start": 1, "end": 2},
+        {"version": 3, "start": 2, "end": 5},
+    ]
+    assert row_versions(twice, 4, 5, 0) == [
+        {"version": 1, "start": 0, "end": 4},
+        {"version": 2, "start": 4, "end": 5},
+        {"version": 3, "start": 5, "end": 8},
+    ]
     assert row_versions(None, 4, 5, 0) is None
 
 
@@ -42,17 +56,34 @@ def test_the_fields_go_on_to_sglang_and_prompt_rows_salt_the_cache():
 
 def test_an_answer_gets_its_row_versions_or_says_why_not():
     routed = SglangRoutedExperts(0, {"prompt": "x"})
-    answer = {"usage": {"prompt_tokens": 3, "completion_tokens": 2}, "weight_versions": [{"version": 4, "start": 0, "end": 2}], "sglext": {"routed_experts": "AAAA"}}
+    answer = {
+        "usage": {"prompt_tokens": 3, "completion_tokens": 2},
+        "weight_versions": [{"version": 4, "start": 0, "end": 2}],
+        "sglext": {"routed_experts": "AAAA"},
+    }
     routed.attach(answer)
-    assert answer[VERSIONS_FIELD] == [{"version": 4, "start": 0, "end": 4}] and answer["sglext"]["routed_experts"] == "AAAA"
+    assert (
+        answer[VERSIONS_FIELD] == [{"version": 4, "start": 0, "end": 4}]
+        and answer["sglext"]["routed_experts"] == "AAAA"
+    )
     assert ERROR_FIELD not in answer
-    missing = {"usage": {"prompt_tokens": 3, "completion_tokens": 2}, "weight_versions": [{"version": 4, "start": 0, "end": 2}], "sglext": {"routed_experts": None}}
+    missing = {
+        "usage": {"prompt_tokens": 3, "completion_tokens": 2},
+        "weight_versions": [{"version": 4, "start": 0, "end": 2}],
+        "sglext": {"routed_experts": None},
+    }
     SglangRoutedExperts(0, {"prompt": "x"}).attach(missing)
     assert "loader" in missing[ERROR_FIELD]
     stream = SglangRoutedExperts(1, {"prompt": "x"})
-    assert stream.fields([{"version": 4, "start": 0, "end": 2}])[ERROR_FIELD] == "the engine did not report the answer's length"
+    assert (
+        stream.fields([{"version": 4, "start": 0, "end": 2}])[ERROR_FIELD]
+        == "the engine did not report the answer's length"
+    )
     stream.see_event({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}})
-    assert stream.fields([{"version": 4, "start": 0, "end": 2}]) == {START_LEN_FIELD: 1, VERSIONS_FIELD: [{"version": 4, "start": 0, "end": 3}]}
+    assert stream.fields([{"version": 4, "start": 0, "end": 2}]) == {
+        START_LEN_FIELD: 1,
+        VERSIONS_FIELD: [{"version": 4, "start": 0, "end": 3}],
+    }
 
 
 def test_the_sidecar_sends_the_fields_to_sglang_and_tags_the_answer(sc_publisher, sc_start):

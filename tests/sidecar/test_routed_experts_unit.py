@@ -10,7 +10,14 @@ import numpy as np
 import pytest
 
 from stitchboard.sidecar.errors import RoutedExpertsRefusedError
-from stitchboard.sidecar.routed_experts import ERROR_FIELD, VERSIONS_FIELD, RoutedExperts, RoutingSource, routed_fields, wants_routing
+from stitchboard.sidecar.routed_experts import (
+    ERROR_FIELD,
+    VERSIONS_FIELD,
+    RoutedExperts,
+    RoutingSource,
+    routed_fields,
+    wants_routing,
+)
 
 LAYERS, TOP_K = 2, 2
 
@@ -18,11 +25,17 @@ LAYERS, TOP_K = 2, 2
 def _capture(start: int, n: int, versions: list[list[int]]) -> tuple[dict, dict, np.ndarray]:
     rows = np.arange(start * LAYERS * TOP_K, (start + n) * LAYERS * TOP_K, dtype=np.int32).reshape(n, LAYERS, TOP_K)
     report = {"moe": True, "model": "m", "num_layers": LAYERS, "top_k": TOP_K}
-    return report, {"prompt_tokens": 5, "start": start, "rows": base64.b64encode(rows.tobytes()).decode(), "versions": versions}, rows
+    return (
+        report,
+        {"prompt_tokens": 5, "start": start, "rows": base64.b64encode(rows.tobytes()).decode(), "versions": versions},
+        rows,
+    )
 
 
 def _rows(fields: dict) -> np.ndarray:
-    return np.frombuffer(base64.b64decode(fields["sglext"]["routed_experts"]), dtype=np.int32).reshape(-1, LAYERS, TOP_K)
+    return np.frombuffer(base64.b64decode(fields["sglext"]["routed_experts"]), dtype=np.int32).reshape(
+        -1, LAYERS, TOP_K
+    )
 
 
 def test_asking_takes_the_fields_out_and_checks_them():
@@ -75,7 +88,9 @@ def test_prompt_rows_salt_the_cache_unless_a_token_prompt_needs_none():
     stream = {"prompt": "abc", "stream": True}
     routed = RoutedExperts(source, 0, stream, None)
     assert stream["stream_options"] == {"include_usage": True}
-    assert routed.see_event({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}) is False and routed.usage == (3, 2)
+    assert routed.see_event(
+        {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}
+    ) is False and routed.usage == (3, 2)
 
 
 def test_a_model_without_experts_is_refused_by_name():
@@ -93,7 +108,9 @@ def _step(capture, batch: list[tuple[str, int, int]], ids: list, layers: int = L
     import torch
 
     runner = SimpleNamespace(
-        input_batch=SimpleNamespace(req_ids=[r for r, _, _ in batch], num_computed_tokens_cpu=np.array([c for _, c, _ in batch])),
+        input_batch=SimpleNamespace(
+            req_ids=[r for r, _, _ in batch], num_computed_tokens_cpu=np.array([c for _, c, _ in batch])
+        ),
         requests={r: SimpleNamespace(num_prompt_tokens=3) for r, _, _ in batch},
     )
     capture.step = SimpleNamespace(num_scheduled_tokens={r: n for r, _, n in batch})
@@ -108,13 +125,23 @@ def test_the_worker_splits_batched_rows_per_marked_request_and_keeps_first_routi
     capture = routing._Capture(layer_ids=[0, 1], num_layers=LAYERS, top_k=TOP_K, model="m")
     mark = f"stitch-routing-{'a' * 32}"
     routing.note_version(7)
-    _step(capture, [("cmpl-other-0-x", 0, 2), (f"cmpl-{mark}-0-x", 0, 3)], [[0, 1], [1, 2], [2, 3], [3, 4], [4, 5]])  # prefill of 3
+    _step(
+        capture, [("cmpl-other-0-x", 0, 2), (f"cmpl-{mark}-0-x", 0, 3)], [[0, 1], [1, 2], [2, 3], [3, 4], [4, 5]]
+    )  # prefill of 3
     routing.note_version(8)
     _step(capture, [(f"cmpl-{mark}-0-x", 3, 1)], [[5, 6]])  # one decode step under version 8
-    _step(capture, [(f"cmpl-{mark}-0-x", 0, 5)], [[9, 9]] * 5)  # recomputed after a preemption: positions 0..3 keep their routing
+    _step(
+        capture, [(f"cmpl-{mark}-0-x", 0, 5)], [[9, 9]] * 5
+    )  # recomputed after a preemption: positions 0..3 keep their routing
     got = capture.take(mark)
     rows = np.frombuffer(base64.b64decode(got["rows"]), dtype=np.int32).reshape(-1, LAYERS, TOP_K)
-    assert rows[:, 0].tolist() == [[2, 3], [3, 4], [4, 5], [5, 6], [9, 9]] and rows[:, 1].tolist() == [[12, 13], [13, 14], [14, 15], [15, 16], [19, 19]]
+    assert rows[:, 0].tolist() == [[2, 3], [3, 4], [4, 5], [5, 6], [9, 9]] and rows[:, 1].tolist() == [
+        [12, 13],
+        [13, 14],
+        [14, 15],
+        [15, 16],
+        [19, 19],
+    ]
     assert got["start"] == 0 and got["prompt_tokens"] == 3 and got["versions"] == [[7, 0, 3], [8, 3, 5]]
     assert capture.take(mark) is None, "a routing is handed over once"
     _step(capture, [(f"cmpl-{mark}-0-x", 0, 4)], [[0, 1]] * 2)  # fewer rows than scheduled tokens

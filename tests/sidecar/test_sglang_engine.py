@@ -37,7 +37,10 @@ def views(smollm2_dir: Path) -> Views:
     from tests.support.training import CpuTrainer
 
     def raw(view: dict) -> dict[str, RawTensor]:
-        return {n: RawTensor("BF16", tuple(t.shape), t.contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1)) for n, t in view.items()}
+        return {
+            n: RawTensor("BF16", tuple(t.shape), t.contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1))
+            for n, t in view.items()
+        }
 
     trainer = CpuTrainer(smollm2_dir, batch_size=1, seq_len=32)
     out = {0: raw(trainer.served_view())}
@@ -77,7 +80,9 @@ def commit(engine: SglangEngine, paths: list[str], start: int, end: int) -> dict
     return report
 
 
-def test_patches_the_engine_cannot_place_or_whose_base_differs_are_refused_and_the_server_keeps_serving(sglang_engine, adapter, views, sglang_workdir, smollm2_dir):
+def test_patches_the_engine_cannot_place_or_whose_base_differs_are_refused_and_the_server_keeps_serving(
+    sglang_engine, adapter, views, sglang_workdir, smollm2_dir
+):
     """A patch naming a tensor SGLang has no place for, one of the wrong shape and one on another
     base are refused before any write (the loader never raises: the server stays up, holding its
     bits and its answers); a snapshot load then a real step commit verified."""
@@ -95,7 +100,12 @@ def test_patches_the_engine_cannot_place_or_whose_base_differs_are_refused_and_t
     wrong_shape = {name: RawTensor("BF16", (q.shape[0] // 2, q.shape[1] * 2), q.bits)}
     cases = {
         "UnmappedTensor": write_patch(sglang_workdir, stray, moved, "unmapped.patch"),
-        "TensorSetMismatch": write_patch(sglang_workdir, wrong_shape, {name: RawTensor("BF16", wrong_shape[name].shape, views[1][name].bits)}, "shape.patch"),
+        "TensorSetMismatch": write_patch(
+            sglang_workdir,
+            wrong_shape,
+            {name: RawTensor("BF16", wrong_shape[name].shape, views[1][name].bits)},
+            "shape.patch",
+        ),
         "BaseMismatch": write_patch(sglang_workdir, {name: views[1][name]}, {name: views[2][name]}, "base.patch"),
     }
     for cause, path in cases.items():
@@ -146,7 +156,9 @@ def test_tp2_head_padding_patched_equals_a_fresh_tp2_server(views, smollm2_dir, 
         fresh.stop()
 
 
-def test_a_plan_staged_before_another_write_is_staged_again_in_the_pause(sglang_engine, adapter, views, sglang_workdir, smollm2_dir):
+def test_a_plan_staged_before_another_write_is_staged_again_in_the_pause(
+    sglang_engine, adapter, views, sglang_workdir, smollm2_dir
+):
     """At TP = 1 the loader's stager decodes and checks a patch while the engine serves and, the
     engine paused, writes it itself (the scheduler thread held in its paused loop); a loader
     write between the staging and the commit (here a snapshot load of the same bits) makes the

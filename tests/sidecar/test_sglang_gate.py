@@ -46,7 +46,10 @@ from tests.sidecar.vllm_fixtures import copy_model_files
 pytestmark = pytest.mark.slow
 
 #: ~250 tokens, reused across versions: its KV from an older version, if reused, would show in the logprobs.
-LONG_PROMPT = "Notes. " + " ".join(f"Item {i}: the {w} river flows past the old mill and the quiet village." for i, w in enumerate(["north", "south", "east", "west", "red", "blue", "green"] * 2))
+LONG_PROMPT = "Notes. " + " ".join(
+    f"Item {i}: the {w} river flows past the old mill and the quiet village."
+    for i, w in enumerate(["north", "south", "east", "west", "red", "blue", "green"] * 2)
+)
 
 
 @dataclass
@@ -69,16 +72,28 @@ class Stack:
 @pytest.fixture(scope="module")
 def stack(smollm2_dir: Path, sglang_workdir: Path, shared_sglang: SharedSglang) -> Iterator[Stack]:
     require_sglang()
-    bulletin = AppServer(create_bulletin(BulletinSettings(store=f"file://{sglang_workdir / 'store'}", poll_interval_s=0.05)))
+    bulletin = AppServer(
+        create_bulletin(BulletinSettings(store=f"file://{sglang_workdir / 'store'}", poll_interval_s=0.05))
+    )
     client = BulletinClient(bulletin.url, retries=1, backoff_s=0.01)
     publisher = Publisher(client, f"run-{uuid.uuid4().hex[:8]}", sglang_workdir)
     publisher.publish(read_safetensors(smollm2_dir / "model.safetensors")[1])
-    fresh = SglangServer(smollm2_dir, sglang_workdir / "fresh.log", loader=False)  # starts while the shared engine is taken
+    fresh = SglangServer(
+        smollm2_dir, sglang_workdir / "fresh.log", loader=False
+    )  # starts while the shared engine is taken
     try:
         engine = shared_sglang.take(smollm2_dir)
         fresh.wait_ready()
         settings = SidecarSettings(
-            bulletin=bulletin.url, run=publisher.run, engine="sglang", engine_url=engine.url, boot_version=0, handoff_dir=str(sglang_workdir / "handoff"), poll_wait_s=5.0, request_wait_s=5.0, retry_after_s=1
+            bulletin=bulletin.url,
+            run=publisher.run,
+            engine="sglang",
+            engine_url=engine.url,
+            boot_version=0,
+            handoff_dir=str(sglang_workdir / "handoff"),
+            poll_wait_s=5.0,
+            request_wait_s=5.0,
+            retry_after_s=1,
         )
         sidecar = AppServer(create_sidecar(settings, client=client))
         http = httpx.Client(base_url=sidecar.url, timeout=300)
@@ -113,7 +128,15 @@ def _stream(http: httpx.Client, text: str, tokens: int) -> tuple[threading.Threa
     out: dict = {}
 
     def run() -> None:
-        with http.stream("POST", "/generate", json={"text": text, "sampling_params": {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}, "stream": True}) as r:
+        with http.stream(
+            "POST",
+            "/generate",
+            json={
+                "text": text,
+                "sampling_params": {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True},
+                "stream": True,
+            },
+        ) as r:
             out["headers"] = r.headers
             for line in r.iter_lines():
                 if line:
@@ -138,28 +161,67 @@ def test_gating_and_stamps_on_generate_and_openai_routes(stack: Stack):
     r = _generate(http, "The capital of France is", 2, weight_version={"exact_version": 0})
     assert r.status_code == 200, r.text
     body = r.json()
-    assert (body["weight_version_start"], body["weight_version_end"], body["meta_info"]["weight_version"]) == (0, 0, "0")
+    assert (body["weight_version_start"], body["weight_version_end"], body["meta_info"]["weight_version"]) == (
+        0,
+        0,
+        "0",
+    )
     assert r.headers["x-stitch-version-start"] == r.headers["x-stitch-version-end"] == "0"
-    r = http.post("/v1/chat/completions", json={"model": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}, headers={"X-Stitch-Exact-Version": "0"})
-    assert r.status_code == 200 and (r.json()["weight_version_start"], r.json()["metadata"]["weight_version"]) == (0, "0"), r.text
-    r = http.post("/v1/completions", json={"model": "x", "prompt": "x", "max_tokens": 1}, headers={"X-Stitch-Min-Version": "1", "X-Stitch-Wait-S": "0.2"})
+    r = http.post(
+        "/v1/chat/completions",
+        json={"model": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        headers={"X-Stitch-Exact-Version": "0"},
+    )
+    assert r.status_code == 200 and (r.json()["weight_version_start"], r.json()["metadata"]["weight_version"]) == (
+        0,
+        "0",
+    ), r.text
+    r = http.post(
+        "/v1/completions",
+        json={"model": "x", "prompt": "x", "max_tokens": 1},
+        headers={"X-Stitch-Min-Version": "1", "X-Stitch-Wait-S": "0.2"},
+    )
     assert r.status_code == 409 and r.json()["type"] == "WeightVersionNotReady" and r.json()["applied_version"] == 0
-    held_t, held = _in_thread(lambda: _generate(http, "Count: 1, 2,", 2, {"X-Stitch-Min-Version": "1", "X-Stitch-Wait-S": "120"}))
-    wait_for(lambda: http.get("/v1/stitch/status").json()["requests_waiting"] == 1, what="the request for version 1 held")
+    held_t, held = _in_thread(
+        lambda: _generate(http, "Count: 1, 2,", 2, {"X-Stitch-Min-Version": "1", "X-Stitch-Wait-S": "120"})
+    )
+    wait_for(
+        lambda: http.get("/v1/stitch/status").json()["requests_waiting"] == 1, what="the request for version 1 held"
+    )
     version = _publish(stack, seed=1)
     held_t.join(120)
     body = held["result"].json()
-    assert (body["weight_version_start"], body["weight_version_end"], body["meta_info"]["weight_version"]) == (version, version, str(version)), body
-    r = http.post("/v1/completions", json={"model": "x", "prompt": "x", "max_tokens": 1}, headers={"X-Stitch-Exact-Version": "0", "X-Stitch-Wait-S": "30"})
+    assert (body["weight_version_start"], body["weight_version_end"], body["meta_info"]["weight_version"]) == (
+        version,
+        version,
+        str(version),
+    ), body
+    r = http.post(
+        "/v1/completions",
+        json={"model": "x", "prompt": "x", "max_tokens": 1},
+        headers={"X-Stitch-Exact-Version": "0", "X-Stitch-Wait-S": "30"},
+    )
     assert r.status_code == 409 and r.json()["type"] == "WeightVersionPassed"
-    r = http.post("/v1/completions", json={"model": "x", "prompt": "x", "max_tokens": 1, "weight_version": {"exact_version": version}})
-    assert r.status_code == 200 and r.json()["metadata"]["weight_version"] == str(version) and r.json()["weight_version_end"] == version
+    r = http.post(
+        "/v1/completions",
+        json={"model": "x", "prompt": "x", "max_tokens": 1, "weight_version": {"exact_version": version}},
+    )
+    assert (
+        r.status_code == 200
+        and r.json()["metadata"]["weight_version"] == str(version)
+        and r.json()["weight_version_end"] == version
+    )
 
 
 def test_requests_in_flight_across_a_commit_finish_with_both_versions(stack: Stack):
     http = stack.http
     start = len(stack.publisher.views) - 1
-    plain_t, plain = _in_thread(lambda: http.post("/v1/completions", json={"model": "x", "prompt": "Once upon a time", "max_tokens": 24, "temperature": 0, "ignore_eos": True}))
+    plain_t, plain = _in_thread(
+        lambda: http.post(
+            "/v1/completions",
+            json={"model": "x", "prompt": "Once upon a time", "max_tokens": 24, "temperature": 0, "ignore_eos": True},
+        )
+    )
     stream_t, events, streamed = _stream(http, "Count from 1 to 50: 1, 2,", 24)
     wait_for(lambda: len(events) >= 2 and _in_flight(stack) == 2, 120, "both requests decoding")
     version = _publish(stack, seed=2)
@@ -167,8 +229,13 @@ def test_requests_in_flight_across_a_commit_finish_with_both_versions(stack: Sta
     plain_t.join(180)
     stream_t.join(180)
     body = plain["result"].json()
-    assert body["choices"][0]["finish_reason"] == "length" and (body["weight_version_start"], body["weight_version_end"]) == (start, version), body
-    assert [s["version"] for s in body["metadata"]["weight_versions"]] == [str(start), str(version)], "SGLang's own spans: tokens from both versions"
+    assert body["choices"][0]["finish_reason"] == "length" and (
+        body["weight_version_start"],
+        body["weight_version_end"],
+    ) == (start, version), body
+    assert [s["version"] for s in body["metadata"]["weight_versions"]] == [str(start), str(version)], (
+        "SGLang's own spans: tokens from both versions"
+    )
     assert streamed["headers"]["x-stitch-version-start"] == str(start) and events[-1] == "[DONE]"
     final = json.loads(events[-2])
     assert final["meta_info"]["finish_reason"]["type"] == "length" and len(final["output_ids"]) == 24
@@ -180,7 +247,12 @@ def _greedy_long(http: httpx.Client, headers: dict | None = None) -> dict:
     r = _generate(http, LONG_PROMPT, 4, headers, return_logprob=True, top_logprobs_num=5)
     assert r.status_code == 200, r.text
     meta = r.json()["meta_info"]
-    return {"ids": r.json()["output_ids"], "logprobs": meta["output_token_logprobs"], "top": meta["output_top_logprobs"], "cached": meta["cached_tokens"]}
+    return {
+        "ids": r.json()["output_ids"],
+        "logprobs": meta["output_token_logprobs"],
+        "top": meta["output_top_logprobs"],
+        "cached": meta["cached_tokens"],
+    }
 
 
 def test_long_prompt_across_three_commits_equals_a_fresh_server(stack: Stack):
@@ -203,9 +275,13 @@ def test_long_prompt_across_three_commits_equals_a_fresh_server(stack: Stack):
         final = json.loads(events[-2])
         assert events[-1] == "[DONE]" and final["meta_info"]["finish_reason"]["type"] == "length"
         assert (final["weight_version_start"], final["weight_version_end"]) == (before, version)
-        assert [s["version"] for s in final["meta_info"]["weight_versions"]] == [str(before), str(version)], "the stream was in flight during the commit"
+        assert [s["version"] for s in final["meta_info"]["weight_versions"]] == [str(before), str(version)], (
+            "the stream was in flight during the commit"
+        )
         answers[version] = _greedy_long(http, {"X-Stitch-Exact-Version": str(version)})
-        assert answers[version].pop("cached") == 0, f"version {version}: the long prompt reused KV cached before the commit"
+        assert answers[version].pop("cached") == 0, (
+            f"version {version}: the long prompt reused KV cached before the commit"
+        )
     assert len({json.dumps(a) for a in answers.values()}) == 3, "each version answers differently"
     with httpx.Client(base_url=stack.fresh_url, timeout=300) as fresh:
         for v, answer in answers.items():
@@ -225,7 +301,9 @@ def test_control_routes_are_refused_on_a_real_sglang(stack: Stack):
     for route in SGLANG_CONTROL_ROUTES:
         r = stack.http.post(route, json={"new_version": "99", "abort_all_requests": True, "model_path": "/nonexistent"})
         assert r.status_code == 403 and r.json()["type"] == "RouteForbidden", route
-    assert httpx.get(f"{stack.engine_url}/model_info").json()["weight_version"] == str(held), "no control call reached the engine"
+    assert httpx.get(f"{stack.engine_url}/model_info").json()["weight_version"] == str(held), (
+        "no control call reached the engine"
+    )
     assert stack.http.get("/model_info").json()["weight_version"] == str(held)
     body = _generate(stack.http, "Hi", 1).json()
     assert (body["weight_version_start"], body["meta_info"]["weight_version"]) == (held, str(held))
@@ -237,5 +315,11 @@ def test_version_changed_behind_the_sidecar_is_never_served_as_held(stack: Stack
     assert r.status_code == 200, r.text
     r = _generate(stack.http, "Hi", 1, {"X-Stitch-Wait-S": "0"})
     assert r.status_code == 503 and r.json()["type"] in ("AnswerVersionMismatch", "NotReady"), r.text
-    body = wait_for(lambda: (a := _generate(stack.http, "Hi", 1, {"X-Stitch-Wait-S": "5"})).status_code == 200 and a.json(), 240, "the sidecar serving again")
-    assert (body["weight_version_start"], body["meta_info"]["weight_version"]) == (held, str(held)), "back at the held version, set by the sidecar"
+    body = wait_for(
+        lambda: (a := _generate(stack.http, "Hi", 1, {"X-Stitch-Wait-S": "5"})).status_code == 200 and a.json(),
+        240,
+        "the sidecar serving again",
+    )
+    assert (body["weight_version_start"], body["meta_info"]["weight_version"]) == (held, str(held)), (
+        "back at the held version, set by the sidecar"
+    )

@@ -87,7 +87,15 @@ def redraw_routers(run: MoeRun, seed: int) -> int:
 def routing(server: SglangServer, prompt: str, *, stream: bool = False) -> np.ndarray:
     """The engine's routing of ``prompt`` (greedy, 4 tokens, its own cache salt): int32 [rows, layers, top_k]."""
     config = json.loads((Path(server.model) / "config.json").read_text())
-    body = {"model": server.model, "prompt": prompt, "max_tokens": 4, "temperature": 0, "return_routed_experts": True, "cache_salt": uuid.uuid4().hex, "stream": stream}
+    body = {
+        "model": server.model,
+        "prompt": prompt,
+        "max_tokens": 4,
+        "temperature": 0,
+        "return_routed_experts": True,
+        "cache_salt": uuid.uuid4().hex,
+        "stream": stream,
+    }
     if not stream:
         answer = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
         encoded, usage = answer["sglext"]["routed_experts"], answer["usage"]
@@ -100,7 +108,9 @@ def routing(server: SglangServer, prompt: str, *, stream: bool = False) -> np.nd
                 encoded = (event.get("sglext") or {}).get("routed_experts") or encoded
                 usage = event.get("usage") or usage
     assert encoded, f"no routed_experts in the answer of {server.url} (stream={stream})"
-    rows = np.frombuffer(base64.b64decode(encoded), np.int32).reshape(-1, config["num_hidden_layers"], config["num_experts_per_tok"])
+    rows = np.frombuffer(base64.b64decode(encoded), np.int32).reshape(
+        -1, config["num_hidden_layers"], config["num_experts_per_tok"]
+    )
     assert len(rows) == usage["prompt_tokens"] + usage["completion_tokens"] - 1, (rows.shape, usage)
     return rows
 
@@ -109,7 +119,9 @@ def routing(server: SglangServer, prompt: str, *, stream: bool = False) -> np.nd
 CROSSING_TOKENS = 600
 
 
-def generate(url: str, prompt_ids: list[int], tokens: int, *, start_len: int = 0, events: list[dict] | None = None) -> dict:
+def generate(
+    url: str, prompt_ids: list[int], tokens: int, *, start_len: int = 0, events: list[dict] | None = None
+) -> dict:
     """SGLang's native ``/generate`` of ``tokens`` greedy tokens after ``prompt_ids``, asking for
     its routing (its own cache salt); streamed into ``events`` when given. Returns the last answer."""
     body = {
@@ -132,10 +144,14 @@ def rows_of(answer: dict, config: dict) -> np.ndarray:
     """``meta_info.routed_experts`` of a native answer: int32 [rows, layers, top_k]."""
     encoded = answer["meta_info"]["routed_experts"]
     assert encoded, f"no routed_experts in {answer['meta_info']}"
-    return np.frombuffer(base64.b64decode(encoded), np.int32).reshape(-1, config["num_hidden_layers"], config["num_experts_per_tok"])
+    return np.frombuffer(base64.b64decode(encoded), np.int32).reshape(
+        -1, config["num_hidden_layers"], config["num_experts_per_tok"]
+    )
 
 
-def check_crossing_rows(engine: SglangServer, adapter: SglangEngine, steps: list[tuple[list[str], int, int]], config: dict) -> None:
+def check_crossing_rows(
+    engine: SglangServer, adapter: SglangEngine, steps: list[tuple[list[str], int, int]], config: dict
+) -> None:
     """Commit ``steps`` (they redraw the routers) while a streamed request generates; its rows
     before SGLang's span boundary must be the old version's routing of the same tokens, the
     first row after it the new version's."""
@@ -145,26 +161,40 @@ def check_crossing_rows(engine: SglangServer, adapter: SglangEngine, steps: list
     n_prompt, old_version, new_version = len(prompt_ids), steps[0][1], steps[-1][2]
     old = generate(engine.url, prompt_ids, CROSSING_TOKENS)
     events: list[dict] = []
-    worker = threading.Thread(target=lambda: generate(engine.url, prompt_ids, CROSSING_TOKENS, events=events), daemon=True)
+    worker = threading.Thread(
+        target=lambda: generate(engine.url, prompt_ids, CROSSING_TOKENS, events=events), daemon=True
+    )
     worker.start()
     deadline = time.monotonic() + 300
     while len(events) < 3 and worker.is_alive() and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert len(events) >= 3 and worker.is_alive(), f"the request was not generating before the commit ({len(events)} chunks)"
+    assert len(events) >= 3 and worker.is_alive(), (
+        f"the request was not generating before the commit ({len(events)} chunks)"
+    )
     commit(adapter, steps)
     worker.join(600)
     crossed = events[-1]
     spans = crossed["meta_info"].get("weight_versions")
-    assert [int(s["version"]) for s in spans or []] == [old_version, new_version], f"the request did not cross the commit: {spans}"
+    assert [int(s["version"]) for s in spans or []] == [old_version, new_version], (
+        f"the request did not cross the commit: {spans}"
+    )
     b = spans[0]["end"]
     cut = n_prompt - 1 + b  # output token b was sampled from position cut's pass, the first under the new weights
     ids, rows, old_rows = crossed["output_ids"], rows_of(crossed, config), rows_of(old, config)
     assert len(rows) == n_prompt + CROSSING_TOKENS - 1 and ids[:b] == old["output_ids"][:b]
-    assert np.array_equal(rows[:cut], old_rows[:cut]), f"rows before the boundary ({cut}) are not the routing version {old_version}'s tokens were sampled from"
+    assert np.array_equal(rows[:cut], old_rows[:cut]), (
+        f"rows before the boundary ({cut}) are not the routing version {old_version}'s tokens were sampled from"
+    )
     after = rows_of(generate(engine.url, prompt_ids + ids[:b], 1, start_len=cut), config)
-    assert np.array_equal(rows[cut : cut + 1], after), f"row {cut}, the first after the commit, is not version {new_version}'s routing"
-    assert not np.array_equal(after, old_rows[cut : cut + 1]), "the commit did not change the routing of the boundary's position"
-    print(f"crossing: rows [0, {cut}) version {old_version}'s first routing, [{cut}, {len(rows)}) version {new_version}'s")
+    assert np.array_equal(rows[cut : cut + 1], after), (
+        f"row {cut}, the first after the commit, is not version {new_version}'s routing"
+    )
+    assert not np.array_equal(after, old_rows[cut : cut + 1]), (
+        "the commit did not change the routing of the boundary's position"
+    )
+    print(
+        f"crossing: rows [0, {cut}) version {old_version}'s first routing, [{cut}, {len(rows)}) version {new_version}'s"
+    )
 
 
 #: Seconds the routing requests took (printed: what they add to the test).
@@ -204,14 +234,18 @@ def check_moe_oracle(preset: str, tp: int, folder: Path) -> None:
         views = {v: load_checkpoint(run.pull(v)) for v in range(single + 1)}
         config = json.loads((run.model_dir / "config.json").read_text())
         engine = SglangServer(run.model_dir, folder / "engine.log", tp=tp)
-        fresh = SglangServer(run.pull(single), folder / "fresh.log", tp=tp)  # the loader: its first call installs the capturer
+        fresh = SglangServer(
+            run.pull(single), folder / "fresh.log", tp=tp
+        )  # the loader: its first call installs the capturer
         try:
             try:
                 engine.wait_ready()
                 adapter = SglangEngine(engine.url, folder / "records", timeout_s=120)
                 try:
                     adapter.set_version(0, None)
-                    assert adapter.checksums(sorted(run.sums(0))) == run.sums(0), "the boot weights read through the map are not version 0's"
+                    assert adapter.checksums(sorted(run.sums(0))) == run.sums(0), (
+                        "the boot weights read through the map are not version 0's"
+                    )
                     at_v0 = engine.greedy()
                     routed_v0 = routings(engine)  # the capturer was installed by the loader calls above
 
@@ -224,11 +258,21 @@ def check_moe_oracle(preset: str, tp: int, folder: Path) -> None:
                     assert refused.value.details["cause"] == "UnmappedTensor", refused.value
                     assert f"expert {count}" in str(refused.value), refused.value
 
-                    report = commit(adapter, [(patch_file(folder, views[v - 1], views[v], f"v{v}.patch"), v - 1, v) for v in (1, 2)])
+                    report = commit(
+                        adapter, [(patch_file(folder, views[v - 1], views[v], f"v{v}.patch"), v - 1, v) for v in (1, 2)]
+                    )
                     assert report["tensors"] > 0
-                    check_crossing_rows(engine, adapter, [(patch_file(folder, views[2], views[redrawn], f"v{redrawn}.patch"), 2, redrawn)], config)
+                    check_crossing_rows(
+                        engine,
+                        adapter,
+                        [(patch_file(folder, views[2], views[redrawn], f"v{redrawn}.patch"), 2, redrawn)],
+                        config,
+                    )
                     assert adapter.checksums(sorted(run.sums(redrawn))) == run.sums(redrawn)
-                    report = commit(adapter, [(patch_file(folder, views[redrawn], views[single], f"v{single}.patch"), redrawn, single)])
+                    report = commit(
+                        adapter,
+                        [(patch_file(folder, views[redrawn], views[single], f"v{single}.patch"), redrawn, single)],
+                    )
                     assert report["tensors"] == len(names), report
                     assert adapter.state().version == single
                     assert adapter.checksums(sorted(run.sums(single))) == run.sums(single)
@@ -242,15 +286,21 @@ def check_moe_oracle(preset: str, tp: int, folder: Path) -> None:
             changed = np.mean([(a != b).any(axis=(1, 2)).mean() for a, b in zip(routed_v0, routed, strict=True)])
             assert changed > 0.5, f"only {changed:.0%} of the positions route differently after the routers changed"
             fresh.wait_ready()
-            assert patched == fresh.greedy(), f"the patched engine differs from a fresh SGLang at version {single} (TP = {tp})"
+            assert patched == fresh.greedy(), (
+                f"the patched engine differs from a fresh SGLang at version {single} (TP = {tp})"
+            )
             fresh_adapter = SglangEngine(fresh.url, folder / "fresh-records", timeout_s=120)
             try:
                 fresh_adapter.state()
             finally:
                 fresh_adapter.close()
             for a, b in zip(routed, routings(fresh), strict=True):
-                assert np.array_equal(a, b), f"the patched engine routes differently from a fresh SGLang at version {single} (TP = {tp})"
-            print(f"routing: {changed:.0%} of the positions routed differently after the routers changed; equal to the fresh engine's; requests {ROUTING_S[0]:.1f} s")
+                assert np.array_equal(a, b), (
+                    f"the patched engine routes differently from a fresh SGLang at version {single} (TP = {tp})"
+                )
+            print(
+                f"routing: {changed:.0%} of the positions routed differently after the routers changed; equal to the fresh engine's; requests {ROUTING_S[0]:.1f} s"
+            )
         finally:
             fresh.stop()
     finally:

@@ -79,7 +79,23 @@ def touched(run: VllmRun, version: int) -> set[str]:
 def pulled_greedy(run: VllmRun, version: int, model_dir: Path, folder: Path) -> list[dict]:
     """Greedy answers of a fresh plain SGLang started from ``stitchboard pull`` of ``version``."""
     out = folder / f"pulled-v{version}"
-    subprocess.run([*stitchboard_cli(), "pull", "--bulletin", run.bulletin.url, "--run", run.run, "--version", str(version), "-o", str(out)], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            *stitchboard_cli(),
+            "pull",
+            "--bulletin",
+            run.bulletin.url,
+            "--run",
+            run.run,
+            "--version",
+            str(version),
+            "-o",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     copy_model_files(model_dir, out)
     fresh = SglangServer(out, folder / f"fresh-v{version}.log", loader=False)
     try:
@@ -89,7 +105,9 @@ def pulled_greedy(run: VllmRun, version: int, model_dir: Path, folder: Path) -> 
         fresh.stop()
 
 
-def test_real_steps_applied_by_the_sidecar_equal_a_fresh_server_bit_for_bit(sglang_engine, run, sidecars, smollm2_dir, tmp_path):
+def test_real_steps_applied_by_the_sidecar_equal_a_fresh_server_bit_for_bit(
+    sglang_engine, run, sidecars, smollm2_dir, tmp_path
+):
     """The oracle: after two real AdamW steps applied by the sidecar (patches touching q/k/v,
     gate/up and the tied embedding), greedy answers with logprobs, one prompt at a time, equal
     those of a fresh SGLang started from ``stitchboard pull`` of that version, and differ from
@@ -102,14 +120,27 @@ def test_real_steps_applied_by_the_sidecar_equal_a_fresh_server_bit_for_bit(sgla
     status = sidecar.wait_applied(v)
     assert status["healthy"] and status["last_sync"]["route"] == "delta"
     names = touched(run, v - 1) | touched(run, v)
-    for part in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj", "embed_tokens"):
+    for part in (
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "embed_tokens",
+    ):
         assert any(part in n for n in names), f"no patch touched {part}"
     records = Path(tmp_path) / "handoff" / f"sidecar-{sidecar.url.rsplit(':', 1)[1]}" / "sglang-records"
     assert_verified(sglang_engine.url, run, v, records)
     patched = sglang_engine.greedy()
     assert patched != before, "version 2 answers like version 0"
-    assert patched == pulled_greedy(run, v, smollm2_dir, tmp_path), "the patched engine differs from a fresh engine at the same version"
-    answer = httpx.post(f"{sidecar.url}/v1/completions", json={"model": sglang_engine.model, "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}, timeout=600)
+    assert patched == pulled_greedy(run, v, smollm2_dir, tmp_path), (
+        "the patched engine differs from a fresh engine at the same version"
+    )
+    answer = httpx.post(
+        f"{sidecar.url}/v1/completions",
+        json={"model": sglang_engine.model, "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0},
+        timeout=600,
+    )
     assert answer.status_code == 200 and answer.headers["X-Stitch-Version-End"] == str(v)
 
 
@@ -148,9 +179,13 @@ def test_corrupted_file_is_refused_before_the_engine_is_touched(sglang_engine, r
     blob = run.store / "runs" / run.run / "blobs" / patch.sha256
     good = _corrupt(blob)
     sidecar = sidecars(sglang_engine.url)
-    status = sidecar.wait_status(lambda s: (s["last_error"] or {}).get("type") == "BlobMismatch", "the checksum mismatch reported")
+    status = sidecar.wait_status(
+        lambda s: (s["last_error"] or {}).get("type") == "BlobMismatch", "the checksum mismatch reported"
+    )
     assert (status["applied_version"], status["target_version"]) == (v, v + 1)
-    assert not re.search(r"stitch_sidecar_pause_seconds_count\{route=\"\w+\"\} [1-9]", sidecar.metrics()), "the engine was paused"
+    assert not re.search(r"stitch_sidecar_pause_seconds_count\{route=\"\w+\"\} [1-9]", sidecar.metrics()), (
+        "the engine was paused"
+    )
     assert sglang_engine.greedy() == before
     blob.write_bytes(good)
     sidecar.wait_applied(v + 1)
@@ -168,7 +203,12 @@ class EngineChain:
     def start(self, phase: str | None, version: int, port: int | None = None) -> SglangServer:
         self.stop()
         env = {FAULT_ENV: phase, FAULT_VERSION_ENV: str(version)} if phase else {}
-        self.server = SglangServer(self.model_dir, self.logs / f"engine-{phase}-v{version}-{len(os.listdir(self.logs))}.log", env=env, port=port)
+        self.server = SglangServer(
+            self.model_dir,
+            self.logs / f"engine-{phase}-v{version}-{len(os.listdir(self.logs))}.log",
+            env=env,
+            port=port,
+        )
         self.armed = (phase, version)
         self.server.wait_ready()
         return self.server
@@ -227,7 +267,9 @@ def test_engine_killed_mid_apply_ends_at_a_verified_version(phase, engine_chain,
     assert_verified(engine.url, run, v, records)
 
 
-def test_engine_restarted_under_a_running_sidecar_is_never_served_under_the_old_version(engine_chain, run, sidecars, tmp_path):
+def test_engine_restarted_under_a_running_sidecar_is_never_served_under_the_old_version(
+    engine_chain, run, sidecars, tmp_path
+):
     """SGLang is killed (-9) and started again on the same port from its checkpoint while a sidecar
     claims version v: a request pinned to v is answered only once the engine holds v again, the
     same answer, bit for bit, as before the restart."""
@@ -236,7 +278,13 @@ def test_engine_restarted_under_a_running_sidecar_is_never_served_under_the_old_
     v = run.latest
     first.wait_applied(v)
     headers = {"X-Stitch-Exact-Version": str(v), "X-Stitch-Wait-S": "300"}
-    body = {"model": engine.model, "prompt": "Once upon a time, in a small village by the sea,", "max_tokens": 6, "temperature": 0, "logprobs": 5}
+    body = {
+        "model": engine.model,
+        "prompt": "Once upon a time, in a small village by the sea,",
+        "max_tokens": 6,
+        "temperature": 0,
+        "logprobs": 5,
+    }
 
     def pinned() -> dict:
         answer = httpx.post(f"{first.url}/v1/completions", json=body, headers=headers, timeout=600)

@@ -57,12 +57,23 @@ PLAIN_PROMPT = "Once upon a time"
 
 
 @contextmanager
-def _serve(smollm2_dir: Path, engine: SglangServer, workdir: Path, **settings: object) -> Iterator[tuple[httpx.Client, Publisher, str]]:
+def _serve(
+    smollm2_dir: Path, engine: SglangServer, workdir: Path, **settings: object
+) -> Iterator[tuple[httpx.Client, Publisher, str]]:
     bulletin = AppServer(create_bulletin(BulletinSettings(store=f"file://{workdir / 'store'}", poll_interval_s=0.05)))
     client = BulletinClient(bulletin.url, retries=1, backoff_s=0.01)
     publisher = Publisher(client, f"run-{uuid.uuid4().hex[:8]}", workdir)
     publisher.publish(read_safetensors(smollm2_dir / "model.safetensors")[1])
-    config = SidecarSettings(bulletin=bulletin.url, run=publisher.run, engine="sglang", engine_url=engine.url, boot_version=0, handoff_dir=str(workdir / "handoff"), poll_wait_s=5.0, **settings)  # type: ignore[arg-type]
+    config = SidecarSettings(
+        bulletin=bulletin.url,
+        run=publisher.run,
+        engine="sglang",
+        engine_url=engine.url,
+        boot_version=0,
+        handoff_dir=str(workdir / "handoff"),
+        poll_wait_s=5.0,
+        **settings,
+    )  # type: ignore[arg-type]
     sidecar = AppServer(create_sidecar(config, client=client))
     http = httpx.Client(base_url=sidecar.url, timeout=300)
     try:
@@ -77,35 +88,62 @@ def _serve(smollm2_dir: Path, engine: SglangServer, workdir: Path, **settings: o
 
 
 @pytest.fixture
-def stack(smollm2_dir: Path, sglang_engine: SglangServer, sglang_workdir: Path) -> Iterator[tuple[httpx.Client, Publisher, str]]:
+def stack(
+    smollm2_dir: Path, sglang_engine: SglangServer, sglang_workdir: Path
+) -> Iterator[tuple[httpx.Client, Publisher, str]]:
     with _serve(smollm2_dir, sglang_engine, sglang_workdir) as served:
         yield served
 
 
 def _generate_ids(http: httpx.Client, text: str) -> list[int]:
-    r = http.post("/generate", json={"text": text, "sampling_params": {"max_new_tokens": TOKENS, "temperature": 0, "ignore_eos": True}})
+    r = http.post(
+        "/generate",
+        json={"text": text, "sampling_params": {"max_new_tokens": TOKENS, "temperature": 0, "ignore_eos": True}},
+    )
     assert r.status_code == 200, r.text
     return r.json()["output_ids"]
 
 
 def _check(spans: list[dict], ids: list[int], old: list[int], start: int, version: int) -> int:
-    assert [s["version"] for s in spans] == [start, version] and spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == len(ids) == TOKENS, spans
+    assert (
+        [s["version"] for s in spans] == [start, version]
+        and spans[0]["start"] == 0
+        and spans[0]["end"] == spans[1]["start"]
+        and spans[1]["end"] == len(ids) == TOKENS
+    ), spans
     b = spans[0]["end"]
-    assert 0 < b < TOKENS and ids[:b] == old[:b], f"the tokens before SGLang's boundary {b} are not the old version's greedy tokens"
+    assert 0 < b < TOKENS and ids[:b] == old[:b], (
+        f"the tokens before SGLang's boundary {b} are not the old version's greedy tokens"
+    )
     return b
 
 
 def test_sglang_spans_of_requests_crossing_a_commit(stack):
     http, publisher, _ = stack
-    one = http.post("/v1/completions", json={"model": "x", "prompt": PLAIN_PROMPT, "max_tokens": 3, "temperature": 0, "return_weight_versions": True})
+    one = http.post(
+        "/v1/completions",
+        json={"model": "x", "prompt": PLAIN_PROMPT, "max_tokens": 3, "temperature": 0, "return_weight_versions": True},
+    )
     assert one.status_code == 200 and one.json()["weight_versions"] == [{"version": 0, "start": 0, "end": 3}], one.text
     old_stream = _generate_ids(http, STREAM_PROMPT)
     plain: dict = {}
-    body = {"model": "x", "prompt": PLAIN_PROMPT, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True, "return_weight_versions": True}
+    body = {
+        "model": "x",
+        "prompt": PLAIN_PROMPT,
+        "max_tokens": TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_weight_versions": True,
+    }
     events: list[str] = []
 
     def stream() -> None:
-        payload = {"text": STREAM_PROMPT, "sampling_params": {"max_new_tokens": TOKENS, "temperature": 0, "ignore_eos": True}, "stream": True, "return_weight_versions": True}
+        payload = {
+            "text": STREAM_PROMPT,
+            "sampling_params": {"max_new_tokens": TOKENS, "temperature": 0, "ignore_eos": True},
+            "stream": True,
+            "return_weight_versions": True,
+        }
         with http.stream("POST", "/generate", json=payload) as r:
             for line in r.iter_lines():
                 if line:
@@ -114,18 +152,38 @@ def test_sglang_spans_of_requests_crossing_a_commit(stack):
     openai_events: list[dict] = []
 
     def openai_stream() -> None:
-        payload = {"model": "x", "prompt": STREAM_PROMPT, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True, "stream": True, "return_token_ids": True, "return_weight_versions": True}
+        payload = {
+            "model": "x",
+            "prompt": STREAM_PROMPT,
+            "max_tokens": TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "return_token_ids": True,
+            "return_weight_versions": True,
+        }
         with http.stream("POST", "/v1/completions", json=payload) as r:
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     openai_events.append(json.loads(line[len("data: ") :]))
 
-    threads = [threading.Thread(target=f, daemon=True) for f in (lambda: plain.setdefault("r", http.post("/v1/completions", json=body)), stream, openai_stream)]
+    threads = [
+        threading.Thread(target=f, daemon=True)
+        for f in (lambda: plain.setdefault("r", http.post("/v1/completions", json=body)), stream, openai_stream)
+    ]
     for t in threads:
         t.start()
     # All admitted, and the streams' first tokens out (on a slow machine a commit before the first
     # decode step would leave every token under the new version: no split to check).
-    wait_for(lambda: http.get("/v1/stitch/status").json()["requests_in_flight"] == 3 and len(events) >= 4 and len(openai_events) >= 4, 120, "the requests decoding")
+    wait_for(
+        lambda: (
+            http.get("/v1/stitch/status").json()["requests_in_flight"] == 3
+            and len(events) >= 4
+            and len(openai_events) >= 4
+        ),
+        120,
+        "the requests decoding",
+    )
     publisher.publish(mutate(publisher.views[-1], 5))
     for t in threads:
         t.join(180)
@@ -135,25 +193,46 @@ def test_sglang_spans_of_requests_crossing_a_commit(stack):
     answer = plain["r"].json()
     assert (answer["weight_version_start"], answer["weight_version_end"]) == (0, 1), answer
     spans = answer["weight_versions"]
-    assert [s["version"] for s in spans] == [0, 1] and spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == answer["usage"]["completion_tokens"] == TOKENS, spans
+    assert (
+        [s["version"] for s in spans] == [0, 1]
+        and spans[0]["start"] == 0
+        and spans[0]["end"] == spans[1]["start"]
+        and spans[1]["end"] == answer["usage"]["completion_tokens"] == TOKENS
+    ), spans
     b_plain = spans[0]["end"]
     assert 0 < b_plain < TOKENS
     # SGLang's OpenAI stream names no versions: split at the count stitchboard's loader read in the paused engine.
     stamp = openai_events[-1]
-    assert (stamp["weight_version_start"], stamp["weight_version_end"]) == (0, 1) and all(e.get("usage") is None for e in openai_events), stamp
+    assert (stamp["weight_version_start"], stamp["weight_version_end"]) == (0, 1) and all(
+        e.get("usage") is None for e in openai_events
+    ), stamp
     ids = [t for e in openai_events[:-1] for c in e["choices"] for t in c.get("token_ids") or []]
     b_openai = _check(stamp["weight_versions"], ids, old_stream, 0, 1)
     prompt_ids = openai_events[0]["choices"][0]["prompt_token_ids"]
-    after = http.post("/generate", json={"input_ids": prompt_ids + ids[:b_openai], "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
-    assert after.status_code == 200 and after.json()["output_ids"] == [ids[b_openai]], "token b, the first after the commit, is not the new version's greedy continuation"
-    print(f"boundaries: SGLang's own: /generate stream {b_stream}, plain {b_plain}; counted: OpenAI stream {b_openai} of {TOKENS}")
+    after = http.post(
+        "/generate",
+        json={"input_ids": prompt_ids + ids[:b_openai], "sampling_params": {"max_new_tokens": 1, "temperature": 0}},
+    )
+    assert after.status_code == 200 and after.json()["output_ids"] == [ids[b_openai]], (
+        "token b, the first after the commit, is not the new version's greedy continuation"
+    )
+    print(
+        f"boundaries: SGLang's own: /generate stream {b_stream}, plain {b_plain}; counted: OpenAI stream {b_openai} of {TOKENS}"
+    )
 
 
-LONG_PROMPT = " ".join(f"Item {i}: the harbour master counted {i * 7 % 13} boats and {i * 5 % 11} nets." for i in range(16))
+LONG_PROMPT = " ".join(
+    f"Item {i}: the harbour master counted {i * 7 % 13} boats and {i * 5 % 11} nets." for i in range(16)
+)
 
 
 def _long_answer(url: str, **body: object) -> tuple[dict, int]:
-    payload = {"text": LONG_PROMPT, "sampling_params": {"max_new_tokens": 4, "temperature": 0}, "return_logprob": True, **body}
+    payload = {
+        "text": LONG_PROMPT,
+        "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+        "return_logprob": True,
+        **body,
+    }
     r = httpx.post(f"{url}/generate", json=payload, timeout=300)
     assert r.status_code == 200, r.text
     info = r.json()["meta_info"]
@@ -171,11 +250,17 @@ def test_sglang_salted_prefix_cache_never_reuses_kv_across_versions(smollm2_dir,
                 with SidecarClient(url) as sc:
                     sc.wait_applied(v, 120)
             first, first_hits = _long_answer(url)
-            assert first_hits == 0, f"version {v}: the long prompt reused {first_hits} tokens cached under another version"
+            assert first_hits == 0, (
+                f"version {v}: the long prompt reused {first_hits} tokens cached under another version"
+            )
             again, again_hits = _long_answer(url)
-            assert again_hits > 0 and again["ids"] == first["ids"], f"version {v}: the second answer did not hit the version's cache ({again_hits}) or differs"
+            assert again_hits > 0 and again["ids"] == first["ids"], (
+                f"version {v}: the second answer did not hit the version's cache ({again_hits}) or differs"
+            )
             fresh, fresh_hits = _long_answer(url, cache_salt=f"oracle-{uuid.uuid4().hex}")
-            assert fresh_hits == 0 and fresh == first, f"version {v}: the salted answer differs from the one computed with nothing cached"
+            assert fresh_hits == 0 and fresh == first, (
+                f"version {v}: the salted answer differs from the one computed with nothing cached"
+            )
             if v:
                 _, old_hits = _long_answer(sglang_engine.url, cache_salt=f"stitch-v{v - 1}")
                 assert old_hits > 0, "the commit flushed the radix cache: the old version's prefix is gone"
@@ -203,7 +288,9 @@ def test_sglang_openai_stream_with_two_outputs_per_prompt_splits_each_choice_at_
     stop before the commit (finished inside the engine: one span of the old version)."""
     http, publisher, _ = stack
     old = _generate_ids(http, STREAM_PROMPT)
-    short = http.post("/generate", json={"text": SHORT_PROMPT, "sampling_params": {"max_new_tokens": 2, "temperature": 0}}).json()["output_ids"]
+    short = http.post(
+        "/generate", json={"text": SHORT_PROMPT, "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+    ).json()["output_ids"]
     assert short[1] not in old, "the stop token of the short prompt is among the long one's tokens"
     events: list[dict] = []
 
@@ -231,7 +318,9 @@ def test_sglang_openai_stream_with_two_outputs_per_prompt_splits_each_choice_at_
         return [t for c in choices(index) for t in c.get("token_ids") or []]
 
     def ready() -> bool:
-        return min(len(tokens(0)), len(tokens(1))) >= 4 and all(any(c.get("finish_reason") for c in choices(i)) for i in (2, 3))
+        return min(len(tokens(0)), len(tokens(1))) >= 4 and all(
+            any(c.get("finish_reason") for c in choices(i)) for i in (2, 3)
+        )
 
     thread = threading.Thread(target=stream, daemon=True)
     thread.start()
@@ -239,18 +328,33 @@ def test_sglang_openai_stream_with_two_outputs_per_prompt_splits_each_choice_at_
     publisher.publish(_negated_logits(publisher.views[-1]))
     thread.join(180)
     stamp = events[-1]
-    assert (stamp["weight_version_start"], stamp["weight_version_end"]) == (0, 1) and stamp["weight_versions"] is None, stamp
+    assert (stamp["weight_version_start"], stamp["weight_version_end"]) == (0, 1) and stamp[
+        "weight_versions"
+    ] is None, stamp
     spans = {c["index"]: c["weight_versions"] for c in stamp["choices"]}
     assert sorted(spans) == [0, 1, 2, 3], stamp
     for index in (2, 3):
-        assert tokens(index) == short and spans[index] == [{"version": 0, "start": 0, "end": 2}], (index, spans[index], tokens(index))
+        assert tokens(index) == short and spans[index] == [{"version": 0, "start": 0, "end": 2}], (
+            index,
+            spans[index],
+            tokens(index),
+        )
     bounds = []
     for index in (0, 1):
         ids = tokens(index)
         b = _check(spans[index], ids, old, 0, 1)
-        assert ids[b] != old[b], f"choice {index}: split at {b}, but the old version's greedy tokens go on after it (the engine counted more)"
+        assert ids[b] != old[b], (
+            f"choice {index}: split at {b}, but the old version's greedy tokens go on after it (the engine counted more)"
+        )
         prompt_ids = next(c["prompt_token_ids"] for c in choices(index) if c.get("prompt_token_ids"))
-        after = http.post("/generate", json={"input_ids": prompt_ids + ids[:b], "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
-        assert after.status_code == 200 and after.json()["output_ids"] == [ids[b]], f"choice {index}: token {b}, the first after the commit, is not the new version's greedy continuation"
+        after = http.post(
+            "/generate",
+            json={"input_ids": prompt_ids + ids[:b], "sampling_params": {"max_new_tokens": 1, "temperature": 0}},
+        )
+        assert after.status_code == 200 and after.json()["output_ids"] == [ids[b]], (
+            f"choice {index}: token {b}, the first after the commit, is not the new version's greedy continuation"
+        )
         bounds.append(b)
-    print(f"2 prompts x n = 2 OpenAI stream: boundaries of the crossing choices {bounds} of {TOKENS}; the others stopped at 2 tokens")
+    print(
+        f"2 prompts x n = 2 OpenAI stream: boundaries of the crossing choices {bounds} of {TOKENS}; the others stopped at 2 tokens"
+    )

@@ -23,7 +23,10 @@ def test_every_stub_call_is_recorded_and_raises(tmp_path, monkeypatch):
     for fn in (from_import, stub.convert_weight_packed):
         with pytest.raises(NotImplementedError, match="stand-in"):
             fn(1, 2, key=3)
-    assert [line.split()[2] for line in log.read_text().splitlines()] == ["sgl_kernel.fused_experts_cpu", "sgl_kernel.convert_weight_packed"]
+    assert [line.split()[2] for line in log.read_text().splitlines()] == [
+        "sgl_kernel.fused_experts_cpu",
+        "sgl_kernel.convert_weight_packed",
+    ]
     with pytest.raises(AttributeError):
         _ = stub.__wrapped__  # dunder look-ups (import machinery, hasattr) are not stubs
     assert stub.STITCHBOARD_STUB is True

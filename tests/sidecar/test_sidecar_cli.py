@@ -39,7 +39,17 @@ def test_process_serves_status_while_the_engine_is_down(sc_bulletin, sc_publishe
         "STITCH_SIDECAR_LOG_LEVEL": "warning",
         "STITCH_SIDECAR_RETRY_BACKOFF_S": "0.1",
     }
-    cmd = [sys.executable, "-c", "from stitchboard.proto.cli import main; main()", "sidecar", "run", "--run", sc_publisher.run, "--port", str(port)]
+    cmd = [
+        sys.executable,
+        "-c",
+        "from stitchboard.proto.cli import main; main()",
+        "sidecar",
+        "run",
+        "--run",
+        sc_publisher.run,
+        "--port",
+        str(port),
+    ]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -51,7 +61,9 @@ def test_process_serves_status_while_the_engine_is_down(sc_bulletin, sc_publishe
                     break
             except httpx.TransportError:
                 pass
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()[-2000:] if proc.poll() is not None else "timeout"
+            assert proc.poll() is None and time.monotonic() < deadline, (
+                proc.stderr.read().decode()[-2000:] if proc.poll() is not None else "timeout"
+            )
             time.sleep(0.1)
         assert status["run_id"] == sc_publisher.run and status["state"] == "waiting_for_engine"
         assert status["last_error"]["type"] == "EngineUnavailable"

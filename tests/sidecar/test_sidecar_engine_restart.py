@@ -18,7 +18,12 @@ from tests.sidecar.sidecar_helpers import assert_at, make_view, wait_for
 
 
 def _complete(sidecar, **headers: str) -> httpx.Response:
-    return httpx.post(f"{sidecar.url}/v1/completions", json={"model": "fake", "prompt": "p", "max_tokens": 2}, headers=headers, timeout=60)
+    return httpx.post(
+        f"{sidecar.url}/v1/completions",
+        json={"model": "fake", "prompt": "p", "max_tokens": 2},
+        headers=headers,
+        timeout=60,
+    )
 
 
 def test_engine_restarted_under_a_running_sidecar_is_never_served_under_the_old_version(sc_publisher, sc_start):
@@ -35,15 +40,26 @@ def test_engine_restarted_under_a_running_sidecar_is_never_served_under_the_old_
     checks = engine.count("checksums")
     engine.restart(sc_publisher.views[0])
     health = httpx.get(f"{sidecar.url}/health", timeout=30)
-    assert health.status_code == 503 and health.json()["status"] == "engine_changed" and "restarted" in health.json()["reason"]
+    assert (
+        health.status_code == 503
+        and health.json()["status"] == "engine_changed"
+        and "restarted" in health.json()["reason"]
+    )
     answer = _complete(sidecar, **{"X-Stitch-Exact-Version": "3", "X-Stitch-Wait-S": "30"})
     assert answer.status_code == 200, answer.text
     assert (answer.json()["weight_version_start"], answer.json()["weight_version_end"]) == (3, 3)
-    assert f"@{fingerprint(sc_publisher.views[3])}" in answer.json()["choices"][0]["text"], "served by other bits than version 3's"
+    assert f"@{fingerprint(sc_publisher.views[3])}" in answer.json()["choices"][0]["text"], (
+        "served by other bits than version 3's"
+    )
     assert_at(sidecar, sc_publisher, 3)
-    assert engine.count("checksums") == checks + 1 and engine.count("load_snapshot") == 0  # version 0 checked, then deltas
+    assert (
+        engine.count("checksums") == checks + 1 and engine.count("load_snapshot") == 0
+    )  # version 0 checked, then deltas
     status = sidecar.status()
-    assert status["last_error"]["type"] == "EngineChanged" and "stitch_sidecar_claims_dropped_total 1.0" in httpx.get(f"{sidecar.url}/metrics").text
+    assert (
+        status["last_error"]["type"] == "EngineChanged"
+        and "stitch_sidecar_claims_dropped_total 1.0" in httpx.get(f"{sidecar.url}/metrics").text
+    )
 
 
 def test_the_timer_notices_a_restart_without_any_request(sc_publisher, sc_start):
@@ -54,7 +70,9 @@ def test_the_timer_notices_a_restart_without_any_request(sc_publisher, sc_start)
     sidecar = sc_start(engine, boot_version=0, engine_check_interval_s=0.05)
     assert_at(sidecar, sc_publisher, 1)
     engine.restart(sc_publisher.views[0])
-    wait_for(lambda: sidecar.status()["applied_version"] != 1 or engine.count("checksums") == 2, 10, "the claim dropped")
+    wait_for(
+        lambda: sidecar.status()["applied_version"] != 1 or engine.count("checksums") == 2, 10, "the claim dropped"
+    )
     assert_at(sidecar, sc_publisher, 1)
     assert engine.count("checksums") == 2, "the restarted engine's bits were not checked"
 
@@ -109,7 +127,9 @@ def test_an_engine_slow_to_answer_keeps_the_claim_while_requests_wait_for_it(sc_
     sc_publisher.publish(make_view(0))
     sc_publisher.step(1)
     engine = FakeEngine(sc_publisher.views[0])
-    sidecar = sc_start(engine, boot_version=0, engine_check_interval_s=0.05, engine_call_timeout_s=0.3, engine_stall_timeout_s=3.0)
+    sidecar = sc_start(
+        engine, boot_version=0, engine_check_interval_s=0.05, engine_call_timeout_s=0.3, engine_stall_timeout_s=3.0
+    )
     assert_at(sidecar, sc_publisher, 1)
     checks = engine.count("checksums")
     engine.state_delay_s, engine.token_delay_s = 1.5, 0.5
@@ -125,7 +145,10 @@ def test_an_engine_slow_to_answer_keeps_the_claim_while_requests_wait_for_it(sc_
     assert httpx.get(f"{sidecar.url}/health", timeout=30).json()["status"] in ("engine_slow", "ok")
     engine.token_delay_s = 0.01
     served = _complete(sidecar, **{"X-Stitch-Wait-S": "5"})
-    assert served.status_code == 200 and (served.json()["weight_version_start"], served.json()["weight_version_end"]) == (1, 1)
+    assert served.status_code == 200 and (
+        served.json()["weight_version_start"],
+        served.json()["weight_version_end"],
+    ) == (1, 1)
     runner.join(30)
     assert (in_flight["r"].json()["weight_version_start"], in_flight["r"].json()["weight_version_end"]) == (1, 1)
     assert "stitch_sidecar_claims_dropped_total 0.0" in httpx.get(f"{sidecar.url}/metrics").text

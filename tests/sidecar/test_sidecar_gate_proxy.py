@@ -46,8 +46,17 @@ def _sse_events(text: str) -> list[str]:
 
 
 def test_min_version_held_then_served_with_stamps(at_v0, sc_publisher):
-    t, out = _in_thread(lambda: at_v0.http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers={"X-Stitch-Min-Version": "1", "X-Stitch-Wait-S": "60"}))
-    wait_for(lambda: at_v0.status()["requests_waiting"] == 1, what="the request for version 1 held while version 0 is applied")
+    t, out = _in_thread(
+        lambda: at_v0.http.post(
+            "/v1/completions",
+            json={"prompt": "x", "max_tokens": 2},
+            headers={"X-Stitch-Min-Version": "1", "X-Stitch-Wait-S": "60"},
+        )
+    )
+    wait_for(
+        lambda: at_v0.status()["requests_waiting"] == 1,
+        what="the request for version 1 held while version 0 is applied",
+    )
     assert t.is_alive() and at_v0.engine.completed == 0 and at_v0.status()["requests_in_flight"] == 0
     sc_publisher.step(1)
     t.join(60)
@@ -58,11 +67,16 @@ def test_min_version_held_then_served_with_stamps(at_v0, sc_publisher):
     assert body["weight_version_start"] == body["weight_version_end"] == 1
     assert r.headers["x-stitch-version-start"] == r.headers["x-stitch-version-end"] == "1"
     assert fingerprint(sc_publisher.views[1]) in body["choices"][0]["text"]
-    assert "stitch_sidecar_requests_held_total 1.0" in at_v0.http.get("/metrics").text and at_v0.status()["requests_waiting"] == 0
+    assert (
+        "stitch_sidecar_requests_held_total 1.0" in at_v0.http.get("/metrics").text
+        and at_v0.status()["requests_waiting"] == 0
+    )
 
 
 def test_body_constraint_is_stripped_and_honoured(at_v0, sc_publisher):
-    r = at_v0.http.post("/v1/chat/completions", json={"messages": [], "max_tokens": 1, "weight_version": {"min_version": 0}})
+    r = at_v0.http.post(
+        "/v1/chat/completions", json={"messages": [], "max_tokens": 1, "weight_version": {"min_version": 0}}
+    )
     assert r.status_code == 200
     assert "weight_version" not in r.json()["echo_body"]
     r = at_v0.http.post("/v1/completions", json={"prompt": "x", "weight_version": {"min_version": 3, "wait_s": 0.1}})
@@ -71,23 +85,34 @@ def test_body_constraint_is_stripped_and_honoured(at_v0, sc_publisher):
 
 
 def test_short_wait_gets_409_with_versions(at_v0):
-    r = at_v0.http.post("/v1/completions", json={"prompt": "x"}, headers={"X-Stitch-Min-Version": "5", "X-Stitch-Wait-S": "0.2"})
+    r = at_v0.http.post(
+        "/v1/completions", json={"prompt": "x"}, headers={"X-Stitch-Min-Version": "5", "X-Stitch-Wait-S": "0.2"}
+    )
     assert r.status_code == 409
     body = r.json()
     assert body["type"] == "WeightVersionNotReady"
     assert body["applied_version"] == 0 and body["target_version"] == 0 and body["min_version"] == 5
     assert at_v0.engine.completed == 0
-    assert 'stitch_sidecar_requests_rejected_total{reason="WeightVersionNotReady"} 1.0' in at_v0.http.get("/metrics").text
+    assert (
+        'stitch_sidecar_requests_rejected_total{reason="WeightVersionNotReady"} 1.0' in at_v0.http.get("/metrics").text
+    )
 
 
 def test_exact_version_that_has_passed_gets_409(at_v0, sc_publisher):
     sc_publisher.step(1)
     at_v0.wait_applied(1)
     start = time.monotonic()
-    r = at_v0.http.post("/v1/completions", json={"prompt": "x"}, headers={"X-Stitch-Exact-Version": "0", "X-Stitch-Wait-S": "60"})
+    r = at_v0.http.post(
+        "/v1/completions", json={"prompt": "x"}, headers={"X-Stitch-Exact-Version": "0", "X-Stitch-Wait-S": "60"}
+    )
     assert r.status_code == 409 and r.json()["type"] == "WeightVersionPassed"
     assert time.monotonic() - start < 30, "a passed pin is refused at once, not held"
-    assert at_v0.http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers={"X-Stitch-Exact-Version": "1"}).json()["weight_version_end"] == 1
+    assert (
+        at_v0.http.post(
+            "/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers={"X-Stitch-Exact-Version": "1"}
+        ).json()["weight_version_end"]
+        == 1
+    )
 
 
 def test_bad_constraints_get_400(at_v0):
@@ -104,10 +129,14 @@ def test_bad_constraints_get_400(at_v0):
 
 def test_requests_in_flight_across_a_commit_complete_with_both_stamps(at_v0, sc_publisher):
     engine = at_v0.engine
-    engine.token_delay_s = 0.05  # 400 tokens: 20 s, ample for a publish and commit even on a loaded machine; sped up once it is applied
+    engine.token_delay_s = (
+        0.05  # 400 tokens: 20 s, ample for a publish and commit even on a loaded machine; sped up once it is applied
+    )
     fp0 = engine.fp
     plain_t, plain = _in_thread(lambda: at_v0.http.post("/v1/completions", json={"prompt": "x", "max_tokens": 400}))
-    stream_t, streamed = _in_thread(lambda: at_v0.http.post("/v1/chat/completions", json={"messages": [], "max_tokens": 400, "stream": True}))
+    stream_t, streamed = _in_thread(
+        lambda: at_v0.http.post("/v1/chat/completions", json={"messages": [], "max_tokens": 400, "stream": True})
+    )
     wait_for(lambda: engine.fp == fp0 and at_v0.status()["requests_in_flight"] == 2, what="two requests in flight")
     wait_for(lambda: engine.first_tokens == 2, what="both requests' first token from version 0")
     sc_publisher.step(1)
@@ -120,7 +149,9 @@ def test_requests_in_flight_across_a_commit_complete_with_both_stamps(at_v0, sc_
     assert (body["weight_version_start"], body["weight_version_end"]) == (0, 1)
     text = body["choices"][0]["text"]
     fp1 = fingerprint(sc_publisher.views[1])
-    assert fp0 in text and fp1 in text and text.index(fp0) < text.index(fp1), "tokens before the commit from v0, after it from v1"
+    assert fp0 in text and fp1 in text and text.index(fp0) < text.index(fp1), (
+        "tokens before the commit from v0, after it from v1"
+    )
     assert text.count("@") == 400, "no token lost across the pause"
     events = _sse_events(streamed["result"].text)
     assert streamed["result"].headers["x-stitch-version-start"] == "0"
@@ -140,7 +171,15 @@ def test_streaming_events_pass_through_and_end_with_the_stamp(at_v0):
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     assert [c["choices"][0]["text"].split("@")[0] for c in chunks[:-1]] == [f" t{i}" for i in range(5)]
-    assert chunks[-1] == {"id": chunks[0]["id"], "object": "text_completion", "created": 1, "model": "fake", "choices": [], "weight_version_start": 0, "weight_version_end": 0}
+    assert chunks[-1] == {
+        "id": chunks[0]["id"],
+        "object": "text_completion",
+        "created": 1,
+        "model": "fake",
+        "choices": [],
+        "weight_version_start": 0,
+        "weight_version_end": 0,
+    }
 
 
 def test_first_event_arrives_before_the_stream_ends(at_v0):
@@ -185,7 +224,12 @@ def test_health_and_not_ready_before_the_first_version(sc_publisher, sc_start):
     sidecar.wait_applied(0)
     assert sidecar.http.get("/health").json() == {"applied_version": 0, "state": "idle", "status": "ok"}
     metrics = sidecar.http.get("/metrics").text
-    for line in ("stitch_sidecar_applied_version 0.0", "stitch_sidecar_lag_versions 0.0", 'stitch_sidecar_pause_seconds_count{route="anchor"} 1.0', "stitch_sidecar_apply_seconds_count 1.0"):
+    for line in (
+        "stitch_sidecar_applied_version 0.0",
+        "stitch_sidecar_lag_versions 0.0",
+        'stitch_sidecar_pause_seconds_count{route="anchor"} 1.0',
+        "stitch_sidecar_apply_seconds_count 1.0",
+    ):
         assert line in metrics
     assert float(metrics.split("\nstitch_sidecar_bytes_fetched_total ")[1].split()[0]) > 0
 
@@ -193,12 +237,20 @@ def test_health_and_not_ready_before_the_first_version(sc_publisher, sc_start):
 def test_client_disconnect_aborts_the_upstream_request(at_v0):
     engine = at_v0.engine
     engine.token_delay_s = 0.05
-    with httpx.Client(base_url=at_v0.url) as c, c.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 200, "stream": True}) as r:
+    with (
+        httpx.Client(base_url=at_v0.url) as c,
+        c.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 200, "stream": True}) as r,
+    ):
         next(r.iter_lines())
     wait_for(lambda: engine.aborted == 1, what="the streamed request aborted at the engine")
     body = json.dumps({"prompt": "x", "max_tokens": 200}).encode()
-    with socket.create_connection(("127.0.0.1", httpx.URL(at_v0.url).port)) as sock:  # a plain request whose client leaves once the engine works on it
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: sidecar\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    with socket.create_connection(
+        ("127.0.0.1", httpx.URL(at_v0.url).port)
+    ) as sock:  # a plain request whose client leaves once the engine works on it
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: sidecar\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+            % (len(body), body)
+        )
         wait_for(lambda: engine.started == 2, what="the plain request started at the engine")
     wait_for(lambda: engine.aborted == 2, what="the plain request aborted at the engine")
     wait_for(lambda: at_v0.status()["requests_in_flight"] == 0, what="in-flight count back to 0")
@@ -207,7 +259,9 @@ def test_client_disconnect_aborts_the_upstream_request(at_v0):
 
 def test_client_that_leaves_while_held_is_not_forwarded(at_v0, sc_publisher):
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{at_v0.url}/v1/completions", json={"prompt": "x"}, headers={"X-Stitch-Min-Version": "1"}, timeout=0.3)
+        httpx.post(
+            f"{at_v0.url}/v1/completions", json={"prompt": "x"}, headers={"X-Stitch-Min-Version": "1"}, timeout=0.3
+        )
     sc_publisher.step(1)
     at_v0.wait_applied(1)
     time.sleep(0.2)

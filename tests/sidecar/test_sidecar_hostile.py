@@ -25,14 +25,19 @@ def at_v0(sc_publisher, sc_start):
     return sidecar
 
 
-def _raw(sidecar, method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None) -> tuple[int, dict]:
+def _raw(
+    sidecar, method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None
+) -> tuple[int, dict]:
     url = httpx.URL(sidecar.url)
     conn = http.client.HTTPConnection(url.host, url.port, timeout=30)
     try:
         conn.request(method, path, body=body, headers=headers or {})
         r = conn.getresponse()
         data = r.read()
-        return r.status, {"headers": {k.lower(): v for k, v in r.getheaders()}, "body": json.loads(data) if data.startswith(b"{") else data}
+        return r.status, {
+            "headers": {k.lower(): v for k, v in r.getheaders()},
+            "body": json.loads(data) if data.startswith(b"{") else data,
+        }
     finally:
         conn.close()
 
@@ -41,8 +46,16 @@ def test_weight_version_in_the_body_is_honoured_whatever_the_media_type_case(at_
     """The engine (FastAPI) reads these bodies as JSON, so the sidecar must read their
     weight_version field too: 409 after the wait, never served by version 0."""
     body = json.dumps({"prompt": "x", "max_tokens": 1, "weight_version": {"min_version": 3, "wait_s": 0.1}}).encode()
-    for content_type in ["Application/JSON", "APPLICATION/JSON; charset=utf-8", "application/json;charset=UTF-8", "application/vnd.stitch+JSON", None]:
-        status, answer = _raw(at_v0, "POST", "/v1/completions", body, {"Content-Type": content_type} if content_type else {})
+    for content_type in [
+        "Application/JSON",
+        "APPLICATION/JSON; charset=utf-8",
+        "application/json;charset=UTF-8",
+        "application/vnd.stitch+JSON",
+        None,
+    ]:
+        status, answer = _raw(
+            at_v0, "POST", "/v1/completions", body, {"Content-Type": content_type} if content_type else {}
+        )
         assert status == 409 and answer["body"]["type"] == "WeightVersionNotReady", (content_type, answer)
     assert at_v0.engine.started == 0
 
@@ -61,15 +74,25 @@ DOT_PATHS = [
 
 def test_dot_segments_are_refused_before_the_allow_list(at_v0):
     for path, method in [(p, m) for p in DOT_PATHS for m in ("GET", "POST")]:
-        status, answer = _raw(at_v0, method, path, b"{}" if method == "POST" else None, {"Content-Type": "application/json"})
-        assert status == 400 and answer["body"]["type"] == "InvalidPath" and answer["headers"]["x-should-retry"] == "false", (method, path, status, answer)
+        status, answer = _raw(
+            at_v0, method, path, b"{}" if method == "POST" else None, {"Content-Type": "application/json"}
+        )
+        assert (
+            status == 400 and answer["body"]["type"] == "InvalidPath" and answer["headers"]["x-should-retry"] == "false"
+        ), (method, path, status, answer)
     assert at_v0.engine.http_control_calls == []
 
 
 def test_paths_are_matched_as_normalised(at_v0):
     status, answer = _raw(at_v0, "GET", "/v1//models")
     assert status == 200 and answer["body"]["data"][0]["id"] == "fake"
-    status, answer = _raw(at_v0, "POST", "//v1/completions", json.dumps({"prompt": "x"}).encode(), {"Content-Type": "application/json", "X-Stitch-Min-Version": "4", "X-Stitch-Wait-S": "0.1"})
+    status, answer = _raw(
+        at_v0,
+        "POST",
+        "//v1/completions",
+        json.dumps({"prompt": "x"}).encode(),
+        {"Content-Type": "application/json", "X-Stitch-Min-Version": "4", "X-Stitch-Wait-S": "0.1"},
+    )
     assert status == 409, "a doubled slash reaches the gate, not the engine ungated"
     status, answer = _raw(at_v0, "GET", "/%73erver_info")  # percent-encoded letters name the same (forbidden) route
     assert status == 403 and answer["body"]["type"] == "RouteForbidden"
@@ -79,7 +102,12 @@ def test_paths_are_matched_as_normalised(at_v0):
 def test_bodies_over_the_limit_get_413(at_v0):
     big = json.dumps({"prompt": "x" * 5000}).encode()
     r = at_v0.http.post("/v1/completions", content=big, headers={"Content-Type": "application/json"})
-    assert r.status_code == 413 and r.json()["type"] == "BodyTooLarge" and r.json()["limit_bytes"] == 4096 and r.headers["x-should-retry"] == "false"
+    assert (
+        r.status_code == 413
+        and r.json()["type"] == "BodyTooLarge"
+        and r.json()["limit_bytes"] == 4096
+        and r.headers["x-should-retry"] == "false"
+    )
 
     def chunks():  # no Content-Length: the cap applies to the bytes received
         for _ in range(10):

@@ -20,7 +20,9 @@ from tests.sidecar.sidecar_helpers import make_view, same_bits, wait_for
 
 
 def _complete(sidecar, **headers: str) -> httpx.Response:
-    return httpx.post(f"{sidecar.url}/v1/completions", json={"prompt": "p", "max_tokens": 1}, headers=headers, timeout=30)
+    return httpx.post(
+        f"{sidecar.url}/v1/completions", json={"prompt": "p", "max_tokens": 1}, headers=headers, timeout=30
+    )
 
 
 def _one_tensor_step(view, seed: int):
@@ -41,29 +43,54 @@ def test_a_refused_version_keeps_the_held_version_serving(sc_publisher, sc_start
     sc_publisher.step(1)
     status = wait_for(lambda: (s := sidecar.status())["refused"] and s, what="the refusal reported")
     refused = status["refused"]
-    assert (refused["from_version"], refused["to_version"], refused["route"], refused["held_version"], refused["type"]) == (0, 1, "delta", 0, "ApplyRefused")
+    assert (
+        refused["from_version"],
+        refused["to_version"],
+        refused["route"],
+        refused["held_version"],
+        refused["type"],
+    ) == (0, 1, "delta", 0, "ApplyRefused")
     assert "UnmappedTensor" in refused["message"] and refused["retry_at"] > refused["at"] + 29
-    assert status["applied_version"] == 0 and status["healthy"] is True and status["last_error"]["type"] == "PlanRefused"
+    assert (
+        status["applied_version"] == 0 and status["healthy"] is True and status["last_error"]["type"] == "PlanRefused"
+    )
     health = httpx.get(f"{sidecar.url}/health", timeout=30)
     assert health.status_code == 200 and health.json()["status"] == "ok" and health.json()["refused"]["to_version"] == 1
     served = _complete(sidecar)
-    assert served.status_code == 200 and (served.json()["weight_version_start"], served.json()["weight_version_end"]) == (0, 0)
+    assert served.status_code == 200 and (
+        served.json()["weight_version_start"],
+        served.json()["weight_version_end"],
+    ) == (0, 0)
     start = time.monotonic()
     wanted = _complete(sidecar, **{"X-Stitch-Min-Version": "1", "X-Stitch-Wait-S": "0.5"})
-    assert wanted.status_code == 409 and wanted.json()["type"] == "WeightVersionNotReady" and time.monotonic() - start >= 0.5
+    assert (
+        wanted.status_code == 409
+        and wanted.json()["type"] == "WeightVersionNotReady"
+        and time.monotonic() - start >= 0.5
+    )
     time.sleep(1.0)  # the old backoff (0.05 s doubling to 0.2 s) would have retried ~5 times by now
-    assert engine.count("stage_patches") == 1 and engine.count("pause") == pauses, "the refused plan was retried (or the engine paused) before refused_retry_s"
+    assert engine.count("stage_patches") == 1 and engine.count("pause") == pauses, (
+        "the refused plan was retried (or the engine paused) before refused_retry_s"
+    )
     metrics = httpx.get(f"{sidecar.url}/metrics", timeout=30).text
-    assert 'stitch_sidecar_refusals_total{route="delta"} 1.0' in metrics and "stitch_sidecar_refused_version 1.0" in metrics
+    assert (
+        'stitch_sidecar_refusals_total{route="delta"} 1.0' in metrics
+        and "stitch_sidecar_refused_version 1.0" in metrics
+    )
     assert same_bits(engine.weights, sc_publisher.views[0])
     sc_publisher.step(2)  # a newer version ends the wait: plan 0 -> 2 is another plan
     sidecar.wait_applied(2, timeout_s=20)
     assert same_bits(engine.weights, sc_publisher.views[2])
     status = sidecar.status()
-    assert status["refused"] is None and "stitch_sidecar_refused_version -1.0" in httpx.get(f"{sidecar.url}/metrics", timeout=30).text
+    assert (
+        status["refused"] is None
+        and "stitch_sidecar_refused_version -1.0" in httpx.get(f"{sidecar.url}/metrics", timeout=30).text
+    )
 
 
-def test_after_refused_staging_the_anchor_route_is_staged_and_the_pause_writes_what_differs(sc_publisher, sc_start, tmp_path):
+def test_after_refused_staging_the_anchor_route_is_staged_and_the_pause_writes_what_differs(
+    sc_publisher, sc_start, tmp_path
+):
     """Two refused stagings of 0 -> 1 switch to the anchor route; it is staged while serving, as
     one patch of the single tensor version 1 changed, and the pause writes that tensor only."""
     sc_publisher.publish(make_view(0, tensors=8))
@@ -77,15 +104,35 @@ def test_after_refused_staging_the_anchor_route_is_staged_and_the_pause_writes_w
     status = sidecar.wait_applied(1)
     assert same_bits(engine.weights, sc_publisher.views[1])
     calls = [m for m, _ in engine.calls[before:] if m != "health"]
-    assert calls == ["stage_patches", "stage_patches", "checksums", "stage_patches", "pause", "commit_staged", "reset_prefix_cache", "resume"]
-    assert engine.staged_names[-1] == [min(sc_publisher.views[1])], "the staged anchor route writes only the tensor that differs"
+    assert calls == [
+        "stage_patches",
+        "stage_patches",
+        "checksums",
+        "stage_patches",
+        "pause",
+        "commit_staged",
+        "reset_prefix_cache",
+        "resume",
+    ]
+    assert engine.staged_names[-1] == [min(sc_publisher.views[1])], (
+        "the staged anchor route writes only the tensor that differs"
+    )
     assert status["last_sync"]["route"] == "staged_anchor" and status["last_sync"]["anchor"] is True
     staged_pause = status["pause_seconds_by_route"]["staged_anchor"]
     metrics = httpx.get(f"{sidecar.url}/metrics", timeout=30).text
-    assert 'stitch_sidecar_pause_seconds_count{route="staged_anchor"} 1.0' in metrics and 'stitch_sidecar_refusals_total{route="delta"} 2.0' in metrics
+    assert (
+        'stitch_sidecar_pause_seconds_count{route="staged_anchor"} 1.0' in metrics
+        and 'stitch_sidecar_refusals_total{route="delta"} 2.0' in metrics
+    )
     # the same route applied in the pause (staging anchor routes off) writes all 8 tensors there
     other = FakeEngine()
-    unstaged = sc_start(other, refused_retry_s=0.3, stage_anchor_routes=False, anchor_after_failures=1, handoff_dir=str(tmp_path / "handoff-2"))
+    unstaged = sc_start(
+        other,
+        refused_retry_s=0.3,
+        stage_anchor_routes=False,
+        anchor_after_failures=1,
+        handoff_dir=str(tmp_path / "handoff-2"),
+    )
     unstaged.wait_applied(1)
     other.write_s_per_tensor = 0.05
     other.refuse_stage = 1
@@ -94,7 +141,9 @@ def test_after_refused_staging_the_anchor_route_is_staged_and_the_pause_writes_w
     assert status["last_sync"]["route"] == "anchor" and same_bits(other.weights, sc_publisher.views[2])
     anchor_pause = status["pause_seconds_by_route"]["anchor"]
     assert anchor_pause > 0.4 and staged_pause < anchor_pause / 3, (staged_pause, anchor_pause)
-    print(f"pause of the anchor route, fake engine at 50 ms per tensor written: staged {staged_pause:.3f} s (1 tensor), in the pause {anchor_pause:.3f} s (8 tensors + 1 delta)")
+    print(
+        f"pause of the anchor route, fake engine at 50 ms per tensor written: staged {staged_pause:.3f} s (1 tensor), in the pause {anchor_pause:.3f} s (8 tensors + 1 delta)"
+    )
 
 
 def test_an_anchor_route_that_changes_nothing_only_flips(sc_publisher, sc_start):
@@ -111,7 +160,11 @@ def test_an_anchor_route_that_changes_nothing_only_flips(sc_publisher, sc_start)
     sc_publisher.publish(sc_publisher.views[0])  # version 2: version 0's bits again (a revert)
     sidecar.wait_applied(2)
     assert same_bits(engine.weights, sc_publisher.views[2]) and engine.version == 2
-    assert sidecar.status()["last_sync"]["route"] == "flip" and engine.count("pause") == pauses and engine.calls[-1] == ("set_version", (2,))
+    assert (
+        sidecar.status()["last_sync"]["route"] == "flip"
+        and engine.count("pause") == pauses
+        and engine.calls[-1] == ("set_version", (2,))
+    )
 
 
 def test_a_commit_refused_before_writing_keeps_the_held_version(sc_publisher, sc_start):
@@ -125,8 +178,14 @@ def test_a_commit_refused_before_writing_keeps_the_held_version(sc_publisher, sc
     sc_publisher.step(1)
     sidecar.wait_applied(1)
     assert same_bits(engine.weights, sc_publisher.views[1])
-    assert engine.count("load_snapshot") == 1 and engine.count("commit_staged") == 2 and engine.count("stage_patches") == 2
+    assert (
+        engine.count("load_snapshot") == 1 and engine.count("commit_staged") == 2 and engine.count("stage_patches") == 2
+    )
     metrics = httpx.get(f"{sidecar.url}/metrics", timeout=30).text
-    assert 'stitch_sidecar_refusals_total{route="delta"} 1.0' in metrics and "stitch_sidecar_recoveries_total" not in metrics.replace("# HELP stitch_sidecar_recoveries_total", "").replace(
-        "# TYPE stitch_sidecar_recoveries_total", ""
+    assert (
+        'stitch_sidecar_refusals_total{route="delta"} 1.0' in metrics
+        and "stitch_sidecar_recoveries_total"
+        not in metrics.replace("# HELP stitch_sidecar_recoveries_total", "").replace(
+            "# TYPE stitch_sidecar_recoveries_total", ""
+        )
     )

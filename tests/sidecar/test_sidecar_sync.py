@@ -26,11 +26,20 @@ def test_fresh_engine_gets_the_anchor_then_deltas(sc_publisher, sc_start):
     sc_publisher.step(1, patch_files=2)
     sidecar = sc_start(FakeEngine())
     assert_at(sidecar, sc_publisher, 1)
-    assert [m for m, _ in sidecar.engine.calls if m != "health"] == ["pause", "load_snapshot", "apply_patch", "reset_prefix_cache", "resume"]
+    assert [m for m, _ in sidecar.engine.calls if m != "health"] == [
+        "pause",
+        "load_snapshot",
+        "apply_patch",
+        "reset_prefix_cache",
+        "resume",
+    ]
     sc_publisher.step(2, patch_files=3)
     assert_at(sidecar, sc_publisher, 2)
     status = sidecar.status()
-    assert status["last_sync"]["from_version"] == 1 and status["last_sync"]["bytes_fetched"] == sc_publisher.manifests[2].stats.encoded_bytes
+    assert (
+        status["last_sync"]["from_version"] == 1
+        and status["last_sync"]["bytes_fetched"] == sc_publisher.manifests[2].stats.encoded_bytes
+    )
     assert status["lag_versions"] == 0 and status["state"] == "idle"
     assert not any(Path(sidecar.app.state.reconciler.fetcher.root).iterdir()), "staged files are removed after a commit"
 
@@ -55,7 +64,9 @@ def test_restarted_sidecar_does_not_reapply(sc_publisher, sc_start):
     calls = list(engine.calls)
     second = sc_start(engine, boot_version=0)  # ignored: the engine records what it holds
     assert_at(second, sc_publisher, 1)
-    assert [m for m, _ in engine.calls[len(calls) :] if m != "health"] == ["checksums"]  # the record is checked, nothing loaded
+    assert [m for m, _ in engine.calls[len(calls) :] if m != "health"] == [
+        "checksums"
+    ]  # the record is checked, nothing loaded
     sc_publisher.step(2)
     assert_at(second, sc_publisher, 2)
 
@@ -189,7 +200,10 @@ def test_corrupted_file_is_rejected_before_touching_the_engine(sc_publisher, sc_
     assert client.entered.wait(10)
     _corrupt_blob(tmp_path / "store", sc_publisher.run, m1.files_of("patch")[0].sha256)  # bit rot in the store
     client.release.set()
-    wait_for(lambda: (sidecar.status()["last_error"] or {}).get("type") == "BlobMismatch", what="the checksum mismatch reported")
+    wait_for(
+        lambda: (sidecar.status()["last_error"] or {}).get("type") == "BlobMismatch",
+        what="the checksum mismatch reported",
+    )
     status = sidecar.status()
     assert status["applied_version"] == 0 and status["target_version"] == 1 and status["lag_versions"] == 1
     assert [c for c in sidecar.engine.calls[calls:] if c[0] != "health"] == [], "the engine was not touched"
@@ -212,18 +226,38 @@ def test_patch_from_another_base_is_rejected_at_staging(sc_publisher, sc_start, 
     sha = hashlib.sha256(stray).hexdigest()
     sc_client.put_blob(sc_publisher.run, sha, stray)
     files = [FileRef(path="patch-r0.safetensors", sha256=sha, size_bytes=len(stray), role="patch")]
-    m2 = VersionManifest(**{**good.model_dump(), "version": 2, "base_version": 1, "files": files, "stats": {**good.stats.model_dump(), "encoded_bytes": len(stray)}})
+    m2 = VersionManifest(
+        **{
+            **good.model_dump(),
+            "version": 2,
+            "base_version": 1,
+            "files": files,
+            "stats": {**good.stats.model_dump(), "encoded_bytes": len(stray)},
+        }
+    )
     sc_client.publish(m2)
-    wait_for(lambda: (sidecar.status()["last_error"] or {}).get("type") == "StagingError", what="the lineage error reported")
+    wait_for(
+        lambda: (sidecar.status()["last_error"] or {}).get("type") == "StagingError", what="the lineage error reported"
+    )
     assert "base checksum" in sidecar.status()["last_error"]["message"]
     assert sidecar.status()["applied_version"] == 1
-    assert [m for m, _ in sidecar.engine.calls[calls:] if m != "health"] == ["stage_patches", "pause", "commit_staged", "reset_prefix_cache", "resume"]  # version 1 only
+    assert [m for m, _ in sidecar.engine.calls[calls:] if m != "health"] == [
+        "stage_patches",
+        "pause",
+        "commit_staged",
+        "reset_prefix_cache",
+        "resume",
+    ]  # version 1 only
 
 
 @pytest.mark.parametrize(
     ("fault", "commit_calls", "error"),
     [
-        ("fail_apply", ["stage_patches", "pause", "commit_staged", "load_snapshot", "apply_patch", "reset_prefix_cache", "resume"], "injected apply failure"),
+        (
+            "fail_apply",
+            ["stage_patches", "pause", "commit_staged", "load_snapshot", "apply_patch", "reset_prefix_cache", "resume"],
+            "injected apply failure",
+        ),
     ],
 )
 def test_failed_apply_recovers_from_the_anchor_in_the_same_pause(fault, commit_calls, error, sc_publisher, sc_start):
@@ -238,7 +272,10 @@ def test_failed_apply_recovers_from_the_anchor_in_the_same_pause(fault, commit_c
     assert_at(sidecar, sc_publisher, 1)
     assert [m for m, _ in sidecar.engine.calls[before:] if m != "health"] == commit_calls
     status = sidecar.status()
-    assert status["last_error"]["message"].startswith("applying versions 0->1") and error in status["last_error"]["message"]
+    assert (
+        status["last_error"]["message"].startswith("applying versions 0->1")
+        and error in status["last_error"]["message"]
+    )
     assert status["last_sync"]["anchor"] is True
     assert 'stitch_sidecar_recoveries_total{outcome="ok"} 1.0' in sidecar.http.get("/metrics").text
 
@@ -275,7 +312,14 @@ def test_restart_finds_an_engine_mid_apply_and_recovers_it(sc_publisher, sc_star
     assert_at(sidecar, sc_publisher, 2)
     assert not engine.paused and engine.phase == "idle"
     # the adapter cannot tell whether an engine mid-apply is paused: the sidecar pauses it (idempotent)
-    assert [m for m, _ in engine.calls if m != "health"] == ["pause", "load_snapshot", "apply_patch", "apply_patch", "reset_prefix_cache", "resume"]
+    assert [m for m, _ in engine.calls if m != "health"] == [
+        "pause",
+        "load_snapshot",
+        "apply_patch",
+        "apply_patch",
+        "reset_prefix_cache",
+        "resume",
+    ]
 
 
 def test_restart_finds_a_paused_engine_and_resumes_it(sc_publisher, sc_start):
@@ -287,7 +331,15 @@ def test_restart_finds_a_paused_engine_and_resumes_it(sc_publisher, sc_start):
     sidecar = sc_start(engine)
     assert_at(sidecar, sc_publisher, 1)
     assert not engine.paused
-    assert [m for m, _ in engine.calls if m != "health"] == ["checksums", "resume", "stage_patches", "pause", "commit_staged", "reset_prefix_cache", "resume"]
+    assert [m for m, _ in engine.calls if m != "health"] == [
+        "checksums",
+        "resume",
+        "stage_patches",
+        "pause",
+        "commit_staged",
+        "reset_prefix_cache",
+        "resume",
+    ]
 
 
 def test_a_sidecar_stops_at_once_when_its_engine_went_away_mid_commit(sc_publisher, sc_start):

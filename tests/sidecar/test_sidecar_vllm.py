@@ -66,7 +66,12 @@ def assert_verified(engine_url: str, run, version: int) -> None:
 
 def complete(url: str, model: str, headers: dict[str, str] | None = None, **body) -> httpx.Response:
     """``POST /v1/completions`` (greedy, 4 tokens unless ``body`` says otherwise)."""
-    return httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, **body}, headers=headers, timeout=600)
+    return httpx.post(
+        f"{url}/v1/completions",
+        json={"model": model, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, **body},
+        headers=headers,
+        timeout=600,
+    )
 
 
 def test_held_request_is_served_once_its_version_is_applied(vllm_run_engine, vllm_run, vllm_sidecars):
@@ -76,9 +81,19 @@ def test_held_request_is_served_once_its_version_is_applied(vllm_run_engine, vll
     v = vllm_run.latest
     sidecar.wait_applied(v)
     early = complete(sidecar.url, vllm_run_engine.model, {"X-Stitch-Min-Version": str(v + 1), "X-Stitch-Wait-S": "0.5"})
-    assert early.status_code == 409 and early.json()["type"] == "WeightVersionNotReady" and early.json()["applied_version"] == v
+    assert (
+        early.status_code == 409
+        and early.json()["type"] == "WeightVersionNotReady"
+        and early.json()["applied_version"] == v
+    )
     held: dict[str, httpx.Response] = {}
-    waiter = threading.Thread(target=lambda: held.update(r=complete(sidecar.url, vllm_run_engine.model, {"X-Stitch-Min-Version": str(v + 1), "X-Stitch-Wait-S": "300"})))
+    waiter = threading.Thread(
+        target=lambda: held.update(
+            r=complete(
+                sidecar.url, vllm_run_engine.model, {"X-Stitch-Min-Version": str(v + 1), "X-Stitch-Wait-S": "300"}
+            )
+        )
+    )
     waiter.start()
     sidecar.wait_status(lambda s: s["requests_waiting"] == 1, "the request for the next version held", 60)
     assert waiter.is_alive() and sidecar.status()["requests_in_flight"] == 0, "the request was not held"
@@ -87,11 +102,21 @@ def test_held_request_is_served_once_its_version_is_applied(vllm_run_engine, vll
     answer = held["r"]
     assert answer.status_code == 200, answer.text
     assert (answer.json()["weight_version_start"], answer.json()["weight_version_end"]) == (v + 1, v + 1)
-    assert (answer.headers["X-Stitch-Version-Start"], answer.headers["X-Stitch-Version-End"]) == (str(v + 1), str(v + 1))
-    assert sidecar.status()["applied_version"] == v + 1 and "stitch_sidecar_requests_held_total 1.0" in sidecar.metrics()
+    assert (answer.headers["X-Stitch-Version-Start"], answer.headers["X-Stitch-Version-End"]) == (
+        str(v + 1),
+        str(v + 1),
+    )
+    assert (
+        sidecar.status()["applied_version"] == v + 1 and "stitch_sidecar_requests_held_total 1.0" in sidecar.metrics()
+    )
     passed = complete(sidecar.url, vllm_run_engine.model, {"X-Stitch-Exact-Version": str(v)})
     assert passed.status_code == 409 and passed.json()["type"] == "WeightVersionPassed"
-    assert complete(sidecar.url, vllm_run_engine.model, {"X-Stitch-Exact-Version": str(v + 1)}).json()["weight_version_end"] == v + 1
+    assert (
+        complete(sidecar.url, vllm_run_engine.model, {"X-Stitch-Exact-Version": str(v + 1)}).json()[
+            "weight_version_end"
+        ]
+        == v + 1
+    )
     assert_verified(vllm_run_engine.url, vllm_run, v + 1)
 
 
@@ -127,11 +152,15 @@ def test_requests_in_flight_across_a_commit_complete_with_both_versions(vllm_run
             break
         print(f"try {attempt + 1}: the requests ended first; trying again")
     else:
-        pytest.fail("in 3 tries the requests never overlapped a commit: the sidecar's sync takes longer than 1,000 tokens")
+        pytest.fail(
+            "in 3 tries the requests never overlapped a commit: the sidecar's sync takes longer than 1,000 tokens"
+        )
     events = requests.events
     (usage,) = [e["usage"] for e in events if e.get("usage")]
     last = [e for e in events if e.get("choices")][-1]
-    assert usage["completion_tokens"] == tokens and last["choices"][0]["finish_reason"] == "length", "the streamed request was cut short"
+    assert usage["completion_tokens"] == tokens and last["choices"][0]["finish_reason"] == "length", (
+        "the streamed request was cut short"
+    )
     assert (events[-1]["weight_version_start"], events[-1]["weight_version_end"]) == (v, v + 1)
     answer = requests.plain.json()
     assert answer["usage"]["completion_tokens"] == tokens and answer["choices"][0]["finish_reason"] == "length"
@@ -149,9 +178,16 @@ def test_restarted_sidecar_does_not_reapply(vllm_run_engine, vllm_run, vllm_side
     second = vllm_sidecars(vllm_run_engine.url, boot_version=0)  # ignored: the engine records its version
     second.proc.wait_healthy(120)
     status = second.status()
-    assert (status["applied_version"], status["target_version"], status["state"], status["last_sync"]) == (v, v, "idle", None)
+    assert (status["applied_version"], status["target_version"], status["state"], status["last_sync"]) == (
+        v,
+        v,
+        "idle",
+        None,
+    )
     metrics = second.metrics()
-    assert "stitch_sidecar_commits_total{" not in metrics and not re.search(r"stitch_sidecar_pause_seconds_count\{route=\"\w+\"\} [1-9]", metrics)
+    assert "stitch_sidecar_commits_total{" not in metrics and not re.search(
+        r"stitch_sidecar_pause_seconds_count\{route=\"\w+\"\} [1-9]", metrics
+    )
     assert "engine at version" not in second.proc.log_tail(100_000)
     assert_verified(vllm_run_engine.url, vllm_run, v)
 
@@ -182,7 +218,11 @@ def test_routing_asked_of_a_dense_model_is_refused_by_name(vllm_run_engine, vllm
     """SmolLM2 has no experts: ``return_routed_experts`` gets 400 RoutedExpertsRefused naming the model."""
     sidecar = vllm_sidecars(vllm_run_engine.url)
     sidecar.wait_applied(vllm_run.latest)
-    r = httpx.post(f"{sidecar.url}/v1/completions", json={"model": vllm_run_engine.model, "prompt": "Hi", "max_tokens": 2, "return_routed_experts": True}, timeout=60)
+    r = httpx.post(
+        f"{sidecar.url}/v1/completions",
+        json={"model": vllm_run_engine.model, "prompt": "Hi", "max_tokens": 2, "return_routed_experts": True},
+        timeout=60,
+    )
     assert r.status_code == 400 and r.json()["type"] == "RoutedExpertsRefused", r.text
     assert vllm_run_engine.model in r.json()["message"], r.text
 
@@ -209,9 +249,13 @@ def test_corrupted_bulletin_file_is_rejected_before_touching_the_engine(vllm_run
     blob = vllm_run.store / "runs" / vllm_run.run / "blobs" / patch.sha256
     good = _corrupt(blob)  # bit rot: wrong bytes stored under the sha256
     sidecar = vllm_sidecars(vllm_run_engine.url)
-    status = sidecar.wait_status(lambda s: (s["last_error"] or {}).get("type") == "BlobMismatch", "the checksum mismatch reported")
+    status = sidecar.wait_status(
+        lambda s: (s["last_error"] or {}).get("type") == "BlobMismatch", "the checksum mismatch reported"
+    )
     assert (status["applied_version"], status["target_version"]) == (v, v + 1)
-    assert not re.search(r"stitch_sidecar_pause_seconds_count\{route=\"\w+\"\} [1-9]", sidecar.metrics()), "the engine was paused"
+    assert not re.search(r"stitch_sidecar_pause_seconds_count\{route=\"\w+\"\} [1-9]", sidecar.metrics()), (
+        "the engine was paused"
+    )
     assert httpx.get(f"{sidecar.url}/health", timeout=30).status_code == 200  # still serving verified version v
     assert_verified(vllm_run_engine.url, vllm_run, v)
     assert vllm_run_engine.greedy() == before
@@ -277,7 +321,9 @@ class EngineChain:
         os.killpg(old.proc.pid, signal.SIGKILL)
         old.proc.wait(60)
         old.stop()
-        self.server = VllmServer(self.model_dir, self.logs / f"engine-restarted-{old.port}-{time.monotonic_ns()}.log", port=old.port)
+        self.server = VllmServer(
+            self.model_dir, self.logs / f"engine-restarted-{old.port}-{time.monotonic_ns()}.log", port=old.port
+        )
         self.armed = (None, 0)
         self.server.wait_ready()
         return self.server
@@ -312,7 +358,9 @@ def test_engine_killed_mid_apply_recovers_to_a_verified_version(phase, engine_ch
     assert not status["healthy"] and httpx.get(f"{first.url}/health", timeout=30).status_code == 503
     first.stop()
     following = FAULT_PHASES.index(phase) + 1
-    engine = engine_chain.start(FAULT_PHASES[following] if following < len(FAULT_PHASES) else None, v + 1)  # restarted from its boot checkpoint
+    engine = engine_chain.start(
+        FAULT_PHASES[following] if following < len(FAULT_PHASES) else None, v + 1
+    )  # restarted from its boot checkpoint
     second = vllm_sidecars(engine.url, boot_version=0)
     status = second.wait_applied(v)
     assert status["healthy"] and status["target_version"] == v
@@ -329,7 +377,9 @@ def _pinned(url: str, model: str, version: int) -> dict:
     return {"text": body["choices"][0]["text"], "logprobs": body["choices"][0]["logprobs"]}
 
 
-def test_engine_restarted_under_a_running_sidecar_is_never_served_under_the_old_version(engine_chain, vllm_run, vllm_sidecars):
+def test_engine_restarted_under_a_running_sidecar_is_never_served_under_the_old_version(
+    engine_chain, vllm_run, vllm_sidecars
+):
     """Reliability, part A, on a real engine. (1) The engine is killed (-9) and started again on
     the same port from its boot checkpoint while a sidecar claims version v: a request pinned to v
     is answered only once the engine holds v again, bit for bit the same answer as before the

@@ -18,7 +18,9 @@ from stitchboard.sidecar.spans import SpanLedger, Spans
 def _arrive(mark: str, n: int, stream: bool = True) -> SimpleNamespace:
     # One request reaching the scheduler's intake; returns the Req made of it.
     req = SimpleNamespace(rid="0f" * 16, output_ids=[], finished=lambda: False)
-    recv = SimpleNamespace(stream=stream, sampling_params=SimpleNamespace(custom_params={"mine": 1, MARK_PARAM: mark}, n=n))
+    recv = SimpleNamespace(
+        stream=stream, sampling_params=SimpleNamespace(custom_params={"mine": 1, MARK_PARAM: mark}, n=n)
+    )
     token_counts._number(req, recv)
     return req
 
@@ -32,7 +34,10 @@ def test_outputs_are_numbered_in_arrival_order_per_mark_skipping_the_prefill_req
     second = [_arrive(a, 2) for _ in range(2)]
     assert [token_counts._key(r) for r in first + second] == [f"{a}:0:0", f"{a}:0:1", f"{a}:1:0", f"{a}:1:1"]
     assert token_counts._key(other) == f"{b}:0:0"
-    assert token_counts._key(_arrive("not-a-mark", 2)) is None and sample_key("stitch-" + "c" * 32, 5, None) == "stitch-" + "c" * 32 + ":5:0"
+    assert (
+        token_counts._key(_arrive("not-a-mark", 2)) is None
+        and sample_key("stitch-" + "c" * 32, 5, None) == "stitch-" + "c" * 32 + ":5:0"
+    )
     plain = SimpleNamespace(rid="mine-stitch-" + "d" * 32, output_ids=[1, 2], finished=lambda: True)
     assert token_counts._key(plain) == "stitch-" + "d" * 32 + ":0:0", "a one-output request is still keyed by its rid"
 
@@ -42,14 +47,18 @@ def test_several_outputs_are_marked_in_custom_params_and_split_per_choice():
     body = {"model": "x", "prompt": "x", "stream": True, "n": 2, "custom_params": {"mine": 1}, "rid": "client"}
     spans = Spans(ledger, True, 4, "/v1/completions", body, None)
     mark = body["custom_params"][MARK_PARAM]
-    assert not spans.engine_reports and spans.multi and spans.changed_body and body["rid"] == "client", "the client's rid is left alone"
+    assert not spans.engine_reports and spans.multi and spans.changed_body and body["rid"] == "client", (
+        "the client's rid is left alone"
+    )
     assert body["custom_params"]["mine"] == 1 and mark == spans.request_id[-39:] and body["return_token_ids"] is True
     reqs = [_arrive(mark, 2, stream=False), _arrive(mark, 2), _arrive(mark, 2)]
     reqs[1].output_ids, reqs[2].output_ids = [7] * 3, [7] * 5
     ledger.commit(5, {k: len(r.output_ids) for r in reqs if (k := token_counts._key(r)) is not None})
     for index, ids in ((1, [1, 2, 3, 4, 5, 6]), (0, [1, 2, 3, 4])):
         event = {"choices": [{"index": index, "text": "t", "token_ids": ids}]}
-        assert spans.see_event(event) == "edited" and "token_ids" not in event["choices"][0], "ids only the sidecar asked for are taken out"
+        assert spans.see_event(event) == "edited" and "token_ids" not in event["choices"][0], (
+            "ids only the sidecar asked for are taken out"
+        )
     top, per_choice = spans.streamed(5)
     assert top is None and per_choice == {
         0: [{"version": 4, "start": 0, "end": 3}, {"version": 5, "start": 3, "end": 4}],
@@ -59,4 +68,6 @@ def test_several_outputs_are_marked_in_custom_params_and_split_per_choice():
     counted = Spans(ledger, True, 4, "/v1/chat/completions", chat, None)
     assert chat["custom_params"] == {MARK_PARAM: counted.request_id} and not counted.engine_reports
     unmarkable = {"prompt": "x", "stream": True, "n": 2, "custom_params": "no dict"}
-    assert Spans(ledger, True, 4, "/v1/completions", unmarkable, None).engine_reports, "params it cannot extend: no count (null spans)"
+    assert Spans(ledger, True, 4, "/v1/completions", unmarkable, None).engine_reports, (
+        "params it cannot extend: no count (null spans)"
+    )

@@ -17,7 +17,9 @@ from stitchboard.sidecar.spans import DROP, SEND, SpanLedger, Spans, SpanStamper
 def test_spans_split_at_each_commit_count():
     assert build_spans(3, [], 10) == [{"version": 3, "start": 0, "end": 10}]
     assert build_spans(3, [(4, 6)], 10) == [{"version": 3, "start": 0, "end": 6}, {"version": 4, "start": 6, "end": 10}]
-    assert build_spans(3, [(4, 0)], 10) == [{"version": 4, "start": 0, "end": 10}], "not started at the commit: all under the new version"
+    assert build_spans(3, [(4, 0)], 10) == [{"version": 4, "start": 0, "end": 10}], (
+        "not started at the commit: all under the new version"
+    )
     assert build_spans(3, [(4, 10)], 10) == [{"version": 3, "start": 0, "end": 10}], "finished before the commit"
     assert build_spans(3, [(4, 2), (5, 2), (6, 7)], 9) == [
         {"version": 3, "start": 0, "end": 2},
@@ -32,7 +34,9 @@ def test_ledger_records_counts_by_mark_and_forgets_closed_requests():
     other = ledger.open(2)
     assert rid.startswith("client-7-stitch-") and len(other) == 39 and ledger.wanted()
     ledger.commit(3, {f"{rid[-39:]}:0:0": 5, f"{other}:0:0": 1})
-    assert ledger.close(rid, {0: 8}) == {0: [{"version": 2, "start": 0, "end": 5}, {"version": 3, "start": 5, "end": 8}]}
+    assert ledger.close(rid, {0: 8}) == {
+        0: [{"version": 2, "start": 0, "end": 5}, {"version": 3, "start": 5, "end": 8}]
+    }
     assert ledger.close(rid, {0: 8}) is None, "closed once"
     ledger.commit(4, None)  # the engine could not count: no spans rather than wrong ones
     assert ledger.close(other, {0: 8}) is None and not ledger.wanted()
@@ -54,7 +58,10 @@ def test_vllm_request_ids_name_their_output():
     mark = "stitch-" + "ab" * 16
     assert output_key(f"cmpl-{mark}-0-1a2b3c4d") == f"{mark}:0:0"
     assert output_key(f"3_cmpl-client-7-{mark}-2-12345678") == f"{mark}:2:3"
-    assert output_key(f"chatcmpl-{mark}-12345678") == f"{mark}:0:0" and output_key(f"1_chatcmpl-{mark}-00000001") == f"{mark}:0:1"
+    assert (
+        output_key(f"chatcmpl-{mark}-12345678") == f"{mark}:0:0"
+        and output_key(f"1_chatcmpl-{mark}-00000001") == f"{mark}:0:1"
+    )
     assert output_key("cmpl-plain-0-1a2b3c4d") is None
 
 
@@ -74,14 +81,32 @@ def test_several_outputs_get_spans_per_choice_and_the_token_ids_only_the_sidecar
     spans = Spans(ledger, False, 1, "/v1/completions", body, None)
     assert body["return_token_ids"] and spans.changed_body and spans.multi
     ledger.commit(2, {f"{spans.request_id}:0:1": 2})
-    answer = {"choices": [{"index": 0, "text": "ab", "token_ids": [5, 6], "prompt_token_ids": [1]}, {"index": 1, "text": "abc", "token_ids": [5, 6, 7]}]}
+    answer = {
+        "choices": [
+            {"index": 0, "text": "ab", "token_ids": [5, 6], "prompt_token_ids": [1]},
+            {"index": 1, "text": "abc", "token_ids": [5, 6, 7]},
+        ]
+    }
     spans.attach(answer)
-    assert answer["weight_versions"] is None and "token_ids" not in answer["choices"][0] and "prompt_token_ids" not in answer["choices"][0]
-    assert [c["weight_versions"] for c in answer["choices"]] == [[{"version": 2, "start": 0, "end": 2}], [{"version": 1, "start": 0, "end": 2}, {"version": 2, "start": 2, "end": 3}]]
-    streamed = Spans(ledger, False, 1, "/v1/completions", {"prompt": "x", "n": 2, "stream": True, "return_token_ids": True}, None)
-    assert streamed.see_event({"choices": [{"index": 1, "text": "a", "token_ids": [5]}]}) == SEND, "the client asked for the ids"
+    assert (
+        answer["weight_versions"] is None
+        and "token_ids" not in answer["choices"][0]
+        and "prompt_token_ids" not in answer["choices"][0]
+    )
+    assert [c["weight_versions"] for c in answer["choices"]] == [
+        [{"version": 2, "start": 0, "end": 2}],
+        [{"version": 1, "start": 0, "end": 2}, {"version": 2, "start": 2, "end": 3}],
+    ]
+    streamed = Spans(
+        ledger, False, 1, "/v1/completions", {"prompt": "x", "n": 2, "stream": True, "return_token_ids": True}, None
+    )
+    assert streamed.see_event({"choices": [{"index": 1, "text": "a", "token_ids": [5]}]}) == SEND, (
+        "the client asked for the ids"
+    )
     ledger.commit(2, {f"{streamed.request_id}:0:1": 1})
-    streamed.see_event({"choices": [{"index": 0, "text": "a", "token_ids": [5, 6]}, {"index": 1, "text": "b", "token_ids": [7]}]})
+    streamed.see_event(
+        {"choices": [{"index": 0, "text": "a", "token_ids": [5, 6]}, {"index": 1, "text": "b", "token_ids": [7]}]}
+    )
     stamper = SpanStamper(1, lambda: 2, None, lambda: streamed.streamed(2))
     stamp = json.loads(stamper.finish()[5:])
     assert stamp["weight_versions"] is None and stamp["choices"] == [
@@ -91,7 +116,10 @@ def test_several_outputs_get_spans_per_choice_and_the_token_ids_only_the_sidecar
 
 
 def test_sglang_spans_are_passed_on_with_integer_versions():
-    info = {"weight_version": "5", "weight_versions": [{"version": "4", "start": 0, "end": 3}, {"version": "5", "start": 3, "end": 8}]}
+    info = {
+        "weight_version": "5",
+        "weight_versions": [{"version": "4", "start": 0, "end": 3}, {"version": "5", "start": 3, "end": 8}],
+    }
     assert engine_spans(info, 8) == [{"version": 4, "start": 0, "end": 3}, {"version": 5, "start": 3, "end": 8}]
     assert engine_spans({"weight_version": "5"}, 8) == [{"version": 5, "start": 0, "end": 8}]
     assert engine_spans({"weight_version": "default"}, 8) is None
@@ -122,14 +150,18 @@ def test_salted_commits_reset_only_when_old_kv_could_still_be_used():
     assert salter.salt("/v1/completions", body, 7) and body["cache_salt"] == "mine|stitch-v7"
     assert not salter.needs_reset(0), "nothing in flight, every request salted: no reset"
     assert salter.needs_reset(1), "a request admitted under the old version runs on"
-    assert not salter.salt("/v1/embeddings", {"input": "x"}, 7) and salter.needs_reset(0), "an unsalted request was admitted"
+    assert not salter.salt("/v1/embeddings", {"input": "x"}, 7) and salter.needs_reset(0), (
+        "an unsalted request was admitted"
+    )
     salter.was_reset()
     assert not salter.needs_reset(0)
     assert CacheSalter(False, "vllm").needs_reset(0) and CacheSalter(True, "fake").needs_reset(0)
     sglang = CacheSalter(True, "sglang")
     batch = {"text": ["a", "b"], "cache_salt": ["mine", ""]}
     assert sglang.salt("/generate", batch, 3) and batch["cache_salt"] == ["mine|stitch-v3", "stitch-v3"]
-    assert not sglang.salt("/generate", {"text": "a", "cache_salt": 5}, 3) and sglang.needs_reset(0), "a salt it cannot extend"
+    assert not sglang.salt("/generate", {"text": "a", "cache_salt": 5}, 3) and sglang.needs_reset(0), (
+        "a salt it cannot extend"
+    )
 
 
 def test_sglang_openai_streams_are_counted_by_their_rid():
@@ -137,9 +169,13 @@ def test_sglang_openai_streams_are_counted_by_their_rid():
     body = {"prompt": "x", "stream": True, "rid": "mine"}
     spans = Spans(ledger, True, 4, "/v1/completions", body, None)
     assert body["rid"] == spans.request_id and body["rid"].startswith("mine-stitch-") and not spans.engine_reports
-    assert sglang_output_key(body["rid"]) == f"{body['rid'][-39:]}:0:0" and sglang_output_key(body["rid"] + "_3").endswith(":0:3")
+    assert sglang_output_key(body["rid"]) == f"{body['rid'][-39:]}:0:0" and sglang_output_key(
+        body["rid"] + "_3"
+    ).endswith(":0:3")
     ledger.commit(5, {f"{body['rid'][-39:]}:0:0": 2})
     spans.see_event({"choices": [], "usage": {"completion_tokens": 6}})
     assert spans.streamed(5) == ([{"version": 4, "start": 0, "end": 2}, {"version": 5, "start": 2, "end": 6}], None)
     for plain in ({"prompt": "x"}, {"prompt": "x", "n": 2}, {"text": "x", "stream": True}):
-        assert Spans(ledger, True, 4, "/generate" if "text" in plain else "/v1/completions", plain, None).engine_reports, f"SGLang reports its own spans (or none): {plain}"
+        assert Spans(
+            ledger, True, 4, "/generate" if "text" in plain else "/v1/completions", plain, None
+        ).engine_reports, f"SGLang reports its own spans (or none): {plain}"

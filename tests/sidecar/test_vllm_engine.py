@@ -77,7 +77,9 @@ def test_engine_reads_back_the_boot_checkpoint(vllm_adapter, vllm_views):
     assert vllm_adapter.health()
 
 
-def test_patch_in_place_is_bit_exact_with_a_fresh_engine(vllm_engine, vllm_adapter, vllm_views, vllm_snapshot, vllm_workdir, vllm_fresh_greedy):
+def test_patch_in_place_is_bit_exact_with_a_fresh_engine(
+    vllm_engine, vllm_adapter, vllm_views, vllm_snapshot, vllm_workdir, vllm_fresh_greedy
+):
     _bring_to(vllm_adapter, vllm_snapshot, 0)
     assert vllm_engine.greedy() == vllm_engine.boot_greedy
     diff = diff_views(vllm_views[0], vllm_views[1], ENCODING)
@@ -95,7 +97,9 @@ def test_patch_in_place_is_bit_exact_with_a_fresh_engine(vllm_engine, vllm_adapt
     assert patched == vllm_fresh_greedy(1)
 
 
-def test_wrong_base_or_version_is_refused_before_any_write(vllm_engine, vllm_adapter, vllm_views, vllm_snapshot, vllm_workdir, vllm_fresh_greedy):
+def test_wrong_base_or_version_is_refused_before_any_write(
+    vllm_engine, vllm_adapter, vllm_views, vllm_snapshot, vllm_workdir, vllm_fresh_greedy
+):
     from stitchboard.sidecar.errors import ApplyRefusedError, EngineStateError
 
     _bring_to(vllm_adapter, vllm_snapshot, 1)
@@ -119,16 +123,29 @@ def test_corrupt_or_unmappable_patch_is_rejected(vllm_adapter, vllm_views, vllm_
     name = "model.layers.0.mlp.up_proj.weight"
     base, target = vllm_views[1][name], vllm_views[2][name]
     enc = encode_tensor(name, base, target, ENCODING)
-    stray = build_patch([dataclasses.replace(enc, entry=dataclasses.replace(enc.entry, name="model.layers.0.mlp.sideways_proj.weight"))], ENCODING)
+    stray = build_patch(
+        [
+            dataclasses.replace(
+                enc, entry=dataclasses.replace(enc.entry, name="model.layers.0.mlp.sideways_proj.weight")
+            )
+        ],
+        ENCODING,
+    )
     # a flipped byte of a range-coded stream either fails to decode or decodes to bits off the target checksum
-    for label, data, causes in [("flipped", bytes(flipped), {"PatchFormatError", "TargetMismatch"}), ("truncated", good[: len(good) // 2], {"PatchFormatError"}), ("stray", stray, {"UnmappedTensor"})]:
+    for label, data, causes in [
+        ("flipped", bytes(flipped), {"PatchFormatError", "TargetMismatch"}),
+        ("truncated", good[: len(good) // 2], {"PatchFormatError"}),
+        ("stray", stray, {"UnmappedTensor"}),
+    ]:
         with pytest.raises(ApplyRefusedError) as refused:
             vllm_adapter.apply_patch(_write(vllm_workdir, f"{label}.patch", data), 1, 2)
         assert refused.value.details["cause"] in causes, label
     _assert_holds(vllm_adapter, vllm_views, 1)
 
 
-def test_wrong_target_checksum_is_refused_before_any_write(vllm_engine, vllm_adapter, vllm_views, vllm_snapshot, vllm_workdir, vllm_fresh_greedy):
+def test_wrong_target_checksum_is_refused_before_any_write(
+    vllm_engine, vllm_adapter, vllm_views, vllm_snapshot, vllm_workdir, vllm_fresh_greedy
+):
     """Staging applies the patch to a host copy and checks the targets there: a wrong target
     checksum is refused before the first write. (Restoring after a failed verification in the
     commit, GEMM copies included, is covered by test_vllm_staging.py.)"""
@@ -148,7 +165,9 @@ def test_wrong_target_checksum_is_refused_before_any_write(vllm_engine, vllm_ada
     assert vllm_engine.greedy() == vllm_fresh_greedy(1)
 
 
-def test_chain_staged_while_serving_commits_bit_exact(vllm_engine, vllm_adapter, vllm_views, vllm_snapshot, vllm_workdir):
+def test_chain_staged_while_serving_commits_bit_exact(
+    vllm_engine, vllm_adapter, vllm_views, vllm_snapshot, vllm_workdir
+):
     """Versions 0 -> 1 -> 2 are staged as one update while a request generates (nothing written,
     engine not paused), then committed in a pause with the GEMM copies packed while staging. The
     answers equal those after loading version 2's snapshot, which re-packs every linear layer from
@@ -158,17 +177,30 @@ def test_chain_staged_while_serving_commits_bit_exact(vllm_engine, vllm_adapter,
     _bring_to(vllm_adapter, vllm_snapshot, 0)
     with pytest.raises(EngineStateError, match="no staged update"):
         vllm_adapter.commit_staged(2)
-    steps = [([_write(vllm_workdir, f"chain-v{v}.patch", _patch(vllm_views[v - 1], vllm_views[v]))], v - 1, v) for v in (1, 2)]
+    steps = [
+        ([_write(vllm_workdir, f"chain-v{v}.patch", _patch(vllm_views[v - 1], vllm_views[v]))], v - 1, v)
+        for v in (1, 2)
+    ]
     answer: dict[str, httpx.Response] = {}
-    body = {"model": vllm_engine.model, "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
-    request = threading.Thread(target=lambda: answer.update(r=httpx.post(f"{vllm_engine.url}/v1/completions", json=body, timeout=600)))
+    body = {
+        "model": vllm_engine.model,
+        "prompt": "Once upon a time",
+        "max_tokens": 200,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
+    request = threading.Thread(
+        target=lambda: answer.update(r=httpx.post(f"{vllm_engine.url}/v1/completions", json=body, timeout=600))
+    )
     request.start()
     staged = vllm_adapter.stage_patches(steps)
     assert (vllm_adapter.state().version, vllm_adapter.state().phase) == (0, "idle")
     assert vllm_adapter.checksums(sorted(vllm_views[0])) == view_sums(vllm_views[0]), "staging wrote to the engine"
     request.join(600)
     assert answer["r"].status_code == 200 and answer["r"].json()["usage"]["completion_tokens"] == 200
-    touched = set(diff_views(vllm_views[0], vllm_views[1]).changed_tensors) | set(diff_views(vllm_views[1], vllm_views[2]).changed_tensors)
+    touched = set(diff_views(vllm_views[0], vllm_views[1]).changed_tensors) | set(
+        diff_views(vllm_views[1], vllm_views[2]).changed_tensors
+    )
     assert staged["repacked_modules"] >= 4 * 30 + 1 and staged["tensors"] == len(touched)
     vllm_adapter.pause()
     try:
@@ -262,7 +294,9 @@ def test_tensor_parallel_3_patch_is_bit_exact_with_a_fresh_tp3_engine(smollm2_di
         engine.set_version(0)
         assert engine.checksums(sorted(vllm_views[0])) == view_sums(vllm_views[0])
         before = server.greedy()
-        staged = engine.stage_patches([([_write(vllm_workdir, "tp3.patch", _patch(vllm_views[0], vllm_views[1]))], 0, 1)])
+        staged = engine.stage_patches(
+            [([_write(vllm_workdir, "tp3.patch", _patch(vllm_views[0], vllm_views[1]))], 0, 1)]
+        )
         engine.pause()  # staged by each rank in a background thread (gathers on stitchboard's own group)
         report = engine.commit_staged(1)
         engine.reset_prefix_cache()

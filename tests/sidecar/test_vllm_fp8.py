@@ -35,7 +35,13 @@ from tests.support.training import TRAINING_TEXT
 from tests.support.vllm_server import VllmServer, require_vllm
 
 PROMPTS = ("The capital of France is", "Once upon a time,")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
 
 
 @dataclass
@@ -55,7 +61,10 @@ class Fp8Run:
     def patch_paths(self, version: int) -> list[str]:
         out = self.folder / f"patches-v{version}"
         out.mkdir(exist_ok=True)
-        return [str(self.client.download_blob(self.run, f.sha256, out / f.path, f.size_bytes)) for f in self.client.manifest(self.run, version).files_of("patch")]
+        return [
+            str(self.client.download_blob(self.run, f.sha256, out / f.path, f.size_bytes))
+            for f in self.client.manifest(self.run, version).files_of("patch")
+        ]
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +135,10 @@ def test_fp8_patches_in_place_equal_a_fresh_engine(fp8_run: Fp8Run):
         assert adapter.checksums([t.name for t in manifest.tensors]) == manifest.checksums()
         patched = engine.greedy(PROMPTS, max_tokens=4)
         # formats this adapter does not map are refused by name
-        for name, recipe in (("model.layers.0.self_attn.q_proj.weight_scale_inv", "fp8-block"), ("model.layers.0.mlp.up_proj.weight_packed", "nvfp4")):
+        for name, recipe in (
+            ("model.layers.0.self_attn.q_proj.weight_scale_inv", "fp8-block"),
+            ("model.layers.0.mlp.up_proj.weight_packed", "nvfp4"),
+        ):
             with pytest.raises(ApplyRefusedError, match=recipe):
                 adapter.checksums([name])
     finally:

@@ -13,7 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from stitchboard.sidecar.engines.vllm.launch import FP8_FLAG_LINE, FP8_SERVER_MODULE, VLLM_SERVER_MODULE, is_fp8_channel_checkpoint, vllm_command
+from stitchboard.sidecar.engines.vllm.launch import (
+    FP8_FLAG_LINE,
+    FP8_SERVER_MODULE,
+    VLLM_SERVER_MODULE,
+    is_fp8_channel_checkpoint,
+    vllm_command,
+)
 from stitchboard.trainer_client.recipes import get_recipe
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64}
@@ -26,7 +32,9 @@ def _checkpoint(folder: Path, served: str | None) -> Path:
     return folder
 
 
-@pytest.mark.parametrize(("served", "fp8"), [("fp8", True), ("bf16", False), ("fp8-block", False), ("nvfp4", False), (None, False)])
+@pytest.mark.parametrize(
+    ("served", "fp8"), [("fp8", True), ("bf16", False), ("fp8-block", False), ("nvfp4", False), (None, False)]
+)
 def test_only_the_fp8_channel_view_uses_the_fp8_server_module(tmp_path: Path, served: str | None, fp8: bool):
     model = _checkpoint(tmp_path / "m", served)
     assert is_fp8_channel_checkpoint(model) is fp8

@@ -27,7 +27,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.sidecar.moe_fixtures import ASK_ROUTING, MOE_CONTEXT, ROUTING_PROMPT, MoeRun, complete, engine_routing, load_version_0, moe_engines, routed_rows  # noqa: F401 - fixture
+from tests.sidecar.moe_fixtures import (
+    ASK_ROUTING,
+    MOE_CONTEXT,
+    ROUTING_PROMPT,
+    MoeRun,
+    complete,
+    engine_routing,
+    load_version_0,
+    moe_engines,  # noqa: F401 - fixture
+    routed_rows,
+)
 from tests.sidecar.vllm_fixtures import SidecarProcess
 from tests.support.vllm_server import VllmServer, require_vllm
 
@@ -57,7 +67,13 @@ def moe_runs(tmp_path: Path) -> Iterator[Callable[[str], MoeRun]]:
 
 # tiny-qwen3-moe at TP 1 last: its engine, left at version 0's bits, is the routing tests' (test_vllm_routing.py)
 @pytest.mark.parametrize(("preset", "tp"), [("tiny-mixtral", 1), ("tiny-qwen3-moe", 2), ("tiny-qwen3-moe", 1)])
-def test_moe_patches_through_the_sidecar_equal_a_fresh_engine(preset: str, tp: int, moe_engines, moe_runs, tmp_path: Path) -> None:  # noqa: F811
+def test_moe_patches_through_the_sidecar_equal_a_fresh_engine(
+    preset: str,
+    tp: int,
+    moe_engines,  # noqa: F811
+    moe_runs,
+    tmp_path: Path,
+) -> None:
     from stitchboard.sidecar.engines.vllm.adapter import VllmEngine
     from stitchboard.sidecar.errors import ApplyRefusedError
 
@@ -76,7 +92,9 @@ def test_moe_patches_through_the_sidecar_equal_a_fresh_engine(preset: str, tp: i
         sidecar.wait_applied(3)  # one plan: 0 -> 3
         single, expert = run.step_one_expert(layer=1)
         names = run.changed(single)
-        assert names and all(f"layers.1.mlp.experts.{expert}." in n or f"layers.1.block_sparse_moe.experts.{expert}." in n for n in names), names
+        assert names and all(
+            f"layers.1.mlp.experts.{expert}." in n or f"layers.1.block_sparse_moe.experts.{expert}." in n for n in names
+        ), names
         if tp == 1:  # the fresh engine starts while this one is checked (each engine process runs one torch thread)
             fresh = _fresh(run, single, tp, tmp_path)
         sidecar.wait_applied(single)
@@ -104,7 +122,9 @@ def test_moe_patches_through_the_sidecar_equal_a_fresh_engine(preset: str, tp: i
             ids, rows = engine_routing(fresh, ROUTING_PROMPT, ROUTING_TOKENS)
             ours = routed_rows(routed)
             assert routed["routed_experts_weight_versions"] == [{"version": single, "start": 0, "end": len(ours)}]
-            assert ids == routed["choices"][0]["token_ids"] and np.array_equal(rows[: len(ours)], ours), "the sidecar returned other experts than the fresh engine routes to"
+            assert ids == routed["choices"][0]["token_ids"] and np.array_equal(rows[: len(ours)], ours), (
+                "the sidecar returned other experts than the fresh engine routes to"
+            )
     finally:
         sidecar.stop()
         if fresh is not None:
@@ -152,7 +172,9 @@ def test_unknown_moe_backends_are_refused_by_name() -> None:
 
     name = "model.layers.0.mlp.experts.0.gate_proj.weight"
     for experts, shown in ((FlashInferExperts(), "FlashInferExperts"), (CPUUnquantizedExperts(), "zentorch")):
-        module = SimpleNamespace(quant_method=SimpleNamespace(moe_kernel=SimpleNamespace(impl=SimpleNamespace(fused_experts=experts))))
+        module = SimpleNamespace(
+            quant_method=SimpleNamespace(moe_kernel=SimpleNamespace(impl=SimpleNamespace(fused_experts=experts)))
+        )
         with pytest.raises(UnmappedTensorError, match=shown) as info:
             _backend(module, name)
         assert "w31" in str(info.value) and info.value.details["name"] == name

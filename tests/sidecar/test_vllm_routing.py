@@ -131,7 +131,16 @@ def routing(moe_engines: MoeEngines) -> Iterator[Routing]:  # noqa: F811
 
 
 def _streamed(url: str, model: str, prompt: str, tokens: int, **body) -> tuple[list[int], dict]:
-    payload = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "return_token_ids": True, "stream": True, **body}
+    payload = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "stream": True,
+        **body,
+    }
     with httpx.stream("POST", f"{url}/v1/completions", json=payload, timeout=600) as r:
         assert r.status_code == 200, r.read()
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
@@ -141,7 +150,10 @@ def _streamed(url: str, model: str, prompt: str, tokens: int, **body) -> tuple[l
 
 def _prefix_hits(engine_url: str) -> float:
     text = httpx.get(f"{engine_url}/metrics", timeout=30).text
-    return sum(float(m.group(1)) for m in re.finditer(r"^vllm:prefix_cache_hits_total(?:{[^}]*})? ([0-9.e+]+)$", text, re.MULTILINE))
+    return sum(
+        float(m.group(1))
+        for m in re.finditer(r"^vllm:prefix_cache_hits_total(?:{[^}]*})? ([0-9.e+]+)$", text, re.MULTILINE)
+    )
 
 
 def test_routing_changes_with_the_router_and_streamed_equals_plain(routing: Routing):
@@ -150,20 +162,39 @@ def test_routing_changes_with_the_router_and_streamed_equals_plain(routing: Rout
     plain = complete(sidecar.url, model, PROMPT, tokens, **ASK)
     n_prompt = plain["usage"]["prompt_tokens"]
     rows0 = routed_rows(plain)
-    assert rows0.shape == (n_prompt + tokens - 1, 2, 2) and plain["routed_experts_weight_versions"] == [{"version": 0, "start": 0, "end": n_prompt + tokens - 1}]
+    assert rows0.shape == (n_prompt + tokens - 1, 2, 2) and plain["routed_experts_weight_versions"] == [
+        {"version": 0, "start": 0, "end": n_prompt + tokens - 1}
+    ]
     assert ((rows0 >= 0) & (rows0 < 8)).all() and (rows0[:, :, 0] != rows0[:, :, 1]).all()
     ids, stamp = _streamed(sidecar.url, model, PROMPT, tokens, **ASK)
     assert ids == plain["choices"][0]["token_ids"] and np.array_equal(routed_rows(stamp), rows0)
     assert stamp["routed_experts_weight_versions"] == plain["routed_experts_weight_versions"]
     tail = complete(sidecar.url, model, PROMPT, tokens, routed_experts_start_len=n_prompt, **ASK)
     assert np.array_equal(routed_rows(tail), rows0[n_prompt:]) and tail["routed_experts_start_len"] == n_prompt
-    chat_body = {"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
-    chat = httpx.post(f"{sidecar.url}/v1/chat/completions", headers={"X-Stitch-Return-Routed-Experts": "1"}, json=chat_body, timeout=600).json()
+    chat_body = {
+        "model": model,
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    chat = httpx.post(
+        f"{sidecar.url}/v1/chat/completions",
+        headers={"X-Stitch-Return-Routed-Experts": "1"},
+        json=chat_body,
+        timeout=600,
+    ).json()
     chat_rows = chat["usage"]["prompt_tokens"] + tokens - 1
-    assert routed_rows(chat).shape == (chat_rows, 2, 2) and chat["routed_experts_weight_versions"] == [{"version": 0, "start": 0, "end": chat_rows}]
-    with httpx.stream("POST", f"{sidecar.url}/v1/chat/completions", json={**chat_body, **ASK, "stream": True}, timeout=600) as r:
+    assert routed_rows(chat).shape == (chat_rows, 2, 2) and chat["routed_experts_weight_versions"] == [
+        {"version": 0, "start": 0, "end": chat_rows}
+    ]
+    with httpx.stream(
+        "POST", f"{sidecar.url}/v1/chat/completions", json={**chat_body, **ASK, "stream": True}, timeout=600
+    ) as r:
         chat_stamp = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")][-1]
-    assert np.array_equal(routed_rows(chat_stamp), routed_rows(chat)), "a streamed chat answer routed otherwise than the plain one"
+    assert np.array_equal(routed_rows(chat_stamp), routed_rows(chat)), (
+        "a streamed chat answer routed otherwise than the plain one"
+    )
 
     complete(sidecar.url, model, PROMPT, 1)  # caches the prompt's blocks
     hits = _prefix_hits(routing.a.url)
@@ -211,7 +242,10 @@ class RoutedRequests(LongRequests):
 def _row_versions(spans: list[dict], n_prompt: int) -> list[dict]:
     """The versions of the rows of an answer whose output tokens have ``spans``: output token ``i``
     came from the forward pass that read position ``n_prompt - 1 + i`` (the prompt's rows from the first's)."""
-    return [{"version": s["version"], "start": 0 if i == 0 else n_prompt - 1 + s["start"], "end": n_prompt - 1 + s["end"]} for i, s in enumerate(spans)]
+    return [
+        {"version": s["version"], "start": 0 if i == 0 else n_prompt - 1 + s["start"], "end": n_prompt - 1 + s["end"]}
+        for i, s in enumerate(spans)
+    ]
 
 
 def _cross_a_commit(routing: Routing, tokens: int) -> tuple[int, dict, RoutedRequests] | None:
@@ -236,7 +270,9 @@ def _cross_a_commit(routing: Routing, tokens: int) -> tuple[int, dict, RoutedReq
     applied = time.monotonic() - released
     requests.join()
     assert not requests.failures, requests.failures
-    print(f"version {v + 1} applied {applied:.2f} s after its commit was released; requests done {time.monotonic() - released:.2f} s after")
+    print(
+        f"version {v + 1} applied {applied:.2f} s after its commit was released; requests done {time.monotonic() - released:.2f} s after"
+    )
     if [s["version"] for s in requests.events[-1]["weight_versions"]] == [v]:
         return None
     return v, before, requests
@@ -263,22 +299,35 @@ def test_requests_crossing_a_commit_carry_each_rows_version(routing: Routing):
             break
         print(f"try {attempt + 1}: the stream ended before the commit was applied")
     else:
-        pytest.fail(f"in {CROSSING_TRIES} tries the stream ended before the commit reached the engine: the sidecar's sync is slower than a {CROSSING_TOKENS}-token stream")
+        pytest.fail(
+            f"in {CROSSING_TRIES} tries the stream ended before the commit reached the engine: the sidecar's sync is slower than a {CROSSING_TOKENS}-token stream"
+        )
     v, before, requests = crossed
-    old_ids, old_rows, n_prompt = before["choices"][0]["token_ids"], routed_rows(before), before["usage"]["prompt_tokens"]
+    old_ids, old_rows, n_prompt = (
+        before["choices"][0]["token_ids"],
+        routed_rows(before),
+        before["usage"]["prompt_tokens"],
+    )
     stamp = requests.events[-1]
     stream_ids = [t for e in requests.events[:-1] for c in e.get("choices", []) for t in c.get("token_ids") or []]
     plain = requests.plain.json()
     assert [s["version"] for s in stamp["weight_versions"]] == [v, v + 1], stamp["weight_versions"]
     for name, answer, ids in (("plain", plain, plain["choices"][0]["token_ids"]), ("stream", stamp, stream_ids)):
         spans, rows = answer["weight_versions"], routed_rows(answer)
-        assert answer["routed_experts_weight_versions"] == _row_versions(spans, n_prompt) and len(rows) == n_prompt + tokens - 1, (name, spans)
+        assert (
+            answer["routed_experts_weight_versions"] == _row_versions(spans, n_prompt)
+            and len(rows) == n_prompt + tokens - 1
+        ), (name, spans)
         if len(spans) == 1:
             print(f"{name}: did not cross the commit, rows all version {spans[0]['version']}")
             continue
         b = spans[0]["end"]  # output tokens [0, b) were made under v: read at positions < n_prompt - 1 + b
         cut = n_prompt - 1 + b
-        assert ids[:b] == old_ids[:b] and np.array_equal(rows[:cut], old_rows[:cut]), f"{name}: the rows before the commit are not version {v}'s"
+        assert ids[:b] == old_ids[:b] and np.array_equal(rows[:cut], old_rows[:cut]), (
+            f"{name}: the rows before the commit are not version {v}'s"
+        )
         after = complete(sidecar.url, model, prompt_ids + ids[:b], 1, routed_experts_start_len=cut, **ASK)
-        assert np.array_equal(rows[cut : cut + 1], routed_rows(after)), f"{name}: the first row after the commit is not version {v + 1}'s"
+        assert np.array_equal(rows[cut : cut + 1], routed_rows(after)), (
+            f"{name}: the first row after the commit is not version {v + 1}'s"
+        )
         print(f"{name}: rows [0, {cut}) version {v}, [{cut}, {len(rows)}) version {v + 1}")

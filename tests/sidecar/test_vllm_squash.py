@@ -28,7 +28,9 @@ def vllm_run(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     folder = tmp_path_factory.mktemp("vllm-squash-run")
     run = VllmRun(smollm2_dir, folder)
     run.publisher.close()  # resumed below with squashes on (rebuilds version 0 from the bulletin)
-    run.publisher = Publisher(run.bulletin.url, run.run, client=run.client, workdir=folder / "publisher", squash_depths=(3,))
+    run.publisher = Publisher(
+        run.bulletin.url, run.run, client=run.client, workdir=folder / "publisher", squash_depths=(3,)
+    )
     yield run
     run.close()
 
@@ -43,5 +45,7 @@ def test_a_replica_three_versions_behind_catches_up_through_one_squash(vllm_run_
     assert squash.size_bytes < chain
     sidecar = vllm_sidecars(vllm_run_engine.url)  # the engine records version 0
     status = sidecar.wait_applied(3)
-    assert status["last_sync"]["from_version"] == 0 and status["last_sync"]["bytes_fetched"] == squash.size_bytes, status["last_sync"]
+    assert status["last_sync"]["from_version"] == 0 and status["last_sync"]["bytes_fetched"] == squash.size_bytes, (
+        status["last_sync"]
+    )
     assert_verified(vllm_run_engine.url, vllm_run, 3)

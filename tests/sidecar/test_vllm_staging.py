@@ -40,7 +40,14 @@ def _view(seed: int, base: dict[str, RawTensor] | None = None, fraction: float =
     out = {}
     for name, shape in SHAPES.items():
         if base is None:
-            bits = torch.randn(shape, generator=torch.Generator().manual_seed(seed + len(name))).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).reshape(-1)
+            bits = (
+                torch.randn(shape, generator=torch.Generator().manual_seed(seed + len(name)))
+                .to(torch.bfloat16)
+                .view(torch.int16)
+                .numpy()
+                .view(np.uint16)
+                .reshape(-1)
+            )
         else:
             bits = base[name].bits.copy()
             hit = rng.random(bits.size) < fraction
@@ -55,7 +62,9 @@ class _Layout:
     def __init__(self, view: dict[str, RawTensor]) -> None:
         qk = np.concatenate([view["q"].bits, view["k"].bits]).view(np.int16).reshape(12, 16)
         self.qkv = torch.nn.Parameter(torch.from_numpy(qk.copy()).view(torch.bfloat16), requires_grad=False)
-        self.norm = torch.nn.Parameter(torch.from_numpy(view["norm"].bits.view(np.int16).copy()).view(torch.bfloat16), requires_grad=False)
+        self.norm = torch.nn.Parameter(
+            torch.from_numpy(view["norm"].bits.view(np.int16).copy()).view(torch.bfloat16), requires_grad=False
+        )
         self.places = {
             "q": Placement("q", "qkv", "BF16", (8, 16), 0, ((0, 8),), 0, 0, self.qkv, ()),
             "k": Placement("k", "qkv", "BF16", (4, 16), 0, ((0, 4),), 0, 8, self.qkv, ()),
@@ -66,10 +75,15 @@ class _Layout:
         return self.places[name]
 
     def held(self) -> dict[str, np.ndarray]:
-        return {n: p.block().contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1).copy() for n, p in self.places.items()}
+        return {
+            n: p.block().contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1).copy()
+            for n, p in self.places.items()
+        }
 
 
-def _files(tmp_path, views: list[dict[str, RawTensor]], encoding: PatchEncoding = "cond") -> list[tuple[list[str], int, int]]:
+def _files(
+    tmp_path, views: list[dict[str, RawTensor]], encoding: PatchEncoding = "cond"
+) -> list[tuple[list[str], int, int]]:
     steps = []
     for v in range(1, len(views)):
         path = tmp_path / f"v{v}.patch"
@@ -159,7 +173,9 @@ def test_a_failed_verification_restores_bits_and_gemm_copies(tmp_path):
     io = WeightIO(layout, None, repack=False)
     staged = stage_patches(io, _files(tmp_path, views))
     linear = _Linear()
-    broken = StagedPatch(staged.from_version, staged.to_version, staged.writes, [(linear, "packed from the target")], staged.report)
+    broken = StagedPatch(
+        staged.from_version, staged.to_version, staged.writes, [(linear, "packed from the target")], staged.report
+    )
     broken.writes[-1].new = broken.writes[-1].new ^ 1  # the last tensor would not reach its target
     phases = []
     with pytest.raises(ApplyFailedError) as failed:

@@ -27,17 +27,27 @@ def outcome(step, what: str) -> dict:
         return {"result": io.agreed(step, what), "seconds": time.monotonic() - t0}
     except Exception as exc:  # noqa: BLE001 - reported to the test
         details = exc.details if isinstance(exc, StitchError) else {}
-        return {"type": exc.type if isinstance(exc, StitchError) else type(exc).__name__, "message": str(exc), "failed": details.get("failed"), "seconds": time.monotonic() - t0}
+        return {
+            "type": exc.type if isinstance(exc, StitchError) else type(exc).__name__,
+            "message": str(exc),
+            "failed": details.get("failed"),
+            "seconds": time.monotonic() - t0,
+        }
 
 
 if __name__ == "__main__":
     out, failing = Path(sys.argv[1]), int(sys.argv[2])
     rank = int(os.environ["RANK"])
-    dist.init_process_group("gloo", init_method=f"file://{out / 'rendezvous'}", rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{out / 'rendezvous'}", rank=rank, world_size=int(os.environ["WORLD_SIZE"])
+    )
     io = WeightIO(layout=None, tp_group=dist.group.WORLD, repack=False)  # agreed() needs only the group
     (out / "patch.safetensors").touch()
     path = out / ("missing.safetensors" if rank == failing else "patch.safetensors")
-    results = [outcome(lambda: path.read_bytes(), "reading the patch files"), outcome(lambda: rank, "writing the update")]
+    results = [
+        outcome(lambda: path.read_bytes(), "reading the patch files"),
+        outcome(lambda: rank, "writing the update"),
+    ]
     (out / f"rank-{rank}.json").write_text(json.dumps(results, default=str))
     dist.barrier()  # no rank tears the group down while another still uses it
     dist.destroy_process_group()

@@ -52,7 +52,10 @@ def vllm_views(smollm2_dir: Path) -> Views:
     from tests.support.training import CpuTrainer
 
     def raw(view: dict) -> dict[str, RawTensor]:
-        return {n: RawTensor("BF16", tuple(t.shape), t.contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1)) for n, t in view.items()}
+        return {
+            n: RawTensor("BF16", tuple(t.shape), t.contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1))
+            for n, t in view.items()
+        }
 
     trainer = CpuTrainer(smollm2_dir)
     views = {0: raw(trainer.served_view())}
@@ -249,7 +252,13 @@ class SidecarProcess:
             "POLL_WAIT_S": "5", "RETRY_BACKOFF_S": "0.2", "MAX_BACKOFF_S": "1", "BULLETIN_RETRIES": "1", "LOG_LEVEL": "info",
         }  # fmt: skip
         full_env = {**{f"STITCH_SIDECAR_{k}": v for k, v in settings.items()}, **env}
-        self.proc = ManagedProcess(f"sidecar-{port}", [*stitchboard_cli(), "sidecar", "run"], folder / f"sidecar-{port}.log", f"{self.url}/health", full_env)
+        self.proc = ManagedProcess(
+            f"sidecar-{port}",
+            [*stitchboard_cli(), "sidecar", "run"],
+            folder / f"sidecar-{port}.log",
+            f"{self.url}/health",
+            full_env,
+        )
 
     def status(self) -> dict:
         """``GET /v1/stitch/status``."""
@@ -265,7 +274,9 @@ class SidecarProcess:
         status: dict = {}
         while time.monotonic() < deadline:
             if self.proc.proc.poll() is not None:
-                raise AssertionError(f"sidecar exited ({self.proc.proc.returncode}) waiting for {what}:\n{self.log_tail()}")
+                raise AssertionError(
+                    f"sidecar exited ({self.proc.proc.returncode}) waiting for {what}:\n{self.log_tail()}"
+                )
             try:
                 status = self.status()
                 if predicate(status):
@@ -277,13 +288,21 @@ class SidecarProcess:
 
     def log_tail(self, lines: int = 60) -> str:
         """The log's last ``lines`` lines, without the access lines of status polls (which flood it)."""
-        kept = [line for line in self.proc.log_path.read_text(errors="replace").splitlines() if "/v1/stitch/status" not in line]
+        kept = [
+            line
+            for line in self.proc.log_path.read_text(errors="replace").splitlines()
+            if "/v1/stitch/status" not in line
+        ]
         return "\n".join(kept[-lines:])
 
     def wait_applied(self, version: int, timeout_s: float = 300.0) -> dict:
         """Wait until the sidecar reports ``version`` applied and its commit finished (the engine
         resumed: the version is marked applied just before the resume); returns the status."""
-        return self.wait_status(lambda s: s["applied_version"] == version and s["state"] not in COMMIT_STATES, f"version {version} applied", timeout_s)
+        return self.wait_status(
+            lambda s: s["applied_version"] == version and s["state"] not in COMMIT_STATES,
+            f"version {version} applied",
+            timeout_s,
+        )
 
     def stop(self) -> None:
         """SIGTERM (SIGKILL after 20 s) unless it already exited."""
@@ -297,7 +316,9 @@ def vllm_sidecars(vllm_run: VllmRun, tmp_path: Path) -> Iterator[Callable[..., S
     started: list[SidecarProcess] = []
 
     def start(engine_url: str, **settings: object) -> SidecarProcess:
-        sidecar = SidecarProcess(vllm_run, engine_url, tmp_path, {f"STITCH_SIDECAR_{k.upper()}": str(v) for k, v in settings.items()})
+        sidecar = SidecarProcess(
+            vllm_run, engine_url, tmp_path, {f"STITCH_SIDECAR_{k.upper()}": str(v) for k, v in settings.items()}
+        )
         started.append(sidecar)
         return sidecar
 

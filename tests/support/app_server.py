@@ -28,10 +28,16 @@ class AppServer:
         RuntimeError: the server did not start within 60 s.
     """
 
-    def __init__(self, app, log_level: str = "warning", graceful_shutdown_s: float = 0.2, http: str | type = "auto") -> None:
+    def __init__(
+        self, app, log_level: str = "warning", graceful_shutdown_s: float = 0.2, http: str | type = "auto"
+    ) -> None:
         sock = free_socket()
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=graceful_shutdown_s, lifespan="on", http=http))
+        self.server = uvicorn.Server(
+            uvicorn.Config(
+                app, log_level=log_level, timeout_graceful_shutdown=graceful_shutdown_s, lifespan="on", http=http
+            )
+        )
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 60

@@ -47,7 +47,11 @@ class Rule:
     cut_after_bytes: int = 0
 
     def matches(self, method: str, path: str) -> bool:
-        return (self.times is None or self.times > 0) and (self.method is None or self.method == method) and re.search(self.path, path) is not None
+        return (
+            (self.times is None or self.times > 0)
+            and (self.method is None or self.method == method)
+            and re.search(self.path, path) is not None
+        )
 
 
 def _flip(body: bytes) -> bytes:
@@ -146,7 +150,9 @@ class FaultProxy:
             while (request := await _read_head(reader)) is not None:
                 head, headers = request
                 method, path = head.split(b" ", 2)[:2]
-                if headers.get("expect", "").lower() == "100-continue":  # answer it here; upstream gets the whole request
+                if (
+                    headers.get("expect", "").lower() == "100-continue"
+                ):  # answer it here; upstream gets the whole request
                     head = re.sub(rb"(?im)^expect:[^\r\n]*\r\n", b"", head)
                     writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
                     await writer.drain()
@@ -163,7 +169,16 @@ class FaultProxy:
                     with contextlib.suppress(Exception):
                         w.close()
 
-    async def _one(self, method: str, path: str, head: bytes, headers: dict[str, str], body: bytes, writer: asyncio.StreamWriter, upstream: tuple[asyncio.StreamReader, asyncio.StreamWriter]) -> bool:
+    async def _one(
+        self,
+        method: str,
+        path: str,
+        head: bytes,
+        headers: dict[str, str],
+        body: bytes,
+        writer: asyncio.StreamWriter,
+        upstream: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+    ) -> bool:
         """Handle one request; False when the connection must be closed."""
         rule = self._pick(method, path)
         action = rule.action if rule else "forward"
@@ -183,7 +198,9 @@ class FaultProxy:
         if self.check_digests and claimed and base64.b64encode(hashlib.sha256(body).digest()).decode() != claimed:
             with self._lock:
                 self.log.append((method, path, "bad_digest"))
-            writer.write(_error_answer(400, "BadDigest", "The SHA256 you specified did not match the calculated checksum."))
+            writer.write(
+                _error_answer(400, "BadDigest", "The SHA256 you specified did not match the calculated checksum.")
+            )
             await writer.drain()
             return True
         up_reader, up_writer = upstream
@@ -197,7 +214,11 @@ class FaultProxy:
             answer_head, answer_headers = answer
             status = int(answer_head.split(b" ", 2)[1])
         closes = answer_headers.get("connection", "").lower() == "close"
-        answer_body = b"" if method == "HEAD" or status in _NO_BODY_STATUS else await _read_body(up_reader, answer_headers, until_eof=True)
+        answer_body = (
+            b""
+            if method == "HEAD" or status in _NO_BODY_STATUS
+            else await _read_body(up_reader, answer_headers, until_eof=True)
+        )
         if rule and rule.action == "corrupt_answer":
             answer_body = _flip(answer_body)
         data = answer_head + answer_body

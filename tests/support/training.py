@@ -104,7 +104,9 @@ class CpuTrainer:
         tokens = tokenizer(TRAINING_TEXT, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
         needed = batch_size * seq_len
         if tokens.numel() < needed:
-            raise ValueError(f"batch {batch_size} x {seq_len} needs {needed} tokens; TRAINING_TEXT has {tokens.numel()}")
+            raise ValueError(
+                f"batch {batch_size} x {seq_len} needs {needed} tokens; TRAINING_TEXT has {tokens.numel()}"
+            )
         self.input_ids = tokens[:needed].reshape(batch_size, seq_len).clone()
         self.model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.float32)
         self.model.train()

@@ -69,12 +69,29 @@ class VllmServer(ManagedProcess):
         model: the served model name (``model_dir`` as a string).
     """
 
-    def __init__(self, model_dir: Path, log_path: Path, *, extension: bool = True, tp: int = 1, env: dict[str, str] | None = None, port: int | None = None, max_model_len: int = 1024) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        log_path: Path,
+        *,
+        extension: bool = True,
+        tp: int = 1,
+        env: dict[str, str] | None = None,
+        port: int | None = None,
+        max_model_len: int = 1024,
+    ) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = str(model_dir)
-        argv = forked_argv(vllm_command(model_dir, self.port, tensor_parallel_size=tp, extension=extension, max_model_len=max_model_len), "vllm")
-        super().__init__("vllm", argv, log_path, f"{self.url}/health", env={**vllm_env(tp), **(env or {})}, nice=engine_nice())
+        argv = forked_argv(
+            vllm_command(
+                model_dir, self.port, tensor_parallel_size=tp, extension=extension, max_model_len=max_model_len
+            ),
+            "vllm",
+        )
+        super().__init__(
+            "vllm", argv, log_path, f"{self.url}/health", env={**vllm_env(tp), **(env or {})}, nice=engine_nice()
+        )
 
     def wait_ready(self, timeout_s: float = 600.0) -> None:
         """Wait until ``/health`` answers 200 (raises ``DemoError`` with the log's tail otherwise)."""

@@ -69,7 +69,9 @@ def commits(request: httpx.Request) -> bool:
     return request.method == "POST" and request.url.path.endswith("/versions")
 
 
-def flaky_client(url: str, mode: Callable[[httpx.Request], str | None], retries: int = 2) -> tuple[BulletinClient, FlakyTransport]:
+def flaky_client(
+    url: str, mode: Callable[[httpx.Request], str | None], retries: int = 2
+) -> tuple[BulletinClient, FlakyTransport]:
     transport = FlakyTransport(mode)
     return BulletinClient(url, retries=retries, backoff_s=0.01, transport=transport), transport
 
@@ -192,4 +194,6 @@ def resume(side: Side, url: str, run: str, tmp_path: Path) -> None:
 
 
 #: Scenario name -> function, for ``sharded_worker.py``.
-SCENARIOS: dict[str, Callable[[Side, str, str, Path], None]] = {f.__name__: f for f in (lost_commit, publish_async, resume)}
+SCENARIOS: dict[str, Callable[[Side, str, str, Path], None]] = {
+    f.__name__: f for f in (lost_commit, publish_async, resume)
+}

@@ -20,7 +20,11 @@ def run_ranks(args: list[str], out: Path, world: int = 2, timeout_s: float = 180
     would), then every rank still running is killed; the assertion shows each rank's exit code
     and the tail of its stderr (kept in ``out/rank{r}.stderr``).
     """
-    env = {**repo_on_pythonpath(), "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1"}  # the worker imports tests.trainer_client.*
+    env = {
+        **repo_on_pythonpath(),
+        "WORLD_SIZE": str(world),
+        "OMP_NUM_THREADS": "1",
+    }  # the worker imports tests.trainer_client.*
     logs = [out / f"rank{r}.stderr" for r in range(world)]
     with contextlib.ExitStack() as stack:
         procs = [
@@ -43,5 +47,7 @@ def run_ranks(args: list[str], out: Path, world: int = 2, timeout_s: float = 180
                 if p.poll() is None:
                     p.kill()
                     p.wait(10)
-    tails = [f"rank {r} (exit {p.returncode}):\n{logs[r].read_text(errors='replace')[-3000:]}" for r, p in enumerate(procs)]
+    tails = [
+        f"rank {r} (exit {p.returncode}):\n{logs[r].read_text(errors='replace')[-3000:]}" for r, p in enumerate(procs)
+    ]
     assert [p.returncode for p in procs] == [0] * world, "\n".join(tails)

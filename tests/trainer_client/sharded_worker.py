@@ -54,10 +54,23 @@ SHARDED = Side(ShardedPublisher, lambda seed: ToyTrainer(seed, wrap=shard))
 
 def publish_steps(url: str, run: str, out: Path, steps: int) -> None:
     trainer = SHARDED.trainer(0)
-    publisher = ShardedPublisher(url, run, snapshot_every=3, max_shard_bytes=4096, assets={"config.json": b'{"model_type": "toy"}'}, retries=1, backoff_s=0.01, squash_depths=(2,))
+    publisher = ShardedPublisher(
+        url,
+        run,
+        snapshot_every=3,
+        max_shard_bytes=4096,
+        assets={"config.json": b'{"model_type": "toy"}'},
+        retries=1,
+        backoff_s=0.01,
+        squash_depths=(2,),
+    )
     for step in range(steps):
         reference = served_view(trainer.model)  # collective gather of every DTensor
-        result = publisher.publish_view(reference, step=step) if step == steps - 1 else publisher.publish(trainer.model, step=step)
+        result = (
+            publisher.publish_view(reference, step=step)
+            if step == steps - 1
+            else publisher.publish(trainer.model, step=step)
+        )
         if dist.get_rank() == 0:
             save_checkpoint(out / f"ref-{result.version}", reference)
             with open(out / "results.jsonl", "a") as f:
@@ -92,7 +105,13 @@ def rank_failure(url: str, run: str, out: Path) -> None:
 
 def main(mode: str, url: str, run: str, out: Path, *rest: str) -> None:
     rank = int(os.environ["RANK"])
-    dist.init_process_group("gloo", init_method=f"file://{out / 'rendezvous'}", rank=rank, world_size=int(os.environ["WORLD_SIZE"]), timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{out / 'rendezvous'}",
+        rank=rank,
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=timedelta(seconds=120),
+    )
     if mode == "steps":
         publish_steps(url, run, out, int(rest[0]))
     elif mode == "rank_failure":

@@ -42,7 +42,9 @@ def _referenced(client, run) -> set[str]:
 
 def test_killed_after_upload_before_commit(bulletin, run):
     code = KILLED_TRAINER.format(url=bulletin.url, run=run)
-    proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, timeout=120, env=repo_on_pythonpath())  # it imports tests.trainer_client.toy
+    proc = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, timeout=120, env=repo_on_pythonpath()
+    )  # it imports tests.trainer_client.toy
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
     with bulletin.client() as client:
         assert [i.version for i in client.versions(run)] == [0]  # version 1 does not exist
@@ -83,13 +85,17 @@ def test_cli_publish_checkpoints_and_pull_them_back(bulletin, run, tmp_path):
         assert client.manifest(run, 2).snapshot and not client.manifest(run, 1).snapshot
     for version in (1, 2):
         target = tmp_path / f"pulled-{version}"
-        out = cli.invoke(app, ["pull", "--bulletin", bulletin.url, "--run", run, "--version", str(version), "-o", str(target)])
+        out = cli.invoke(
+            app, ["pull", "--bulletin", bulletin.url, "--run", run, "--version", str(version), "-o", str(target)]
+        )
         assert out.exit_code == 0, out.output
         assert_same_view(load_checkpoint(target), views[version])
         # run assets are the ones published with version 0, immutable
         assert json.loads((target / "config.json").read_text())["step"] == 0
     out = cli.invoke(app, ["pull", "--bulletin", bulletin.url, "--run", run, "-o", str(tmp_path / "pulled-1")])
     assert out.exit_code == 1 and "not empty" in out.output
-    out = cli.invoke(app, ["pull", "--bulletin", bulletin.url, "--run", run, "--version", "9", "-o", str(tmp_path / "x")])
+    out = cli.invoke(
+        app, ["pull", "--bulletin", bulletin.url, "--run", run, "--version", "9", "-o", str(tmp_path / "x")]
+    )
     assert out.exit_code == 1 and "NotFound" in out.output
     assert os.listdir(tmp_path / "pulled-2")

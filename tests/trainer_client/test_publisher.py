@@ -16,7 +16,17 @@ from stitchboard.trainer_client.encode_version import sha256_file
 from stitchboard.trainer_client.publisher import Publisher
 from stitchboard.trainer_client.resume import rebuild_version
 from stitchboard.trainer_client.served_view import served_view
-from tests.trainer_client.publisher_scenarios import ASSETS, ONE_PROCESS, FlakyTransport, Side, commits, flaky_client, lost_commit, publish_async, resume
+from tests.trainer_client.publisher_scenarios import (
+    ASSETS,
+    ONE_PROCESS,
+    FlakyTransport,
+    Side,
+    commits,
+    flaky_client,
+    lost_commit,
+    publish_async,
+    resume,
+)
 from tests.trainer_client.ranks import run_ranks
 from tests.trainer_client.toy import ToyTrainer, assert_same_view, view_of
 
@@ -55,7 +65,13 @@ def test_versions_anchors_and_bit_exact_rebuild(bulletin, run):
             assert m.metadata["step"] == r.version and m.stats.encoded_bytes == r.encoded_bytes
             assert len(m.tensors) == 7 and m.encoding == "cond"  # the default
             roles = sorted({f.role for f in m.files})
-            assert roles == (["asset", "patch", "snapshot"] if r.snapshot and r.version else ["asset", "snapshot"] if r.snapshot else ["patch"])
+            assert roles == (
+                ["asset", "patch", "snapshot"]
+                if r.snapshot and r.version
+                else ["asset", "snapshot"]
+                if r.snapshot
+                else ["patch"]
+            )
         plan = client.plan(run, 2, 6)
         assert [s.version for s in plan.steps] in ([3, 4, 5, 6], [5, 6])
 
@@ -88,7 +104,10 @@ def test_a_sidecar_fetches_and_checks_cond_versions_without_their_base(bulletin,
         fetcher = Fetcher(pub.client, run, tmp_path / "handoff")
         try:
             staged = fetcher.fetch(pub.client.plan(run, 0, 2), pub.client.manifest(run, 0))
-            assert [(s.version, s.kind, s.manifest.encoding) for s in staged.steps] == [(1, "delta", "cond"), (2, "delta", "cond")]
+            assert [(s.version, s.kind, s.manifest.encoding) for s in staged.steps] == [
+                (1, "delta", "cond"),
+                (2, "delta", "cond"),
+            ]
             with pytest.raises(StagingError, match="base checksum is not version 1's"):
                 fetcher.fetch(pub.client.plan(run, 1, 2), pub.client.manifest(run, 0).model_copy(update={"version": 1}))
         finally:
@@ -170,7 +189,9 @@ def test_4xx_is_not_retried(bulletin, run):
         calls.append(request.url.path)
 
     transport = FlakyTransport(mode)
-    transport.inner = httpx.MockTransport(lambda r: httpx.Response(403, json={"type": "Forbidden", "message": "no publish scope"}))
+    transport.inner = httpx.MockTransport(
+        lambda r: httpx.Response(403, json={"type": "Forbidden", "message": "no publish scope"})
+    )
     client = BulletinClient(bulletin.url, retries=3, backoff_s=0.01, transport=transport)
     with pytest.raises(AuthError, match="no publish scope"):
         Publisher(bulletin.url, run, client=client)

@@ -35,13 +35,26 @@ def _commit_v0(bulletin, store_root, run, tmp_path, asset_path: str) -> None:
             files.append(FileRef(path=path, sha256=digest, size_bytes=len(data), role=role))
     tensors = [TensorSpec(name="model.w", dtype="BF16", shape=[8], checksums={"xxh3_128": checksum(VIEW["model.w"])})]
     stats = VersionStats(changed_elements=0, total_elements=8, encoded_bytes=0)
-    manifest = VersionManifest(run_id=run, version=0, base_version=None, snapshot=True, encoding="xor", tensors=tensors, files=files, stats=stats, metadata={}, schema_version=1)
+    manifest = VersionManifest(
+        run_id=run,
+        version=0,
+        base_version=None,
+        snapshot=True,
+        encoding="xor",
+        tensors=tensors,
+        files=files,
+        stats=stats,
+        metadata={},
+        schema_version=1,
+    )
     Ledger(open_store(f"file://{store_root}")).publish(run, manifest)
 
 
 def test_pull_refuses_an_asset_named_like_the_weights(bulletin, bulletin_store, run, tmp_path):
     _commit_v0(bulletin, bulletin_store, run, tmp_path, "model.safetensors")
-    out = CliRunner().invoke(build_app(), ["pull", "--bulletin", bulletin.url, "--run", run, "-o", str(tmp_path / "pulled")])
+    out = CliRunner().invoke(
+        build_app(), ["pull", "--bulletin", bulletin.url, "--run", run, "-o", str(tmp_path / "pulled")]
+    )
     assert out.exit_code == 1 and "named like checkpoint files" in out.output, out.output
     assert not (tmp_path / "pulled").exists()
 

@@ -38,8 +38,15 @@ SHAPES = {
 LAYOUTS = {
     "bf16": lambda n, k: {".weight": ("BF16", (n, k))},
     "fp8": lambda n, k: {".weight": ("F8_E4M3", (n, k)), ".weight_scale": ("F32", (n, 1))},
-    "fp8-block": lambda n, k: {".weight": ("F8_E4M3", (n, k)), ".weight_scale_inv": ("F32", (-(-n // 128), -(-k // 128)))},
-    "nvfp4": lambda n, k: {".weight_packed": ("U8", (n, k // 2)), ".weight_scale": ("F8_E4M3", (n, k // 16)), ".weight_global_scale": ("F32", (1,))},
+    "fp8-block": lambda n, k: {
+        ".weight": ("F8_E4M3", (n, k)),
+        ".weight_scale_inv": ("F32", (-(-n // 128), -(-k // 128))),
+    },
+    "nvfp4": lambda n, k: {
+        ".weight_packed": ("U8", (n, k // 2)),
+        ".weight_scale": ("F8_E4M3", (n, k // 16)),
+        ".weight_global_scale": ("F32", (1,)),
+    },
 }
 
 
@@ -51,7 +58,10 @@ def layer_view(seed: int = 0, layers: int = 1) -> dict[str, RawTensor]:
     """A SmolLM2-shaped bf16 view: embedding, norms, the seven projections per layer, with a zero
     row, negative zeros and outliers so that scale edge cases occur."""
     g = torch.Generator().manual_seed(seed)
-    view = {"model.embed_tokens.weight": bf16(torch.randn(256, 576, generator=g) * 0.02), "model.norm.weight": bf16(torch.ones(576))}
+    view = {
+        "model.embed_tokens.weight": bf16(torch.randn(256, 576, generator=g) * 0.02),
+        "model.norm.weight": bf16(torch.ones(576)),
+    }
     for i in range(layers):
         view[f"model.layers.{i}.input_layernorm.weight"] = bf16(torch.rand(576, generator=g))
         for module, (n, k) in SHAPES.items():
@@ -106,7 +116,9 @@ def test_deterministic_and_a_function_of_the_bf16_cast(name: str, base: dict[str
     recipe = get_recipe(name)
     first, second = recipe.apply(base), recipe.apply(layer_view())
     assert first.keys() == second.keys() and all(same_bits(first[n], second[n]) for n in first)
-    master = {n: f32(t) * (1 + 2**-12) for n, t in base.items()}  # fp32 masters a quarter ulp off: their bf16 cast is base
+    master = {
+        n: f32(t) * (1 + 2**-12) for n, t in base.items()
+    }  # fp32 masters a quarter ulp off: their bf16 cast is base
     from_master = recipe.apply(served_view(master))
     assert all(same_bits(first[n], from_master[n]) for n in first)
 
@@ -161,10 +173,19 @@ def test_quantization_configs_are_the_engines_formats():
         qc = RECIPES[name].quantization_config()
         parsed = QuantizationConfig.model_validate(qc)
         want = preset_name_to_scheme(preset, ["Linear"])
-        assert parsed.format == fmt and parsed.quant_method == "compressed-tensors" and parsed.quantization_status == "compressed"
+        assert (
+            parsed.format == fmt
+            and parsed.quant_method == "compressed-tensors"
+            and parsed.quantization_status == "compressed"
+        )
         assert parsed.config_groups["group_0"].model_dump() == want.model_dump()
         assert "lm_head" in parsed.ignore
-    assert RECIPES["fp8-block"].quantization_config() == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    assert RECIPES["fp8-block"].quantization_config() == {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+    }
     assert RECIPES["bf16"].quantization_config() is None
     config = json.loads(RECIPES["fp8"].config_json(b'{"model_type": "llama", "torch_dtype": "bfloat16"}'))
     assert config["model_type"] == "llama" and config["quantization_config"]["format"] == "float-quantized"
@@ -189,7 +210,9 @@ def test_dequantization_within_the_formats_bound(name: str, base: dict[str, RawT
         elif name == "fp8-block":
             assert (err <= _fp8_bound(w, block_expand(f32(view[f"{prefix}.weight_scale_inv"]), tuple(w.shape)))).all()
         else:
-            s = (f32(view[f"{prefix}.weight_scale"]) / f32(view[f"{prefix}.weight_global_scale"])).repeat_interleave(16, dim=1)
+            s = (f32(view[f"{prefix}.weight_scale"]) / f32(view[f"{prefix}.weight_global_scale"])).repeat_interleave(
+                16, dim=1
+            )
             ratio = w.abs() / s
             step = torch.where(ratio < 2, 0.25, torch.where(ratio < 4, 0.5, 1.0))
             clipped = ratio > 6
@@ -224,7 +247,15 @@ def tiny_llama() -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
     return LlamaForCausalLM(config)
 
 

@@ -35,7 +35,10 @@ class TiedLM(torch.nn.Module):
         ("module.model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.up_proj.weight"),
         ("_orig_mod.model.norm.weight", "model.norm.weight"),
         ("module._orig_mod.lm_head.weight", "lm_head.weight"),
-        ("model.layers.3._fsdp_wrapped_module._checkpoint_wrapped_module.self_attn.q_proj.weight", "model.layers.3.self_attn.q_proj.weight"),
+        (
+            "model.layers.3._fsdp_wrapped_module._checkpoint_wrapped_module.self_attn.q_proj.weight",
+            "model.layers.3.self_attn.q_proj.weight",
+        ),
         ("model.module_list.0.weight", "model.module_list.0.weight"),
     ],
 )
@@ -73,7 +76,11 @@ def test_bf16_cast_is_round_to_nearest_even_and_a_copy():
 
 def test_dtype_map_by_name_and_pattern():
     model = TiedLM()
-    view = served_view(model, dtypes={"model.norm.*": torch.float32, "model.embed_tokens.weight": torch.float8_e4m3fn}, default=torch.float16)
+    view = served_view(
+        model,
+        dtypes={"model.norm.*": torch.float32, "model.embed_tokens.weight": torch.float8_e4m3fn},
+        default=torch.float16,
+    )
     assert {n: t.dtype for n, t in view.items()} == {
         "model.embed_tokens.weight": "F8_E4M3",
         "model.norm.weight": "F32",

@@ -25,7 +25,9 @@ def test_assign_owners_is_disjoint_and_balanced():
 
 def test_two_ranks_publish_one_manifest_per_version(bulletin, run, tmp_path):
     steps = 4
-    run_ranks(["steps", bulletin.url, run, str(tmp_path), str(steps)], tmp_path)  # the ranks meet through a file store in tmp_path
+    run_ranks(
+        ["steps", bulletin.url, run, str(tmp_path), str(steps)], tmp_path
+    )  # the ranks meet through a file store in tmp_path
 
     results = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert [r["version"] for r in results] == list(range(steps))
@@ -35,7 +37,9 @@ def test_two_ranks_publish_one_manifest_per_version(bulletin, run, tmp_path):
         for version in range(steps):
             manifest = client.manifest(run, version)
             patches = sorted(f.path for f in manifest.files_of("patch"))
-            assert patches == ([] if version == 0 else [f"patch-v{version}-r0.safetensors", f"patch-v{version}-r1.safetensors"])
+            assert patches == (
+                [] if version == 0 else [f"patch-v{version}-r0.safetensors", f"patch-v{version}-r1.safetensors"]
+            )
             if manifest.snapshot:
                 paths = {f.path for f in manifest.files_of("snapshot")}
                 assert "model.safetensors.index.json" in paths and len(paths) > 2
@@ -47,8 +51,13 @@ def test_two_ranks_publish_one_manifest_per_version(bulletin, run, tmp_path):
                 assert np.array_equal(rebuilt.view[name].bits, t.bits), (version, name)
         squashes = {(s.base_version, s.target_version): s for s in client.squashes(run)}
         assert set(squashes) == {(0, 2), (1, 3)}
-        for (base, target), squash in squashes.items():  # one file per rank; together they take the base to the target, bit for bit
-            assert sorted(f.path for f in squash.files) == [f"squash-v{base}-v{target}-r{r}.safetensors" for r in (0, 1)]
+        for (
+            base,
+            target,
+        ), squash in squashes.items():  # one file per rank; together they take the base to the target, bit for bit
+            assert sorted(f.path for f in squash.files) == [
+                f"squash-v{base}-v{target}-r{r}.safetensors" for r in (0, 1)
+            ]
             view = rebuild_version(client, run, base).view
             for f in squash.files:
                 path = client.download_blob(run, f.sha256, tmp_path / "squash" / f.path, f.size_bytes)
@@ -58,4 +67,6 @@ def test_two_ranks_publish_one_manifest_per_version(bulletin, run, tmp_path):
 
 
 def test_a_rank_that_cannot_upload_fails_every_rank_and_commits_nothing(bulletin, run, tmp_path):
-    run_ranks(["rank_failure", bulletin.url, run, str(tmp_path)], tmp_path)  # the assertions run on both ranks (sharded_worker.py)
+    run_ranks(
+        ["rank_failure", bulletin.url, run, str(tmp_path)], tmp_path
+    )  # the assertions run on both ranks (sharded_worker.py)

@@ -24,7 +24,9 @@ LAYER_TENSORS = [
 def test_checkpoint_is_bf16_and_tied(smollm2_dir):
     from safetensors import safe_open
 
-    expected = {"model.embed_tokens.weight", "model.norm.weight"} | {f"model.layers.{i}.{name}" for i in range(30) for name in LAYER_TENSORS}
+    expected = {"model.embed_tokens.weight", "model.norm.weight"} | {
+        f"model.layers.{i}.{name}" for i in range(30) for name in LAYER_TENSORS
+    }
     with safe_open(smollm2_dir / "model.safetensors", "pt") as f:
         assert set(f.keys()) == expected
         assert {f.get_slice(k).get_dtype() for k in expected} == {"BF16"}

@@ -47,7 +47,9 @@ def test_every_version_rebuilt_from_the_bulletin_is_bit_exact(trained, bulletin,
         print("\nversion  anchor  changed elements          changed %   patch bytes  bytes/changed")
         for r in results:
             per = f"{r.encoded_bytes / r.changed_elements:.2f}" if r.changed_elements else "-"
-            print(f"{r.version:7d}  {'yes' if r.snapshot else 'no':6s}  {r.changed_elements:>11,} of {r.total_elements:,}  {100 * r.changed_fraction:8.3f}  {r.encoded_bytes:>12,}  {per:>12}")
+            print(
+                f"{r.version:7d}  {'yes' if r.snapshot else 'no':6s}  {r.changed_elements:>11,} of {r.total_elements:,}  {100 * r.changed_fraction:8.3f}  {r.encoded_bytes:>12,}  {per:>12}"
+            )
     for r in results[1:]:
         assert 0.001 < r.changed_fraction < 0.05  # a real step moves ~0.5-1.5 % of the bf16 elements
         assert r.encoded_bytes < 0.05 * r.view_bytes
@@ -61,7 +63,9 @@ def test_anchors_hold_every_tensor_as_a_plain_checkpoint(trained, bulletin, tmp_
                 continue
             m = client.manifest(run, r.version)
             for ref in m.files_of("snapshot") + m.files_of("asset"):
-                client.download_blob(run, ref.sha256, tmp_path / f"v{r.version}" / ref.path, expected_size=ref.size_bytes)
+                client.download_blob(
+                    run, ref.sha256, tmp_path / f"v{r.version}" / ref.path, expected_size=ref.size_bytes
+                )
             assert_same_view(load_checkpoint(tmp_path / f"v{r.version}"), checks[r.version][0])
             assert {f.path for f in m.files_of("asset")} >= {"config.json", "tokenizer.json", "chat_template.jinja"}
 

@@ -14,7 +14,9 @@ from stitchboard.trainer_client.served_view import served_view
 def toy_model(seed: int = 0) -> torch.nn.Module:
     """Embedding + two Linear + LayerNorm, float32 (~6 k parameters)."""
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Embedding(64, 32), torch.nn.Linear(32, 48), torch.nn.Linear(48, 32), torch.nn.LayerNorm(32))
+    return torch.nn.Sequential(
+        torch.nn.Embedding(64, 32), torch.nn.Linear(32, 48), torch.nn.Linear(48, 32), torch.nn.LayerNorm(32)
+    )
 
 
 class ToyTrainer:

@@ -27,7 +27,9 @@ from .fp8 import Fp8BlockRecipe, Fp8ChannelRecipe
 from .nvfp4 import Nvfp4Recipe
 
 #: Recipe name -> recipe, in the order of the table above.
-RECIPES: dict[str, ServedRecipe] = {r.name: r for r in (Bf16Recipe(), Fp8ChannelRecipe(), Fp8BlockRecipe(), Nvfp4Recipe())}
+RECIPES: dict[str, ServedRecipe] = {
+    r.name: r for r in (Bf16Recipe(), Fp8ChannelRecipe(), Fp8BlockRecipe(), Nvfp4Recipe())
+}
 #: The recipe names (``--served`` choices).
 RECIPE_NAMES = tuple(RECIPES)
 
@@ -43,7 +45,9 @@ def get_recipe(name: str) -> ServedRecipe:
     return RECIPES[name]
 
 
-def check_served_options(served: str, dtypes: Mapping[str, torch.dtype] | None, default_dtype: torch.dtype) -> ServedRecipe:
+def check_served_options(
+    served: str, dtypes: Mapping[str, torch.dtype] | None, default_dtype: torch.dtype
+) -> ServedRecipe:
     """Validate a publisher's ``served`` / ``dtypes`` / ``default_dtype`` and return the recipe.
 
     A raw cast to an fp8 dtype is not a format any engine loads (no scales): ``dtypes`` or
@@ -58,7 +62,9 @@ def check_served_options(served: str, dtypes: Mapping[str, torch.dtype] | None, 
     casts = [default_dtype, *(dtypes or {}).values()]
     fp8 = [d for d in casts if d.is_floating_point and d.itemsize == 1]
     if fp8:
-        raise ValueError(f"dtypes/default_dtype cast to {fp8[0]}: a raw fp8 cast has no scales and is not a format an engine loads; publish served='fp8' (per-channel scales) or 'fp8-block'")
+        raise ValueError(
+            f"dtypes/default_dtype cast to {fp8[0]}: a raw fp8 cast has no scales and is not a format an engine loads; publish served='fp8' (per-channel scales) or 'fp8-block'"
+        )
     if recipe.name != "bf16" and (dtypes or default_dtype != torch.bfloat16):
         raise ValueError(f"served={recipe.name!r} quantizes the bf16 cast: leave dtypes and default_dtype unset")
     return recipe

@@ -91,14 +91,32 @@ class Fp8ChannelRecipe(ServedRecipe):
 
     def quantization_config(self) -> dict[str, Any]:
         """compressed-tensors ``float-quantized``, scheme FP8_DYNAMIC on every ``Linear``."""
-        fp8 = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "block_structure": None, "actorder": None, "scale_dtype": None, "zp_dtype": None, "observer_kwargs": {}}
+        fp8 = {
+            "num_bits": 8,
+            "type": "float",
+            "symmetric": True,
+            "group_size": None,
+            "block_structure": None,
+            "actorder": None,
+            "scale_dtype": None,
+            "zp_dtype": None,
+            "observer_kwargs": {},
+        }
         weights = {**fp8, "strategy": "channel", "dynamic": False, "observer": "memoryless_minmax"}
         activations = {**fp8, "strategy": "token", "dynamic": True, "observer": None}
         return {
             "quant_method": "compressed-tensors",
             "format": "float-quantized",
             "quantization_status": "compressed",
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": activations, "output_activations": None, "format": None}},
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": weights,
+                    "input_activations": activations,
+                    "output_activations": None,
+                    "format": None,
+                }
+            },
             "ignore": list(CT_IGNORE),
             "kv_cache_scheme": None,
             "global_compression_ratio": None,
@@ -124,4 +142,9 @@ class Fp8BlockRecipe(ServedRecipe):
 
     def quantization_config(self) -> dict[str, Any]:
         """The DeepSeek-V3 / Qwen3-FP8 ``quant_method: fp8`` block config (dynamic activations)."""
-        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [BLOCK, BLOCK]}
+        return {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [BLOCK, BLOCK],
+        }

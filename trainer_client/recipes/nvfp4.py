@@ -59,7 +59,15 @@ def global_scale(amax: torch.Tensor) -> torch.Tensor:
 def e2m1_index(mag: torch.Tensor) -> torch.Tensor:
     """Magnitudes in [0, 6] -> e2m1 indices 0-7 (uint8), nearest value, ties to the even index."""
     index = torch.zeros(mag.shape, dtype=torch.uint8)
-    for edge, inclusive in ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False)):
+    for edge, inclusive in (
+        (0.25, False),
+        (0.75, True),
+        (1.25, False),
+        (1.75, True),
+        (2.5, False),
+        (3.5, True),
+        (5.0, False),
+    ):
         index += mag >= edge if inclusive else mag > edge
     return index
 
@@ -99,18 +107,28 @@ class Nvfp4Recipe(ServedRecipe):
             ServedViewError: K is not a multiple of 16.
         """
         if t.shape[1] % GROUP:
-            raise ServedViewError(f"tensor {name!r} has {t.shape[1]} columns; the nvfp4 view needs a multiple of {GROUP}")
+            raise ServedViewError(
+                f"tensor {name!r} has {t.shape[1]} columns; the nvfp4 view needs a multiple of {GROUP}"
+            )
         amax = torch.stack([as_float(view[m]).abs().max() for m in fused_members(name, view)]).max()
         g = global_scale(amax)
         packed, scale = nvfp4_quantize(as_float(t), g)
         module = name.removesuffix(".weight")
-        return {f"{module}.weight_packed": raw(packed), f"{module}.weight_scale": raw(scale), f"{module}.weight_global_scale": raw(g)}
+        return {
+            f"{module}.weight_packed": raw(packed),
+            f"{module}.weight_scale": raw(scale),
+            f"{module}.weight_global_scale": raw(g),
+        }
 
     def dequantize(self, view: Mapping[str, RawTensor], module: str) -> torch.Tensor:
         """float32 [N, K] from the packed codes, group scales and global scale."""
         from ..served_view import from_raw
 
-        return nvfp4_dequantize(from_raw(view[f"{module}.weight_packed"]), from_raw(view[f"{module}.weight_scale"]), as_float(view[f"{module}.weight_global_scale"]))
+        return nvfp4_dequantize(
+            from_raw(view[f"{module}.weight_packed"]),
+            from_raw(view[f"{module}.weight_scale"]),
+            as_float(view[f"{module}.weight_global_scale"]),
+        )
 
     def quantization_config(self) -> dict[str, Any]:
         """compressed-tensors ``nvfp4-pack-quantized``, scheme NVFP4A16 on every ``Linear``."""
@@ -123,7 +141,15 @@ class Nvfp4Recipe(ServedRecipe):
             "quant_method": "compressed-tensors",
             "format": "nvfp4-pack-quantized",
             "quantization_status": "compressed",
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None, "output_activations": None, "format": None}},
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": weights,
+                    "input_activations": None,
+                    "output_activations": None,
+                    "format": None,
+                }
+            },
             "ignore": list(CT_IGNORE),
             "kv_cache_scheme": None,
             "global_compression_ratio": None,

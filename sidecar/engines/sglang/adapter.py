@@ -98,7 +98,13 @@ class SglangEngine:
         apply_timeout_s: timeout of a call that reads or writes weights, seconds.
     """
 
-    def __init__(self, engine_url: str, record_dir: str | os.PathLike[str], timeout_s: float = 10.0, apply_timeout_s: float = 900.0) -> None:
+    def __init__(
+        self,
+        engine_url: str,
+        record_dir: str | os.PathLike[str],
+        timeout_s: float = 10.0,
+        apply_timeout_s: float = 900.0,
+    ) -> None:
         self.engine_url = engine_url.rstrip("/")
         self.record_dir = Path(record_dir)
         self.timeout_s = timeout_s
@@ -118,15 +124,25 @@ class SglangEngine:
 
     # -- HTTP plumbing ---------------------------------------------------------------------------
 
-    def _request(self, method: str, path: str, *, timeout: float | None = None, ok: tuple[int, ...] = (200,), **kwargs: Any) -> httpx.Response:
+    def _request(
+        self, method: str, path: str, *, timeout: float | None = None, ok: tuple[int, ...] = (200,), **kwargs: Any
+    ) -> httpx.Response:
         try:
             resp = self._http.request(method, path, timeout=timeout or self.timeout_s, **kwargs)
         except httpx.HTTPError as exc:
-            raise EngineUnavailableError(f"engine at {self.engine_url} does not answer {path}: {type(exc).__name__}: {exc}", path=path) from exc
+            raise EngineUnavailableError(
+                f"engine at {self.engine_url} does not answer {path}: {type(exc).__name__}: {exc}", path=path
+            ) from exc
         if resp.status_code in (502, 503, 504) and resp.status_code not in ok:
-            raise EngineUnavailableError(f"engine answered {path} with HTTP {resp.status_code}", path=path, status=resp.status_code)
+            raise EngineUnavailableError(
+                f"engine answered {path} with HTTP {resp.status_code}", path=path, status=resp.status_code
+            )
         if resp.status_code not in ok:
-            raise EngineRequestError(f"engine answered {path} with HTTP {resp.status_code}: {resp.text[:300]}", path=path, status=resp.status_code)
+            raise EngineRequestError(
+                f"engine answered {path} with HTTP {resp.status_code}: {resp.text[:300]}",
+                path=path,
+                status=resp.status_code,
+            )
         return resp
 
     def _tp_size(self) -> int:
@@ -138,10 +154,19 @@ class SglangEngine:
         return _version(self._request("GET", "/model_info", timeout=timeout_s).json().get("weight_version"))
 
     def _update(self, req: dict[str, Any], timeout: float, weight_version: str | None = None) -> None:
-        body = {"serialized_named_tensors": [_request_tensor(req)] * self._tp_size(), "load_format": LOADER_PATH, "flush_cache": False, "weight_version": weight_version}
+        body = {
+            "serialized_named_tensors": [_request_tensor(req)] * self._tp_size(),
+            "load_format": LOADER_PATH,
+            "flush_cache": False,
+            "weight_version": weight_version,
+        }
         resp = self._request("POST", "/update_weights_from_tensor", json=body, timeout=timeout, ok=(200, 400))
         if resp.status_code != 200:
-            raise EngineRequestError(f"update_weights_from_tensor failed: {resp.text[:300]}", path="/update_weights_from_tensor", status=resp.status_code)
+            raise EngineRequestError(
+                f"update_weights_from_tensor failed: {resp.text[:300]}",
+                path="/update_weights_from_tensor",
+                status=resp.status_code,
+            )
 
     def _set_label(self, label: str) -> None:
         # SGLang's weight_version, in the scheduler (its spans) and the tokenizer (answers); its
@@ -177,11 +202,23 @@ class SglangEngine:
             except (OSError, ValueError):
                 record = None
             if not isinstance(record, dict) or record.get("request") != req_id:
-                raise EngineRequestError(f"rank {rank} wrote no answer to request {req_id} in {path} (is the stitchboard loader registered with --custom-weight-loader {LOADER_PATH}?)", path="/update_weights_from_tensor")
+                raise EngineRequestError(
+                    f"rank {rank} wrote no answer to request {req_id} in {path} (is the stitchboard loader registered with --custom-weight-loader {LOADER_PATH}?)",
+                    path="/update_weights_from_tensor",
+                )
             records.append(record.get("answer"))
         return parse_answers("stitchboard loader", records)
 
-    def _call(self, op: str, args: dict[str, Any], *, timeout: float | None = None, version: int | None = None, instance: str | None = None, held: int | None = None) -> list[RankAnswer]:
+    def _call(
+        self,
+        op: str,
+        args: dict[str, Any],
+        *,
+        timeout: float | None = None,
+        version: int | None = None,
+        instance: str | None = None,
+        held: int | None = None,
+    ) -> list[RankAnswer]:
         """One loader request on every rank in one session; with ``version``, SGLang's
         ``weight_version`` is set to it by the same call (SGLang sets it after any call its loader
         returns from: when a rank failed, or the engine is not ``instance``, a second call in the
@@ -205,12 +242,24 @@ class SglangEngine:
             try:
                 answers = self._answers(req_id)
                 if instance is not None and combine(answers).instance != instance:
-                    raise EngineStateError(f"the engine restarted (instance {instance} -> {combine(answers).instance}): nothing is recorded on it", held=None, phase="idle")
+                    raise EngineStateError(
+                        f"the engine restarted (instance {instance} -> {combine(answers).instance}): nothing is recorded on it",
+                        held=None,
+                        phase="idle",
+                    )
                 raise_if_failed(op, answers)
             except Exception as exc:
                 if version is not None:
-                    kept = req["held"] is not None and instance is None and not (isinstance(exc, ApplyFailedError) and not exc.details.get("restored"))
-                    self._update({"op": "state", "id": uuid.uuid4().hex, "record_dir": str(self.record_dir)}, timeout, weight_version=str(req["held"]) if kept else UNVERIFIED)
+                    kept = (
+                        req["held"] is not None
+                        and instance is None
+                        and not (isinstance(exc, ApplyFailedError) and not exc.details.get("restored"))
+                    )
+                    self._update(
+                        {"op": "state", "id": uuid.uuid4().hex, "record_dir": str(self.record_dir)},
+                        timeout,
+                        weight_version=str(req["held"]) if kept else UNVERIFIED,
+                    )
                 raise
             return answers
 
@@ -225,7 +274,11 @@ class SglangEngine:
                 record = json.loads((self.record_dir / f"rank{rank}.json").read_text())
             except (OSError, ValueError):
                 return None
-            if not isinstance(record, dict) or not record.get("start") or process_start(int(record.get("pid", 0))) != record["start"]:
+            if (
+                not isinstance(record, dict)
+                or not record.get("start")
+                or process_start(int(record.get("pid", 0))) != record["start"]
+            ):
                 return None
             records.append(record)
         return records
@@ -252,7 +305,11 @@ class SglangEngine:
             EngineUnavailableError, EngineRequestError, EngineStateError (ranks disagree).
         """
         records = self._live_records()
-        answers = parse_answers("stitchboard loader", [r["answer"] for r in records]) if records else self._call("state", {}, timeout=(timeout_s or self.timeout_s) * 6)
+        answers = (
+            parse_answers("stitchboard loader", [r["answer"] for r in records])
+            if records
+            else self._call("state", {}, timeout=(timeout_s or self.timeout_s) * 6)
+        )
         state = combine(answers)
         version = self._version(timeout_s)
         phase = state.phase
@@ -312,7 +369,9 @@ class SglangEngine:
         self._staged, self._plan, self._stager = [], None, None
         held = self._version()
         if steps and held != steps[0][1]:
-            raise EngineStateError(f"the engine holds version {held}, the update is from version {steps[0][1]}", held=held, phase="idle")
+            raise EngineStateError(
+                f"the engine holds version {held}, the update is from version {steps[0][1]}", held=held, phase="idle"
+            )
         records = self._live_records() if self._tp_size() == 1 else None
         address = records[0].get("stage_socket") if records else None
         staged = []
@@ -327,11 +386,18 @@ class SglangEngine:
         report: dict[str, Any] = {"files": sum(len(s[0]) for s in staged), "in_engine": False}
         if isinstance(address, str):
             plan = uuid.uuid4().hex
-            req = {"op": "stage", "id": plan, "held": held, "steps": [{"paths": p, "digests": d} for p, d, _, _ in staged]}
+            req = {
+                "op": "stage",
+                "id": plan,
+                "held": held,
+                "steps": [{"paths": p, "digests": d} for p, d, _, _ in staged],
+            }
             try:
                 answer = ask(address, req, self.apply_timeout_s)
             except (OSError, ValueError) as exc:  # a stager that is gone: the engine stages in the pause
-                log.warning("the engine's stager at %r did not answer (%s): the update is staged in the pause", address, exc)
+                log.warning(
+                    "the engine's stager at %r did not answer (%s): the update is staged in the pause", address, exc
+                )
             else:
                 answers = parse_answers("stitchboard stager", [answer])
                 raise_if_failed("stage", answers)
@@ -358,7 +424,14 @@ class SglangEngine:
             EngineUnavailableError: the stager broke off while writing (the engine may hold part
                 of the update: apply a snapshot).
         """
-        staged, plan, address, self._staged, self._plan, self._stager = self._staged, self._plan, self._stager, [], None, None
+        staged, plan, address, self._staged, self._plan, self._stager = (
+            self._staged,
+            self._plan,
+            self._stager,
+            [],
+            None,
+            None,
+        )
         if not staged or staged[-1][3] != to_version:
             raise EngineStateError(f"no staged update ends at version {to_version}", held=None, phase="idle")
         if plan is not None and address is not None:
@@ -370,19 +443,41 @@ class SglangEngine:
     def _commit_in_stager(self, address: str, plan: str, start: int, end: int) -> dict[str, Any] | None:
         # The stager writes plan ``plan`` (start -> end); None when it does not hold it (nothing written).
         t = time.perf_counter()
-        req = {"op": "commit", "id": uuid.uuid4().hex, "plan": plan, "what": f"{start}->{end}", "held": start, "flush": self._flush_at_commit, "record_dir": str(self.record_dir)}
+        req = {
+            "op": "commit",
+            "id": uuid.uuid4().hex,
+            "plan": plan,
+            "what": f"{start}->{end}",
+            "held": start,
+            "flush": self._flush_at_commit,
+            "record_dir": str(self.record_dir),
+        }
         try:
             answer = ask(address, req, self.apply_timeout_s)
         except (ConnectionRefusedError, FileNotFoundError) as exc:  # never reached: nothing written
-            log.warning("the engine's stager at %r is gone (%s): versions %d->%d are applied by an update call", address, exc, start, end)
+            log.warning(
+                "the engine's stager at %r is gone (%s): versions %d->%d are applied by an update call",
+                address,
+                exc,
+                start,
+                end,
+            )
             return None
         except (OSError, ValueError) as exc:
             self._unverified()  # the bits may be anything between the two versions
-            raise EngineUnavailableError(f"the engine's stager at {address!r} broke off writing versions {start}->{end} ({type(exc).__name__}: {exc}): the engine may hold part of them", path="stage_socket") from exc
+            raise EngineUnavailableError(
+                f"the engine's stager at {address!r} broke off writing versions {start}->{end} ({type(exc).__name__}: {exc}): the engine may hold part of them",
+                path="stage_socket",
+            ) from exc
         answers = parse_answers("stitchboard stager", [answer])
         report = answers[0].report or {}
         if answers[0].ok and report.get("committed") is False:
-            log.warning("the engine's stager did not write versions %d->%d (%s): an update call applies them", start, end, report.get("why"))
+            log.warning(
+                "the engine's stager did not write versions %d->%d (%s): an update call applies them",
+                start,
+                end,
+                report.get("why"),
+            )
             return None
         try:
             raise_if_failed("apply", answers)
@@ -397,13 +492,20 @@ class SglangEngine:
             self._unverified()
             raise
         self._cache_clean = bool(report.get("flushed"))
-        return {**report, "stager_s": stager_s, "label_s": time.perf_counter() - t - stager_s, "rpc_s": time.perf_counter() - t}
+        return {
+            **report,
+            "stager_s": stager_s,
+            "label_s": time.perf_counter() - t - stager_s,
+            "rpc_s": time.perf_counter() - t,
+        }
 
     def _apply(self, steps: list[tuple[list[str], list[str], int, int]]) -> dict[str, Any]:
         start, end = steps[0][2], steps[-1][3]
         held = self._version()
         if held != start:
-            raise EngineStateError(f"the engine holds version {held}, the update is from version {start}", held=held, phase="idle")
+            raise EngineStateError(
+                f"the engine holds version {held}, the update is from version {start}", held=held, phase="idle"
+            )
         t = time.perf_counter()
         args = {"steps": [{"paths": p, "digests": d} for p, d, _, _ in steps], "what": f"{start}->{end}"}
         answers = self._call("apply", args, version=end, held=held)
@@ -424,7 +526,9 @@ class SglangEngine:
         paths = [handoff_path] if isinstance(handoff_path, str) else list(handoff_path)
         return self._apply([(paths, [_sha256(p) for p in paths], from_version, to_version)])
 
-    def load_snapshot(self, paths: Sequence[str], version: int, checksums: dict[str, str] | None = None) -> dict[str, Any]:
+    def load_snapshot(
+        self, paths: Sequence[str], version: int, checksums: dict[str, str] | None = None
+    ) -> dict[str, Any]:
         """Load snapshot shards in place through the loader and record ``version``.
 
         Args:
@@ -441,7 +545,12 @@ class SglangEngine:
 
             checksums = {name: checksum(t) for path in paths for name, t in read_safetensors(path)[1].items()}
         t = time.perf_counter()
-        args = {"paths": list(paths), "digests": [_sha256(p) for p in paths], "checksums": checksums, "what": f"snapshot->{version}"}
+        args = {
+            "paths": list(paths),
+            "digests": [_sha256(p) for p in paths],
+            "checksums": checksums,
+            "what": f"snapshot->{version}",
+        }
         answers = self._call("load_snapshot", args, version=version)
         return {**(answers[0].report or {}), "rpc_s": time.perf_counter() - t}
 
@@ -454,7 +563,11 @@ class SglangEngine:
         """
         state = self.state()
         if state.phase not in ("idle", "paused") or state.version != base:
-            raise EngineStateError(f"the engine records version {state.version} (phase {state.phase}), not {base}: version {version} is not recorded", held=state.version, phase=state.phase)
+            raise EngineStateError(
+                f"the engine records version {state.version} (phase {state.phase}), not {base}: version {version} is not recorded",
+                held=state.version,
+                phase=state.phase,
+            )
         self._call("state", {}, version=version, instance=state.instance)
 
     def checksums(self, names: Sequence[str]) -> dict[str, str]:

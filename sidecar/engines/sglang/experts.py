@@ -38,7 +38,9 @@ from ...errors import UnmappedTensorError
 from .slot import BITS, DTYPE_NAMES, Slot
 
 #: ``<layer prefix>.experts.<e>.<matrix>.weight`` of a per-expert checkpoint tensor.
-EXPERT_NAME = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<expert>\d+)\.(?P<matrix>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+EXPERT_NAME = re.compile(
+    r"^(?P<prefix>.+)\.experts\.(?P<expert>\d+)\.(?P<matrix>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$"
+)
 #: Checkpoint matrix name -> its part of the fused layer (Mixtral: w1 gate, w3 up, w2 down).
 PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 #: Config fields that hold the expert width, in the order they are tried.
@@ -86,23 +88,37 @@ def expert_slot(model: torch.nn.Module, tp_rank: int, tp_size: int, name: str) -
     w13, w2 = layer.w13_weight, layer.w2_weight
     experts, width = int(layer.num_experts), int(layer.intermediate_size_per_partition)
     hidden = int(w2.shape[1]) if w2.ndim == 3 else -1
-    if w13.shape != (experts, 2 * width, hidden) or w2.shape != (experts, hidden, width) or w13.dtype != w2.dtype or w13.dtype not in DTYPE_NAMES:
+    if (
+        w13.shape != (experts, 2 * width, hidden)
+        or w2.shape != (experts, hidden, width)
+        or w13.dtype != w2.dtype
+        or w13.dtype not in DTYPE_NAMES
+    ):
         raise UnmappedTensorError(
             f"tensor {name!r}: {prefix}.experts holds w13 {w13.dtype}{list(w13.shape)} and w2 {w2.dtype}{list(w2.shape)}, not [E, 2P, H] / [E, H, P] with "
             f"E = {experts}, P = {width} (the checkpoint layout this map addresses)",
             name=name,
         )
     if expert >= experts:
-        raise UnmappedTensorError(f"tensor {name!r}: {prefix}.experts holds {experts} experts, not expert {expert}", name=name)
+        raise UnmappedTensorError(
+            f"tensor {name!r}: {prefix}.experts holds {experts} experts, not expert {expert}", name=name
+        )
     model_tp_rank, model_tp_size = tp_rank, tp_size
     tp_size, tp_rank = int(layer.moe_tp_size), int(layer.moe_tp_rank)
     if (tp_size, tp_rank) != (model_tp_size, model_tp_rank):
-        raise UnmappedTensorError(f"tensor {name!r}: {prefix}.experts splits over {tp_size} ranks (this is rank {tp_rank}), the model over {model_tp_size}", name=name)
+        raise UnmappedTensorError(
+            f"tensor {name!r}: {prefix}.experts splits over {tp_size} ranks (this is rank {tp_rank}), the model over {model_tp_size}",
+            name=name,
+        )
     real = _real_width(model, name, width * tp_size)
-    spans = tuple((min(r * width, real), max(0, min(width, real - r * width))) for r in range(tp_size))  # [r P, r P + P) clipped to I
+    spans = tuple(
+        (min(r * width, real), max(0, min(width, real - r * width))) for r in range(tp_size)
+    )  # [r P, r P + P) clipped to I
     runtime = f"{prefix}.experts.{'w2' if part == 'down' else 'w13'}_weight"
     if part == "down":
-        slot = ExpertSlot(name, runtime, DTYPE_NAMES[w2.dtype], (hidden, real), 1, spans, tp_rank, expert * hidden, 0, w2)
+        slot = ExpertSlot(
+            name, runtime, DTYPE_NAMES[w2.dtype], (hidden, real), 1, spans, tp_rank, expert * hidden, 0, w2
+        )
     else:
         row = expert * 2 * width + (width if part == "up" else 0)
         slot = ExpertSlot(name, runtime, DTYPE_NAMES[w13.dtype], (real, hidden), 0, spans, tp_rank, row, 0, w13)
@@ -131,7 +147,10 @@ def _refuse_other_layouts(name: str, layer: Any) -> None:
     elif int(getattr(layer, "moe_ep_size", 1)) != 1 or int(layer.num_local_experts) != int(layer.num_experts):
         what = f"holds {layer.num_local_experts} of {layer.num_experts} experts (expert parallelism over {getattr(layer, 'moe_ep_size', '?')} ranks, or fused shared experts)"
     if what is not None:
-        raise UnmappedTensorError(f"tensor {name!r}: its expert layer {what}; only the unpacked checkpoint layout is addressed in place", name=name)
+        raise UnmappedTensorError(
+            f"tensor {name!r}: its expert layer {what}; only the unpacked checkpoint layout is addressed in place",
+            name=name,
+        )
 
 
 def _real_width(model: torch.nn.Module, name: str, padded: int) -> int:
@@ -142,14 +161,19 @@ def _real_width(model: torch.nn.Module, name: str, padded: int) -> int:
             real = int(getattr(config, f"original_{field}", padded))
             if 0 < real <= padded:
                 return real
-    raise UnmappedTensorError(f"tensor {name!r}: no config field {WIDTH_FIELDS} holds the expert layer's padded width {padded}; the checkpoint width is unknown", name=name)
+    raise UnmappedTensorError(
+        f"tensor {name!r}: no config field {WIDTH_FIELDS} holds the expert layer's padded width {padded}; the checkpoint width is unknown",
+        name=name,
+    )
 
 
 def _check_padding(slot: ExpertSlot, width: int) -> None:
     # Raises UnmappedTensorError when the rows (columns) past this rank's real share hold nonzero bits.
     length = slot.spans[slot.tp_rank][1]
     data = slot.param.data.view(BITS[slot.param.element_size()])
-    flat = data.view(-1, data.shape[-1]).narrow(0, slot.row_offset, slot.block_shape[0] if slot.split_dim == 1 else width)
+    flat = data.view(-1, data.shape[-1]).narrow(
+        0, slot.row_offset, slot.block_shape[0] if slot.split_dim == 1 else width
+    )
     padding = flat.narrow(slot.split_dim, length, width - length)
     if padding.numel() and bool(padding.any()):
         raise UnmappedTensorError(

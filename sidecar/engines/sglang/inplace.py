@@ -66,7 +66,9 @@ class Ranks:
         failed: dict[int, str] = {}
         if self.group is not None:
             everyone: list[str | None] = [None] * self.layout.tp_size
-            torch.distributed.all_gather_object(everyone, None if error is None else f"{type(error).__name__}: {error}", group=self.group)
+            torch.distributed.all_gather_object(
+                everyone, None if error is None else f"{type(error).__name__}: {error}", group=self.group
+            )
             failed = {r: m for r, m in enumerate(everyone) if m is not None}
         if error is not None:
             raise error
@@ -137,7 +139,9 @@ def read_files(paths: Sequence[str], digests: Sequence[str]) -> tuple[list[bytes
         with open(path, "rb") as f:
             data = f.read()
         if hashlib.sha256(data).hexdigest() != digest:
-            raise PatchFormatError(f"{os.path.basename(path)}: its sha256 is not the one the sidecar handed over (changed after the hand-off?)")
+            raise PatchFormatError(
+                f"{os.path.basename(path)}: its sha256 is not the one the sidecar handed over (changed after the hand-off?)"
+            )
         out.append(data)
     return out, sum(len(d) for d in out)
 
@@ -184,7 +188,11 @@ def stage(ranks: Ranks, steps: Sequence[tuple[Sequence[str], Sequence[str]]]) ->
                 if name in step:
                     entry = step[name][1]
                     if (entry.dtype, tuple(entry.shape)) != (slot.dtype, slot.shape):  # type: ignore[attr-defined]
-                        raise TensorSetMismatchError(f"tensor {name!r} is {entry.dtype}{list(entry.shape)} in the patch but the engine holds {slot.dtype}{list(slot.shape)}", name=name)  # type: ignore[attr-defined]
+                        raise TensorSetMismatchError(
+                            f"tensor {name!r} is {entry.dtype}{list(entry.shape)} in the patch"  # type: ignore[attr-defined]
+                            f" but the engine holds {slot.dtype}{list(slot.shape)}",
+                            name=name,
+                        )
             slots[name] = slot
         return chain, slots, size
 
@@ -208,9 +216,15 @@ def stage(ranks: Ranks, steps: Sequence[tuple[Sequence[str], Sequence[str]]]) ->
                 target = have
                 continue
             if have != entry.base[XXH3]:  # type: ignore[attr-defined]
-                raise BaseMismatchError(f"tensor {name!r} is not the base of step {i + 1} of this update (xxh3 {have} != {entry.base[XXH3]})", name=name)  # type: ignore[attr-defined]
+                raise BaseMismatchError(
+                    f"tensor {name!r} is not the base of step {i + 1} of this update"
+                    f" (xxh3 {have} != {entry.base[XXH3]})",  # type: ignore[attr-defined]
+                    name=name,
+                )
             t = time.perf_counter()
-            delta = patch.delta(name, RawTensor(slot.dtype, slot.shape, full.view(bits_type(slot.dtype))), base_verified=True)
+            delta = patch.delta(
+                name, RawTensor(slot.dtype, slot.shape, full.view(bits_type(slot.dtype))), base_verified=True
+            )
             values = delta.values.view(full.dtype)
             full[delta.positions] = (full[delta.positions] ^ values) if delta.encoding == "xor" else values
             touched.append(delta.positions)
@@ -219,7 +233,10 @@ def stage(ranks: Ranks, steps: Sequence[tuple[Sequence[str], Sequence[str]]]) ->
             target = entry.target[XXH3]  # type: ignore[attr-defined]
             t = time.perf_counter()
             if xxhash.xxh3_128_hexdigest(full.view(np.uint8).data) != target:
-                raise TargetMismatchError(f"tensor {name!r}: applying step {i + 1} to the engine's bits does not give the target checksum", name=name)
+                raise TargetMismatchError(
+                    f"tensor {name!r}: applying step {i + 1} to the engine's bits does not give the target checksum",
+                    name=name,
+                )
             report["check_s"] += time.perf_counter() - t
         if not touched:
             continue
@@ -279,7 +296,9 @@ def _scatter_read_back(w: _Write) -> None:
         index, new = w.index[lo : lo + READ_BACK_CHUNK], w.new[lo : lo + READ_BACK_CHUNK]
         scatter(index, new)
         if not np.array_equal(gather(index), new):
-            raise TargetMismatchError(f"tensor {w.slot.name!r}: the written elements do not read back as the new bits", name=w.slot.name)
+            raise TargetMismatchError(
+                f"tensor {w.slot.name!r}: the written elements do not read back as the new bits", name=w.slot.name
+            )
 
 
 def commit(ranks: Ranks, writes: list[_Write], hook: PhaseHook, what: str, verify: str = "full") -> dict:
@@ -318,7 +337,9 @@ def commit(ranks: Ranks, writes: list[_Write], hook: PhaseHook, what: str, verif
         t = time.perf_counter()
         for w in writes if verify == "full" else ():
             if ranks.checksum(w.slot) != w.target:
-                raise TargetMismatchError(f"tensor {w.slot.name!r} does not match its target checksum after the write", name=w.slot.name)
+                raise TargetMismatchError(
+                    f"tensor {w.slot.name!r} does not match its target checksum after the write", name=w.slot.name
+                )
         timing["verify_s"] = time.perf_counter() - t
     except Exception as exc:
         restored = True
@@ -331,7 +352,9 @@ def commit(ranks: Ranks, writes: list[_Write], hook: PhaseHook, what: str, verif
     return timing
 
 
-def load_snapshot(ranks: Ranks, paths: Sequence[str], digests: Sequence[str], checksums: dict[str, str], hook: PhaseHook) -> dict:
+def load_snapshot(
+    ranks: Ranks, paths: Sequence[str], digests: Sequence[str], checksums: dict[str, str], hook: PhaseHook
+) -> dict:
     """Load a full snapshot (anchor shards) in place, verified against the manifest's ``checksums``.
 
     Refused before any write (PatchFormatError, TensorSetMismatchError, UnmappedTensorError,
@@ -353,11 +376,16 @@ def load_snapshot(ranks: Ranks, paths: Sequence[str], digests: Sequence[str], ch
                 raise PatchFormatError(f"{path}: tensors appear in two shards")
             tensors.update(part)
         if set(tensors) != set(checksums):
-            raise TensorSetMismatchError(f"snapshot tensors differ from the manifest: missing {sorted(set(checksums) - set(tensors))[:3]}, extra {sorted(set(tensors) - set(checksums))[:3]}")
+            raise TensorSetMismatchError(
+                f"snapshot tensors differ from the manifest: missing {sorted(set(checksums) - set(tensors))[:3]}, extra {sorted(set(tensors) - set(checksums))[:3]}"
+            )
         slots = {n: ranks.layout.place(n) for n in sorted(tensors)}
         for n, t in tensors.items():
             if (t.dtype, tuple(t.shape)) != (slots[n].dtype, slots[n].shape):
-                raise TensorSetMismatchError(f"snapshot tensor {n!r} is {t.dtype}{list(t.shape)}, the engine holds {slots[n].dtype}{list(slots[n].shape)}", name=n)
+                raise TensorSetMismatchError(
+                    f"snapshot tensor {n!r} is {t.dtype}{list(t.shape)}, the engine holds {slots[n].dtype}{list(slots[n].shape)}",
+                    name=n,
+                )
             if checksum(t) != checksums[n]:
                 raise TargetMismatchError(f"snapshot tensor {n!r} does not match the manifest checksum", name=n)
         uncovered = set(ranks.layout.runtime_params()) - {s.runtime_name for s in slots.values()}

@@ -33,7 +33,16 @@ def sglang_python() -> str:
     return str(Path(__file__).resolve().parents[3] / ".venv-sglang" / "bin" / "python")
 
 
-def sglang_command(model_dir: str | os.PathLike[str], port: int, *, tp: int = 1, loader: bool = True, served_model_name: str | None = None, python: str | None = None, cpu: bool | None = None) -> list[str]:
+def sglang_command(
+    model_dir: str | os.PathLike[str],
+    port: int,
+    *,
+    tp: int = 1,
+    loader: bool = True,
+    served_model_name: str | None = None,
+    python: str | None = None,
+    cpu: bool | None = None,
+) -> list[str]:
     """The argv of an SGLang server on ``127.0.0.1:port`` serving ``model_dir``.
 
     Args:

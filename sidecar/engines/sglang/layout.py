@@ -38,7 +38,13 @@ from .slot import DTYPE_NAMES, Slot
 
 #: Checkpoint projection -> (fused sibling, shard) as SGLang's models stack them, for models whose
 #: ``stacked_params_mapping`` is local to ``load_weights`` (Qwen3-MoE, Mixtral; Llama keeps it).
-STACKED: dict[str, tuple[str, str | int]] = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"), "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+STACKED: dict[str, tuple[str, str | int]] = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
 
 
 class SglangLayout:
@@ -114,9 +120,14 @@ class SglangLayout:
         runtime, shard = self._runtime_name(name)
         param, mod = self.params.get(runtime), self._owner.get(runtime)
         if param is None or mod is None:
-            raise UnmappedTensorError(f"tensor {name!r} maps to runtime parameter {runtime!r}, which the engine does not have", name=name)
+            raise UnmappedTensorError(
+                f"tensor {name!r} maps to runtime parameter {runtime!r}, which the engine does not have", name=name
+            )
         if param.ndim not in (1, 2) or param.dtype not in DTYPE_NAMES:
-            raise UnmappedTensorError(f"tensor {name!r}: runtime parameter {runtime!r} is {param.dtype}{list(param.shape)}, not addressed in place", name=name)
+            raise UnmappedTensorError(
+                f"tensor {name!r}: runtime parameter {runtime!r} is {param.dtype}{list(param.shape)}, not addressed in place",
+                name=name,
+            )
         is_weight = runtime.endswith("weight")
         split, row_offset = 0, 0
         cols = param.shape[1] if param.ndim == 2 else 1
@@ -134,7 +145,10 @@ class SglangLayout:
             row_offset = sum(sizes[:shard])
             spans = self._rows(sizes[shard], mod.output_sizes[shard])
         elif shard is not None:
-            raise UnmappedTensorError(f"tensor {name!r}: the loader puts it in shard {shard!r} of {runtime!r}, which is not addressed in place", name=name)
+            raise UnmappedTensorError(
+                f"tensor {name!r}: the loader puts it in shard {shard!r} of {runtime!r}, which is not addressed in place",
+                name=name,
+            )
         elif isinstance(mod, ColumnParallelLinear) and not isinstance(mod, ReplicatedLinear):
             spans = self._rows(mod.output_size_per_partition, mod.output_size_per_partition * self.tp_size)
         elif isinstance(mod, RowParallelLinear) and is_weight:
@@ -142,21 +156,46 @@ class SglangLayout:
             spans = self._rows(mod.input_size_per_partition, self._row_parallel_inputs(runtime, mod, QKVParallelLinear))
         elif isinstance(mod, VocabParallelEmbedding):
             if mod.num_added_embeddings:
-                raise UnmappedTensorError(f"tensor {name!r}: embeddings with added vocabulary are not addressed in place", name=name)
+                raise UnmappedTensorError(
+                    f"tensor {name!r}: embeddings with added vocabulary are not addressed in place", name=name
+                )
             spans = []
             for r in range(self.tp_size):
-                idx = mod._get_indices(mod.num_embeddings_padded, mod.org_vocab_size_padded, mod.num_embeddings, mod.org_vocab_size, r, self.tp_size)
+                idx = mod._get_indices(
+                    mod.num_embeddings_padded,
+                    mod.org_vocab_size_padded,
+                    mod.num_embeddings,
+                    mod.org_vocab_size,
+                    r,
+                    self.tp_size,
+                )
                 spans.append((idx.org_vocab_start_index, idx.num_org_elements))
         else:  # norms, replicated linears, row-parallel biases: every rank holds the whole tensor
             spans = [(0, param.shape[0])] * self.tp_size
         extent = _tiles(spans)
         if extent < 0:
-            raise UnmappedTensorError(f"tensor {name!r}: derived spans {spans} of {runtime!r} overlap or leave gaps", name=name)
+            raise UnmappedTensorError(
+                f"tensor {name!r}: derived spans {spans} of {runtime!r} overlap or leave gaps", name=name
+            )
         shape = (extent, cols) if split == 0 else (param.shape[0], extent)
         length = spans[self.tp_rank][1]
         if (split == 0 and row_offset + length > param.shape[0]) or (split == 1 and length > cols):
-            raise UnmappedTensorError(f"tensor {name!r}: derived spans {spans} do not fit runtime parameter {runtime!r} {list(param.shape)}", name=name)
-        return Slot(name, runtime, DTYPE_NAMES[param.dtype], shape if param.ndim == 2 else (shape[0],), split, tuple(spans), self.tp_rank, row_offset, 0, param)
+            raise UnmappedTensorError(
+                f"tensor {name!r}: derived spans {spans} do not fit runtime parameter {runtime!r} {list(param.shape)}",
+                name=name,
+            )
+        return Slot(
+            name,
+            runtime,
+            DTYPE_NAMES[param.dtype],
+            shape if param.ndim == 2 else (shape[0],),
+            split,
+            tuple(spans),
+            self.tp_rank,
+            row_offset,
+            0,
+            param,
+        )
 
     def _row_parallel_inputs(self, runtime: str, mod: Any, qkv_kind: type) -> int:
         # The real input columns of a row-parallel layer: an attention output projection

@@ -157,7 +157,9 @@ def _error(exc: BaseException) -> dict[str, Any]:
 
 def _require_idle() -> None:
     if _phase != "idle":
-        raise EngineStateError(f"the engine is in phase {_phase!r} and holds no verified version: load a snapshot", held=None, phase=_phase)
+        raise EngineStateError(
+            f"the engine is in phase {_phase!r} and holds no verified version: load a snapshot", held=None, phase=_phase
+        )
 
 
 def _state(req: dict[str, Any]) -> dict[str, Any]:
@@ -232,7 +234,12 @@ def _commit_plan(model: torch.nn.Module, req: dict[str, Any]) -> dict[str, Any]:
             return {"report": {"committed": False, "why": "no such plan staged since the last write"}}
         t = time.perf_counter()
         if not paused_hold.hold(PARK_TIMEOUT_S):  # released once the answer is sent (the stager's ``after``)
-            return {"report": {"committed": False, "why": f"the scheduler thread did not reach its paused loop within {PARK_TIMEOUT_S:g} s"}}
+            return {
+                "report": {
+                    "committed": False,
+                    "why": f"the scheduler thread did not reach its paused loop within {PARK_TIMEOUT_S:g} s",
+                }
+            }
         park_s = time.perf_counter() - t
         timing = _write(_get_ranks(model), plan.writes, str(req.get("what", "")), "written")
         t = time.perf_counter()
@@ -240,7 +247,17 @@ def _commit_plan(model: torch.nn.Module, req: dict[str, Any]) -> dict[str, Any]:
         if torch.cuda.is_available():  # the stager thread's kernels ordered before the scheduler's streams resume
             torch.cuda.synchronize()
         timing["flush_s"] = time.perf_counter() - t
-        return {"report": {**plan.report, "staged_while_serving": True, "committed": True, "flushed": flushed, "stage_s": 0.0, "park_s": park_s, **timing}}
+        return {
+            "report": {
+                **plan.report,
+                "staged_while_serving": True,
+                "committed": True,
+                "flushed": flushed,
+                "stage_s": 0.0,
+                "park_s": park_s,
+                **timing,
+            }
+        }
 
 
 def _stage_plan(model: torch.nn.Module, req: dict[str, Any]) -> dict[str, Any]:
@@ -295,7 +312,11 @@ def _serve_staging(model: torch.nn.Module, record_dir: str, rank: int) -> str | 
     try:
         server = StageServer(address, lambda req: _staging(model, req), after=paused_hold.release)
     except OSError as exc:
-        log.warning("stitchboard loader: no staging while serving (cannot listen on %r: %s); updates stage in the pause", address, exc)
+        log.warning(
+            "stitchboard loader: no staging while serving (cannot listen on %r: %s); updates stage in the pause",
+            address,
+            exc,
+        )
         return None
     if _stager is not None:
         _stager.close()
@@ -304,9 +325,17 @@ def _serve_staging(model: torch.nn.Module, record_dir: str, rank: int) -> str | 
     return address
 
 
-def _write_record(record_dir: str, rank: int, request: object, answer: dict[str, Any], stage_socket: str | None) -> None:
+def _write_record(
+    record_dir: str, rank: int, request: object, answer: dict[str, Any], stage_socket: str | None
+) -> None:
     # The rank's answer to request id ``request``, with this process's pid and start time.
-    record = {"request": request, "pid": os.getpid(), "start": process_start(os.getpid()), "answer": answer, "stage_socket": stage_socket}
+    record = {
+        "request": request,
+        "pid": os.getpid(),
+        "start": process_start(os.getpid()),
+        "answer": answer,
+        "stage_socket": stage_socket,
+    }
     os.makedirs(record_dir, exist_ok=True)
     path = os.path.join(record_dir, f"rank{rank}.json")
     tmp = f"{path}.{os.getpid()}.tmp"

@@ -51,7 +51,11 @@ def install_capturer() -> str | None:
     loader must not kill the server)."""
     try:
         from sglang.srt.state_capturer import base
-        from sglang.srt.state_capturer.routed_experts import RoutedExpertsCapturer, get_global_experts_capturer, set_global_experts_capturer
+        from sglang.srt.state_capturer.routed_experts import (
+            RoutedExpertsCapturer,
+            get_global_experts_capturer,
+            set_global_experts_capturer,
+        )
     except ImportError as exc:
         return f"SGLang has no routed-experts capturer: {exc}"
     if get_global_experts_capturer() is not None:
@@ -87,7 +91,12 @@ def install_capturer() -> str | None:
     finally:
         base.BaseHostCache = previous
     set_global_experts_capturer(capturer)
-    log.info("routed-experts capturer installed: host rows %d, layers %d, top-k %d", capturer.host_cache.num_tokens, capturer.num_layers, capturer.topk_size)
+    log.info(
+        "routed-experts capturer installed: host rows %d, layers %d, top-k %d",
+        capturer.host_cache.num_tokens,
+        capturer.num_layers,
+        capturer.topk_size,
+    )
     return None
 
 

@@ -14,7 +14,12 @@ import numpy as np
 import torch
 
 #: torch dtype -> safetensors dtype name (the codec's names, see proto/dtypes.py).
-DTYPE_NAMES: dict[torch.dtype, str] = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64"}
+DTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float32: "F32",
+    torch.float64: "F64",
+}
 #: element size in bytes -> torch integer dtype used to address raw bits.
 BITS: dict[int, torch.dtype] = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 

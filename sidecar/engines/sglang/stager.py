@@ -63,7 +63,9 @@ class StageServer(threading.Thread):
         OSError: the address cannot be bound (at construction).
     """
 
-    def __init__(self, address: str, handle: Callable[[dict[str, Any]], dict[str, Any]], after: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, address: str, handle: Callable[[dict[str, Any]], dict[str, Any]], after: Callable[[], None] | None = None
+    ) -> None:
         super().__init__(name="stitchboard-stager", daemon=True)
         self.address = address
         self._handle = handle

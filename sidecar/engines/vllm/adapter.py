@@ -56,15 +56,25 @@ class VllmEngine:
         try:
             resp = self._http.request(method, path, timeout=timeout or self.timeout_s, **kwargs)
         except httpx.HTTPError as exc:
-            raise EngineUnavailableError(f"engine at {self.engine_url} does not answer {path}: {type(exc).__name__}: {exc}", path=path) from exc
+            raise EngineUnavailableError(
+                f"engine at {self.engine_url} does not answer {path}: {type(exc).__name__}: {exc}", path=path
+            ) from exc
         if resp.status_code in (502, 503, 504):
-            raise EngineUnavailableError(f"engine answered {path} with HTTP {resp.status_code}", path=path, status=resp.status_code)
+            raise EngineUnavailableError(
+                f"engine answered {path} with HTTP {resp.status_code}", path=path, status=resp.status_code
+            )
         if resp.status_code != 200:
-            raise EngineRequestError(f"engine answered {path} with HTTP {resp.status_code}: {resp.text[:300]}", path=path, status=resp.status_code)
+            raise EngineRequestError(
+                f"engine answered {path} with HTTP {resp.status_code}: {resp.text[:300]}",
+                path=path,
+                status=resp.status_code,
+            )
         try:
             return resp.json() if resp.content else None
         except ValueError:
-            raise EngineRequestError(f"engine answered {path} with a non-JSON body: {resp.text[:300]}", path=path, status=200) from None
+            raise EngineRequestError(
+                f"engine answered {path} with a non-JSON body: {resp.text[:300]}", path=path, status=200
+            ) from None
 
     def _rpc(self, method: str, args: dict[str, Any], timeout: float | None = None) -> list[RankAnswer]:
         """Call a worker-extension method on every rank; returns the per-rank answers."""
@@ -131,7 +141,11 @@ class VllmEngine:
         """
         paths = [handoff_path] if isinstance(handoff_path, str) else list(handoff_path)
         t = time.perf_counter()
-        results = self._checked("stitch_apply_patch", {"paths": paths, "from_version": from_version, "to_version": to_version}, self.apply_timeout_s)
+        results = self._checked(
+            "stitch_apply_patch",
+            {"paths": paths, "from_version": from_version, "to_version": to_version},
+            self.apply_timeout_s,
+        )
         return {**(results[0].report or {}), "rpc_s": time.perf_counter() - t}
 
     def stage_patches(self, steps: Sequence[tuple[Sequence[str], int, int]], poll_s: float = 0.02) -> dict[str, Any]:
@@ -154,14 +168,19 @@ class VllmEngine:
                 ``from_version``. EngineUnavailableError, EngineRequestError: also on timeout.
         """
         t = time.perf_counter()
-        body = {"steps": [{"paths": list(paths), "from_version": start, "to_version": end} for paths, start, end in steps]}
+        body = {
+            "steps": [{"paths": list(paths), "from_version": start, "to_version": end} for paths, start, end in steps]
+        }
         self._checked("stitch_stage", body, self.apply_timeout_s)
         while True:
             results = self._checked("stitch_staged", {})
             if all((r.staging or {}).get("state") == "ready" for r in results):
                 return {**(results[0].staging or {}).get("report", {}), "rpc_s": time.perf_counter() - t}
             if time.perf_counter() - t > self.apply_timeout_s:
-                raise EngineRequestError(f"staging versions {steps[0][1]}->{steps[-1][2]} did not finish within {self.apply_timeout_s} s", path="/collective_rpc")
+                raise EngineRequestError(
+                    f"staging versions {steps[0][1]}->{steps[-1][2]} did not finish within {self.apply_timeout_s} s",
+                    path="/collective_rpc",
+                )
             time.sleep(poll_s)
 
     def commit_staged(self, to_version: int) -> dict[str, Any]:
@@ -180,7 +199,9 @@ class VllmEngine:
         results = self._checked("stitch_commit", {"to_version": to_version}, self.apply_timeout_s)
         return {**(results[0].report or {}), "rpc_s": time.perf_counter() - t}
 
-    def load_snapshot(self, paths: Sequence[str], version: int, checksums: dict[str, str] | None = None) -> dict[str, Any]:
+    def load_snapshot(
+        self, paths: Sequence[str], version: int, checksums: dict[str, str] | None = None
+    ) -> dict[str, Any]:
         """Load snapshot shards in place and record ``version``.
 
         Args:
@@ -199,7 +220,9 @@ class VllmEngine:
         """
         sums = dict(checksums) if checksums is not None else _snapshot_checksums(paths)
         t = time.perf_counter()
-        results = self._checked("stitch_load_snapshot", {"paths": list(paths), "version": version, "checksums": sums}, self.apply_timeout_s)
+        results = self._checked(
+            "stitch_load_snapshot", {"paths": list(paths), "version": version, "checksums": sums}, self.apply_timeout_s
+        )
         return {**(results[0].report or {}), "rpc_s": time.perf_counter() - t}
 
     def set_version(self, version: int, base: int | None = None) -> None:

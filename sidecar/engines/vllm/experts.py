@@ -42,7 +42,12 @@ from ...errors import UnmappedTensorError
 from .layout import BITS_TORCH, TORCH_DTYPE_NAMES, Placement
 
 #: Experts classes whose packing is derived from ``cpu_prepack_moe_weight`` (vLLM CPU build).
-CPU_PREPACKED = ("CPUUnquantizedExperts", "X86CPUUnquantizedExperts", "ArmCPUUnquantizedExperts", "PowerCPUUnquantizedExperts")
+CPU_PREPACKED = (
+    "CPUUnquantizedExperts",
+    "X86CPUUnquantizedExperts",
+    "ArmCPUUnquantizedExperts",
+    "PowerCPUUnquantizedExperts",
+)
 #: Why other backends are refused (the message of every refused expert tensor).
 WHY_REFUSED = (
     "only vLLM's CPU prepacked experts are mapped (their packing is derived from cpu_prepack_moe_weight and checked on the live weights); "
@@ -76,7 +81,9 @@ class ExpertPlacement(Placement):
 
     def write_block(self, values: torch.Tensor) -> None:
         """Write the whole block (``block_shape``, any dtype of the parameter's element size)."""
-        self._bits(None)[self.flat.to(self.param.device)] = values.reshape(-1).view(BITS_TORCH[self.param.element_size()]).to(self.param.device)
+        self._bits(None)[self.flat.to(self.param.device)] = (
+            values.reshape(-1).view(BITS_TORCH[self.param.element_size()]).to(self.param.device)
+        )
 
 
 @dataclass
@@ -90,7 +97,9 @@ class _ExpertModule:
     padded: int  # P: rows per shard in w13, columns of w2
     tp_rank: int
     tp_size: int
-    perms: dict[str, torch.Tensor] = field(default_factory=dict)  # param attr -> [N*K] unpacked flat -> packed flat (one expert)
+    perms: dict[str, torch.Tensor] = field(
+        default_factory=dict
+    )  # param attr -> [N*K] unpacked flat -> packed flat (one expert)
 
     def local_expert(self, expert: int) -> int | None:
         expert_map = self.module.expert_map
@@ -131,7 +140,12 @@ def _derive_perm(pack: Any, rows: int, cols: int) -> torch.Tensor | None:
         digits = ((index >> shift) & 255) + 1
         packed = pack(digits.to(torch.bfloat16).reshape(1, rows, cols)).reshape(-1).to(torch.float32)
         values = packed.to(torch.int64)
-        if packed.numel() != total or not torch.equal(values.to(torch.float32), packed) or values.min() < 1 or values.max() > 256:
+        if (
+            packed.numel() != total
+            or not torch.equal(values.to(torch.float32), packed)
+            or values.min() < 1
+            or values.max() > 256
+        ):
             return None
         source |= (values - 1) << shift
         shift += 8
@@ -182,10 +196,16 @@ class ExpertLayout:
         info, expert, shard = self._names[name]
         par = info.module.moe_config.moe_parallel_config
         if par.ep_size > 1:
-            raise UnmappedTensorError(f"tensor {name!r}: expert parallelism (ep_size {par.ep_size}) is not mapped in place; start vLLM without --enable-expert-parallel", name=name)
+            raise UnmappedTensorError(
+                f"tensor {name!r}: expert parallelism (ep_size {par.ep_size}) is not mapped in place; start vLLM without --enable-expert-parallel",
+                name=name,
+            )
         local = info.local_expert(expert)
         if local is None:
-            raise UnmappedTensorError(f"tensor {name!r}: expert {expert} is held by another rank (expert parallelism is not mapped in place)", name=name)
+            raise UnmappedTensorError(
+                f"tensor {name!r}: expert {expert} is held by another rank (expert parallelism is not mapped in place)",
+                name=name,
+            )
         attr = "w2_weight" if shard == "w2" else "w13_weight"
         param = getattr(info.module, attr)
         perm = self._perm(info, attr, name)
@@ -213,7 +233,10 @@ class ExpertLayout:
         experts, rows, cols = param.shape
         perm = _derive_perm(pack, rows, cols)
         if perm is None:
-            raise UnmappedTensorError(f"tensor {name!r}: the packing of {backend} is not a permutation of one expert's elements; not written in place", name=name)
+            raise UnmappedTensorError(
+                f"tensor {name!r}: the packing of {backend} is not a permutation of one expert's elements; not written in place",
+                name=name,
+            )
         bits = param.reshape(experts, -1).view(BITS_TORCH[param.element_size()])
         unpacked = bits[:, perm].reshape(experts, rows, cols)  # checkpoint-side layout (padded) of the live bits
         pad = torch.ones(rows, cols, dtype=torch.bool)
@@ -224,6 +247,9 @@ class ExpertLayout:
             pad[info.padded : info.padded + info.width] = False
         repacked = pack(unpacked.view(param.dtype)).reshape(experts, -1).view(bits.dtype)
         if bool(unpacked[:, pad].any()) or not torch.equal(repacked, bits):
-            raise UnmappedTensorError(f"tensor {name!r}: the map derived from {backend} does not reproduce the live {attr} of {info.prefix}; not written in place", name=name)
+            raise UnmappedTensorError(
+                f"tensor {name!r}: the map derived from {backend} does not reproduce the live {attr} of {info.prefix}; not written in place",
+                name=name,
+            )
         info.perms[attr] = perm
         return perm

@@ -42,7 +42,11 @@ def is_fp8_channel_checkpoint(model_dir: str | os.PathLike[str]) -> bool:
     except (OSError, ValueError):
         return False
     qc = config.get("quantization_config") if isinstance(config, dict) else None
-    return isinstance(qc, dict) and qc.get("quant_method") == "compressed-tensors" and qc.get("format") == "float-quantized"
+    return (
+        isinstance(qc, dict)
+        and qc.get("quant_method") == "compressed-tensors"
+        and qc.get("format") == "float-quantized"
+    )
 
 
 def vllm_command(

@@ -176,7 +176,9 @@ class RuntimeLayout:
     runtime parameter so a snapshot load can check that it covers all of them.
     """
 
-    def __init__(self, model: torch.nn.Module, tp_rank: int, tp_size: int, experts: ExpertResolver | None = None) -> None:
+    def __init__(
+        self, model: torch.nn.Module, tp_rank: int, tp_size: int, experts: ExpertResolver | None = None
+    ) -> None:
         self.model = model
         self.tp_rank = tp_rank
         self.tp_size = tp_size
@@ -202,7 +204,9 @@ class RuntimeLayout:
         if mapper is not None:
             mapped = mapper._map_name_with_shard(name)
             if mapped is None:
-                raise UnmappedTensorError(f"tensor {name!r}: the model's loader ignores it, so the engine holds no copy", name=name)
+                raise UnmappedTensorError(
+                    f"tensor {name!r}: the model's loader ignores it, so the engine holds no copy", name=name
+                )
             runtime, shard = mapped
             if shard is not None or runtime in self.params:
                 return runtime, shard
@@ -244,11 +248,19 @@ class RuntimeLayout:
         mod = self._owner.get(runtime)
         fused = isinstance(mod, (QKVParallelLinear, MergedColumnParallelLinear))
         if shard is not None and not (fused and (shard in ("q", "k", "v") or type(shard) is int)):
-            raise UnmappedTensorError(f"tensor {name!r}: the loader puts it in shard {shard!r} of {runtime!r}, which is not addressed in place", name=name)
+            raise UnmappedTensorError(
+                f"tensor {name!r}: the loader puts it in shard {shard!r} of {runtime!r}, which is not addressed in place",
+                name=name,
+            )
         if fused and shard is None and self.tp_size > 1:
-            raise UnmappedTensorError(f"tensor {name!r}: a pre-fused checkpoint tensor of {runtime!r} is not addressed in place under TP", name=name)
+            raise UnmappedTensorError(
+                f"tensor {name!r}: a pre-fused checkpoint tensor of {runtime!r} is not addressed in place under TP",
+                name=name,
+            )
         if param is None:
-            raise UnmappedTensorError(f"tensor {name!r} maps to runtime parameter {runtime!r}, which the engine does not have", name=name)
+            raise UnmappedTensorError(
+                f"tensor {name!r} maps to runtime parameter {runtime!r}, which the engine does not have", name=name
+            )
         if param.ndim not in (1, 2) or param.numel() == 0:
             raise UnmappedTensorError(
                 f"tensor {name!r}: runtime parameter {runtime!r} has shape {list(param.shape)}; an emptied CPU linear weight means the stitchboard worker extension was not imported before the model loaded",
@@ -257,7 +269,9 @@ class RuntimeLayout:
         transposed = param.ndim == 2 and not param.is_contiguous() and param.t().is_contiguous()
         data = param.t() if transposed else param  # the checkpoint's row-major orientation
         if param.dtype not in TORCH_DTYPE_NAMES:
-            raise UnmappedTensorError(f"tensor {name!r}: runtime dtype {param.dtype} has no safetensors name", name=name)
+            raise UnmappedTensorError(
+                f"tensor {name!r}: runtime dtype {param.dtype} has no safetensors name", name=name
+            )
         ranks = range(self.tp_size)
         tp = getattr(mod, "tp_size", self.tp_size)
         is_weight = runtime.endswith("weight")
@@ -278,10 +292,19 @@ class RuntimeLayout:
             spans = [((r if tp > 1 else 0) * size, size) for r in ranks]
         elif isinstance(mod, VocabParallelEmbedding):
             if mod.num_added_embeddings:
-                raise UnmappedTensorError(f"tensor {name!r}: embeddings with added (LoRA) vocabulary are not addressed in place", name=name)
+                raise UnmappedTensorError(
+                    f"tensor {name!r}: embeddings with added (LoRA) vocabulary are not addressed in place", name=name
+                )
             spans = []
             for r in ranks:
-                idx = mod._get_indices(mod.num_embeddings_padded, mod.org_vocab_size_padded, mod.num_embeddings, mod.org_vocab_size, r if tp > 1 else 0, tp)
+                idx = mod._get_indices(
+                    mod.num_embeddings_padded,
+                    mod.org_vocab_size_padded,
+                    mod.num_embeddings,
+                    mod.org_vocab_size,
+                    r if tp > 1 else 0,
+                    tp,
+                )
                 spans.append((idx.org_vocab_start_index, idx.num_org_elements))
         else:  # norms, replicated linears, row-parallel biases: every rank holds the whole tensor
             spans = [(0, data.shape[0])] * self.tp_size
@@ -289,8 +312,15 @@ class RuntimeLayout:
         shape = list(data.shape)
         shape[split] = extent
         local_rows = spans[self.tp_rank][1] if split == 0 else data.shape[0]
-        if extent < 0 or offset + local_rows > data.shape[0] or (split == 1 and spans[self.tp_rank][1] != data.shape[1]):
-            raise UnmappedTensorError(f"tensor {name!r}: derived spans {spans} do not fit runtime parameter {runtime!r} {list(data.shape)}", name=name)
+        if (
+            extent < 0
+            or offset + local_rows > data.shape[0]
+            or (split == 1 and spans[self.tp_rank][1] != data.shape[1])
+        ):
+            raise UnmappedTensorError(
+                f"tensor {name!r}: derived spans {spans} do not fit runtime parameter {runtime!r} {list(data.shape)}",
+                name=name,
+            )
         return Placement(
             name=name,
             runtime_name=runtime,

@@ -64,7 +64,9 @@ class _Capture:
     model: str
     requests: OrderedDict[str, _Routing] = field(default_factory=OrderedDict)
     step: Any = None  # the scheduler output of the forward pass running now
-    rows: list[tuple[int, int, np.ndarray, _Routing]] = field(default_factory=list)  # (row offset, n, buffer, request) this step
+    rows: list[tuple[int, int, np.ndarray, _Routing]] = field(
+        default_factory=list
+    )  # (row offset, n, buffer, request) this step
     total: int = 0  # token rows of this step's scheduled requests
 
     def begin(self, runner: Any) -> None:
@@ -130,7 +132,12 @@ class _Capture:
                 versions.append([version, end, end + len(fresh)])
             end += len(fresh)
         rows = np.concatenate(parts) if parts else np.zeros((0, self.num_layers, self.top_k), np.int32)
-        return {"prompt_tokens": entry.prompt_tokens, "start": first, "rows": base64.b64encode(rows.tobytes()).decode(), "versions": versions}
+        return {
+            "prompt_tokens": entry.prompt_tokens,
+            "start": first,
+            "rows": base64.b64encode(rows.tobytes()).decode(),
+            "versions": versions,
+        }
 
 
 _captures: dict[int, _Capture | None] = {}
@@ -141,11 +148,20 @@ def _install(runner: Any) -> _Capture | None:
     from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
     from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
 
-    routers = [(m.layer_id, m.router) for m in runner.get_model().modules() if isinstance(m, MoERunner) and isinstance(m.router, BaseRouter)]
+    routers = [
+        (m.layer_id, m.router)
+        for m in runner.get_model().modules()
+        if isinstance(m, MoERunner) and isinstance(m.router, BaseRouter)
+    ]
     if not routers:
         return None
     config = runner.model_config
-    capture = _Capture(sorted(i for i, _ in routers), config.get_total_num_hidden_layers(), config.get_num_experts_per_tok(), str(config.served_model_name))
+    capture = _Capture(
+        sorted(i for i, _ in routers),
+        config.get_total_num_hidden_layers(),
+        config.get_num_experts_per_tok(),
+        str(config.served_model_name),
+    )
     for layer_id, router in routers:
         router.set_capture_fn(_chained(router.capture_fn, partial(capture.capture, runner, layer_id)))
     return capture
@@ -211,4 +227,10 @@ def take(runner: Any, marks: list[str]) -> dict[str, Any]:
     capture = capture_of(runner)
     if capture is None:
         return {"moe": False, "model": str(runner.model_config.served_model_name), "requests": {}}
-    return {"moe": True, "model": capture.model, "num_layers": capture.num_layers, "top_k": capture.top_k, "requests": {m: capture.take(m) for m in marks}}
+    return {
+        "moe": True,
+        "model": capture.model,
+        "num_layers": capture.num_layers,
+        "top_k": capture.top_k,
+        "requests": {m: capture.take(m) for m in marks},
+    }

@@ -32,7 +32,11 @@ import torch
 from .launch import FP8_FLAG_LINE, VLLM_SERVER_MODULE
 
 torch.backends.mkldnn.enabled = False  # type: ignore[assignment]  # torch types the flag as its descriptor
-print(f"{FP8_FLAG_LINE} in {multiprocessing.current_process().name} pid {os.getpid()} (FP8 per-channel GEMM: torch._scaled_mm without oneDNN)", file=sys.stderr, flush=True)
+print(
+    f"{FP8_FLAG_LINE} in {multiprocessing.current_process().name} pid {os.getpid()} (FP8 per-channel GEMM: torch._scaled_mm without oneDNN)",
+    file=sys.stderr,
+    flush=True,
+)
 
 if __name__ == "__main__":
     runpy.run_module(VLLM_SERVER_MODULE, run_name="__main__")

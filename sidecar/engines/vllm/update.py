@@ -150,7 +150,9 @@ def _pack(placement: Placement, host_param: torch.Tensor) -> list[tuple[torch.nn
     return packs
 
 
-def _read_steps(io: WeightIO, steps: Sequence[Step]) -> tuple[list[dict[str, _StepDelta]], list[str], dict[str, Placement], int]:
+def _read_steps(
+    io: WeightIO, steps: Sequence[Step]
+) -> tuple[list[dict[str, _StepDelta]], list[str], dict[str, Placement], int]:
     """Read, decode (but ``cond``) and map every step's files: per step name -> delta, the names
     in order, their placements, and the files' total bytes (rank-local; see :func:`stage_patches`)."""
     for (_, _, end), (_, start, _) in itertools.pairwise(steps):
@@ -209,7 +211,9 @@ def stage_patches(io: WeightIO, steps: Sequence[Step]) -> StagedPatch:
     for group in by_param.values():
         t = time.perf_counter()
         param = places[group[0]].param
-        host = param.data.detach().to("cpu", copy=True)  # strides kept: a column-major FP8 weight stays addressable through .t()
+        host = param.data.detach().to(
+            "cpu", copy=True
+        )  # strides kept: a column-major FP8 weight stays addressable through .t()
         timing["build_s"] += time.perf_counter() - t
         written = False
         for n in group:
@@ -237,14 +241,19 @@ def stage_patches(io: WeightIO, steps: Sequence[Step]) -> StagedPatch:
                 elif step_delta.patch.encoding == "overwrite" and have == entry.target[XXH3_128]:
                     continue
                 else:
-                    raise BaseMismatchError(f"tensor {n!r} is not the base of step {steps[step][1]}->{steps[step][2]} (xxh3 {have} != {entry.base[XXH3_128]})", name=n)
+                    raise BaseMismatchError(
+                        f"tensor {n!r} is not the base of step {steps[step][1]}->{steps[step][2]} (xxh3 {have} != {entry.base[XXH3_128]})",
+                        name=n,
+                    )
             target = [d[n] for d in chain if n in d][-1].entry.target[XXH3_128]
             if not touched:
                 current += 1
                 continue
             t = time.perf_counter()
             if io.checksum(p, block) != target:
-                raise TargetMismatchError(f"tensor {n!r}: applying the steps to the engine's bits does not give the target checksum", name=n)
+                raise TargetMismatchError(
+                    f"tensor {n!r}: applying the steps to the engine's bits does not give the target checksum", name=n
+                )
             timing["check_s"] += time.perf_counter() - t
             index = torch.from_numpy(_union(touched))
             old = p.block_bits()[index.to(param.device)]
@@ -309,7 +318,10 @@ def commit_staged(io: WeightIO, staged: StagedPatch, hook: PhaseHook) -> dict:
         t = time.perf_counter()
         for w in staged.writes:
             if io.checksum(w.placement) != w.target:
-                raise TargetMismatchError(f"tensor {w.placement.name!r} does not match its target checksum after the write", name=w.placement.name)
+                raise TargetMismatchError(
+                    f"tensor {w.placement.name!r} does not match its target checksum after the write",
+                    name=w.placement.name,
+                )
         timing["verify_s"] = time.perf_counter() - t
     except Exception as exc:
         restored = True
@@ -321,7 +333,9 @@ def commit_staged(io: WeightIO, staged: StagedPatch, hook: PhaseHook) -> dict:
         except Exception:
             restored = False
             log.exception("restoring the old bits failed: the engine holds no verified version")
-        raise ApplyFailedError.after_write(f"writing versions {staged.from_version}->{staged.to_version}", exc, restored=restored) from exc
+        raise ApplyFailedError.after_write(
+            f"writing versions {staged.from_version}->{staged.to_version}", exc, restored=restored
+        ) from exc
     return {**staged.report, **timing}
 
 
@@ -369,7 +383,11 @@ def parse_steps(args: dict[str, Any]) -> list[Step]:
         raise ValueError("steps must be a non-empty list of {paths, from_version, to_version}")
     out: list[Step] = []
     for step in steps:
-        paths, start, end = (step.get(k) for k in ("paths", "from_version", "to_version")) if isinstance(step, dict) else (None, None, None)
+        paths, start, end = (
+            (step.get(k) for k in ("paths", "from_version", "to_version"))
+            if isinstance(step, dict)
+            else (None, None, None)
+        )
         if not isinstance(paths, list) or not paths or not all(isinstance(p, str) for p in paths):
             raise ValueError("each step's paths must be a non-empty list of file paths")
         if type(start) is not int or type(end) is not int or not 0 <= start < end:

@@ -165,7 +165,10 @@ def placements_for(io: WeightIO, specs: dict[str, tuple[str, tuple[int, ...]]]) 
     for name, (dtype, shape) in specs.items():
         p = io.layout.place(name)
         if (p.dtype, p.shape) != (dtype, tuple(shape)):
-            raise TensorSetMismatchError(f"tensor {name!r} is {dtype}{list(shape)} in the input but the engine holds {p.dtype}{list(p.shape)}", name=name)
+            raise TensorSetMismatchError(
+                f"tensor {name!r} is {dtype}{list(shape)} in the input but the engine holds {p.dtype}{list(p.shape)}",
+                name=name,
+            )
         out[name] = p
     return out
 
@@ -183,14 +186,18 @@ def read_patches(paths: Sequence[str]) -> tuple[list[Patch], int]:
             data = f.read()
         patch = read_patch(data, what=os.path.basename(path))
         if names & set(patch.entries):
-            raise PatchFormatError(f"{path}: touches tensors another file of the same version touches: {sorted(names & set(patch.entries))[:3]}")
+            raise PatchFormatError(
+                f"{path}: touches tensors another file of the same version touches: {sorted(names & set(patch.entries))[:3]}"
+            )
         names |= set(patch.entries)
         patches.append(patch)
         size += len(data)
     return patches, size
 
 
-def _read_snapshot(io: WeightIO, paths: Sequence[str], checksums: dict[str, str]) -> tuple[dict[str, RawTensor], dict[str, Placement], int]:
+def _read_snapshot(
+    io: WeightIO, paths: Sequence[str], checksums: dict[str, str]
+) -> tuple[dict[str, RawTensor], dict[str, Placement], int]:
     """Read and check a snapshot's shards (see :func:`load_snapshot_files`); returns tensors, placements, bytes."""
     tensors: dict[str, RawTensor] = {}
     size = 0
@@ -201,7 +208,9 @@ def _read_snapshot(io: WeightIO, paths: Sequence[str], checksums: dict[str, str]
         tensors.update(part)
         size += os.path.getsize(path)
     if set(tensors) != set(checksums):
-        raise TensorSetMismatchError(f"snapshot tensors differ from the manifest: missing {sorted(set(checksums) - set(tensors))[:3]}, extra {sorted(set(tensors) - set(checksums))[:3]}")
+        raise TensorSetMismatchError(
+            f"snapshot tensors differ from the manifest: missing {sorted(set(checksums) - set(tensors))[:3]}, extra {sorted(set(tensors) - set(checksums))[:3]}"
+        )
     places = placements_for(io, {n: (t.dtype, t.shape) for n, t in tensors.items()})
     uncovered = set(io.layout.runtime_params()) - {p.runtime_name for p in places.values()}
     if uncovered:
@@ -256,7 +265,9 @@ def load_snapshot_files(io: WeightIO, paths: Sequence[str], checksums: dict[str,
         t = time.perf_counter()
         for name, p in places.items():
             if io.checksum(p) != checksums[name]:
-                raise TargetMismatchError(f"tensor {name!r} does not match the manifest checksum after loading", name=name)
+                raise TargetMismatchError(
+                    f"tensor {name!r} does not match the manifest checksum after loading", name=name
+                )
         timing["verify_s"] = time.perf_counter() - t
     except Exception as exc:
         raise ApplyFailedError.after_write("loading the snapshot", exc, restored=False) from exc

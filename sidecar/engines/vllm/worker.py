@@ -159,7 +159,11 @@ class StitchWorkerExtension:
             rank, size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
             layout = RuntimeLayout(self.get_model(), rank, size, experts=ExpertLayout(self.get_model(), rank))
             # A group of our own: staging runs collectives from a background thread.
-            group = torch.distributed.new_group(get_tp_group().ranks, backend="gloo", timeout=COLLECTIVE_TIMEOUT) if size > 1 else None
+            group = (
+                torch.distributed.new_group(get_tp_group().ranks, backend="gloo", timeout=COLLECTIVE_TIMEOUT)
+                if size > 1
+                else None
+            )
             self._stitch_io = WeightIO(layout, group, repack=current_platform.is_cpu())
         return self._stitch_io
 
@@ -205,11 +209,19 @@ class StitchWorkerExtension:
     def _stitch_require_version(self, start: int) -> None:
         self._stitch_require_idle()
         if self._stitch_version != start:
-            raise EngineStateError(f"the engine holds version {self._stitch_version}, the patch is from version {start}", held=self._stitch_version, phase=self._stitch_phase)
+            raise EngineStateError(
+                f"the engine holds version {self._stitch_version}, the patch is from version {start}",
+                held=self._stitch_version,
+                phase=self._stitch_phase,
+            )
 
     def _stitch_require_idle(self) -> None:
         if self._stitch_phase != "idle":
-            raise EngineStateError(f"the engine is in phase {self._stitch_phase!r} and holds no verified version: load a snapshot", held=self._stitch_version, phase=self._stitch_phase)
+            raise EngineStateError(
+                f"the engine is in phase {self._stitch_phase!r} and holds no verified version: load a snapshot",
+                held=self._stitch_version,
+                phase=self._stitch_phase,
+            )
 
     # -- RPC methods ---------------------------------------------------------------------------
 
@@ -230,7 +242,11 @@ class StitchWorkerExtension:
                 raise ValueError(f"base must be null or an integer >= 0, got {base!r}")
             self._stitch_require_idle()
             if self._stitch_version != base:
-                raise EngineStateError(f"the engine records version {self._stitch_version}, not {base}: version {version} is not recorded", held=self._stitch_version, phase=self._stitch_phase)
+                raise EngineStateError(
+                    f"the engine records version {self._stitch_version}, not {base}: version {version} is not recorded",
+                    held=self._stitch_version,
+                    phase=self._stitch_phase,
+                )
             self._stitch_version = version
 
         return self._stitch_call(request, run)
@@ -257,7 +273,9 @@ class StitchWorkerExtension:
 
         def run(args: dict[str, Any]) -> dict[str, Any]:
             if self._stitch_job is None:
-                raise EngineStateError("nothing is staged: call stitch_stage first", held=self._stitch_version, phase=self._stitch_phase)
+                raise EngineStateError(
+                    "nothing is staged: call stitch_stage first", held=self._stitch_version, phase=self._stitch_phase
+                )
             return {"staging": self._stitch_job.status()}
 
         return self._stitch_call(request, run)
@@ -274,13 +292,19 @@ class StitchWorkerExtension:
             end = args.get("to_version")
             job = self._stitch_job
             if job is None or job.thread.is_alive() or job.result is None:
-                raise EngineStateError("no staged update is ready: stage it and wait until stitch_staged says ready", held=self._stitch_version, phase=self._stitch_phase)
+                raise EngineStateError(
+                    "no staged update is ready: stage it and wait until stitch_staged says ready",
+                    held=self._stitch_version,
+                    phase=self._stitch_phase,
+                )
             staged = job.result
             if end != staged.to_version:
                 raise ValueError(f"the staged update ends at version {staged.to_version}, not {end!r}")
             self._stitch_require_version(staged.from_version)
             self._stitch_job = None
-            return self._stitch_update(end, lambda: commit_staged(self._stitch_weights(), staged, functools.partial(_fault, version=end)))
+            return self._stitch_update(
+                end, lambda: commit_staged(self._stitch_weights(), staged, functools.partial(_fault, version=end))
+            )
 
         return self._stitch_call(request, run)
 
@@ -297,7 +321,9 @@ class StitchWorkerExtension:
             self._stitch_finish_staging(drop=True)
             self._stitch_require_version(start)
             io = self._stitch_weights()
-            return self._stitch_update(end, lambda: apply_patch_files(io, paths, start, end, functools.partial(_fault, version=end)))
+            return self._stitch_update(
+                end, lambda: apply_patch_files(io, paths, start, end, functools.partial(_fault, version=end))
+            )
 
         return self._stitch_call(request, run)
 
