@@ -3,7 +3,7 @@
 #                 `make demo ENGINE=sglang` runs it against SGLang (creating .venv-sglang too)
 #   make test   - the whole test suite
 #   make bench  - every benchmark (prints figures)
-#   make lint   - ruff (lint + format check) and mypy, as CI runs them
+#   make lint   - ruff (lint + format check), mypy and the docs build (mkdocs --strict), as CI runs them
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -68,6 +68,7 @@ lint: venv
 	mkdir -p build/typecheck/stitchboard
 	for p in proto bulletin trainer_client sidecar demo; do ln -sfn ../../../$$p build/typecheck/stitchboard/$$p; done
 	$(PY) .ci/typecheck.py
+	$(VENV)/bin/mkdocs build --strict --quiet
 
 demo: venv $(if $(filter sglang,$(ENGINE)),venv-sglang)
 	$(VENV)/bin/stitchboard demo --engine $(ENGINE) --workdir stitchboard-demo
