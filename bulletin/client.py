@@ -7,7 +7,10 @@ thread-safe). Every method raises the :mod:`stitchboard.bulletin.errors` tree:
 * transport errors and 5xx answers are retried with exponential backoff (``retries`` times),
   then raised as :class:`UnavailableError` (or the 5xx body's type);
 * 4xx answers are never retried: 401/403 -> :class:`AuthError`, 404 -> :class:`NotFoundError`,
-  409 -> :class:`ConflictError` subclasses, other 4xx -> :class:`InvalidRequestError` subclasses.
+  409 -> :class:`ConflictError` subclasses, other 4xx -> :class:`InvalidRequestError` subclasses;
+* an answer for another run or version than asked raises :class:`MisdirectedAnswerError`
+  (:mod:`.answer_checks`), as a blob whose bytes hash to another sha256 raises
+  :class:`BlobMismatchError`: nothing of it is used.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from stitchboard.proto.answers import RunList, UploadUrl, VersionPage
 from stitchboard.proto.schema import Plan, RunInfo, VersionInfo, VersionManifest, canonical_json, parse_manifest
 from stitchboard.proto.squash_schema import SquashList, SquashManifest
 
+from .answer_checks import check_answer, check_newer, check_plan
 from .errors import BlobMismatchError, BulletinError, UnavailableError, error_from_body
 
 _RETRY_STATUS = {500, 502, 503, 504}
@@ -286,18 +290,26 @@ class BulletinClient:
             headers={"content-type": "application/json"},
             what=f"publishing version {manifest.version} of run {manifest.run_id!r}",
         )
-        return VersionInfo.model_validate_json(r.content)
+        info = VersionInfo.model_validate_json(r.content)
+        what = f"publishing version {manifest.version} of run {manifest.run_id!r}"
+        check_answer(what, manifest.run_id, info.run_id, manifest.version, info.version)
+        return info
 
     def latest_info(self, run: str, after: int = -1, wait_s: float = 0.0) -> VersionInfo | None:
         """Like :meth:`latest` but returns the :class:`VersionInfo` (``None`` if nothing newer)."""
+        what = f"asking the latest version of run {run!r}"
         r = self._call(
             "GET",
             f"/v1/runs/{run}/versions/latest",
             params={"after": after, "wait_s": wait_s},
             timeout=httpx.Timeout(self.timeout_s, read=self.timeout_s + wait_s),
-            what=f"asking the latest version of run {run!r}",
+            what=what,
         )
-        return None if r.status_code == 204 else VersionInfo.model_validate_json(r.content)
+        if r.status_code == 204:
+            return None
+        info = VersionInfo.model_validate_json(r.content)
+        check_newer(what, run, info.run_id, after, info.version)
+        return info
 
     def latest(self, run: str, after: int = -1, wait_s: float = 0.0) -> int | None:
         """The run's latest version once it is greater than ``after``, waiting up to ``wait_s`` seconds.
@@ -305,27 +317,42 @@ class BulletinClient:
         Returns:
             The version, or ``None`` when the run has nothing newer than ``after`` after the
             wait (also for a run with no version yet).
+
+        Raises:
+            MisdirectedAnswerError: the answer names another run, or a version not after ``after``.
         """
         info = self.latest_info(run, after, wait_s)
         return None if info is None else info.version
 
     def manifest(self, run: str, version: int) -> VersionManifest:
-        """The manifest of one version. Raises :class:`NotFoundError` if it is not (or no longer) stored."""
-        r = self._call("GET", f"/v1/runs/{run}/versions/{version}", what=f"reading version {version} of run {run!r}")
-        return parse_manifest(r.content)
+        """The manifest of one version.
+
+        Raises:
+            NotFoundError: it is not (or no longer) stored.
+            MisdirectedAnswerError: the answer is another run's or version's manifest.
+        """
+        what = f"reading version {version} of run {run!r}"
+        r = self._call("GET", f"/v1/runs/{run}/versions/{version}", what=what)
+        manifest = parse_manifest(r.content)
+        check_answer(what, run, manifest.run_id, version, manifest.version)
+        return manifest
 
     def versions(self, run: str, after: int = -1, limit: int | None = None) -> list[VersionInfo]:
-        """Committed versions greater than ``after``, ascending, at most ``limit`` (None: all; follows pages)."""
+        """Committed versions greater than ``after``, ascending, at most ``limit`` (None: all; follows pages).
+
+        Raises:
+            MisdirectedAnswerError: a listed version is another run's, or not after the one before it.
+        """
         out: list[VersionInfo] = []
+        what = f"listing versions of run {run!r}"
         while limit is None or len(out) < limit:
             page = 1000 if limit is None else min(1000, limit - len(out))
-            r = self._call(
-                "GET",
-                f"/v1/runs/{run}/versions",
-                params={"after": after, "limit": page},
-                what=f"listing versions of run {run!r}",
-            )
+            r = self._call("GET", f"/v1/runs/{run}/versions", params={"after": after, "limit": page}, what=what)
             answer = VersionPage.model_validate_json(r.content)
+            previous = after
+            for info in answer.versions:
+                check_newer(what, run, info.run_id, previous, info.version)
+                previous = info.version
             out.extend(answer.versions)
             if answer.next_after is None:
                 break
@@ -347,12 +374,16 @@ class BulletinClient:
 
         Raises:
             NotFoundError: the run has no such version, or no complete route remains.
+            MisdirectedAnswerError: the plan is another run's, or not a route between the versions asked.
         """
         params: dict[str, int | str] = {k: v for k, v in (("from", from_version), ("to", to_version)) if v is not None}
         if squash:
             params["squash"] = "true"
-        r = self._call("GET", f"/v1/runs/{run}/plan", params=params, what=f"planning run {run!r}")
-        return Plan.model_validate_json(r.content)
+        what = f"planning run {run!r} from {from_version} to {to_version}"
+        r = self._call("GET", f"/v1/runs/{run}/plan", params=params, what=what)
+        plan = Plan.model_validate_json(r.content)
+        check_plan(what, plan, run, from_version, to_version)
+        return plan
 
     # -- squashes ----------------------------------------------------------------------------
 
@@ -375,9 +406,17 @@ class BulletinClient:
         return r.status_code == 201
 
     def squashes(self, run: str) -> list[SquashManifest]:
-        """Every squash record of ``run``."""
-        r = self._call("GET", f"/v1/runs/{run}/squashes", what=f"listing squashes of run {run!r}")
-        return SquashList.model_validate_json(r.content).squashes
+        """Every squash record of ``run``.
+
+        Raises:
+            MisdirectedAnswerError: a record is another run's.
+        """
+        what = f"listing squashes of run {run!r}"
+        r = self._call("GET", f"/v1/runs/{run}/squashes", what=what)
+        records = SquashList.model_validate_json(r.content).squashes
+        for record in records:
+            check_answer(what, run, record.run_id)
+        return records
 
     def drop_squash(self, run: str, base: int, target: int) -> bool:
         """Drop one squash record; False if it was not stored."""

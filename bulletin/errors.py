@@ -20,7 +20,8 @@ service or use the store directly::
     │   ├── UnauthorizedError    401  no or unknown bearer token
     │   └── ForbiddenError       403  token lacks the scope for this run
     ├── UnavailableError         503  store or service unreachable (after the client's retries)
-    └── RequestTimeoutError      408  a request body arrived too slowly; nothing was stored
+    ├── RequestTimeoutError      408  a request body arrived too slowly; nothing was stored
+    └── MisdirectedAnswerError   502  (client side) an answer is for another run or version than asked
 """
 
 from __future__ import annotations
@@ -133,6 +134,18 @@ class RequestTimeoutError(BulletinError):
 
     type = "RequestTimeout"
     status = 408
+
+
+class MisdirectedAnswerError(BulletinError):
+    """Raised by the client, never answered by a bulletin: an answer names another run or version
+    than the one asked for (a manifest, plan, squash record, latest or long-poll answer, version
+    list or fleet answer), as a blob whose bytes hash to another sha256 is refused. The bulletin
+    URL, or a proxy or ingress in front of it, routes to another run or store; nothing of the
+    answer was used. Details: ``run_id`` and ``version`` (asked), ``answer_run_id`` and
+    ``answer_version`` (received)."""
+
+    type = "MisdirectedAnswer"
+    status = 502
 
 
 #: Wire type -> class, derived from the tree (a schema error in a body reads as bad input).

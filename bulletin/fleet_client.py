@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from stitchboard.proto.fleet import FleetCount, FleetView
 
+from .answer_checks import check_answer
 from .client import BulletinClient
 
 
@@ -21,9 +22,12 @@ class FleetClient:
         self.client = client
 
     def replicas(self, run: str) -> FleetView:
-        """Every replica of ``run`` with its last report and liveness."""
-        r = self.client._call("GET", f"/v1/runs/{run}/replicas", what=f"listing the replicas of run {run!r}")
-        return FleetView.model_validate_json(r.content)
+        """Every replica of ``run`` with its last report and liveness (MisdirectedAnswerError: another run's)."""
+        what = f"listing the replicas of run {run!r}"
+        r = self.client._call("GET", f"/v1/runs/{run}/replicas", what=what)
+        view = FleetView.model_validate_json(r.content)
+        check_answer(what, run, view.run_id)
+        return view
 
     def count(
         self,
@@ -42,11 +46,8 @@ class FleetClient:
         if fraction is not None:
             params["fraction"] = fraction
         timeout = self.client.timeout_s + wait_s
-        r = self.client._call(
-            "GET",
-            f"/v1/runs/{run}/fleet",
-            params=params,
-            timeout=timeout,
-            what=f"counting the replicas of run {run!r} at version {version}",
-        )
-        return FleetCount.model_validate_json(r.content)
+        what = f"counting the replicas of run {run!r} at version {version}"
+        r = self.client._call("GET", f"/v1/runs/{run}/fleet", params=params, timeout=timeout, what=what)
+        count = FleetCount.model_validate_json(r.content)
+        check_answer(what, run, count.run_id, version, count.version)
+        return count
