@@ -26,6 +26,7 @@ from stitchboard.proto import sidecar_wire as wire
 from .errors import (
     InvalidVersionConstraintError,
     NotReadyError,
+    WeightVersionError,
     WeightVersionNotReadyError,
     WeightVersionPassedError,
 )
@@ -207,8 +208,10 @@ class Gate:
 
         Raises:
             WeightVersionPassedError: an exact pin below the applied version.
-            WeightVersionNotReadyError: the constraint was not met within ``wait_s``.
-            NotReadyError: no verified version was applied (or a commit or a stall was under way) within ``wait_s``.
+            WeightVersionNotReadyError: the constraint was not met within ``wait_s`` (whatever
+                else held the request: a commit, a slow engine, no version yet).
+            NotReadyError: the request accepts the applied version (or has no constraint) but
+                admission stayed closed (no verified version, a commit or a stall) for ``wait_s``.
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
@@ -241,21 +244,38 @@ class Gate:
         finally:
             if held:
                 self.waiting -= 1
-        if self.applied is None or self.committing or self.stalled:
-            why = (
-                "a commit is under way"
-                if self.committing
-                else "no verified weight version is applied yet"
-                if self.applied is None
-                else "the engine is slow to answer its state check"
+        raise self._expired(constraint, wait_s)
+
+    def _expired(self, constraint: VersionConstraint, wait_s: float) -> WeightVersionError | NotReadyError:
+        """The answer to a hold that ran out: decided by the constraint against the version held,
+        never by what the sidecar is doing at that instant (a commit, a slow engine): a constraint
+        the held version does not meet is 409 (``WeightVersionPassed`` for an exact pin below it,
+        ``WeightVersionNotReady`` otherwise); a request that accepts the held version, or has no
+        constraint, was held only because admission was closed: 503 ``NotReady``."""
+        constrained = constraint.min_version is not None or constraint.exact_version is not None
+        verdict = constraint.verdict(self.applied) if self.applied is not None else "wait"
+        if constrained and verdict == "passed":
+            return WeightVersionPassedError(
+                f"exact version {constraint.exact_version} has passed: the engine holds version {self.applied}",
+                applied_version=self.applied,
+                target_version=self.target,
+                **constraint.details(),
             )
-            raise NotReadyError(f"{why} (held {wait_s:g} s)", applied_version=self.applied, target_version=self.target)
-        raise WeightVersionNotReadyError(
-            f"weight version not ready after {wait_s:g} s: applied {self.applied}, target {self.target}, wanted {constraint.details()}",
-            applied_version=self.applied,
-            target_version=self.target,
-            **constraint.details(),
+        if constrained and verdict == "wait":
+            return WeightVersionNotReadyError(
+                f"weight version not ready after {wait_s:g} s: applied {self.applied}, target {self.target}, wanted {constraint.details()}",
+                applied_version=self.applied,
+                target_version=self.target,
+                **constraint.details(),
+            )
+        why = (
+            "a commit is under way"
+            if self.committing
+            else "no verified weight version is applied yet"
+            if self.applied is None
+            else "the engine is slow to answer its state check"
         )
+        return NotReadyError(f"{why} (held {wait_s:g} s)", applied_version=self.applied, target_version=self.target)
 
     async def wait_applied(self, version: int, timeout_s: float) -> None:
         """Wait until the applied version is ``version`` or later (a commit or flip the engine has

@@ -142,6 +142,8 @@ def test_an_engine_slow_to_answer_keeps_the_claim_while_requests_wait_for_it(sc_
         return answer.status_code == 503 and "slow to answer its state check" in answer.json()["message"]
 
     wait_for(held_answer, 10, "a request held while the engine is slow to answer")
+    unmet = _complete(sidecar, **{"X-Stitch-Wait-S": "0.05", "X-Stitch-Min-Version": "2"})
+    assert unmet.status_code == 409 and unmet.json()["type"] == "WeightVersionNotReady", "one constraint, one answer"
     assert httpx.get(f"{sidecar.url}/health", timeout=30).json()["status"] in ("engine_slow", "ok")
     engine.token_delay_s = 0.01
     served = _complete(sidecar, **{"X-Stitch-Wait-S": "5"})
