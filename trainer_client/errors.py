@@ -23,6 +23,14 @@ class ServedViewError(TrainerError):
     type = "ServedViewError"
 
 
+class TiedWeightsError(ServedViewError):
+    """The model's config ties its input embedding and output head (``tie_word_embeddings``) but
+    the view holds both and they differ. ``details["head"]``, ``details["embedding"]``: their names.
+    """
+
+    type = "TiedWeightsError"
+
+
 class CheckpointNameError(ServedViewError):
     """Two different tensors map to one checkpoint name once wrapper prefixes are stripped.
 

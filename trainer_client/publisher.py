@@ -27,15 +27,23 @@ that version taken, checks that it is the lost commit, and carries on after it.
 
 from __future__ import annotations
 
+import functools
+import tempfile
 from collections.abc import Mapping
+from pathlib import Path
 
+import numpy as np
 import torch
 
 from stitchboard.proto.container import RawTensor
 
 from .publisher_core import PublisherCore
 from .served_view import served_view
+from .tied_head import fold_tied_head, ties_of_config, ties_of_module
 from .version_parts import ViewPart
+
+#: Largest ``config.json`` read back from the bulletin to learn whether the run's model ties its embeddings, bytes.
+MAX_CONFIG_BYTES = 1 << 20
 
 
 class Publisher(PublisherCore):
@@ -58,7 +66,10 @@ class Publisher(PublisherCore):
         served: the served-view recipe (``bf16`` default, ``fp8``, ``fp8-block``, ``nvfp4``;
             :mod:`.recipes`), applied to the bf16 cast of the model at every publish, recorded
             in every manifest (``served``) and in ``config.json`` (``quantization_config``).
-            :meth:`publish_view` publishes the view it is given as it is.
+            :meth:`publish_view` publishes the view it is given as it is. A model whose config
+            ties its embeddings publishes the input embedding only: a separate ``lm_head.weight``
+            (a copied state dict) is folded into it when bitwise equal and refused otherwise
+            (:mod:`.tied_head`; the model's own config, else the run's ``config.json``).
         assets: the model's non-weight files (a folder, or ``{file name: bytes}``), published
             with version 0 and referenced by every anchor; see :mod:`.assets`.
         resume: for a run that already has versions, ``"rebuild"`` rebuilds the last version
@@ -96,9 +107,28 @@ class Publisher(PublisherCore):
 
     _applies_recipes = True
 
+    @functools.cached_property
+    def _tied(self) -> bool | None:
+        """The run's ``config.json`` ``tie_word_embeddings`` (the assets given, else the run's
+        stored one, read once); None without a config. A model's own config wins (:mod:`.tied_head`)."""
+        data = self._asset_data.get("config.json")
+        ref = next((a for a in self._assets if a.path == "config.json"), None)
+        if data is None and ref is not None and ref.size_bytes <= MAX_CONFIG_BYTES:
+            with tempfile.TemporaryDirectory() as folder:
+                data = self.client.download_blob(self.run, ref.sha256, Path(folder) / "config.json").read_bytes()
+        return ties_of_config(data)
+
     def _take_view(self, model_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor]) -> ViewPart:
-        view = self.served.apply(served_view(model_or_state_dict, self.dtypes, self.default_dtype))
+        model = getattr(model_or_state_dict, "module", model_or_state_dict)  # DDP holds the model as .module
+        tied = ties_of_module(model)
+        tied = self._tied if tied is None else tied
+        view = self.served.apply(served_view(model_or_state_dict, self.dtypes, self.default_dtype, tied))
         return ViewPart(view, frozenset(view))
 
     def _own_view(self, view: Mapping[str, RawTensor]) -> ViewPart:
-        return ViewPart(dict(sorted(view.items())), frozenset(view))
+        folded = fold_tied_head(dict(view), self._tied, _same_raw_bits)
+        return ViewPart(dict(sorted(folded.items())), frozenset(folded))
+
+
+def _same_raw_bits(a: RawTensor, b: RawTensor) -> bool:
+    return a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape) and bool(np.array_equal(a.bits, b.bits))

@@ -16,7 +16,9 @@ Checkpoint names (DESIGN.md invariant 10) are the names an HF loader expects:
   model's ``_tied_weights_keys`` does not list (HF models list the alias their
   ``save_pretrained`` drops, ``lm_head.weight``); without that attribute, the first name in
   ``state_dict`` order, which for HF models is the input embedding. So a tied SmolLM2 or Llama
-  publishes ``model.embed_tokens.weight`` only, exactly as its checkpoint holds it.
+  publishes ``model.embed_tokens.weight`` only, exactly as its checkpoint holds it. A copied
+  state dict holds the head as a tensor of its own: when the model's config ties the embeddings
+  it is folded into the embedding if bitwise equal, and refused otherwise (:mod:`.tied_head`).
 
 A transformers model that fuses tensors when it loads (transformers 5 MoE experts:
 ``mlp.experts.gate_up_proj`` [E, 2I, H]) publishes them under its checkpoint's names, split
@@ -43,6 +45,7 @@ from stitchboard.proto.container import RawTensor
 from stitchboard.proto.dtypes import bits_type
 
 from .errors import CheckpointNameError, ServedViewError
+from .tied_head import fold_tied_head, ties_of_module
 
 #: torch dtype -> safetensors dtype name (the codec's dtype names, see proto/dtypes.py).
 TORCH_DTYPE_NAMES: dict[torch.dtype, str] = {
@@ -125,16 +128,27 @@ def _reverted_hf_state(module: torch.nn.Module, state: dict[str, torch.Tensor]) 
     return state if set(reverted) == set(state) else dict(reverted)
 
 
-def checkpoint_state(model_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def checkpoint_state(
+    model_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor], tied: bool | None = None
+) -> dict[str, torch.Tensor]:
     """Checkpoint name -> tensor of a model (its ``state_dict``) or a state dict.
 
     Wrapper segments are stripped and tied tensors kept once (see the module docstring). The
-    tensors are the live ones (no copy); values may be ``DTensor`` s (FSDP2/TP).
+    tensors are the live ones (no copy); values may be ``DTensor`` s (FSDP2/TP; comparing a
+    head with its embedding gathers both, a collective every rank makes).
+
+    Args:
+        model_or_state_dict: the model or a state dict.
+        tied: whether the model's config ties its embeddings (``tie_word_embeddings``); None:
+            the transformers model's own config when a model is given, else unknown (no fold).
 
     Raises:
         CheckpointNameError: two different tensors map to the same checkpoint name.
+        TiedWeightsError: the config ties the embeddings but the head and the embedding differ.
         ServedViewError: a value is not a ``torch.Tensor``.
     """
+    if isinstance(model_or_state_dict, torch.nn.Module) and tied is None:
+        tied = ties_of_module(getattr(model_or_state_dict, "module", model_or_state_dict))
     if isinstance(model_or_state_dict, torch.nn.Module):
         state = model_or_state_dict.state_dict(keep_vars=True)
         module = model_or_state_dict
@@ -168,7 +182,17 @@ def checkpoint_state(model_or_state_dict: torch.nn.Module | Mapping[str, torch.T
             for n in names:
                 if n != keep:
                     del out[n]
-    return out
+    return fold_tied_head(out, tied, _same_torch_bits)
+
+
+def _same_torch_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors (DTensors gathered) have the same dtype, shape and bits."""
+    a, b = gather_full(a), gather_full(b)
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    bits = _BITS_TORCH[a.element_size()]
+    with torch.no_grad():
+        return bool(torch.equal(a.detach().contiguous().view(bits), b.detach().to(a.device).contiguous().view(bits)))
 
 
 def served_dtype(name: str, tensor: torch.Tensor, dtypes: DtypeMap | None, default: torch.dtype) -> torch.dtype:
@@ -228,6 +252,7 @@ def served_view(
     model_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor],
     dtypes: DtypeMap | None = None,
     default: torch.dtype = torch.bfloat16,
+    tied: bool | None = None,
 ) -> dict[str, RawTensor]:
     """Snapshot the served view: checkpoint name -> host copy in the served dtype, as raw bits.
 
@@ -236,6 +261,7 @@ def served_view(
             gathered with :func:`gather_full`, which is collective on a multi-rank mesh).
         dtypes: per-tensor served dtype, by checkpoint name or fnmatch pattern.
         default: served dtype of floating tensors the map does not name (bf16).
+        tied: whether the model's config ties its embeddings (see :func:`checkpoint_state`).
 
     Returns:
         A fresh dict (not sharing memory with the model) of :class:`RawTensor`, names sorted.
@@ -244,5 +270,5 @@ def served_view(
     Raises:
         CheckpointNameError, ServedViewError: see :func:`checkpoint_state` and :func:`to_raw`.
     """
-    state = checkpoint_state(model_or_state_dict)
+    state = checkpoint_state(model_or_state_dict, tied)
     return {name: cast_served(name, gather_full(state[name]), dtypes, default) for name in sorted(state)}
