@@ -111,7 +111,11 @@ class Refusal(_Model):
         type, message: the error's wire type and message.
         attempts: refusals of this target in a row.
         at: when the last refusal happened, Unix seconds.
-        retry_at: when the same plan is tried again (sooner once a newer version is published), Unix seconds.
+        retry_at: when the same plan is tried again (sooner once a newer version is published), Unix
+            seconds; None for a permanent refusal, never tried again.
+        permanent: the engine has no place for the version's tensor set (a name, dtype or shape it
+            does not hold): only a version with another tensor set is tried, and a version with this
+            one is refused without touching the engine.
     """
 
     from_version: int | None
@@ -122,7 +126,8 @@ class Refusal(_Model):
     message: str
     attempts: int
     at: float
-    retry_at: float
+    retry_at: float | None
+    permanent: bool = False
 
 
 class SidecarStatus(_Model):

@@ -158,8 +158,10 @@ class EngineChangedError(SidecarError):
 class PlanRefusedError(SidecarError):
     """The plan could not be staged while the engine served (the engine refused it, or its target
     could not be built); nothing was written and the engine still holds ``held``, which keeps
-    serving. The same plan is tried again after ``refused_retry_s`` (sooner once a newer version
-    is published). Details: ``from_version``, ``to_version``, ``route``, ``held``, ``cause``.
+    serving. A transient refusal is tried again after ``refused_retry_s`` (sooner once a newer
+    version is published); a ``permanent`` one (a tensor name, dtype or shape the engine does not
+    have) is not: a version with another tensor set is awaited. Details: ``from_version``,
+    ``to_version``, ``route``, ``held``, ``cause``, ``permanent``.
     """
 
     type = "PlanRefused"

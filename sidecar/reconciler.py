@@ -24,9 +24,12 @@ engine, fetching) run in a small thread pool of its own so the proxy keeps servi
 
 A plan that cannot be staged (the engine refuses it, e.g. a tensor it lacks; nothing is written)
 never takes the replica out of service: the held version keeps serving (requests that accept it
-are admitted, those that need the refused version get 409 after their wait), the refusal is
-reported (``refused`` in status and ``/health``, ``stitch_sidecar_refusals_total``), and the
-same plan is tried again only after ``refused_retry_s`` (at once when a newer version appears).
+are admitted, those that need the refused version get 409 after their wait) and the refusal is
+reported (``refused`` in status and ``/health``, ``stitch_sidecar_refusals_total``). A transient
+refusal is tried again after ``refused_retry_s`` (at once when a newer version appears). A
+permanent one (a tensor name, dtype or shape the engine does not have, :mod:`.refusals`) is never
+tried again: the sidecar waits for a version with another tensor set, and a version with the
+refused tensor set is refused without touching the engine, so no engine is paused in a loop.
 
 A failed apply never leaves a version claimed: the gate drops to "no version", the engine is
 brought back from the nearest anchor inside the same pause, and if that fails too the sidecar
@@ -50,6 +53,7 @@ from .claim import ClaimKeeper
 from .errors import ApplyRefusedError, EngineChangedError, EngineVersionMismatchError, PlanRefusedError, StagingError
 from .fetch import FetchedPlan
 from .rebase import build_rebase
+from .refusals import RefusedTensorSet, is_permanent, tensor_set
 from .salt import CacheSalter
 from .spans import SpanLedger
 
@@ -82,6 +86,7 @@ class Reconciler(ClaimKeeper):
     _salter: CacheSalter | None = None
     _pause_counts: dict[str, int] | None = None
     _keep_cache = False  # this commit's pause kept the prefix cache (salted, nothing old in flight)
+    _refused_set: RefusedTensorSet | None = None  # the tensor set the engine last refused permanently
 
     @property
     def spans(self) -> SpanLedger:
@@ -169,8 +174,7 @@ class Reconciler(ClaimKeeper):
                 if newer is not None and newer > target:
                     target = newer
                     self._set_target(target)
-            if not await self._wait_out_refusal(target):
-                await self.sync(target)
+            await self.sync(target)
             return
         self.state = "idle" if applied is not None else self.state
         if target is None and applied is not None:  # booted on the engine's version: learn the run's latest now
@@ -217,10 +221,16 @@ class Reconciler(ClaimKeeper):
     async def sync(self, target: int) -> None:
         """Stage the plan to ``target`` (coalescing newer versions), then commit it.
 
+        Returns at once (after a long-poll for a newer version) while the plan to ``target`` waits
+        out its refusal.
+
         Raises:
             BulletinError, PatchError, StagingError: staging failed; the engine was not touched.
+            PlanRefusedError: the engine refused the plan, or refused its tensor set before (nothing written).
             SidecarError: the commit failed and the anchor recovery failed too (sidecar unhealthy).
         """
+        if await self._wait_out_refusal(target):
+            return
         seen = time.perf_counter()
         self.state = "staging"
         staged = await self._stage(target)
@@ -234,6 +244,7 @@ class Reconciler(ClaimKeeper):
 
     async def _stage(self, target: int) -> FetchedPlan:
         start = None if self._force_anchor else self.gate.applied
+        await self._refuse_known_tensor_set(start, target)
         plan = await self._io(self.client.plan, self.run_id, start, target, squash=True)
         base = await self._base_manifest(start)
         try:
@@ -252,6 +263,18 @@ class Reconciler(ClaimKeeper):
         self.metrics.bytes_fetched.inc(staged.bytes_fetched)
         self.metrics.stage_seconds.observe(staged.seconds)
         return staged
+
+    async def _refuse_known_tensor_set(self, start: int | None, target: int) -> None:
+        # A version with the tensor set the engine refused permanently is refused here, before any
+        # download and without an engine call (the engine would refuse it the same way).
+        known = self._refused_set
+        if known is None:
+            return
+        manifest = await self._io(self.client.manifest, self.run_id, target)
+        if tensor_set(manifest) == known.tensors:
+            route: RouteKind = "anchor" if start is None else "delta"
+            why = f"{known.cause}: {known.message} (the engine refused this tensor set at version {known.version})"
+            raise self._refuse(start, target, route, ApplyRefusedError(why, cause=known.cause), manifest)
 
     async def _base_manifest(self, version: int | None) -> VersionManifest | None:
         # The applied version's manifest (checks the first delta's base checksums); None if gone.
@@ -281,10 +304,11 @@ class Reconciler(ClaimKeeper):
             self._finish(staged, seen, 0.0, 0.0, flipped=True, route="flip")
             return
         route, held = self._route_of(staged), self.gate.applied
+        target = staged.steps[-1].manifest if staged.steps else None
         try:
             prepared, engine_stage_s = await self._stage_in_engine(staged, route)
         except Exception as exc:  # nothing was written: the held version keeps serving
-            raise self._refuse(staged, route, exc) from exc
+            raise self._refuse(staged.from_version, staged.to_version, route, exc, target) from exc
         if prepared is None:  # an anchor route that changes no bit of what the engine holds
             await self._engine_io(
                 self.engine.set_version,
@@ -308,10 +332,9 @@ class Reconciler(ClaimKeeper):
             try:
                 apply_s = await self._apply(staged, prepared)
             except Exception as exc:  # any apply failure leads to the anchor, unless nothing was written
-                if prepared and isinstance(exc, ApplyRefusedError) and await self._still_holds(held):
-                    raise self._refuse(
-                        staged, route, exc
-                    ) from exc  # refused before the write: the held version serves on
+                refused = isinstance(exc, ApplyRefusedError) and (prepared or is_permanent(exc))
+                if refused and await self._still_holds(held):  # refused before the write: the held version serves on
+                    raise self._refuse(staged.from_version, staged.to_version, route, exc, target) from exc
                 self._error(exc, f"applying versions {staged.from_version}->{staged.to_version}")
                 self.metrics.commits.labels("failed").inc()
                 self._set_applied(None)
@@ -338,17 +361,13 @@ class Reconciler(ClaimKeeper):
                 self.state = "idle"
 
     async def _still_holds(self, version: int | None) -> bool:
-        # Whether the engine (the instance this boot found) still records ``version``, idle.
+        # Whether the engine (the instance this boot found) still records ``version`` (None: the
+        # unverified weights it booted with, untouched), idle.
         try:
             state = await self._engine_io(self.engine.state)
         except Exception:  # noqa: BLE001 - an engine that cannot say backs no claim
             return False
-        return (
-            version is not None
-            and state.instance == self._instance
-            and state.version == version
-            and state.phase in ("idle", "paused")
-        )
+        return state.instance == self._instance and state.version == version and state.phase in ("idle", "paused")
 
     def _route_of(self, staged: FetchedPlan) -> RouteKind:
         # How the plan reaches the engine: staged while serving (a delta plan from the applied
@@ -393,24 +412,37 @@ class Reconciler(ClaimKeeper):
         self.metrics.engine_stage_seconds.observe(seconds)
         return True, seconds
 
-    def _refuse(self, staged: FetchedPlan, route: RouteKind, exc: Exception) -> PlanRefusedError:
-        # Record a plan that could not be staged (nothing written) and when to try it again.
+    def _refuse(
+        self, start: int | None, end: int, route: RouteKind, exc: Exception, target: VersionManifest | None
+    ) -> PlanRefusedError:
+        # Record a plan that could not be staged (nothing written) and when to try it again: after
+        # refused_retry_s (transient), or never (permanent: a version with another tensor set).
         kind = exc.type if isinstance(exc, StitchError) else type(exc).__name__
+        permanent = is_permanent(exc)
+        if permanent and target is not None and isinstance(exc, StitchError):
+            self._refused_set = RefusedTensorSet(end, tensor_set(target), str(exc.details.get("cause", kind)), str(exc))
         now, held = time.time(), self.gate.applied
-        same = self.refused is not None and self.refused.to_version == staged.to_version
+        same = self.refused is not None and self.refused.to_version == end
         attempts = self.refused.attempts + 1 if same and self.refused is not None else 1
-        retry_at = now + self.settings.refused_retry_s
+        retry_at = None if permanent else now + self.settings.refused_retry_s
         self.refused = Refusal(
-            from_version=staged.from_version, to_version=staged.to_version, route=route, held_version=held, type=kind, message=str(exc), attempts=attempts, at=now, retry_at=retry_at
+            from_version=start, to_version=end, route=route, held_version=held, type=kind, message=str(exc),
+            attempts=attempts, at=now, retry_at=retry_at, permanent=permanent,
         )  # fmt: skip
-        self._refused_plans[(staged.from_version, staged.to_version)] = retry_at
+        self._refused_plans[(start, end)] = float("inf") if retry_at is None else retry_at
         self.metrics.refusals.labels(route).inc()
-        self.metrics.refused_version.set(staged.to_version)
+        self.metrics.refused_version.set(end)
         self.state = "retrying"
+        retry = (
+            "it is not tried again: the engine has no place for this tensor set; a version with another tensor "
+            "set is awaited (was the run published for this model?)"
+            if permanent
+            else f"this plan is tried again in {self.settings.refused_retry_s:g} s (sooner if a newer version is published)"
+        )
         return PlanRefusedError(
-            f"versions {staged.from_version}->{staged.to_version} ({route} route) could not be staged, nothing written: {kind}: {exc}; "
-            f"version {held} keeps serving; this plan is tried again in {self.settings.refused_retry_s:g} s (sooner if a newer version is published)",
-            from_version=staged.from_version, to_version=staged.to_version, route=route, held=held, cause=kind,
+            f"versions {start}->{end} ({route} route) could not be staged, nothing written: {kind}: {exc}; "
+            f"version {held} keeps serving; {retry}",
+            from_version=start, to_version=end, route=route, held=held, cause=kind, permanent=permanent,
         )  # fmt: skip
 
     async def _apply(self, staged: FetchedPlan, prepared: bool = False) -> float:
@@ -485,12 +517,17 @@ class Reconciler(ClaimKeeper):
     async def _recover(self, target: int, seen: float, paused_at: float | None) -> None:
         # The engine is paused and holds no verified version: load the nearest anchor, then deltas.
         self.state = "recovering"
+        staged_target: VersionManifest | None = None
         try:
             plan = await self._io(self.client.plan, self.run_id, None, target)
             staged = await self._io(self.fetcher.fetch, plan, None)
+            staged_target = staged.steps[-1].manifest if staged.steps else None
             self.metrics.bytes_fetched.inc(staged.bytes_fetched)
             apply_s = await self._apply(staged)
         except Exception as exc:
+            if is_permanent(exc) and staged_target is not None and isinstance(exc, StitchError):
+                cause = str(exc.details.get("cause", exc.type))  # later versions of this tensor set: not tried
+                self._refused_set = RefusedTensorSet(target, tensor_set(staged_target), cause, str(exc))
             self.unhealthy_reason = f"recovery from the anchor to version {target} failed: {type(exc).__name__}: {exc}"
             self.state = "unhealthy"
             self._force_anchor = True

@@ -79,8 +79,10 @@ class FakeEngine:
         refuse_stage: number of next :meth:`stage_patches` calls that raise (nothing written).
         refuse_checksums: number of next :meth:`checksums` calls refused for another reason than a name.
         refuse_versions: versions the engine refuses as the target of an update, before any
-            write (:meth:`stage_patches`: its last step; :meth:`apply_patch`), as a real engine
-            refuses a version naming a tensor it lacks.
+            write (:meth:`stage_patches`: its last step; :meth:`apply_patch`; :meth:`load_snapshot`),
+            as a real engine refuses a version naming a tensor it lacks (``UnmappedTensor``).
+        refuse_cause: the cause those refusals name (``UnmappedTensor``: permanent for the
+            sidecar; e.g. ``BaseMismatch``: transient).
         refuse_commit: number of next :meth:`commit_staged` calls refused before any write.
         staged_names: per :meth:`stage_patches` call, the tensor names its patch files touch.
         write_s_per_tensor: time each tensor write takes (patches and snapshots), seconds.
@@ -114,6 +116,7 @@ class FakeEngine:
         self.refuse_stage = 0
         self.refuse_checksums = 0
         self.refuse_versions: set[int] = set()
+        self.refuse_cause = "UnmappedTensor"
         self.refuse_commit = 0
         self.staged_names: list[list[str]] = []
         self.write_s_per_tensor = 0.0
@@ -222,8 +225,8 @@ class FakeEngine:
     def _refuse_version(self, version: int) -> None:
         if version in self.refuse_versions:
             raise ApplyRefusedError(
-                f"version {version} refused, nothing written: UnmappedTensor: the engine lacks a tensor (test)",
-                cause="UnmappedTensor",
+                f"version {version} refused, nothing written: {self.refuse_cause}: the engine refuses it (test)",
+                cause=self.refuse_cause,
                 held=self.version,
             )
 
@@ -252,6 +255,7 @@ class FakeEngine:
     def load_snapshot(self, paths: list[str], version: int, checksums: dict[str, str] | None = None) -> dict:
         self.calls.append(("load_snapshot", (tuple(paths), version)))
         with self._lock:
+            self._refuse_version(version)
             self.phase, self.version = "loading", None
             if self.fail_snapshot:
                 self.fail_snapshot -= 1

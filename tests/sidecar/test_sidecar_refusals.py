@@ -39,7 +39,7 @@ def test_a_refused_version_keeps_the_held_version_serving(sc_publisher, sc_start
     sidecar = sc_start(engine, refused_retry_s=30)
     sidecar.wait_applied(0)
     pauses = engine.count("pause")
-    engine.refuse_versions = {1}
+    engine.refuse_versions, engine.refuse_cause = {1}, "BaseMismatch"  # transient: retried later
     sc_publisher.step(1)
     status = wait_for(lambda: (s := sidecar.status())["refused"] and s, what="the refusal reported")
     refused = status["refused"]
@@ -50,7 +50,8 @@ def test_a_refused_version_keeps_the_held_version_serving(sc_publisher, sc_start
         refused["held_version"],
         refused["type"],
     ) == (0, 1, "delta", 0, "ApplyRefused")
-    assert "UnmappedTensor" in refused["message"] and refused["retry_at"] > refused["at"] + 29
+    assert "BaseMismatch" in refused["message"] and refused["retry_at"] > refused["at"] + 29
+    assert refused["permanent"] is False
     assert (
         status["applied_version"] == 0 and status["healthy"] is True and status["last_error"]["type"] == "PlanRefused"
     )
@@ -86,6 +87,55 @@ def test_a_refused_version_keeps_the_held_version_serving(sc_publisher, sc_start
         status["refused"] is None
         and "stitch_sidecar_refused_version -1.0" in httpx.get(f"{sidecar.url}/metrics", timeout=30).text
     )
+
+
+def _engine_calls(engine: FakeEngine) -> int:
+    return sum(engine.count(m) for m in ("pause", "stage_patches", "load_snapshot", "apply_patch", "commit_staged"))
+
+
+def test_a_permanent_refusal_is_never_retried_and_its_tensor_set_never_reaches_the_engine(sc_publisher, sc_start):
+    """A tensor the engine has no place for is refused for good: the held version serves on, the
+    same plan is not tried again after refused_retry_s, and a newer version with the same tensor set
+    is refused without an engine call; a version with another tensor set is tried."""
+    sc_publisher.publish(make_view(0, tensors=3))
+    engine = FakeEngine()
+    sidecar = sc_start(engine, refused_retry_s=0.2)
+    sidecar.wait_applied(0)
+    engine.refuse_versions = {1, 2}  # cause UnmappedTensor
+    before = _engine_calls(engine)
+    sc_publisher.step(1)
+    refused = wait_for(lambda: sidecar.status()["refused"], what="the refusal reported")
+    assert refused["permanent"] is True and refused["retry_at"] is None and "UnmappedTensor" in refused["message"]
+    assert sidecar.status()["last_error"]["message"].count("not tried again") == 1
+    time.sleep(1.0)  # five times refused_retry_s: a transient refusal would have been retried
+    assert _engine_calls(engine) == before + 1, "the permanently refused plan went to the engine again"
+    sc_publisher.step(2)  # a delta: the same tensor set
+    wait_for(lambda: sidecar.status()["refused"]["to_version"] == 2, what="version 2 refused")
+    assert _engine_calls(engine) == before + 1, "a version of the refused tensor set reached the engine"
+    assert sidecar.status()["applied_version"] == 0 and _complete(sidecar).json()["weight_version_end"] == 0
+    smaller = {n: t for n, t in sc_publisher.views[-1].items() if n != max(sc_publisher.views[-1])}
+    sc_publisher.publish(smaller, anchor=True)  # another tensor set: tried
+    wait_for(lambda: _engine_calls(engine) > before + 1, what="the new tensor set tried on the engine")
+
+
+def test_a_fresh_engine_that_refuses_the_run_is_paused_once_not_in_a_loop(sc_publisher, sc_start):
+    """Booting a fresh engine on a run whose tensors it has no place for (another model's run, a
+    tied lm_head published beside its embedding): one attempt, then the sidecar waits for a version
+    with another tensor set, reporting why; the engine is not paused again."""
+    sc_publisher.publish(make_view(0))
+    engine = FakeEngine()
+    engine.refuse_versions = {0, 1}
+    sidecar = sc_start(engine, refused_retry_s=0.2, max_backoff_s=0.1)
+    refused = wait_for(lambda: sidecar.status()["refused"], what="the refusal reported")
+    assert refused["permanent"] is True and refused["held_version"] is None
+    time.sleep(1.5)
+    assert engine.count("pause") == 1 and engine.count("load_snapshot") == 1 and not engine.paused
+    health = httpx.get(f"{sidecar.url}/health", timeout=30)
+    assert health.status_code == 503 and health.json()["refused"]["permanent"] is True
+    sc_publisher.step(1)
+    wait_for(lambda: sidecar.status()["refused"]["to_version"] == 1, what="version 1 refused")
+    time.sleep(0.5)
+    assert engine.count("pause") == 1 and engine.count("load_snapshot") == 1
 
 
 def test_after_refused_staging_the_anchor_route_is_staged_and_the_pause_writes_what_differs(
@@ -154,7 +204,7 @@ def test_an_anchor_route_that_changes_nothing_only_flips(sc_publisher, sc_start)
     sidecar = sc_start(engine, refused_retry_s=0.2, anchor_after_failures=1)
     sidecar.wait_applied(0)
     pauses = engine.count("pause")
-    engine.refuse_versions = {1}
+    engine.refuse_versions, engine.refuse_cause = {1}, "BaseMismatch"  # transient: the route escalates
     sc_publisher.step(1)
     wait_for(lambda: sidecar.status()["refused"], what="version 1 refused")
     sc_publisher.publish(sc_publisher.views[0])  # version 2: version 0's bits again (a revert)

@@ -115,6 +115,7 @@ def test_wrong_base_or_version_is_refused_before_any_write(
 
 def test_corrupt_or_unmappable_patch_is_rejected(vllm_adapter, vllm_views, vllm_snapshot, vllm_workdir):
     from stitchboard.sidecar.errors import ApplyRefusedError
+    from stitchboard.sidecar.refusals import is_permanent
 
     _bring_to(vllm_adapter, vllm_snapshot, 1)
     good = _patch(vllm_views[1], vllm_views[2])
@@ -131,15 +132,20 @@ def test_corrupt_or_unmappable_patch_is_rejected(vllm_adapter, vllm_views, vllm_
         ],
         ENCODING,
     )
+    embed = "model.embed_tokens.weight"  # SmolLM2 ties lm_head to it: the engine holds no lm_head of its own
+    head = encode_tensor("lm_head.weight", vllm_views[1][embed], vllm_views[2][embed], ENCODING)
+    tied_head = build_patch([head], ENCODING)
     # a flipped byte of a range-coded stream either fails to decode or decodes to bits off the target checksum
-    for label, data, causes in [
-        ("flipped", bytes(flipped), {"PatchFormatError", "TargetMismatch"}),
-        ("truncated", good[: len(good) // 2], {"PatchFormatError"}),
-        ("stray", stray, {"UnmappedTensor"}),
+    for label, data, causes, permanent in [
+        ("flipped", bytes(flipped), {"PatchFormatError", "TargetMismatch"}, False),
+        ("truncated", good[: len(good) // 2], {"PatchFormatError"}, False),
+        ("stray", stray, {"UnmappedTensor"}, True),
+        ("tied-head", tied_head, {"UnmappedTensor"}, True),
     ]:
         with pytest.raises(ApplyRefusedError) as refused:
             vllm_adapter.apply_patch(_write(vllm_workdir, f"{label}.patch", data), 1, 2)
         assert refused.value.details["cause"] in causes, label
+        assert is_permanent(refused.value) is permanent, label  # the sidecar waits for another tensor set
     _assert_holds(vllm_adapter, vllm_views, 1)
 
 
