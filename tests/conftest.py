@@ -1,4 +1,8 @@
-"""Shared fixtures: the SmolLM2 test checkpoint, and the heap handed back after each module."""
+"""Shared fixtures: the SmolLM2 test checkpoint, and the heap handed back after each module.
+
+The test tiers (marks set from each test's fixtures) and the guard on engine starts are the
+plugin :mod:`tests.support.tiers` (docs/testing.md).
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,8 @@ import pytest
 
 from stitchboard.demo.errors import MissingModelDependencyError
 from stitchboard.demo.smollm2 import build_smollm2_checkpoint
+
+pytest_plugins = ("tests.support.tiers",)
 
 
 @pytest.fixture(scope="session")

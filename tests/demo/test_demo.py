@@ -14,6 +14,8 @@ from tests.support.vllm_server import require_vllm
 
 
 @pytest.mark.slow
+@pytest.mark.engine
+@pytest.mark.heavy
 def test_demo_two_steps_pass(tmp_path: Path, smollm2_dir: Path):
     require_vllm()
     exe = Path(sys.executable).with_name("stitchboard")

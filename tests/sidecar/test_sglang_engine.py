@@ -124,6 +124,8 @@ def test_patches_the_engine_cannot_place_or_whose_base_differs_are_refused_and_t
     assert adapter.state().version == 1 and adapter.checksums(sorted(views[1])) == sums(views[1])
 
 
+@pytest.mark.engine
+@pytest.mark.heavy
 def test_tp2_head_padding_patched_equals_a_fresh_tp2_server(views, smollm2_dir, tmp_path):
     """TP = 2 pads SmolLM2's 9 query / 3 KV heads to 12 / 4 (per rank qkv_proj [640, 576], o_proj
     [576, 384]): two real steps applied through the loader on both ranks give, bit for bit, the

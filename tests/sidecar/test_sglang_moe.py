@@ -46,7 +46,7 @@ from tests.sidecar.moe_fixtures import MoeRun
 from tests.sidecar.sglang_helpers import SglangServer, require_sglang
 from tests.support.vllm_server import PROMPTS
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
 #: Tensor classes the first versions must change (substring of the checkpoint name).
 CLASSES = {"experts": ".experts.", "router": ".gate.weight", "attention": ".self_attn.", "embedding": "embed_tokens"}

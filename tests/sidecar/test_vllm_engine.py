@@ -259,6 +259,7 @@ def test_snapshot_with_a_wrong_checksum_is_refused(vllm_adapter, vllm_views, vll
     _assert_holds(vllm_adapter, vllm_views, 0)
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("phase", ["half-written"])
 def test_fault_injection_kills_the_engine_mid_apply(phase, smollm2_dir, vllm_views, vllm_workdir):
     """``STITCH_ENGINE_FAULT_PHASE`` makes the engine process exit at that phase of an apply (crash tests)."""
@@ -282,6 +283,8 @@ def test_fault_injection_kills_the_engine_mid_apply(phase, smollm2_dir, vllm_vie
         server.stop()
 
 
+@pytest.mark.engine
+@pytest.mark.heavy
 def test_tensor_parallel_3_patch_is_bit_exact_with_a_fresh_tp3_engine(smollm2_dir, vllm_views, vllm_workdir):
     """TP = 3 (3 KV heads: one per rank; vocab rows split in three): apply in place on every rank,
     verify by gathered whole-tensor checksums, and match a fresh TP = 3 engine of the target."""

@@ -106,6 +106,7 @@ def fp8_run(smollm2_dir: Path, tmp_path_factory) -> Iterator[Fp8Run]:
         bulletin.stop()
 
 
+@pytest.mark.engine
 def test_fp8_patches_in_place_equal_a_fresh_engine(fp8_run: Fp8Run):
     from stitchboard.sidecar.engines.vllm.adapter import VllmEngine
 
