@@ -1,7 +1,8 @@
 # One-command entry points; each creates or refreshes .venv in the repo root first.
 #   make demo   - the main job: `stitchboard demo` (a real RL loop synced into a real vLLM, checked bit for bit);
 #                 `make demo ENGINE=sglang` runs it against SGLang (creating .venv-sglang too)
-#   make test   - the whole test suite
+#   make test   - the whole test suite: its three tiers in turn (docs/testing.md)
+#   make test-fast   - the tests that start no engine (needs only .venv); test-engine, test-heavy: the others
 #   make bench  - every benchmark (prints figures)
 #   make lint   - ruff (lint + format check), mypy and the docs build (mkdocs --strict), as CI runs them
 PYTHON ?= python3.11
@@ -10,7 +11,7 @@ PY := $(VENV)/bin/python
 ENGINE ?= vllm
 STAMP := $(VENV)/.installed
 
-.PHONY: venv venv-sglang test demo bench lint clean
+.PHONY: venv venv-sglang test test-fast test-engine test-heavy demo bench lint clean
 
 venv: $(STAMP)
 
@@ -57,8 +58,27 @@ $(SGL_STAMP): pyproject.toml deploy/sglang_cpu/requirements-cpu.txt deploy/sglan
 	$(SGL_PY) deploy/sglang_cpu/check_env.py
 	touch $(SGL_STAMP)
 
+# The tiers (marks set from each test's fixtures by tests/support/tiers.py; docs/testing.md): fast
+# (no engine: needs only .venv), engine (real vLLM / SGLang servers), heavy (the costliest oracles:
+# TP > 1, the demo). `make test` runs all three, each its own pytest session, and stops at the
+# first that fails; .ci/run runs them as separate stages (every one, timed).
+PYTEST := $(PY) -m pytest -q --durations=25
+FAST_TIER := not engine and not heavy
+ENGINE_TIER := engine and not heavy
+
 test: venv venv-sglang
-	$(PY) -m pytest -q --durations=25
+	$(PYTEST) -m "$(FAST_TIER)"
+	$(PYTEST) -m "$(ENGINE_TIER)"
+	$(PYTEST) -m heavy
+
+test-fast: venv
+	$(PYTEST) -m "$(FAST_TIER)"
+
+test-engine: venv venv-sglang
+	$(PYTEST) -m "$(ENGINE_TIER)"
+
+test-heavy: venv venv-sglang
+	$(PYTEST) -m heavy
 
 # mypy reads the packages through build/typecheck/stitchboard/<part> -> <part> links (the editable
 # install maps stitchboard.<part> to the top-level folders with an import hook mypy cannot follow).
