@@ -32,6 +32,7 @@ from stitchboard.proto.squash_schema import SquashList, SquashManifest
 
 from .answer_checks import check_answer, check_newer, check_plan
 from .errors import BlobMismatchError, BulletinError, UnavailableError, error_from_body
+from .steps import same_step_and_bits
 
 _RETRY_STATUS = {500, 502, 503, 504}
 _CHUNK = 1 << 20
@@ -276,11 +277,18 @@ class BulletinClient:
     def publish(self, manifest: VersionManifest) -> VersionInfo:
         """Publish a version (all its files uploaded first). Safe to retry: an identical manifest is a no-op.
 
+        Returns:
+            The committed version's info; the latest version's (``manifest.version - 1``) when it
+            records the manifest's step with the same bits (a no-op, see :mod:`.steps`).
+
         Raises:
             BlobMissingError, BlobMismatchError: a file is not uploaded or has another size.
-            VersionConflictError: the version exists with different content.
+            VersionConflictError: the version exists with different content, or the step rule refuses it
+                (a step below the latest's, or the latest's step with other bits).
             VersionRewindError, BaseMissingError: not the run's next version.
             InvalidRequestError, PayloadTooLargeError, AuthError, UnavailableError.
+            MisdirectedAnswerError: the answer is for another run or version (a no-op answer is
+                checked against that version's manifest).
         """
         body = canonical_json(manifest)
         r = self._call(
@@ -292,6 +300,12 @@ class BulletinClient:
         )
         info = VersionInfo.model_validate_json(r.content)
         what = f"publishing version {manifest.version} of run {manifest.run_id!r}"
+        check_answer(what, manifest.run_id, info.run_id)
+        if info.version == manifest.version - 1 and r.status_code == 200:
+            # a no-op: the latest version holds this step with these bits (bulletin/steps.py); checked before use
+            held = self.manifest(manifest.run_id, info.version)
+            if same_step_and_bits(held, manifest):
+                return info
         check_answer(what, manifest.run_id, info.run_id, manifest.version, info.version)
         return info
 
@@ -358,6 +372,26 @@ class BulletinClient:
                 break
             after = answer.next_after
         return out
+
+    def version_for_step(self, run: str, step: int) -> VersionInfo | None:
+        """The first committed version of ``run`` whose manifest records training step ``step`` or later.
+
+        Returns:
+            Its info, or None when no version is at ``step`` or later (also for a run without versions).
+
+        Raises:
+            MisdirectedAnswerError: the answer names another run.
+        """
+        what = f"looking up step {step} of run {run!r}"
+        try:
+            r = self._call("GET", f"/v1/runs/{run}/versions", params={"step": step}, what=what)
+        except BulletinError as exc:
+            if exc.status == 404:
+                return None
+            raise
+        info = VersionInfo.model_validate_json(r.content)
+        check_answer(what, run, info.run_id)
+        return info
 
     def runs(self) -> list[RunInfo]:
         """Every run the token may read, with its latest version."""

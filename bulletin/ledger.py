@@ -47,6 +47,7 @@ from .errors import (
     VersionConflictError,
     VersionRewindError,
 )
+from .steps import check_step, first_at_step
 from .stores import ObjectStat, Store, StreamDigest
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -193,6 +194,23 @@ class Ledger:
         found = (version_of_key(o.key) for o in self.store.list(f"{run_key(run)}versions/", start_after=start))
         return [v for v in found if v is not None and v > after]
 
+    def version_for_step(self, run: str, step: int) -> VersionInfo | None:
+        """The first committed version of ``run`` whose manifest records step ``step`` or later
+        (None if none): a binary search over the versions (:func:`.steps.first_at_step`), about
+        log2(versions) manifest reads through the cache."""
+        latest = self.latest(run)
+        if latest is None:
+            return None
+
+        def read(version: int) -> VersionManifest | None:
+            try:
+                return self.committed(run, version).manifest
+            except NotFoundError:
+                return None
+
+        found = first_at_step(step, latest.version, read)
+        return None if found is None else self.committed(run, found).info
+
     def _pointer(self, run: str) -> tuple[VersionInfo | None, str | None]:
         try:
             data, etag = self.store.get(f"{run_key(run)}latest")
@@ -268,6 +286,9 @@ class Ledger:
             VersionConflictError: the version exists with different content.
             VersionRewindError: the version is not after the latest one.
             BaseMissingError: ``version - 1`` is not committed.
+            VersionConflictError, InvalidRequestError: also when the manifest's step breaks the step rule
+                (:mod:`.steps`); the latest version's step with the same bits is a no-op returning
+                ``(latest version's info, False)``.
             InvalidRequestError: also when a non-snapshot version changes the tensor set.
             Nothing is written when any of these is raised.
         """
@@ -313,11 +334,10 @@ class Ledger:
                 version=version,
                 latest_version=top,
             )
-        if (
-            version > 0
-            and not manifest.snapshot
-            and self.committed(run, version - 1).manifest.layout() != manifest.layout()
-        ):
+        previous = self.committed(run, version - 1) if version > 0 else None
+        if previous is not None and check_step(manifest, previous.manifest):
+            return previous.info, False  # the latest version holds this step with these bits: a no-op (steps.py)
+        if previous is not None and not manifest.snapshot and previous.manifest.layout() != manifest.layout():
             raise InvalidRequestError(
                 f"version {version} of run {run!r} changes the tensor set (names, dtypes or shapes) of version {version - 1}: a delta cannot express that; publish it as an anchor (snapshot=true)",
                 run_id=run,

@@ -1,4 +1,5 @@
-"""REST routes for versions: publish, latest (long-poll), one manifest, a page of versions, runs, plans."""
+"""REST routes for versions: publish, latest (long-poll), one manifest, a page of versions or the version at a step,
+runs, plans."""
 
 from __future__ import annotations
 
@@ -127,14 +128,31 @@ def manifest(run: str, version: int, state: Read) -> Response:
     return Response(found.manifest_json, media_type="application/json", headers=headers)
 
 
-@router.get("/runs/{run}/versions", response_model=VersionPage)
+@router.get(
+    "/runs/{run}/versions",
+    response_model=VersionPage | VersionInfo,
+    responses={404: {"description": "with `step`: no version at that step or later"}},
+)
 def versions(
     run: str,
     state: Read,
     after: Annotated[int, Query(ge=-1, description="list versions greater than this")] = -1,
     limit: Annotated[int, Query(ge=1, description="page size (capped by versions_page_max)")] = 100,
-) -> VersionPage:
-    """A page of the run's committed versions (ascending) as VersionInfo; ``next_after`` continues the listing."""
+    step: Annotated[
+        int | None,
+        Query(ge=0, lt=2**63, description="answer the first version whose step is this or later (a VersionInfo)"),
+    ] = None,
+) -> VersionPage | VersionInfo:
+    """A page of the run's committed versions (ascending) as VersionInfo; ``next_after`` continues the listing.
+
+    With ``step``: the first committed version whose manifest records that step or later (its
+    VersionInfo; ``after`` and ``limit`` do not apply), 404 naming the run and step when none does.
+    """
+    if step is not None:
+        found = state.ledger.version_for_step(run, step)
+        if found is None:
+            raise NotFoundError(f"run {run!r} has no version at step {step} or later", run_id=run, step=step)
+        return found
     numbers = state.ledger.version_numbers(run, after)
     page = numbers[: min(limit, state.settings.versions_page_max)]
     items = []

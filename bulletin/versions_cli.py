@@ -1,4 +1,4 @@
-"""``stitchboard versions latest|list|show|plan``: query a bulletin over REST (httpx only, no FastAPI)."""
+"""``stitchboard versions latest|list|at-step|show|plan``: query a bulletin over REST (httpx only, no FastAPI)."""
 
 from __future__ import annotations
 
@@ -92,6 +92,30 @@ def list_versions(
         typer.echo(json.dumps([i.model_dump() for i in infos]))
         return
     _versions_table(run, infos)
+
+
+@app.command("at-step")
+def at_step(
+    bulletin: Bulletin,
+    run: Run,
+    step: Annotated[int, typer.Option(min=0, help="training step")],
+    token: Token = None,
+    as_json: AsJson = False,
+) -> None:
+    """The first version of a run whose training step is --step or later (exit 3 when none is)."""
+    try:
+        with _client(bulletin, token) as c:
+            info = c.version_for_step(run, step)
+    except BulletinError as exc:
+        raise _fail(exc) from None
+    if as_json:
+        typer.echo(json.dumps(info.model_dump() if info else None))
+    elif info is None:
+        typer.echo(f"run {run!r}: no version at step {step} or later")
+    else:
+        _versions_table(run, [info])
+    if info is None:
+        raise typer.Exit(3)
 
 
 @app.command()

@@ -19,7 +19,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Self, TypedDict, TypeVar
 
@@ -436,11 +436,30 @@ class PublisherCore(ABC):
             version, view.tensors, tensors, 0 if snapshot or last is None else last.since_anchor + 1
         )
         try:
-            self._on_committer(lambda: self.client.publish(manifest))
+            committed = self._on_committer(lambda: self.client.publish(manifest))
         except UnavailableError:
             self._pending = _Pending(manifest, published)  # the answer may be lost after a commit
             raise
-        self._published, self._pending = published, None
+        self._pending = None
+        if committed.version != version:  # the latest version holds this step with these bits: a no-op
+            log.info("run %s: step %s is version %d with the same bits; nothing new", self.run, step, committed.version)
+            return replace(
+                version_result(
+                    manifest,
+                    snapshot,
+                    parts,
+                    cast_s=cast_s,
+                    diff_s=t1 - t0,
+                    write_s=write_s,
+                    upload_s=t2 - t1 - write_s,
+                    commit_s=time.perf_counter() - t2,
+                ),
+                version=committed.version,
+                snapshot=committed.snapshot,
+                encoded_bytes=committed.size_bytes,
+                snapshot_bytes=committed.snapshot_bytes,
+            )
+        self._published = published
         t3 = time.perf_counter()
         old = None if last is None or tensor_set_changed else last.view
         self._squasher.after_commit(
