@@ -408,6 +408,7 @@ def test_engine_restarted_under_a_running_sidecar_is_never_served_under_the_old_
         assert adapter.state().version is None
     finally:
         adapter.close()
+    vllm_run.trainer.steps += 1  # a new step (the same step and weights again would be a no-op: bulletin/steps.py)
     assert vllm_run.publish() == v + 1  # the same weights again: an empty delta
     v0, now = vllm_run.sums(0), vllm_run.sums(v)
     untouched = sorted(n for n in v0 if v0[n] == now[n] and n in dict(vllm_run.trainer.model.named_parameters()))
@@ -417,6 +418,7 @@ def test_engine_restarted_under_a_running_sidecar_is_never_served_under_the_old_
     with torch.no_grad():
         param = dict(vllm_run.trainer.model.named_parameters())[untouched[0]]
         param.view(-1)[0] += max(1.0, float(param.view(-1)[0].abs()))  # one element of one tensor, far past a bf16 step
+    vllm_run.trainer.steps += 1  # a new step (the same step with other weights is refused)
     assert vllm_run.publish() == v + 2
     second.wait_applied(v + 2)
     assert "stitch_sidecar_claims_dropped_total 1.0" in second.metrics(), "the commit did not notice the restart"
