@@ -80,3 +80,40 @@ class FleetTimeoutError(TrainerError):
     """
 
     type = "FleetTimeout"
+
+
+class CheckpointError(TrainerError):
+    """A checkpoint folder the watcher (``stitchboard watch``) cannot publish as it is: a malformed
+    or truncated file, or a shard its index lists that is absent. The message names the file;
+    ``details["folder"]`` the folder. The watcher logs it and goes on with the next checkpoint."""
+
+    type = "CheckpointError"
+
+
+class CheckpointRefusedError(CheckpointError):
+    """A checkpoint in a form the watcher does not read: pickled weights (``*.bin``), DCP shards
+    (``*.distcp``), a PEFT adapter, no weights at all. The message names the file and the
+    framework setting that writes a full safetensors checkpoint instead."""
+
+    type = "CheckpointRefused"
+
+
+class CheckpointGoneError(CheckpointError):
+    """The checkpoint folder, or one of its files, was deleted before or while it was read (a
+    framework removing old checkpoints); nothing of it was published."""
+
+    type = "CheckpointGone"
+
+
+class CheckpointChangedError(CheckpointError):
+    """A checkpoint's files changed (size, modification time or inode) while they were read: it was
+    still being written or was rewritten; nothing of it was published, and it is read again later."""
+
+    type = "CheckpointChanged"
+
+
+class WatchLayoutError(TrainerError):
+    """The watched folder holds checkpoints of another layout than the one asked for, or of several
+    layouts (``--layout auto``). The message names the layouts found and their folders."""
+
+    type = "WatchLayout"
