@@ -12,11 +12,12 @@ framework's step (``step``) and the folder's name (``checkpoint``).
 
 Restarts: the watcher starts after the step of the run's latest version (the bulletin keeps steps
 in order, :mod:`stitchboard.bulletin.steps`), so nothing is published twice. Faults: a checkpoint
-deleted before or while it is read is skipped; one changed while read is read again at a later
-pass; a malformed, truncated or refused one is logged (naming the file) and skipped until its
-files change, and the next good one publishes; a gap in steps is no matter (versions stay
-consecutive); a bulletin that cannot be reached is retried at the next pass. A lower step still
-incomplete when a later one is complete is passed over (versions only move forward).
+deleted before or while it is read is skipped; one changed while read is read again at the next
+pass, and so is one the bulletin could not take (unreachable), the later checkpoints waiting for
+it; a malformed, truncated or refused one is logged (naming the file) and skipped until its files
+change, and the next good one publishes; a gap in steps is no matter (versions stay consecutive).
+A lower step still incomplete when a later one is complete is passed over (versions only move
+forward).
 """
 
 from __future__ import annotations
@@ -76,7 +77,9 @@ class WatchMetrics:
 
 @dataclass(frozen=True)
 class Outcome:
-    """What a pass did with one checkpoint: ``published`` (``version`` set), ``skipped`` or ``failed``."""
+    """What a pass did with one checkpoint: ``published`` (``version`` set), ``skipped`` (deleted: gone for
+    good), ``retry`` (changed while read, or the bulletin unreachable: read again at the next pass, and the
+    later checkpoints wait for it) or ``failed`` (refused or malformed: not read again until its files change)."""
 
     step: int
     folder: Path
@@ -169,15 +172,16 @@ class Watcher:
         found = [(s, p) for s, p in checkpoints(self.folder, layout) if self.last_step is None or s > self.last_step]
         ready = [(s, p) for s, p in found if layout.is_complete(p) and self._settled(p)]
         self.metrics.pending.set(len(ready))
-        outcomes = []
+        waiting = [(s, p) for s, p in found if (s, p) not in ready]
+        outcomes: list[Outcome] = []
         for step, path in ready:
-            if self.last_step is not None and step <= self.last_step:
-                continue
             if self._failed.get(path.name) == _listing(path):
                 continue
             outcomes.append(self._publish(step, path))
             if outcomes[-1].status == "published":
-                self._pass_over(step, [(s, p) for s, p in found if s < step])
+                self._pass_over(step, [(s, p) for s, p in waiting if s < step])
+            elif outcomes[-1].status == "retry":
+                break  # later checkpoints wait: versions keep the step order
         return outcomes
 
     def _pass_over(self, step: int, earlier: list[tuple[int, Path]]) -> None:
@@ -216,9 +220,9 @@ class Watcher:
         except CheckpointGoneError as exc:
             return self._skip(step, path, "deleted", f"{exc.message}; skipped")
         except CheckpointChangedError as exc:
-            return self._skip(step, path, "changed", f"{exc.message}; read again at a later pass")
+            return self._skip(step, path, "changed", f"{exc.message}; read again at the next pass", "retry")
         except UnavailableError as exc:
-            return self._skip(step, path, "unavailable", f"{exc.message}; tried again at the next pass")
+            return self._skip(step, path, "unavailable", f"{exc.message}; tried again at the next pass", "retry")
         except _REFUSALS as exc:
             self._failed[path.name] = _listing(path)
             self.metrics.skipped.labels("refused").inc()
@@ -242,10 +246,10 @@ class Watcher:
         )
         return Outcome(step, path, "published", result.version)
 
-    def _skip(self, step: int, path: Path, reason: str, message: str) -> Outcome:
+    def _skip(self, step: int, path: Path, reason: str, message: str, status: str = "skipped") -> Outcome:
         self.metrics.skipped.labels(reason).inc()
         self.say(f"step {step}: {message}")
-        return Outcome(step, path, "skipped", message=message)
+        return Outcome(step, path, status, message=message)
 
 
 def _listing(path: Path) -> tuple:

@@ -89,6 +89,17 @@ def test_prime_rl_broadcasts_publish_in_step_order(watch, run, tmp_path):
         assert_same_view(rebuild_version(w.client, run, version).view, views[step])
         assert w.client.manifest(run, version).metadata == {"step": step, "checkpoint": f"step_{step}"}
     assert any(line.startswith("step 2 -> version 1: ") and "% changed" in line for line in w.lines), w.lines
+    assert not any("passed over" in line for line in w.lines), w.lines
+
+    for step in (5, 6):  # step 5 never completes (a crashed save), step 6 does
+        trainer.step()
+        write_prime_rl(root, step, bf16_state(trainer.model))
+    (root / "step_5" / "STABLE").unlink()
+    assert w.poll() == [(6, "published", 4)]
+    assert w.lines[-1] == "step 5: step_5 was not complete when step 6 was; passed over"
+    (root / "step_5" / "STABLE").touch()
+    assert w.poll() == []  # versions only move forward
+    assert_same_view(rebuild_version(w.client, run, 4).view, view_of(trainer.model))
 
 
 def test_nemo_rl_exports_appear_by_rename(watch, run, tmp_path):
@@ -221,8 +232,8 @@ def test_a_checkpoint_rewritten_while_read_is_read_again(watch, run, tmp_path, m
         return tensors
 
     monkeypatch.setattr(watch_layouts, "read_shard", rewriting)
-    assert w.poll() == [(1, "skipped", None)]
-    assert "changed while read" in w.lines[-1]
+    assert w.poll() == [(1, "retry", None)]
+    assert "changed while read; read again at the next pass" in w.lines[-1]
     assert w.poll() == [(1, "published", 0)]
     assert_same_view(rebuild_version(w.client, run, 0).view, view_of(trainer.model))
 
