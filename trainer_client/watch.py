@@ -67,7 +67,11 @@ class WatchMetrics:
         self.step = Gauge("stitch_watch_last_step", "step of the last version published or resumed from", registry=r)
         self.version = Gauge("stitch_watch_last_version", "last version published", registry=r)
         self.changed = Gauge("stitch_watch_changed_fraction", "changed elements / elements, last version", registry=r)
-        self.pending = Gauge("stitch_watch_pending", "complete checkpoints found and not yet published", registry=r)
+        self.pending = Gauge(
+            "stitch_watch_pending",
+            "complete checkpoints after the last step, neither published nor refused",
+            registry=r,
+        )
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> Callable[[], None]:
         """Serve ``/metrics`` on ``addr:port`` in a thread; returns the function that stops it."""
@@ -130,7 +134,6 @@ class Watcher:
         self._publisher: Publisher | None = None
         self._failed: dict[str, tuple] = {}  # folder name -> listing it failed with
         self._seen: dict[str, tuple[tuple, float]] = {}  # folder name -> (listing, first seen unchanged), settle_s
-        self._passed: set[str] = set()
 
     def resume(self) -> int | None:
         """Start after the step of the run's latest version (None: publish every checkpoint); returns it."""
@@ -170,26 +173,30 @@ class Watcher:
         if layout is None:
             return []
         found = [(s, p) for s, p in checkpoints(self.folder, layout) if self.last_step is None or s > self.last_step]
+        names = {p.name for _, p in found}
+        self._failed = {n: listing for n, listing in self._failed.items() if n in names}
+        self._seen = {n: seen for n, seen in self._seen.items() if n in names}
         ready = [(s, p) for s, p in found if layout.is_complete(p) and self._settled(p)]
-        self.metrics.pending.set(len(ready))
         waiting = [(s, p) for s, p in found if (s, p) not in ready]
         outcomes: list[Outcome] = []
         for step, path in ready:
             if self._failed.get(path.name) == _listing(path):
                 continue
+            before = self.last_step
             outcomes.append(self._publish(step, path))
             if outcomes[-1].status == "published":
-                self._pass_over(step, [(s, p) for s, p in waiting if s < step])
+                self._pass_over(step, [(s, p) for s, p in waiting if (before is None or s > before) and s < step])
             elif outcomes[-1].status == "retry":
                 break  # later checkpoints wait: versions keep the step order
+        self.metrics.pending.set(
+            sum(1 for s, p in ready if p.name not in self._failed and (self.last_step is None or s > self.last_step))
+        )
         return outcomes
 
     def _pass_over(self, step: int, earlier: list[tuple[int, Path]]) -> None:
         for s, p in earlier:
-            if p.name not in self._passed and p.name not in self._failed:
-                self._passed.add(p.name)
-                self.metrics.skipped.labels("passed_over").inc()
-                self.say(f"step {s}: {p.name} was not complete when step {step} was; passed over")
+            self.metrics.skipped.labels("passed_over").inc()
+            self.say(f"step {s}: {p.name} was not complete when step {step} was; passed over")
 
     def _settled(self, path: Path) -> bool:
         if self.settle_s <= 0:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -299,3 +300,19 @@ def test_the_wrong_layout_names_the_one_found(watch, tmp_path):
         watch(root).poll()
     custom = watch(root, layout=pattern_layout("checkpoint-*", "trainer_state.json"))
     assert custom.poll() == [(1, "published", 0)]
+
+
+def test_a_custom_pattern_complete_once_its_files_settle(watch, run, tmp_path):
+    """``--pattern 'ckpt_*' --settle-s``: a folder counts as complete once its files stayed unchanged that
+    long; one still growing is not read."""
+    root = tmp_path / "ckpts"
+    w = watch(root, layout=pattern_layout("ckpt_*", None), settle_s=0.3)
+    trainer = ToyTrainer()
+    write_shards(root / "ckpt_0010", bf16_state(trainer.model), 4096)
+    assert w.poll() == []  # first seen now
+    time.sleep(0.4)
+    (root / "ckpt_0010" / "extra.json").write_text("{}")  # still being written
+    assert w.poll() == []
+    time.sleep(0.4)
+    assert w.poll() == [(10, "published", 0)]
+    assert_same_view(rebuild_version(w.client, run, 0).view, view_of(trainer.model))
