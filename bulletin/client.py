@@ -39,8 +39,13 @@ _CHUNK = 1 << 20
 
 
 def presigned_put_headers(sha256: str) -> dict[str, str]:
-    """The headers a presigned ``PUT`` of blob ``sha256`` carries, as the bulletin signed them: checksum, record, create-only."""
+    """The headers a presigned ``PUT`` of blob ``sha256`` carries, as the bulletin signed them (SigV4).
+
+    The payload's digest (``x-amz-content-sha256``, hex: every S3 server checks it), its checksum,
+    its record and create-only; a request missing one is refused (see ``S3Store.presign``).
+    """
     return {
+        "x-amz-content-sha256": sha256,
         "x-amz-checksum-sha256": base64.b64encode(bytes.fromhex(sha256)).decode(),
         "x-amz-meta-stitch-sha256": sha256,
         "if-none-match": "*",

@@ -94,7 +94,12 @@ class BulletinSettings(BaseSettings, S3Settings):
     )
 
     presign: bool = Field(False, description="S3 only: hand out presigned URLs so blobs bypass the bulletin.")
-    presign_expires_s: int = Field(3600, gt=0, description="Lifetime of presigned URLs, seconds.")
+    presign_expires_s: int = Field(
+        3600,
+        gt=0,
+        le=604800,
+        description="Lifetime of presigned URLs, seconds (default 3600; SigV4 allows at most 604800, a week).",
+    )
 
     keep_snapshots: int = Field(
         2, ge=1, description="Retention: keep the last K snapshot versions and every version after the oldest kept one."

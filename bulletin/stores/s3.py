@@ -6,7 +6,9 @@ recent MinIO and R2). Files go up with the SHA-256 the bulletin computed while r
 (``x-amz-checksum-sha256``; per part for multipart uploads above
 ``s3_multipart_threshold_bytes``), so S3 refuses a body corrupted on the way (``BadDigest``);
 a refused body is sent again up to ``s3_checksum_attempts`` times. The digest is recorded as the
-object's metadata ``stitch-sha256`` (:attr:`ObjectStat.sha256`).
+object's metadata ``stitch-sha256`` (:attr:`ObjectStat.sha256`). Presigned URLs are SigV4 in every
+region; a presigned PUT signs its payload's SHA-256, so the store refuses other bytes even where it
+ignores ``x-amz-checksum-sha256`` (docs/reference/storage.md).
 
 Every S3 call, and every read of a streamed body, runs inside :meth:`S3Store._errors`, the one
 place where botocore/boto3 exceptions become the bulletin's typed errors.
@@ -14,6 +16,7 @@ place where botocore/boto3 exceptions become the bulletin's typed errors.
 
 from __future__ import annotations
 
+import base64
 import builtins
 import contextlib
 import hashlib
@@ -68,6 +71,18 @@ class S3Settings(BaseModel):
     )
 
 
+def _sign_presigned_payload(request: Any, signature_version: str, **_: Any) -> None:
+    """botocore's ``before-sign`` hook: a presigned PUT carrying a SHA-256 checksum signs that digest as its payload hash.
+
+    SigV4 presigned URLs normally sign ``UNSIGNED-PAYLOAD``; with ``x-amz-content-sha256: <hex>``
+    signed instead, every S3 server refuses other bytes (``XAmzContentSHA256Mismatch``), also
+    those that ignore ``x-amz-checksum-sha256`` (radosgw before 18).
+    """
+    checksum = request.headers.get("x-amz-checksum-sha256")
+    if signature_version == "s3v4-query" and checksum:
+        request.headers["X-Amz-Content-SHA256"] = base64.b64decode(checksum).hex()
+
+
 def _code(exc: ClientError) -> str:
     return str(exc.response.get("Error", {}).get("Code", ""))
 
@@ -97,6 +112,9 @@ class S3Store:
             aws_secret_access_key=s.s3_secret_access_key,
             aws_session_token=s.s3_session_token,
             config=Config(
+                # SigV4 for every request and every presigned URL: botocore presigns with SigV2 in
+                # us-east-1 and other old regions, and SigV2 signs neither If-None-Match nor the checksum.
+                signature_version="s3v4",
                 s3={"addressing_style": s.s3_addressing_style},
                 retries={"max_attempts": 5, "mode": "standard"},
                 max_pool_connections=max(32, s.s3_max_concurrency * 2),
@@ -104,6 +122,7 @@ class S3Store:
                 response_checksum_validation="when_required",
             ),
         )
+        self._client.meta.events.register("before-sign.s3.PutObject", _sign_presigned_payload)
         self.part_bytes: int | None = s.s3_multipart_chunk_bytes
         self._threshold = s.s3_multipart_threshold_bytes
         self._concurrency = s.s3_max_concurrency
@@ -289,6 +308,17 @@ class S3Store:
             self._client.delete_object(Bucket=self.bucket, Key=self._key(key))
 
     def presign(self, key: str, method: str, expires_s: int, sha256: str | None = None) -> str | None:
+        """A SigV4 presigned URL (every region; ``expires_s`` at most 604800, SigV4's week).
+
+        A ``PUT`` URL signs the headers :func:`stitchboard.bulletin.client.presigned_put_headers`
+        sends: ``x-amz-content-sha256`` (the payload's digest, checked by every S3 server),
+        ``x-amz-checksum-sha256``, the record ``x-amz-meta-stitch-sha256`` and ``If-None-Match: *``.
+        A request without one of them, or with another value, is refused (403), other bytes too
+        (400 ``XAmzContentSHA256Mismatch``), and an existing object is never replaced (412).
+
+        Raises:
+            ValueError: a ``PUT`` without ``sha256``.
+        """
         params: dict[str, Any] = {"Bucket": self.bucket, "Key": self._key(key)}
         if method == "PUT":
             if sha256 is None:

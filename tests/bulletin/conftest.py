@@ -1,4 +1,7 @@
-"""Fixtures of the bulletin tests: both store backends (local folder, S3 over HTTP via moto's server mode)."""
+"""Fixtures of the bulletin tests: both store backends (local folder, S3 over HTTP via moto's server mode), and radosgw.
+
+``radosgw`` (a real S3 server, :mod:`tests.support.radosgw`) judges what moto cannot: signatures, payload digests.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import pytest
 from moto.server import ThreadedMotoServer
 
 from tests.bulletin.bulletin_helpers import S3_ENV, Backend, ThreadServer, free_socket, make_backend
+from tests.support.radosgw import radosgw  # noqa: F401 - the session's radosgw, a fixture
 
 
 @pytest.fixture(scope="session")
