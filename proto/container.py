@@ -96,43 +96,43 @@ def load_json(text: str | bytes, what: str, **kwargs: object) -> object:
         raise PatchFormatError(f"{what}: not valid JSON ({exc})") from None
 
 
-def parse_safetensors(
-    buf: bytes | bytearray | memoryview | mmap.mmap, what: str = "file"
-) -> tuple[dict[str, str], dict[str, RawTensor]]:
-    """Parse a safetensors buffer strictly into (``__metadata__``, name -> :class:`RawTensor`).
+@dataclass(frozen=True)
+class TensorSlot:
+    """Where one tensor's bits lie in a safetensors file, from its header.
 
-    Tensor bits are zero-copy views of ``buf`` (aligned copies only where the data is not
-    aligned to its element size). ``what`` names the file in error messages.
+    Attributes:
+        dtype: safetensors dtype name.
+        shape: dimensions.
+        begin, end: byte offsets of its bits in the data section (after the header), ``end`` exclusive.
+    """
+
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def parse_safetensors_header(
+    header: bytes | memoryview, data_len: int, what: str = "file"
+) -> tuple[dict[str, str], dict[str, TensorSlot]]:
+    """Parse a safetensors JSON header strictly into (``__metadata__``, name -> :class:`TensorSlot`).
+
+    Reads no tensor bits: ``data_len`` is the size of the data section that follows the header
+    (file size - 8 - header length, bytes), which the slots must tile exactly.
 
     Raises:
-        PatchFormatError: truncated buffer, header length past the end or over 100 MB, invalid
-            or duplicate-keyed JSON, unknown dtype, bad shape, offsets out of range, overlapping
-            or leaving gaps, or a byte size that disagrees with the shape.
+        PatchFormatError: invalid or duplicate-keyed JSON, bad ``__metadata__``, a bad tensor
+            name, unknown dtype, bad shape, offsets out of range, overlapping or leaving gaps, or
+            a byte size that disagrees with the shape.
     """
-    view = memoryview(buf).cast("B")
-    total = len(view)
-    if total < 8:
-        raise PatchFormatError(
-            f"{what}: truncated ({total} bytes; a safetensors file starts with an 8-byte header length)"
-        )
-    (hlen,) = struct.unpack("<Q", view[:8])
-    if hlen > total - 8:
-        raise PatchFormatError(
-            f"{what}: header length {hlen} is larger than the file ({total} bytes): truncated or not safetensors"
-        )
-    if hlen > MAX_HEADER_BYTES:
-        raise PatchFormatError(f"{what}: header of {hlen} bytes exceeds {MAX_HEADER_BYTES}")
-    header = load_json(bytes(view[8 : 8 + hlen]), f"{what}: header", object_pairs_hook=_no_duplicates)
-    if not isinstance(header, dict):
+    parsed = load_json(bytes(header), f"{what}: header", object_pairs_hook=_no_duplicates)
+    if not isinstance(parsed, dict):
         raise PatchFormatError(f"{what}: header is not a JSON object")
-    meta = header.pop("__metadata__", None) or {}
+    meta = parsed.pop("__metadata__", None) or {}
     if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
         raise PatchFormatError(f"{what}: __metadata__ must map strings to strings")
-    data_start = 8 + hlen
-    data_len = total - data_start
-    spans: list[tuple[int, int, str]] = []
-    tensors: dict[str, RawTensor] = {}
-    for name, entry in header.items():
+    slots: dict[str, TensorSlot] = {}
+    for name, entry in parsed.items():
         try:
             check_path(name, "tensor name")
         except Exception as exc:  # noqa: BLE001 - any refusal of the name is this file's format error
@@ -163,9 +163,9 @@ def parse_safetensors(
             raise PatchFormatError(
                 f"{what}: tensor {name!r} holds {end - begin} bytes but shape {shape} of {dtype} needs {numel_of(shape) * DTYPE_SIZES[dtype]}"
             )
-        spans.append((begin, end, name))
+        slots[name] = TensorSlot(dtype, tuple(shape), begin, end)
     cursor = 0
-    for begin, end, name in sorted(spans):
+    for begin, end, name in sorted((s.begin, s.end, n) for n, s in slots.items()):
         if begin != cursor:
             raise PatchFormatError(
                 f"{what}: tensor {name!r} data starts at {begin}, expected {cursor} (overlap or gap)"
@@ -173,13 +173,43 @@ def parse_safetensors(
         cursor = end
     if cursor != data_len:
         raise PatchFormatError(f"{what}: {data_len - cursor} trailing bytes after the last tensor")
-    for begin, end, name in spans:
-        dtype = header[name]["dtype"]
-        size = DTYPE_SIZES[dtype]
-        raw: memoryview | bytearray = view[data_start + begin : data_start + end]
-        if (data_start + begin) % size:
+    return meta, slots
+
+
+def parse_safetensors(
+    buf: bytes | bytearray | memoryview | mmap.mmap, what: str = "file"
+) -> tuple[dict[str, str], dict[str, RawTensor]]:
+    """Parse a safetensors buffer strictly into (``__metadata__``, name -> :class:`RawTensor`).
+
+    Tensor bits are zero-copy views of ``buf`` (aligned copies only where the data is not
+    aligned to its element size). ``what`` names the file in error messages.
+
+    Raises:
+        PatchFormatError: truncated buffer, header length past the end or over 100 MB, or a
+            header :func:`parse_safetensors_header` refuses.
+    """
+    view = memoryview(buf).cast("B")
+    total = len(view)
+    if total < 8:
+        raise PatchFormatError(
+            f"{what}: truncated ({total} bytes; a safetensors file starts with an 8-byte header length)"
+        )
+    (hlen,) = struct.unpack("<Q", view[:8])
+    if hlen > total - 8:
+        raise PatchFormatError(
+            f"{what}: header length {hlen} is larger than the file ({total} bytes): truncated or not safetensors"
+        )
+    if hlen > MAX_HEADER_BYTES:
+        raise PatchFormatError(f"{what}: header of {hlen} bytes exceeds {MAX_HEADER_BYTES}")
+    data_start = 8 + hlen
+    meta, slots = parse_safetensors_header(view[8:data_start], total - data_start, what)
+    tensors: dict[str, RawTensor] = {}
+    for name, slot in slots.items():
+        size = DTYPE_SIZES[slot.dtype]
+        raw: memoryview | bytearray = view[data_start + slot.begin : data_start + slot.end]
+        if (data_start + slot.begin) % size:
             raw = bytearray(raw)  # align for the kernels; only files not written by safetensors
-        tensors[name] = RawTensor(dtype, tuple(header[name]["shape"]), np.frombuffer(raw, dtype=bits_type(dtype)))
+        tensors[name] = RawTensor(slot.dtype, slot.shape, np.frombuffer(raw, dtype=bits_type(slot.dtype)))
     return meta, tensors
 
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Mapping
+import struct
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -36,7 +37,7 @@ from .codec import (
     payload_layout,
     payload_size,
 )
-from .container import RawTensor, load_json, parse_safetensors
+from .container import RawTensor, load_json, parse_safetensors, parse_safetensors_header
 from .dtypes import DTYPE_SIZES, MAX_NUMEL, bits_type, numel_of
 from .errors import BaseMismatchError, PatchFormatError, SchemaError, TargetMismatchError, TensorSetMismatchError
 from .schema import XXH3_128, check_digest, check_path
@@ -264,6 +265,60 @@ def _entry_from_json(obj: object, encoding: str, what: str) -> PatchEntry:
     return PatchEntry(name, dtype, tuple(shape), count, gap_bytes, dict(obj["base"]), dict(obj["target"]))
 
 
+def _check_container(meta: dict[str, str], slots: Mapping[str, tuple[str, int]], what: str) -> tuple[str, dict]:
+    """The patch's (encoding, free metadata) from its container: ``meta`` and name -> (dtype, bytes) of its tensors."""
+    if set(meta) != {FORMAT}:
+        raise PatchFormatError(
+            f"{what}: not a stitchboard patch (no {FORMAT!r} metadata); an anchor is a plain checkpoint, load it instead"
+        )
+    header = load_json(meta[FORMAT], f"{what}: {FORMAT!r} metadata")
+    if not isinstance(header, dict) or set(header) != {"format_version", "encoding", "metadata"}:
+        raise PatchFormatError(f"{what}: {FORMAT!r} metadata must have format_version, encoding, metadata")
+    if header["format_version"] != FORMAT_VERSION:
+        raise PatchFormatError(
+            f"{what}: patch format version {header['format_version']!r} is not supported (this reader knows {FORMAT_VERSION}); upgrade stitchboard"
+        )
+    encoding, extra = header["encoding"], header["metadata"]
+    if encoding not in ENCODINGS:
+        raise PatchFormatError(f"{what}: unknown encoding {encoding!r}")
+    if not isinstance(extra, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in extra.items()):
+        raise PatchFormatError(f"{what}: 'metadata' must map strings to strings")
+    if set(slots) != {INDEX_KEY, PAYLOAD_KEY} or any(dtype != "U8" for dtype, _ in slots.values()):
+        found = {k: dtype for k, (dtype, _) in slots.items()}
+        raise PatchFormatError(f"{what}: expected U8 tensors {INDEX_KEY!r} and {PAYLOAD_KEY!r}, found {found}")
+    return encoding, extra
+
+
+def _read_index(index: bytes | memoryview, encoding: str, what: str) -> list[PatchEntry]:
+    """The entries of an ``__index__`` frame, checked (declared size within :data:`MAX_INDEX_BYTES`, name order)."""
+    declared = _declared_size(index)
+    if not 0 <= declared <= MAX_INDEX_BYTES:
+        raise PatchFormatError(
+            f"{what}: {INDEX_KEY} declares {declared} bytes (limit {MAX_INDEX_BYTES}); refusing to decompress"
+        )
+    items = load_json(_decompress_exact(index, declared, f"{what}: {INDEX_KEY}"), f"{what}: {INDEX_KEY}")
+    if not isinstance(items, list):
+        raise PatchFormatError(f"{what}: {INDEX_KEY} is not a list")
+    entries = [_entry_from_json(obj, encoding, what) for obj in items]
+    names = [e.name for e in entries]
+    if any(a >= b for a, b in itertools.pairwise(names)):
+        raise PatchFormatError(f"{what}: {INDEX_KEY} entries must be unique and in name order")
+    return entries
+
+
+def _check_payload(
+    entries: list[PatchEntry], encoding: str, payload_len: int, frame_head: bytes | memoryview, what: str
+) -> None:
+    """The payload holds (``cond``) or declares in its zstd frame header (``frame_head``: its first bytes) the size the index implies."""
+    want = payload_size(entries, encoding)
+    if encoding == "cond" and payload_len != want:
+        raise PatchFormatError(f"{what}: {PAYLOAD_KEY} holds {payload_len} bytes, the index implies {want}")
+    if encoding != "cond" and _declared_size(frame_head) != want:
+        raise PatchFormatError(
+            f"{what}: {PAYLOAD_KEY} declares {_declared_size(frame_head)} bytes, the index implies {want}; refusing to decompress"
+        )
+
+
 def read_patch(data: bytes | bytearray | memoryview, expected_size: int | None = None, what: str = "patch") -> Patch:
     """Parse and validate a patch file's container and index.
 
@@ -281,44 +336,79 @@ def read_patch(data: bytes | bytearray | memoryview, expected_size: int | None =
     if expected_size is not None and len(data) != expected_size:
         raise PatchFormatError(f"{what}: {len(data)} bytes, the manifest says {expected_size}")
     meta, tensors = parse_safetensors(data, what)
-    if set(meta) != {FORMAT}:
-        raise PatchFormatError(
-            f"{what}: not a stitchboard patch (no {FORMAT!r} metadata); an anchor is a plain checkpoint, load it instead"
-        )
-    header = load_json(meta[FORMAT], f"{what}: {FORMAT!r} metadata")
-    if not isinstance(header, dict) or set(header) != {"format_version", "encoding", "metadata"}:
-        raise PatchFormatError(f"{what}: {FORMAT!r} metadata must have format_version, encoding, metadata")
-    if header["format_version"] != FORMAT_VERSION:
-        raise PatchFormatError(
-            f"{what}: patch format version {header['format_version']!r} is not supported (this reader knows {FORMAT_VERSION}); upgrade stitchboard"
-        )
-    encoding, extra = header["encoding"], header["metadata"]
-    if encoding not in ENCODINGS:
-        raise PatchFormatError(f"{what}: unknown encoding {encoding!r}")
-    if not isinstance(extra, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in extra.items()):
-        raise PatchFormatError(f"{what}: 'metadata' must map strings to strings")
-    if set(tensors) != {INDEX_KEY, PAYLOAD_KEY} or any(t.dtype != "U8" for t in tensors.values()):
-        found = {k: t.dtype for k, t in tensors.items()}
-        raise PatchFormatError(f"{what}: expected U8 tensors {INDEX_KEY!r} and {PAYLOAD_KEY!r}, found {found}")
-    index = tensors[INDEX_KEY].bits.data
-    declared = _declared_size(index)
-    if not 0 <= declared <= MAX_INDEX_BYTES:
-        raise PatchFormatError(
-            f"{what}: {INDEX_KEY} declares {declared} bytes (limit {MAX_INDEX_BYTES}); refusing to decompress"
-        )
-    items = load_json(_decompress_exact(index, declared, f"{what}: {INDEX_KEY}"), f"{what}: {INDEX_KEY}")
-    if not isinstance(items, list):
-        raise PatchFormatError(f"{what}: {INDEX_KEY} is not a list")
-    entries = [_entry_from_json(obj, encoding, what) for obj in items]
-    names = [e.name for e in entries]
-    if any(a >= b for a, b in itertools.pairwise(names)):
-        raise PatchFormatError(f"{what}: {INDEX_KEY} entries must be unique and in name order")
+    encoding, extra = _check_container(meta, {k: (t.dtype, t.nbytes) for k, t in tensors.items()}, what)
+    entries = _read_index(tensors[INDEX_KEY].bits.data, encoding, what)
     frame = tensors[PAYLOAD_KEY].bits.data
-    want = payload_size(entries, encoding)
-    if encoding == "cond" and len(frame) != want:
-        raise PatchFormatError(f"{what}: {PAYLOAD_KEY} holds {len(frame)} bytes, the index implies {want}")
-    if encoding != "cond" and _declared_size(frame) != want:
-        raise PatchFormatError(
-            f"{what}: {PAYLOAD_KEY} declares {_declared_size(frame)} bytes, the index implies {want}; refusing to decompress"
-        )
+    _check_payload(entries, encoding, len(frame), frame, what)
     return Patch(encoding, entries, dict(extra), len(data), frame, what)
+
+
+#: Largest safetensors header :func:`read_patch_index` reads, bytes (a patch's holds two tensors
+#: and its ``stitchboard.patch`` metadata: well under a kilobyte as the codec writes it).
+MAX_PATCH_HEADER_BYTES = 1 << 20
+#: Largest zstd frame header (RFC 8878: 4-byte magic, up to 14 bytes of descriptor, window and sizes).
+_FRAME_HEADER_BYTES = 18
+
+
+@dataclass(frozen=True)
+class PatchIndex:
+    """A patch file's validated container and index, read without its payload (:func:`read_patch_index`).
+
+    Attributes:
+        encoding: ``xor``, ``overwrite`` or ``cond``.
+        entries: tensor name -> :class:`PatchEntry`, in name order.
+        metadata: the free metadata strings.
+        size_bytes: size of the patch file, bytes.
+        bytes_read: bytes of the file read to check it.
+    """
+
+    encoding: str
+    entries: dict[str, PatchEntry]
+    metadata: dict[str, str]
+    size_bytes: int
+    bytes_read: int
+
+
+def read_patch_index(read: Callable[[int, int], bytes], size_bytes: int, what: str = "patch") -> PatchIndex:
+    """Check a patch file's container, index and payload size as :func:`read_patch` does, reading only
+    the 8-byte header length, the header (at most :data:`MAX_PATCH_HEADER_BYTES`), the ``__index__``
+    bytes (at most :data:`MAX_INDEX_BYTES`) and the payload's zstd frame header (18 bytes): never
+    the payload itself, so a huge or hostile file costs a bounded read.
+
+    Args:
+        read: ``read(offset, length)`` -> exactly ``length`` bytes of the file from ``offset``
+            (a ranged read of a stored object).
+        size_bytes: the file's size, bytes.
+        what: name used in error messages.
+
+    Raises:
+        PatchFormatError: as :func:`read_patch`, and a header or index over its cap (before reading it).
+    """
+    if size_bytes < 8:
+        raise PatchFormatError(
+            f"{what}: truncated ({size_bytes} bytes; a safetensors file starts with an 8-byte header length)"
+        )
+    (hlen,) = struct.unpack("<Q", read(0, 8))
+    if hlen > size_bytes - 8:
+        raise PatchFormatError(
+            f"{what}: header length {hlen} is larger than the file ({size_bytes} bytes): truncated or not safetensors"
+        )
+    if hlen > MAX_PATCH_HEADER_BYTES:
+        raise PatchFormatError(
+            f"{what}: header of {hlen} bytes exceeds a patch's {MAX_PATCH_HEADER_BYTES}: not a stitchboard patch"
+        )
+    data_start = 8 + hlen
+    meta, slots = parse_safetensors_header(read(8, hlen), size_bytes - data_start, what)
+    encoding, extra = _check_container(meta, {k: (s.dtype, s.end - s.begin) for k, s in slots.items()}, what)
+    index, payload = slots[INDEX_KEY], slots[PAYLOAD_KEY]
+    if index.end - index.begin > MAX_INDEX_BYTES:
+        raise PatchFormatError(
+            f"{what}: {INDEX_KEY} of {index.end - index.begin} bytes exceeds {MAX_INDEX_BYTES}; refusing to read it"
+        )
+    entries = _read_index(read(data_start + index.begin, index.end - index.begin), encoding, what)
+    payload_len = payload.end - payload.begin
+    head = min(payload_len, _FRAME_HEADER_BYTES) if encoding != "cond" else 0
+    _check_payload(entries, encoding, payload_len, read(data_start + payload.begin, head) if head else b"", what)
+    return PatchIndex(
+        encoding, {e.name: e for e in entries}, dict(extra), size_bytes, 8 + hlen + index.end - index.begin + head
+    )
