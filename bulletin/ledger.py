@@ -32,7 +32,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar, cast
 
 from stitchboard.proto.errors import SchemaError
 from stitchboard.proto.schema import RunInfo, VersionInfo, VersionManifest, canonical_json, check_run_id, parse_manifest
@@ -51,6 +51,7 @@ from .steps import check_step, first_at_step
 from .stores import ObjectStat, Store, StreamDigest
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+R = TypeVar("R")
 _VERSION_NAME = re.compile(r"^(\d{12})\.json$")
 
 
@@ -138,6 +139,7 @@ class Ledger:
         max_manifest_bytes: largest manifest :meth:`publish` accepts, bytes.
         cache_entries: committed versions kept in memory; every hit is revalidated against the
             store's etag, so a version removed or rewritten out of band is never served from it.
+            As many derived records (squashes) are kept, revalidated by the etag their listing gives.
     """
 
     def __init__(self, store: Store, *, max_manifest_bytes: int = 32 << 20, cache_entries: int = 1024) -> None:
@@ -145,6 +147,7 @@ class Ledger:
         self.max_manifest_bytes = max_manifest_bytes
         self._cache: OrderedDict[tuple[str, int], Committed] = OrderedDict()
         self._cache_entries = cache_entries
+        self._records: OrderedDict[str, tuple[str, object]] = OrderedDict()
         self._lock = threading.Lock()
 
     # -- reading -----------------------------------------------------------------------------
@@ -183,6 +186,32 @@ class Ledger:
                 while len(self._cache) > self._cache_entries:
                     self._cache.popitem(last=False)
         return found
+
+    def derived_record(self, listed: ObjectStat, parse: Callable[[bytes], R]) -> R:
+        """The derived record (a squash) ``listed`` by a listing of its folder, parsed by ``parse``.
+
+        The parsed value is kept per key and etag, as committed versions are, and revalidated by
+        the etag the listing gave: a record read before and unchanged costs no request, one
+        rewritten or replaced is read again. ``parse`` runs once per stored etag (an unreadable
+        record is its value, e.g. ``None``, so say so there, once).
+
+        Raises:
+            NotFoundError: the record was removed since it was listed.
+        """
+        with self._lock:
+            hit = self._records.get(listed.key)
+            if hit is not None:
+                self._records.move_to_end(listed.key)
+        if hit is not None and hit[0] == listed.etag:
+            return cast(R, hit[1])
+        data, etag = self.store.get(listed.key)
+        value = parse(data)
+        if self._cache_entries:
+            with self._lock:
+                self._records[listed.key] = (etag, value)
+                while len(self._records) > self._cache_entries:
+                    self._records.popitem(last=False)
+        return value
 
     def exists(self, run: str, version: int) -> bool:
         """Whether ``version`` of ``run`` is committed in the store now (one metadata read)."""

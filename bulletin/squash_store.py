@@ -12,21 +12,35 @@ blobs, a wait while gc holds a lock on one of them, the check of every blob, the
 create-only write (so gc, which re-reads intents and squashes under each blob's lock, never
 deletes a blob of a squash being written; :mod:`.retention`). A squash whose version is removed
 meanwhile is left dangling: the planner ignores it and the next gc drops it.
+
+Reading: records are parsed once per stored etag (:meth:`.Ledger.derived_record`), so a plan
+with squashes costs one listing of the folder, not a read per record. A record this bulletin
+cannot read (a newer schema written by a newer bulletin on the same store, or damaged bytes) is
+left out of plans and listings and logged once; it never fails them. The put check reads only
+each patch file's header and index, by ranged reads (:func:`~stitchboard.proto.decode.read_patch_index`),
+never a whole blob.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 import uuid
+from collections.abc import Callable
 
-from stitchboard.proto.decode import read_patch
-from stitchboard.proto.errors import PatchError, SchemaError
+from pydantic import ValidationError
+
+from stitchboard.proto.decode import read_patch_index
+from stitchboard.proto.errors import PatchError, PatchFormatError, SchemaError
 from stitchboard.proto.schema import canonical_json
 from stitchboard.proto.squash_schema import SquashManifest, check_patch_lineage
 
 from .errors import BlobMismatchError, BlobMissingError, InvalidRequestError, NotFoundError, VersionConflictError
 from .ledger import Ledger, blob_is_sound, blob_key, intents_key, run_key
+from .stores import Store
+
+log = logging.getLogger("stitchboard.bulletin")
 
 _NAME = re.compile(r"^(\d{12})-(\d{12})\.json$")
 
@@ -51,16 +65,41 @@ def span_of_key(key: str) -> tuple[int, int] | None:
     return (int(m.group(2)), int(m.group(1))) if m else None
 
 
+def _readable(key: str) -> Callable[[bytes], SquashManifest | None]:
+    # Parses a stored record; None (logged here, once per stored etag) for one this bulletin cannot read.
+    def parse(data: bytes) -> SquashManifest | None:
+        try:
+            return SquashManifest.model_validate_json(data)
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'record'}: {e['msg']}" for e in exc.errors()[:3])
+            log.warning(
+                "skipping the squash record %s: this bulletin cannot read it (%s); plans and listings leave it out "
+                "(a newer bulletin's schema: upgrade this one; else drop the record, its versions' chain serves)",
+                key,
+                problems,
+            )
+            return None
+
+    return parse
+
+
 def list_squashes(ledger: Ledger, run: str) -> list[SquashManifest]:
-    """Every squash record of ``run`` (by target, then base); records removed while listing are skipped."""
+    """Every readable squash record of ``run`` (by target, then base).
+
+    One listing of the run's squash folder; a record is read only when its etag changed since
+    this process last read it. Records removed while listing are skipped; so are records this
+    bulletin cannot read (logged once per stored etag: see the module docstring).
+    """
     out = []
     for o in ledger.store.list(squashes_key(run)):
         if span_of_key(o.key) is None:
             continue
         try:
-            out.append(SquashManifest.model_validate_json(ledger.store.get(o.key)[0]))
+            record = ledger.derived_record(o, _readable(o.key))
         except NotFoundError:
             continue
+        if record is not None:
+            out.append(record)
     return out
 
 
@@ -73,8 +112,20 @@ def drop_squash(ledger: Ledger, run: str, base: int, target: int) -> bool:
     return True
 
 
+def _ranged(store: Store, key: str) -> Callable[[int, int], bytes]:
+    # read(offset, length) of one stored object, by a ranged read
+    def read(offset: int, length: int) -> bytes:
+        data = b"".join(store.iter_range(key, offset, offset + length - 1)) if length else b""
+        if len(data) != length:
+            raise PatchFormatError(f"{key}: the store returned {len(data)} of the {length} bytes at {offset}")
+        return data
+
+    return read
+
+
 def _check_files(ledger: Ledger, squash: SquashManifest) -> None:
-    # Every blob stored, of the stated size, sound; its index agrees with the two versions.
+    # Every blob stored, of the stated size, sound; its index agrees with the two versions. Only
+    # each file's header and index are read (ranged, capped: read_patch_index), never its payload.
     run = squash.run_id
     base, target = (
         ledger.committed(run, squash.base_version).manifest,
@@ -95,11 +146,9 @@ def _check_files(ledger: Ledger, squash: SquashManifest) -> None:
                 run_id=run,
                 sha256=f.sha256,
             )
-        data, _ = ledger.store.get(blob_key(run, f.sha256))
+        what = f"{f.path} of squash {squash.base_version} -> {squash.target_version}"
         try:
-            patch = read_patch(
-                data, f.size_bytes, what=f"{f.path} of squash {squash.base_version} -> {squash.target_version}"
-            )
+            patch = read_patch_index(_ranged(ledger.store, blob_key(run, f.sha256)), f.size_bytes, what)
         except PatchError as exc:
             raise InvalidRequestError(exc.message, run_id=run) from None
         if patch.encoding != squash.encoding:
@@ -164,7 +213,8 @@ def _same_stored(ledger: Ledger, key: str, body: bytes, squash: SquashManifest) 
         stored, _ = ledger.store.get(key)
     except NotFoundError:
         return False
-    if canonical_json(SquashManifest.model_validate_json(stored)) == body:
+    record = _readable(key)(stored)
+    if record is not None and canonical_json(record) == body:
         return True
     raise VersionConflictError(
         f"squash {squash.base_version} -> {squash.target_version} of run {squash.run_id!r} is stored with other content: drop it first (DELETE /v1/runs/{squash.run_id}/squashes/{squash.base_version}/{squash.target_version})",
