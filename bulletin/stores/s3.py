@@ -1,8 +1,9 @@
 """The S3 store: :class:`S3Store` (AWS, MinIO, R2, or any S3 API) and its :class:`S3Settings`.
 
 Create-only writes use ``PutObject`` with ``If-None-Match: *``; compare-and-swap uses
-``If-Match: <etag>``. Both need a store that implements S3 conditional writes (AWS since 2024,
-recent MinIO and R2). Files go up with the SHA-256 the bulletin computed while receiving them
+``If-Match: <etag>`` (sent bare to a store found to refuse the quoted ETag it hands out, as
+radosgw 16 does). Both need a store that implements S3 conditional writes (AWS since 2024,
+recent MinIO and R2, radosgw). Files go up with the SHA-256 the bulletin computed while receiving them
 (``x-amz-checksum-sha256``; per part for multipart uploads above
 ``s3_multipart_threshold_bytes``), so S3 refuses a body corrupted on the way (``BadDigest``);
 a refused body is sent again up to ``s3_checksum_attempts`` times. The digest is recorded as the
@@ -127,6 +128,8 @@ class S3Store:
         self._threshold = s.s3_multipart_threshold_bytes
         self._concurrency = s.s3_max_concurrency
         self._attempts = s.s3_checksum_attempts
+        #: Whether this store refuses the quoted ETag in ``If-Match`` (found by :meth:`put_cas`).
+        self._bare_if_match = False
 
     def _key(self, key: str) -> str:
         return self.prefix + check_key(key)
@@ -192,7 +195,20 @@ class S3Store:
         return self._put(key, data, IfNoneMatch="*")
 
     def put_cas(self, key: str, data: bytes, etag: str | None) -> bool:
-        return self._put(key, data, **({"IfMatch": etag} if etag else {"IfNoneMatch": "*"}))
+        if not etag:
+            return self._put(key, data, IfNoneMatch="*")
+        if self._put(key, data, IfMatch=etag.strip('"') if self._bare_if_match else etag):
+            return True
+        # Some stores compare If-Match with the bare ETag and refuse the quoted one that they
+        # hand out and RFC 9110 asks for (radosgw 16, DigitalOcean Spaces): when the refused etag
+        # is still the object's, this store is one of them; from then on its ETags go bare.
+        if self._bare_if_match or not etag.startswith('"'):
+            return False
+        current = self.stat(key)
+        if current is None or current.etag != etag:
+            return False  # the race was lost
+        self._bare_if_match = True
+        return self._put(key, data, IfMatch=etag.strip('"'))
 
     def _checked(self, key: str, send: Any) -> Any:
         """``send()``, sent again while S3 refuses the body as corrupted (up to ``s3_checksum_attempts`` times)."""
