@@ -11,8 +11,12 @@ same encoder as a delta (entries carry B's checksums as base, L's as target), an
 :class:`Squasher` does this for one publisher (either kind; each rank encodes and uploads its
 part, rank 0 stores the record, :mod:`stitchboard.bulletin.squash_store`). At version L it
 encodes squash(L - d -> L) for each depth d it can, and stores it only when it is smaller than
-the chain of L - d + 1 .. L. Squashes are derived: a failure is logged, never raised (the
-version is committed already), and ``stitchboard squash rebuild`` (:mod:`.squash_cli`) makes
+the chain of L - d + 1 .. L. Before a squash is uploaded it is checked against the views it
+was made from (:func:`check_squash`: the rebuilt view is version B's by its checksums, and the
+patch decoded on it gives the latest view's bits exactly): a squash whose index is right but
+whose bits are wrong (a bad reverse record, an encoder fault) would pass every check the
+bulletin can make, so it is stopped here and logged. Squashes are derived: a failure is logged,
+never raised (the version is committed already), and ``stitchboard squash rebuild`` (:mod:`.squash_cli`) makes
 them again from the stored anchor and deltas with :class:`RecentViews` too.
 """
 
@@ -22,7 +26,7 @@ import hashlib
 import logging
 import os
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -31,8 +35,11 @@ import numpy as np
 
 from stitchboard.bulletin.client import BulletinClient
 from stitchboard.bulletin.errors import BulletinError
-from stitchboard.proto.codec import build_patch, encode_tensor
+from stitchboard.proto.apply import apply_patch
+from stitchboard.proto.codec import build_patch, checksum, encode_tensor
 from stitchboard.proto.container import RawTensor
+from stitchboard.proto.decode import read_patch
+from stitchboard.proto.errors import BaseMismatchError, PatchError, TargetMismatchError
 from stitchboard.proto.schema import Encoding, FileRef, VersionManifest, canonical_json
 from stitchboard.proto.squash_schema import MIN_SQUASH_SPAN, SquashManifest
 
@@ -190,6 +197,8 @@ def encode_squash(
     target_checksums: Mapping[str, str],
     encoding: Encoding,
     metadata: Mapping[str, str],
+    *,
+    check: bool = True,
 ) -> tuple[bytes, int]:
     """The patch taking this process's tensors from version ``base`` to the latest: (file bytes, changed elements).
 
@@ -200,6 +209,11 @@ def encode_squash(
         target_checksums: every tensor's xxh3-128 in the latest version.
         encoding: the patch encoding (the publisher's).
         metadata: patch ``__metadata__`` strings.
+        check: verify the patch against the views before returning it (:func:`check_squash`).
+
+    Raises:
+        KeyError: ``base`` is not among the recent versions.
+        PatchError: (``check``) the squash does not take version ``base``'s view to the latest's.
     """
     base_sums, _ = views.base_of(base)
     old = views.view_at(base, latest)
@@ -211,7 +225,50 @@ def encode_squash(
         names,
     )
     kept = [e for e in encoded if e is not None]
-    return build_patch(kept, encoding, metadata), sum(e.entry.count for e in kept)
+    data = build_patch(kept, encoding, metadata)
+    if check:
+        check_squash(data, old, latest, base_sums, target_checksums)
+    return data, sum(e.entry.count for e in kept)
+
+
+def check_squash(
+    data: bytes,
+    old: MutableMapping[str, RawTensor],
+    latest: Mapping[str, RawTensor],
+    base_checksums: Mapping[str, str],
+    target_checksums: Mapping[str, str],
+) -> None:
+    """Check a squash against the views it was made from, before it leaves the trainer.
+
+    The bulletin and the sidecar can check a squash's index only (a ``cond`` stream decodes only
+    on its base); this is the check of its bits: ``old`` must be the base version's view by its
+    checksums, every tensor not in ``old`` must be unchanged between the versions, and the patch
+    decoded on ``old`` must give ``latest``'s bits exactly (target checksums, then the bits).
+
+    Args:
+        data: the squash's patch file (this process's part).
+        old: the rebuilt base view of the tensors changed since the base (:meth:`RecentViews.view_at`);
+            patched in place (its own copies: no second copy of the model is made).
+        latest: this process's tensors of the latest version.
+        base_checksums, target_checksums: every tensor's xxh3-128 in the base and the latest version.
+
+    Raises:
+        BaseMismatchError: the rebuilt view is not the base version's, or a tensor it lacks changed.
+        TargetMismatchError: the patch decodes on it to other bits than the latest view's.
+        PatchError: the patch does not parse or decode.
+    """
+    wrong = sorted(
+        n for n, t in zip(old, _pool_map(lambda n: checksum(old[n]), list(old)), strict=True) if t != base_checksums[n]
+    )
+    missed = sorted(n for n in latest if n not in old and base_checksums[n] != target_checksums[n])
+    if wrong or missed:
+        raise BaseMismatchError(
+            f"the rebuilt base view is not the base version's: tensors {(wrong + missed)[:3]} differ from its checksums"
+        )
+    apply_patch(old, read_patch(data, what="squash"))
+    differ = sorted(n for n in old if not np.array_equal(old[n].bits, latest[n].bits))
+    if differ:
+        raise TargetMismatchError(f"the squash decodes to other bits than the latest view's in tensors {differ[:3]}")
 
 
 #: ``exchange(what, work)``: run ``work`` on every rank; (this rank's kept value, every rank's shared value).
@@ -289,6 +346,11 @@ class Squasher:
             try:
                 meta = {"run": self.run, "version": str(target), "base_version": str(base), "squash": "true"}
                 data, changed = encode_squash(self.views, base, new, manifest.checksums(), self.encoding, meta)
+            except PatchError as exc:  # wrong bits: never uploaded, every rank skips it
+                log.error(
+                    "%s failed its check against this trainer's views (%s): not uploaded; the chain serves", what, exc
+                )
+                return None, None
             except Exception:  # a derived object: log, and every rank skips it
                 log.exception("%s: encoding failed; the chain serves instead", what)
                 return None, None
