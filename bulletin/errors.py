@@ -15,6 +15,7 @@ service or use the store directly::
     ├── InvalidRequestError      400/422  bad input; nothing was written
     │   ├── BlobMissingError          manifest references a blob that was never uploaded
     │   ├── BlobMismatchError         blob bytes/size disagree with the stated sha256/size
+    │   ├── TooManyReplicasError      a new replica's report past the run's live-replica cap
     │   └── PayloadTooLargeError 413  body over the configured limit
     ├── AuthError                401/403
     │   ├── UnauthorizedError    401  no or unknown bearer token
@@ -92,6 +93,15 @@ class BlobMismatchError(InvalidRequestError):
     """Received bytes (or a stored blob) disagree with the stated sha256 or size."""
 
     type = "BlobMismatch"
+
+
+class TooManyReplicasError(InvalidRequestError):
+    """A new replica reported while its run already has ``max_live_replicas`` live ones (live replicas
+    renewing are never refused; expired ones do not count). Details: ``run_id``, ``replica_id``,
+    ``setting`` (the setting's environment variable) and ``limit``. Wait for replicas to expire,
+    or raise the setting."""
+
+    type = "TooManyReplicas"
 
 
 class PayloadTooLargeError(InvalidRequestError):

@@ -3,27 +3,35 @@
 :class:`FleetWatcher` answers the fleet routes (:mod:`.routes_fleet`). Every query of a run is
 answered from one snapshot of its records read at most ``interval_s`` ago (so the store sees
 at most one listing per run per interval per bulletin process, whatever the number of callers);
-reports received by this process update the snapshot at once. Long-polls ("wait until N
-replicas are at >= v") re-check at every change and every ``interval_s`` (leases expire with
-time alone), and share the refresh.
+reports received by this process update the snapshot at once. What queries need of a snapshot
+(the :class:`FleetView`, the live replicas indexed for counts, :class:`.LiveIndex`) is built
+once per snapshot, when first asked, and kept until the snapshot changes or a live lease in it
+runs out. A renewal that repeats a live replica's report changes no answer: it updates the
+record without waking anyone. Long-polls ("wait until N replicas are at >= v") re-check at
+every change and every ``interval_s`` (leases expire with time alone), and share the refresh.
+The cap on live replicas per run is checked here too (:meth:`FleetWatcher.admission`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
+from collections.abc import AsyncIterator
 
 from anyio import to_thread
 
-from stitchboard.proto.fleet import FleetCount, FleetView, count_fleet
+from stitchboard.proto.fleet import FleetCount, FleetView, needed_replicas
 
+from .errors import TooManyReplicasError
 from .fleet import FleetStore, Record, fleet_view
+from .fleet_counts import LiveIndex
 from .ledger import Ledger
 
 
 class _Snapshot:
-    """One run's records as last read, when, and an event set at every change."""
+    """One run's records as last read, when, an event set at every change, and what was built from them."""
 
     def __init__(self) -> None:
         self.records: dict[str, Record] = {}
@@ -31,10 +39,27 @@ class _Snapshot:
         self.read_at = -float("inf")
         self.changed = asyncio.Event()
         self.refreshing: asyncio.Task | None = None
+        self.admitting: set[str] = set()  # new replicas whose first report is being written
+        self._index: LiveIndex | None = None
+        self._view: tuple[FleetView, float] | None = None  # and the instant its first live lease runs out
 
     def notify(self) -> None:
+        self._index = self._view = None
         self.changed.set()
         self.changed = asyncio.Event()
+
+    def index(self, run: str) -> LiveIndex:
+        now = time.time()
+        if self._index is None or now > self._index.valid_until:
+            self._index = LiveIndex(run, self.records, now)
+        return self._index
+
+    def view(self, run: str) -> FleetView:
+        now = time.time()
+        if self._view is None or now > self._view[1]:
+            view = fleet_view(run, self.records, self.latest, now)
+            self._view = view, min((r.lease_expires_at for r in view.replicas if r.live), default=math.inf)
+        return self._view[0]
 
 
 class FleetWatcher:
@@ -75,10 +100,55 @@ class FleetWatcher:
         return snap
 
     def reported(self, run: str, record: Record) -> None:
-        """A report this process wrote: take it into the run's snapshot and wake its long-polls."""
+        """A report this process wrote: take it into the run's snapshot and wake its long-polls (unless it
+        only renews a live replica's lease with the same report, which changes no answer)."""
         snap = self._snapshot(run)
+        before = snap.records.get(record.report.replica_id)
         snap.records[record.report.replica_id] = record
-        snap.notify()
+        renewal = (
+            before is not None
+            and before.report == record.report
+            and record.reported_at <= before.reported_at + before.lease_s
+        )
+        if not renewal:
+            snap.notify()
+
+    @contextlib.asynccontextmanager
+    async def admission(self, run: str, replica_id: str, max_live: int) -> AsyncIterator[None]:
+        """Hold a place for ``replica_id``'s report among ``run``'s at most ``max_live`` live replicas while it is written.
+
+        A replica live in this process's snapshot is always let in (a renewal); a new one (or
+        one whose lease ran out) is counted against the live replicas of a snapshot at most
+        ``interval_s`` old plus the new replicas being written in this process.
+
+        Raises:
+            TooManyReplicasError: ``max_live`` replicas are live (or being let in).
+            BulletinError: the store could not be read.
+        """
+        snap = self._snapshot(run)
+        known = snap.records.get(replica_id)
+        new = known is None or time.time() > known.reported_at + known.lease_s
+        if new:
+            snap = await self._fresh(run)
+            index = snap.index(run)
+            new = replica_id not in index.live_ids and replica_id not in snap.admitting
+            if new and index.live + len(snap.admitting) >= max_live:
+                raise TooManyReplicasError(
+                    f"run {run!r} already has {index.live + len(snap.admitting)} live replicas, the most this "
+                    f"bulletin takes (STITCH_BULLETIN_MAX_LIVE_REPLICAS={max_live}): the report of the new replica "
+                    f"{replica_id!r} is refused until a replica's lease runs out or the setting is raised",
+                    run_id=run,
+                    replica_id=replica_id,
+                    setting="STITCH_BULLETIN_MAX_LIVE_REPLICAS",
+                    limit=max_live,
+                )
+        if new:
+            snap.admitting.add(replica_id)
+        try:
+            yield
+        finally:
+            if new:
+                snap.admitting.discard(replica_id)
 
     async def view(self, run: str) -> FleetView:
         """The run's replicas now (from a snapshot at most ``interval_s`` old).
@@ -86,8 +156,7 @@ class FleetWatcher:
         Raises:
             BulletinError: the store could not be read.
         """
-        snap = await self._fresh(run)
-        return fleet_view(run, snap.records, snap.latest)
+        return (await self._fresh(run)).view(run)
 
     async def wait(
         self, run: str, version: int, min_replicas: int | None, fraction: float | None, wait_s: float
@@ -100,10 +169,11 @@ class FleetWatcher:
         deadline = time.monotonic() + wait_s
         while True:
             snap = await self._fresh(run)
-            count = count_fleet(fleet_view(run, snap.records, snap.latest), version, min_replicas, fraction)
+            index = snap.index(run)
+            needed = needed_replicas(index.live, min_replicas, fraction)
             remaining = deadline - time.monotonic()
-            if count.met or remaining <= 0:
-                return count
+            if needed is None or index.at_or_above(version) >= needed or remaining <= 0:
+                return index.count(version, min_replicas, fraction)
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(min(remaining, self._interval)):
                     await snap.changed.wait()

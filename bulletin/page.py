@@ -6,12 +6,17 @@
   cookie ``stitch_token`` (``HttpOnly``, ``SameSite=Strict``, path ``/status``, plus ``Secure``
   when served over HTTPS), which only these pages read; ``POST /status/logout`` clears it. A
   client may also send ``Authorization: Bearer``. With no tokens configured the page is open.
+* A login from another origin is refused (403) and failed logins from one address are slowed
+  down (429 with ``Retry-After``): :mod:`.page_login`.
 
-Plots are matplotlib SVG (:mod:`.page_plots`), drawn in a worker thread.
+Plots are matplotlib SVG (:mod:`.page_plots`), drawn in a worker thread; a plot that fails is
+logged and replaced by a note, the rest of the page is still served.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from typing import Annotated
 from urllib.parse import parse_qs
 
@@ -23,10 +28,13 @@ from stitchboard.proto.fleet import FleetView
 from stitchboard.proto.schema import VersionInfo
 
 from .deps import BulletinState, state_of
-from .errors import AuthError, NotFoundError
+from .errors import AuthError, NotFoundError, UnauthorizedError
 from .ledger import run_key
+from .page_login import LoginLimiter, client_address, cross_origin, retry_after_header
 from .page_plots import convergence_svg, timeline_svg
-from .page_template import LOGIN, RUN, RUNS
+from .page_template import LOGIN, RUN, RUNS, Plot
+
+log = logging.getLogger("stitchboard.bulletin")
 
 router = APIRouter(prefix="/status", tags=["status page"], include_in_schema=False)
 
@@ -44,8 +52,16 @@ def _authorization(request: Request) -> str | None:
     return f"Bearer {token}" if token else None
 
 
-def _login(error: str | None, status: int) -> HTMLResponse:
-    return HTMLResponse(LOGIN.render(title="log in", error=error, logged_in=False), status_code=status)
+def _login(error: str | None, status: int, headers: dict[str, str] | None = None) -> HTMLResponse:
+    return HTMLResponse(LOGIN.render(title="log in", error=error, logged_in=False), status_code=status, headers=headers)
+
+
+def _limiter(request: Request) -> LoginLimiter:
+    """This app's limiter of failed logins (made at the first login)."""
+    limiter: LoginLimiter | None = getattr(request.app.state, "login_limiter", None)
+    if limiter is None:
+        limiter = request.app.state.login_limiter = LoginLimiter()
+    return limiter
 
 
 def _allowed(state: BulletinState, request: Request, run: str | None = None) -> HTMLResponse | None:
@@ -73,14 +89,29 @@ async def runs_page(request: Request) -> Response:
 
 @router.post("/login")
 async def login(request: Request) -> Response:
-    """Check the form's token (it must be able to read) and keep it in an HttpOnly, SameSite=Strict cookie."""
+    """Check the form's token (it must be able to read) and keep it in an HttpOnly, SameSite=Strict cookie.
+
+    Refused before the token is looked at: a login from another origin (403, :func:`.cross_origin`)
+    and one from an address locked out by its failed logins (429 with ``Retry-After``).
+    """
     state = state_of(request)
+    refused = cross_origin(request)
+    if refused is not None:
+        return _login(refused, 403)
+    limiter, address = _limiter(request), client_address(request)
+    wait_s = limiter.retry_after_s(address)
+    if wait_s > 0:
+        message = f"too many failed logins from {address}: try again in {max(1, round(wait_s))} s"
+        return _login(message, 429, retry_after_header(wait_s))
     form = parse_qs((await request.body()).decode("utf-8", "replace"))
     token = (form.get("token") or [""])[0].strip()
     try:
         state.auth.check(f"Bearer {token}", "read")
     except AuthError as exc:
+        if isinstance(exc, UnauthorizedError):
+            limiter.failed(address)
         return _login(exc.message, exc.status)
+    limiter.succeeded(address)
     answer = RedirectResponse("/status", status_code=303)
     answer.set_cookie(
         COOKIE, token, httponly=True, samesite="strict", secure=request.url.scheme == "https", path="/status"
@@ -109,12 +140,22 @@ def _versions(state: BulletinState, run: str) -> tuple[list[VersionInfo], dict[i
     return infos, changed
 
 
+def _plot(run: str, name: str, draw: Callable[[], str]) -> Plot:
+    """``draw()``'s SVG, or the note that replaces it when drawing fails (logged with the run's name)."""
+    try:
+        return Plot(svg=draw())
+    except Exception as exc:  # a plot never fails the page: its data is in the tables too
+        log.exception("run %s: the %s plot of the status page could not be drawn", run, name)
+        return Plot(error=f"the {name} plot could not be drawn ({type(exc).__name__}: {str(exc)[:200]})")
+
+
 def _render(run: str, view: FleetView, versions: list[VersionInfo], changed: dict[int, float], logged_in: bool) -> str:
     live = [r for r in view.replicas if r.live]
     at_latest = sum(
         1 for r in live if view.latest_version is not None and r.report.applied_version == view.latest_version
     )
-    timeline, convergence = timeline_svg(versions, changed), convergence_svg(view, versions)
+    timeline = _plot(run, "version timeline", lambda: timeline_svg(versions, changed))
+    convergence = _plot(run, "fleet convergence", lambda: convergence_svg(view, versions))
     return RUN.render(
         title=f"run {run}",
         run=run,

@@ -6,16 +6,24 @@
   lag (versions behind the newest) over time, from the replicas' applied-version histories
   and the versions' commit times.
 
+The convergence is aggregated before it is drawn (:func:`convergence`): the replicas' applied
+versions are read at most :data:`PLOT_POINTS` instants, each replica's history searched once
+per instant (numpy), so a page costs time linear in the replicas and draws a bounded number of
+points whatever their number. Up to :data:`PLOT_POINTS` distinct event times (commits and
+applies) every event is an instant and the steps are exact; past that the instants are evenly
+spaced from the oldest event to now (about a pixel apart on the page).
+
 Figures are built with the object API (no pyplot, no GUI backend), so pages render in worker threads.
 """
 
 from __future__ import annotations
 
 import io
-from bisect import bisect_right
+from dataclasses import dataclass
 from datetime import datetime
 
 import matplotlib
+import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
@@ -24,6 +32,8 @@ from stitchboard.proto.schema import VersionInfo
 
 #: Versions whose convergence is drawn (the most recent ones).
 CONVERGENCE_VERSIONS = 6
+#: The most instants the convergence plot is evaluated at (see the module docstring).
+PLOT_POINTS = 600
 
 
 def _svg(fig: Figure) -> str:
@@ -69,40 +79,82 @@ def timeline_svg(versions: list[VersionInfo], changed_pct: dict[int, float]) -> 
     return _svg(fig)
 
 
-def _applied_at(history: list[tuple[int, float]], t: float) -> int | None:
-    i = bisect_right([at for _, at in history], t)
-    return history[i - 1][0] if i else None
+@dataclass(frozen=True)
+class Convergence:
+    """The fleet's convergence at ``P`` instants, oldest first (what :func:`convergence_svg` draws).
+
+    Attributes:
+        at: float64 [P], the instants, Unix seconds; the last is the view's time.
+        at_or_above: version -> int64 [P], replicas whose applied version is >= it at each instant.
+        lag_max, lag_median: int64 [P], versions behind the newest committed version at each
+            instant over the replicas that had applied one (the median is the upper one; 0 when none).
+    """
+
+    at: np.ndarray
+    at_or_above: dict[int, np.ndarray]
+    lag_max: np.ndarray
+    lag_median: np.ndarray
+
+
+def _applied(history: list[tuple[int, float]], at: np.ndarray) -> np.ndarray:
+    """int64 [P]: the version a replica held at each instant of ``at`` (-1: none yet)."""
+    times = np.array([t for _, t in history], dtype=np.float64)
+    order = np.argsort(times, kind="stable")
+    held = np.searchsorted(times[order], at, side="right") - 1
+    versions = np.array([v for v, _ in history], dtype=np.int64)[order]
+    return np.where(held >= 0, versions[np.maximum(held, 0)], -1)
+
+
+def convergence(view: FleetView, versions: list[VersionInfo], points: int = PLOT_POINTS) -> Convergence | None:
+    """The convergence of ``view``'s replicas (every replica with a history) over ``versions`` (None: no event).
+
+    Args:
+        view: the run's replicas; their ``history`` ([version, applied_at] pairs) is read.
+        versions: the run's versions (commit times; the last :data:`CONVERGENCE_VERSIONS` are counted).
+        points: the most instants (see the module docstring).
+
+    Costs O(R * P * log HISTORY_LEN) for R replicas, plus sorting the events once.
+    """
+    commits = sorted((t, v.version) for v in versions if (t := committed_at(v)) is not None)
+    histories = [r.report.history for r in view.replicas if r.report.history]
+    events = np.unique(np.array([t for t, _ in commits] + [t for h in histories for _, t in h], dtype=np.float64))
+    if not events.size:
+        return None
+    if events.size <= points:
+        at = np.append(events, view.time)
+    else:
+        at = np.linspace(events[0], max(view.time, events[0]), points)
+    applied = np.stack([_applied(h, at) for h in histories]) if histories else np.empty((0, at.size), np.int64)
+    commit_times = np.array([t for t, _ in commits], dtype=np.float64)
+    committed = np.array([v for _, v in commits], dtype=np.int64)
+    i = np.searchsorted(commit_times, at, side="right") - 1
+    latest = np.where(i >= 0, committed[np.maximum(i, 0)], -1) if commits else np.full(at.size, -1)
+    counted = (applied >= 0) & (latest >= 0)
+    lags = np.where(counted, np.maximum(latest - applied, 0), np.iinfo(np.int64).max)
+    n = counted.sum(axis=0)
+    ranked = np.sort(lags, axis=0)
+    column = np.arange(at.size)
+    none = np.zeros(at.size, np.int64)
+    lag_max = np.where(n > 0, ranked[np.maximum(n - 1, 0), column], 0) if histories else none
+    lag_median = np.where(n > 0, ranked[n // 2, column], 0) if histories else none
+    recent = [v.version for v in versions][-CONVERGENCE_VERSIONS:]
+    return Convergence(at, {v: (applied >= v).sum(axis=0) for v in recent}, lag_max, lag_median)
 
 
 def convergence_svg(view: FleetView, versions: list[VersionInfo]) -> str:
     """Replicas at >= v over time for the last versions, and the fleet's lag over time, as an SVG element."""
     fig = Figure(figsize=(9, 5.2))
     top, bottom = fig.subplots(2, 1, sharex=True)
-    commits = sorted((t, v.version) for v in versions if (t := committed_at(v)) is not None)
-    histories = [sorted(r.report.history, key=lambda h: h[1]) for r in view.replicas if r.report.history]
-    times = sorted({t for t, _ in commits} | {at for h in histories for _, at in h})
-    recent = [v.version for v in versions][-CONVERGENCE_VERSIONS:]
     top.set_title(
         f"fleet convergence: {sum(r.live for r in view.replicas)} live replicas, latest version {view.latest_version}"
     )
-    if times:
-        now = view.time
-        times.append(now)
-        rel = [t - now for t in times]
-        for version in recent:
-            counts = [sum(1 for h in histories if (a := _applied_at(h, t)) is not None and a >= version) for t in times]
+    drawn = convergence(view, versions)
+    if drawn is not None:
+        rel = drawn.at - view.time
+        for version, counts in drawn.at_or_above.items():
             top.step(rel, counts, where="post", label=f">= v{version}")
-        lags_max, lags_median = [], []
-        for t in times:
-            i = bisect_right([c for c, _ in commits], t)
-            latest = commits[i - 1][1] if i else None
-            lags = sorted(
-                max(0, latest - a) for h in histories if latest is not None and (a := _applied_at(h, t)) is not None
-            )
-            lags_max.append(lags[-1] if lags else 0)
-            lags_median.append(lags[len(lags) // 2] if lags else 0)
-        bottom.step(rel, lags_max, where="post", color="#c03030", label="max lag")
-        bottom.step(rel, lags_median, where="post", color="#4878a8", label="median lag")
+        bottom.step(rel, drawn.lag_max, where="post", color="#c03030", label="max lag")
+        bottom.step(rel, drawn.lag_median, where="post", color="#4878a8", label="median lag")
         top.legend(loc="upper left", fontsize=8, ncol=3)
         bottom.legend(loc="upper left", fontsize=8)
     top.set_ylabel("replicas at >= version")

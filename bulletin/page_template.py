@@ -5,7 +5,17 @@ No scripts, no build step: plain HTML and CSS the bulletin renders per request.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from jinja2 import DictLoader, Environment
+
+
+class Plot(NamedTuple):
+    """A plot of the page: its SVG element, or the note shown instead when it could not be drawn."""
+
+    svg: str | None = None
+    error: str | None = None
+
 
 _BASE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>{{ title }} - stitchboard</title>
@@ -37,16 +47,16 @@ _RUNS = """{% extends "base" %}{% block body %}
 {% else %}<tr><td colspan="2">no runs</td></tr>{% endfor %}
 </table>{% endblock %}"""
 
-_RUN = """{% extends "base" %}{% block body %}
+_RUN = """{% extends "base" %}{% macro plot(p) %}{% if p.svg is not none %}{{ p.svg | safe }}{% else %}<p class="error plot-failed">{{ p.error }}; the tables below are complete.</p>{% endif %}{% endmacro %}{% block body %}
 <h1>run {{ run }}</h1>
 <p class="summary"><span>latest version <b id="latest-version">{{ view.latest_version if view.latest_version is not none else "none" }}</b></span>
 <span>live replicas <b id="live-replicas">{{ live }}</b></span>
 <span>at the latest version <b id="at-latest">{{ at_latest }}</b></span>
 <span>expired <b id="expired-replicas">{{ view.replicas | length - live }}</b></span></p>
 <h2>versions</h2>
-<div id="timeline">{{ timeline | safe }}</div>
+<div id="timeline">{{ plot(timeline) }}</div>
 <h2>fleet</h2>
-<div id="convergence">{{ convergence | safe }}</div>
+<div id="convergence">{{ plot(convergence) }}</div>
 <h2>replicas</h2>
 <table id="replicas"><tr><th>replica</th><th>engine</th><th>applied</th><th>target</th><th>behind latest</th><th>state</th><th>live</th>
 <th>last sync (bytes, s, pause s)</th><th>last error</th></tr>
@@ -65,5 +75,5 @@ _RUN = """{% extends "base" %}{% block body %}
 </table>{% endblock %}"""
 
 _ENV = Environment(loader=DictLoader({"base": _BASE, "login": _LOGIN, "runs": _RUNS, "run": _RUN}), autoescape=True)
-#: The templates: ``LOGIN(error, logged_in)``, ``RUNS(runs, logged_in)``, ``RUN(run, view, live, at_latest, timeline, convergence, versions, changed, logged_in)``.
+#: The templates: ``LOGIN(error, logged_in)``, ``RUNS(runs, logged_in)``, ``RUN(run, view, live, at_latest, timeline, convergence, versions, changed, logged_in)`` (the plots: :class:`Plot`).
 LOGIN, RUNS, RUN = (_ENV.get_template(name) for name in ("login", "runs", "run"))

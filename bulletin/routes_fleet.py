@@ -1,7 +1,8 @@
 """REST routes of the fleet: replicas report themselves; trainers and people ask where the fleet is.
 
 * ``PUT /v1/runs/{run}/replicas/{replica_id}`` (scope ``replica``): a sidecar's report
-  (:class:`~stitchboard.proto.fleet.ReplicaReport`); stored at once, answered with its lease.
+  (:class:`~stitchboard.proto.fleet.ReplicaReport`); stored at once, answered with its lease. A
+  new replica past the run's ``max_live_replicas`` live ones is refused (422 ``TooManyReplicas``).
 * ``GET /v1/runs/{run}/replicas`` (``read``): every replica with its state and liveness.
 * ``GET /v1/runs/{run}/fleet?version=v`` (``read``): how many live replicas are at >= v; with
   ``min_replicas`` and/or ``fraction`` and ``wait_s`` it long-polls until that many are.
@@ -35,7 +36,10 @@ async def report(run: str, replica_id: str, request: Request, state: Replica) ->
     """Store a replica's report (JSON :class:`ReplicaReport`, its ``replica_id`` the path's) and renew its lease.
 
     Renew before ``renew_s`` has passed; a replica that stops reporting is shown as expired
-    once ``lease_s`` has passed since its last report.
+    once ``lease_s`` has passed since its last report. A report with a non-finite or absurd
+    time (outside 2000-2100 as Unix seconds) is refused (422 ``InvalidRequest`` naming the
+    field); so is a new replica while the run has ``max_live_replicas`` live ones (422
+    ``TooManyReplicas``; a live replica's renewal is never refused).
     """
     replica_key(run, replica_id)
     body = await request.body()
@@ -58,8 +62,9 @@ async def report(run: str, replica_id: str, request: Request, state: Replica) ->
             run_id=run,
             replica_id=replica_id,
         )
-    record = await to_thread.run_sync(state.fleet.fleet.write, run, parsed)
-    state.fleet.reported(run, record)
+    async with state.fleet.admission(run, replica_id, state.settings.max_live_replicas):
+        record = await to_thread.run_sync(state.fleet.fleet.write, run, parsed)
+        state.fleet.reported(run, record)
     return ReportAccepted(lease_s=record.lease_s, renew_s=record.lease_s / 3)
 
 

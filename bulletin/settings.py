@@ -120,6 +120,11 @@ class BulletinSettings(BaseSettings, S3Settings):
         ge=0,
         description="Fleet: a replica whose lease ran out this long ago is deleted from the fleet view, seconds.",
     )
+    max_live_replicas: int = Field(
+        1000,
+        gt=0,
+        description="Fleet: the most replicas of one run whose lease is live at once (default 1,000); a new replica's report past it is answered 422 TooManyReplicas, a live replica's renewal never is.",
+    )
     fleet_poll_interval_s: float = Field(
         1.0,
         gt=0,

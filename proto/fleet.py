@@ -5,7 +5,8 @@ A sidecar (:mod:`stitchboard.sidecar.report`) sends a :class:`ReplicaReport` to
 lease runs out; the bulletin (:mod:`stitchboard.bulletin.fleet`) stores it as the replica's
 record and answers :class:`ReportAccepted`. ``GET /v1/runs/{run}/replicas`` answers
 :class:`FleetView`; ``GET /v1/runs/{run}/fleet`` answers :class:`FleetCount` (optionally
-long-polling until a requirement is met). No server or engine imports.
+long-polling until a requirement is met; counted by :mod:`stitchboard.bulletin.fleet_counts`). No server or
+engine imports.
 """
 
 from __future__ import annotations
@@ -22,6 +23,15 @@ from .schema import _Model
 _REPLICA_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 #: How many (version, applied_at) pairs a report carries for the convergence plots.
 HISTORY_LEN = 32
+#: The Unix times a report may carry, seconds: 2000-01-01 to 2100-01-01 (others are a broken clock or a bad value).
+UNIX_S_MIN, UNIX_S_MAX = 946_684_800.0, 4_102_444_800.0
+#: The longest duration a report may carry (a sync's seconds), seconds: 30 days.
+DURATION_S_MAX = 30 * 86_400.0
+
+#: A time in a report: finite Unix seconds within [UNIX_S_MIN, UNIX_S_MAX].
+UnixSeconds = Annotated[float, Field(ge=UNIX_S_MIN, le=UNIX_S_MAX, allow_inf_nan=False)]
+#: A duration in a report: finite seconds within [0, DURATION_S_MAX].
+Seconds = Annotated[float, Field(ge=0, le=DURATION_S_MAX, allow_inf_nan=False)]
 
 
 def check_replica_id(replica_id: str) -> str:
@@ -38,14 +48,17 @@ def check_replica_id(replica_id: str) -> str:
 
 
 class SyncFigures(_Model):
-    """The last completed sync of a replica: the version it reached, bytes fetched, seconds, pause seconds, when (Unix s)."""
+    """The last completed sync of a replica: the version it reached, bytes fetched, seconds, pause seconds, when (Unix s).
+
+    Times and durations are finite and within :data:`UnixSeconds` / :data:`Seconds` (else the report is refused).
+    """
 
     to_version: int
     bytes_fetched: Annotated[int, Field(ge=0)]
-    total_seconds: float
-    pause_seconds: float
+    total_seconds: Seconds
+    pause_seconds: Seconds
     route: str
-    finished_at: float
+    finished_at: UnixSeconds
 
 
 class ErrorNote(_Model):
@@ -53,14 +66,16 @@ class ErrorNote(_Model):
 
     type: str
     message: Annotated[str, Field(max_length=1000)]
-    at: float
+    at: UnixSeconds
 
 
 class ReplicaReport(_Model):
     """What one sidecar says about itself (the body of ``PUT .../replicas/{replica_id}``).
 
     Nothing in it changes while the replica's situation does not, so renewing a lease sends
-    the same bytes (and the store keeps the same etag: readers need not read it again).
+    the same bytes (and the store keeps the same etag: readers need not read it again). Every
+    time in it is finite Unix seconds from 2000 to 2100 (:data:`UnixSeconds`), every duration
+    finite seconds up to 30 days: a report with another value is refused (422 naming the field).
 
     Attributes:
         replica_id: stable id of the replica (``STITCH_SIDECAR_REPLICA_ID``; default host and port).
@@ -85,8 +100,10 @@ class ReplicaReport(_Model):
     healthy: bool
     last_sync: SyncFigures | None = None
     last_error: ErrorNote | None = None
-    history: Annotated[list[tuple[int, float]], Field(default_factory=list, max_length=HISTORY_LEN)]
-    started_at: float
+    history: Annotated[
+        list[tuple[Annotated[int, Field(ge=0)], UnixSeconds]], Field(default_factory=list, max_length=HISTORY_LEN)
+    ]
+    started_at: UnixSeconds
 
     @field_validator("replica_id")
     @classmethod
@@ -149,7 +166,7 @@ class FleetCount(_Model):
         at_or_above: live replicas whose applied version is >= ``version``.
         needed: replicas the requirement asks for (None: no requirement given).
         met: ``at_or_above >= needed`` (True when no requirement was given).
-        laggards: the live replicas below ``version``.
+        laggards: the live replicas below ``version``, most behind first (none applied, then by version; ties by id).
         expired: replicas whose lease ran out (not counted as live).
     """
 
@@ -172,35 +189,6 @@ def needed_replicas(live: int, min_replicas: int | None, fraction: float | None)
     if fraction is not None:
         wants.append(max(1, math.ceil(fraction * live - 1e-9)))
     return max(wants) if wants else None
-
-
-def count_fleet(
-    view: FleetView, version: int, min_replicas: int | None = None, fraction: float | None = None
-) -> FleetCount:
-    """Count ``view``'s live replicas at or past ``version`` against a requirement (see :func:`needed_replicas`)."""
-    live = [r for r in view.replicas if r.live]
-    at = [r for r in live if r.report.applied_version is not None and r.report.applied_version >= version]
-    below = [r for r in live if r.report.applied_version is None or r.report.applied_version < version]
-    needed = needed_replicas(len(live), min_replicas, fraction)
-    laggards = [
-        Laggard(
-            replica_id=r.report.replica_id,
-            applied_version=r.report.applied_version,
-            state=r.report.state,
-            error=r.report.last_error.message if r.report.last_error else None,
-        )
-        for r in below
-    ]
-    return FleetCount(
-        run_id=view.run_id,
-        version=version,
-        live=len(live),
-        at_or_above=len(at),
-        needed=needed,
-        met=needed is None or len(at) >= needed,
-        laggards=laggards,
-        expired=[r.report.replica_id for r in view.replicas if not r.live],
-    )
 
 
 def describe_laggards(count: FleetCount) -> str:

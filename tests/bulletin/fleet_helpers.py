@@ -1,13 +1,17 @@
-"""Helpers of the fleet tests: sidecars over fake engines on loopback, reporting to a bulletin."""
+"""Helpers of the fleet tests: sidecars over fake engines on loopback, reporting to a bulletin; a synthetic fleet."""
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
 
 from stitchboard.bulletin.client import BulletinClient
+from stitchboard.proto.fleet import FleetView, ReplicaReport, ReplicaView
+from stitchboard.proto.schema import VersionInfo
 from stitchboard.sidecar.app import create_app as create_sidecar
 from stitchboard.sidecar.settings import SidecarSettings
 from tests.sidecar.fake_engine import FakeEngine
@@ -66,3 +70,35 @@ def start_sidecar(
     client = BulletinClient(bulletin, token, retries=1, backoff_s=0.01)
     server = AppServer(create_sidecar(SidecarSettings(**values), engine=engine, client=client))
     return FleetSidecar(replica_id, engine, server, client, owned)
+
+
+#: The synthetic fleet's now, Unix seconds.
+NOW = 1_700_000_000.0
+
+
+def synthetic_fleet(
+    replicas: int, versions: int = 200, seed: int = 0, now: float = NOW
+) -> tuple[FleetView, list[VersionInfo]]:
+    """A run of ``versions`` versions (one every 10 s up to ``now``, Unix s) and ``replicas`` replicas that each
+    applied the last 32 at their own pace, some restarted (a lower version after a higher one), some expired."""
+    rng = random.Random(seed)
+    infos = [
+        VersionInfo(
+            run_id="r", version=v, snapshot=v % 50 == 0, manifest_sha256="0" * 64, size_bytes=1000 + v,
+            committed_at=datetime.fromtimestamp(now - (versions - v) * 10, UTC).isoformat(),
+            snapshot_bytes=10**6 if v % 50 == 0 else 0,
+        )
+        for v in range(versions)
+    ]  # fmt: skip
+    views = []
+    for i in range(replicas):
+        history = [(v, now - (versions - v) * 10 + rng.uniform(0.1, 25)) for v in range(versions - 32, versions)]
+        if i % 7 == 3:  # a restart: back at an older version
+            history[-1] = (versions - 40, history[-1][1])
+        report = ReplicaReport(
+            replica_id=f"rep-{i:05d}", engine="vllm", applied_version=history[-1][0], target_version=versions - 1,
+            state="idle", lag_versions=0, healthy=True, history=history, started_at=now - 5000,
+        )  # fmt: skip
+        live = i % 11 != 5
+        views.append(ReplicaView(report=report, live=live, reported_at=now, lease_expires_at=now + 30, behind_latest=0))
+    return FleetView(run_id="r", latest_version=versions - 1, replicas=views, time=now), infos
