@@ -145,6 +145,8 @@ def create_app(
         body: dict[str, Any] = {"applied_version": applied, "state": reconciler.state}
         if reconciler.refused is not None:
             body["refused"] = reconciler.refused.model_dump()
+        if quarantined := reconciler.quarantine.body():
+            body["squash_quarantine"] = quarantined
         if reconciler.unhealthy_reason:
             return _unhealthy({**body, "status": "unhealthy", "reason": reconciler.unhealthy_reason})
         if applied is None:

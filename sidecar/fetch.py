@@ -21,7 +21,10 @@ Each step is then checked against its manifest before anything reaches the engin
   a delta by the patch indexes, against the manifests of ``base`` (fetched when the plan does
   not hold it: a squash is always checked against its base) and ``version``
   (:func:`~stitchboard.proto.squash_schema.check_patch_lineage`); the engine applies it like a
-  delta, from ``base``;
+  delta, from ``base``. A squash step that fails here (its bytes are not its sha256, as a copy
+  corrupted in the store; its blob is gone; its index disagrees) raises a :class:`StagingError`
+  naming it (details ``squash_base``, ``squash_target``): the reconciler sets it aside
+  (:mod:`.quarantine`) and plans without it;
 * snapshot: the shards hold exactly the manifest's tensors (dtype, shape) with its checksums.
 """
 
@@ -36,10 +39,11 @@ from pathlib import Path
 from typing import Literal
 
 from stitchboard.bulletin.client import BulletinClient
+from stitchboard.bulletin.errors import BlobMismatchError, NotFoundError
 from stitchboard.proto.checkpoint import load_checkpoint
 from stitchboard.proto.codec import checksum
 from stitchboard.proto.decode import read_patch
-from stitchboard.proto.errors import SchemaError
+from stitchboard.proto.errors import PatchError, SchemaError, StitchError
 from stitchboard.proto.schema import XXH3_128, FileRef, Plan, PlanStep, VersionManifest
 from stitchboard.proto.squash_schema import check_patch_lineage
 
@@ -94,6 +98,16 @@ class FetchedPlan:
     seconds: float = 0.0
 
 
+def squash_failed(step: PlanStep, exc: Exception) -> StagingError:
+    """The error of a squash step that failed a check (``exc``), naming its span in its details."""
+    message = exc.message if isinstance(exc, StitchError) else str(exc)
+    return StagingError(
+        f"squash {step.from_version} -> {step.version}: {type(exc).__name__}: {message}",
+        squash_base=step.from_version,
+        squash_target=step.version,
+    )
+
+
 def _sha256_of(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -127,12 +141,17 @@ class Fetcher:
         """The hand-off folder of one step."""
         return self.root / f"v{version}-{kind}"
 
-    def _fetch(self, version: int, kind: str, ref: FileRef) -> int:
+    def _fetch(self, step: PlanStep, ref: FileRef) -> int:
         # Returns the bytes downloaded (0 when a verified earlier copy was reused).
-        dest = self.folder_of(version, kind) / ref.path
+        dest = self.folder_of(step.version, step.kind) / ref.path
         if dest.exists() and dest.stat().st_size == ref.size_bytes and _sha256_of(dest) == ref.sha256:
             return 0
-        self.client.download_blob(self.run, ref.sha256, dest, ref.size_bytes)
+        try:
+            self.client.download_blob(self.run, ref.sha256, dest, ref.size_bytes)
+        except (BlobMismatchError, NotFoundError) as exc:  # a squash's stored copy is corrupt or gone
+            if step.kind == "squash":
+                raise squash_failed(step, exc) from exc
+            raise
         return ref.size_bytes
 
     def fetch(self, plan: Plan, base: VersionManifest | None) -> FetchedPlan:
@@ -148,11 +167,12 @@ class Fetcher:
         Raises:
             BulletinError: a manifest or file cannot be fetched (``BlobMismatchError``: wrong bytes).
             PatchFormatError: a patch does not parse or decode.
-            StagingError: a file disagrees with its manifest.
+            StagingError: a file disagrees with its manifest; a squash step's file is corrupt, gone
+                or disagrees with its versions (details ``squash_base``, ``squash_target``).
         """
         start = time.perf_counter()
         manifests = list(self._pool.map(lambda s: self.client.manifest(self.run, s.version), plan.steps))
-        wanted = [(s.version, s.kind, f) for s in plan.steps for f in s.files if f.role != "asset"]
+        wanted = [(s, f) for s in plan.steps for f in s.files if f.role != "asset"]
         fetched = sum(self._pool.map(lambda args: self._fetch(*args), wanted))
         staged = FetchedPlan(plan.from_version, plan.to_version, bytes_fetched=fetched)
         previous = base
@@ -243,15 +263,15 @@ class Fetcher:
             else self.client.manifest(self.run, base_version)
         )
         indexes = []
-        for path in paths:
-            patch = read_patch(path.read_bytes(), what=str(path))
-            indexes.append((str(path), patch.entries))
-            if patch.encoding != "cond":  # cond decodes only against the base: the engine does it (module doc)
-                patch.deltas()
         try:
+            for path in paths:
+                patch = read_patch(path.read_bytes(), what=str(path))
+                indexes.append((str(path), patch.entries))
+                if patch.encoding != "cond":  # cond decodes only against the base: the engine does it (module doc)
+                    patch.deltas()
             check_patch_lineage(indexes, base, manifest)
-        except SchemaError as exc:
-            raise StagingError(exc.message) from None
+        except (PatchError, SchemaError) as exc:
+            raise squash_failed(step, exc) from None
 
     def discard(self) -> None:
         """Remove every staged file of the run (after a commit: the engine has what it needs)."""

@@ -65,6 +65,12 @@ class SidecarMetrics:
             ["route"],
             registry=r,
         )
+        self.squash_quarantines = Counter(
+            "stitch_sidecar_squash_quarantines",
+            "Squashes set aside after failing a check, by where (fetch, stage, apply); plans avoid them from then on.",
+            ["during"],
+            registry=r,
+        )
         self.refused_version = Gauge(
             "stitch_sidecar_refused_version",
             "Version of the last refused plan, until one at or past it is applied (-1: none).",

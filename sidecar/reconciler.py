@@ -6,9 +6,10 @@ engine, fetching) run in a small thread pool of its own so the proxy keeps servi
 1. **boot** (:meth:`~.claim.ClaimKeeper.boot`, with the watch that keeps the claim true).
 2. **follow**: long-poll the bulletin for a version newer than the target.
 3. **fetch** (:mod:`.fetch`): plan from the applied version (squash steps accepted: one patch
-   from an older version where that is cheaper than the chain; a plan whose squash fails its
-   checks is replaced at once by the route without squashes), download, verify, decode; the
-   engine keeps serving. Versions published meanwhile are coalesced into the same plan.
+   from an older version where that is cheaper than the chain; a squash that fails a check, at
+   fetch, in the engine's staging or at apply, is quarantined and plans avoid it from then on,
+   :mod:`.quarantine`), download, verify, decode; the engine keeps serving. Versions published
+   meanwhile are coalesced into the same plan.
 4. **commit**: a plan of deltas is first staged inside the engine while it serves (decoded,
    checked against the engine's bits, GEMM copies packed: :meth:`EngineAdapter.stage_patches`);
    then hold new requests -> pause the engine (in-flight requests kept) -> write the staged
@@ -45,13 +46,14 @@ import time
 from typing import Any
 
 from stitchboard.bulletin.errors import NotFoundError
-from stitchboard.proto.errors import PatchError, StitchError
+from stitchboard.proto.errors import StitchError
 from stitchboard.proto.schema import VersionManifest
 from stitchboard.proto.sidecar_wire import COMMIT_STATES, Refusal, RouteKind, SyncReport
 
 from .claim import ClaimKeeper
 from .errors import ApplyRefusedError, EngineChangedError, EngineVersionMismatchError, PlanRefusedError, StagingError
 from .fetch import FetchedPlan
+from .quarantine import SquashQuarantine
 from .rebase import build_rebase
 from .refusals import RefusedTensorSet, is_permanent, tensor_set
 from .salt import CacheSalter
@@ -87,6 +89,7 @@ class Reconciler(ClaimKeeper):
     _pause_counts: dict[str, int] | None = None
     _keep_cache = False  # this commit's pause kept the prefix cache (salted, nothing old in flight)
     _refused_set: RefusedTensorSet | None = None  # the tensor set the engine last refused permanently
+    _quarantine: SquashQuarantine | None = None
 
     @property
     def spans(self) -> SpanLedger:
@@ -101,6 +104,13 @@ class Reconciler(ClaimKeeper):
         if self._salter is None:
             self._salter = CacheSalter(self.settings.salt_cache, self.settings.engine)
         return self._salter
+
+    @property
+    def quarantine(self) -> SquashQuarantine:
+        """The squashes this sidecar no longer plans through (``/health``'s ``squash_quarantine``)."""
+        if self._quarantine is None:
+            self._quarantine = SquashQuarantine(self.metrics.squash_quarantines)
+        return self._quarantine
 
     async def _read_counts(self) -> None:
         # In the pause: the engine's output-token counts of the marked requests (None: an engine that cannot count).
@@ -245,21 +255,15 @@ class Reconciler(ClaimKeeper):
     async def _stage(self, target: int) -> FetchedPlan:
         start = None if self._force_anchor else self.gate.applied
         await self._refuse_known_tensor_set(start, target)
-        plan = await self._io(self.client.plan, self.run_id, start, target, squash=True)
         base = await self._base_manifest(start)
-        try:
-            staged = await self._io(self.fetcher.fetch, plan, base)
-        except (StagingError, PatchError) as exc:
-            if not any(s.kind == "squash" for s in plan.steps):
-                raise
-            log.warning(
-                "the plan %s -> %d through a squash failed its checks (%s): taking the route without squashes",
-                start,
-                target,
-                exc,
-            )
-            plan = await self._io(self.client.plan, self.run_id, start, target)
-            staged = await self._io(self.fetcher.fetch, plan, base)
+        while True:  # each failing squash is quarantined and the plan asked again: ends with the chain
+            plan = await self._io(self.quarantine.plan, self.client, self.run_id, start, target)
+            try:
+                staged = await self._io(self.fetcher.fetch, plan, base)
+                break
+            except StagingError as exc:
+                if not self.quarantine.blame_fetch(plan, exc):
+                    raise
         self.metrics.bytes_fetched.inc(staged.bytes_fetched)
         self.metrics.stage_seconds.observe(staged.seconds)
         return staged
@@ -308,6 +312,10 @@ class Reconciler(ClaimKeeper):
         try:
             prepared, engine_stage_s = await self._stage_in_engine(staged, route)
         except Exception as exc:  # nothing was written: the held version keeps serving
+            if self.quarantine.blame_engine(staged, exc, "stage"):  # no refusal: the retry plans around it
+                raise StagingError(
+                    f"a squash of the plan failed in staging, quarantined; planning again: {exc}"
+                ) from exc
             raise self._refuse(staged.from_version, staged.to_version, route, exc, target) from exc
         if prepared is None:  # an anchor route that changes no bit of what the engine holds
             await self._engine_io(
@@ -335,6 +343,7 @@ class Reconciler(ClaimKeeper):
                 refused = isinstance(exc, ApplyRefusedError) and (prepared or is_permanent(exc))
                 if refused and await self._still_holds(held):  # refused before the write: the held version serves on
                     raise self._refuse(staged.from_version, staged.to_version, route, exc, target) from exc
+                self.quarantine.blame_engine(staged, exc, "apply")  # the recovery plans no squash; later plans avoid it
                 self._error(exc, f"applying versions {staged.from_version}->{staged.to_version}")
                 self.metrics.commits.labels("failed").inc()
                 self._set_applied(None)
