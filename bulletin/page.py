@@ -101,8 +101,8 @@ async def login(request: Request) -> Response:
     limiter, address = _limiter(request), client_address(request)
     wait_s = limiter.retry_after_s(address)
     if wait_s > 0:
-        message = f"too many failed logins from {address}: try again in {max(1, round(wait_s))} s"
-        return _login(message, 429, retry_after_header(wait_s))
+        headers = retry_after_header(wait_s)
+        return _login(f"too many failed logins from {address}: try again in {headers['retry-after']} s", 429, headers)
     form = parse_qs((await request.body()).decode("utf-8", "replace"))
     token = (form.get("token") or [""])[0].strip()
     try:
