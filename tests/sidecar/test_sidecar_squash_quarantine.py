@@ -20,13 +20,17 @@ import os
 import re
 from pathlib import Path
 
+from prometheus_client import CollectorRegistry, Counter
+
 from stitchboard.bulletin.client import BulletinClient
 from stitchboard.proto.apply import apply_patch
 from stitchboard.proto.decode import read_patch
 from stitchboard.proto.errors import PatchError
-from stitchboard.proto.schema import FileRef
+from stitchboard.proto.schema import FileRef, VersionManifest
 from stitchboard.proto.squash_schema import SquashManifest
 from stitchboard.sidecar.errors import ApplyRefusedError
+from stitchboard.sidecar.fetch import FetchedPlan, FetchedStep
+from stitchboard.sidecar.quarantine import SquashQuarantine
 from stitchboard.trainer_client.publisher import Publisher
 from stitchboard.trainer_client.squash import manifest_sha256
 from tests.sidecar.fake_engine import FakeEngine, copy_view
@@ -142,3 +146,30 @@ def test_a_squash_blob_corrupted_in_the_store_is_quarantined_at_fetch(sc_publish
     assert (quarantined["base_version"], quarantined["target_version"], quarantined["during"]) == (0, 3, "fetch")
     assert "BlobMismatch" in quarantined["reason"], quarantined
     assert quarantines(sidecar, "fetch") == 1.0 and sidecar.status()["last_sync"]["route"] == "delta"
+
+
+def test_only_refusals_about_the_patch_content_quarantine_the_plan_s_squashes(tmp_path):
+    counter = Counter("q", "quarantines", ["during"], registry=CollectorRegistry())
+    manifest = VersionManifest.model_construct(version=5)
+    squash = FetchedStep(5, "squash", tmp_path, [tmp_path / "s"], manifest, 1)
+    delta = FetchedStep(5, "delta", tmp_path, [tmp_path / "d"], manifest, 4)
+    with_squash, chain = FetchedPlan(1, 5, [squash]), FetchedPlan(4, 5, [delta])
+    quarantine = SquashQuarantine(counter)
+
+    def refused(cause: str, **details) -> ApplyRefusedError:
+        return ApplyRefusedError(f"refused: {cause}", cause=cause, held=1, **details)
+
+    for not_content in (
+        refused("BaseMismatch"),
+        refused("EngineStateError"),
+        refused("UnmappedTensor"),
+        RuntimeError(),
+    ):
+        assert not quarantine.blame_engine(with_squash, not_content, "stage")
+    assert not quarantine.blame_engine(chain, refused("TargetMismatch"), "stage"), "a plan without squashes"
+    tp = refused("TpRankFailed", failed={"0": "BaseMismatch: moved", "1": "TargetMismatch: tensor 'w' decodes ..."})
+    assert quarantine.blame_engine(with_squash, tp, "stage")
+    assert quarantine.holds(1, 5) and not quarantine.holds(None, 5) and not quarantine.holds(4, 5)
+    assert quarantine.blame_engine(with_squash, refused("PatchFormatError"), "apply"), "set aside already"
+    assert [(q["base_version"], q["target_version"], q["during"]) for q in quarantine.body()] == [(1, 5, "stage")]
+    assert counter.labels("stage")._value.get() == 1.0 and counter.labels("apply")._value.get() == 0.0
