@@ -7,7 +7,9 @@ so the OpenAI clients do not retry them:
 
 * ``GET /health``: 200 ``{"status": "ok", ...}`` once a verified version is applied and the
   engine answers and the last sync left the sidecar healthy; else 503 with the reason. A plan
-  the engine refused (the held version keeps serving) is reported under ``refused``.
+  the engine refused (the held version keeps serving) is reported under ``refused``; the
+  engine's lease under ``lease`` (``owner``, ``held``, ``holder``, ``holder_expires_in_s``): a
+  sidecar without it answers 503 ``standby`` naming the holder and when its lease lapses.
 * ``GET /v1/stitch/status``: applied and target version, lag, state, last error, last sync.
 * ``GET /metrics``: the sidecar's Prometheus metrics; ``GET /engine/metrics``: the engine's.
 * the engine's model routes, gated and stamped, and its read-only routes (per engine kind,
@@ -137,14 +139,17 @@ def create_app(
 
     @app.get("/health", tags=["ops"])
     async def health(request: Request) -> JSONResponse:
-        """200 when a verified version is applied, the engine is still the instance at that version
-        (checked now, unless a commit or a check is under way), is not slow to answer a check,
-        answers its health check, and syncing is healthy; else 503 with the reason."""
+        """200 when this sidecar holds the engine's lease, a verified version is applied, the
+        engine is still the instance at that version (checked now, unless a commit or a check is
+        under way), is not slow to answer a check, answers its health check, and syncing is
+        healthy; else 503 with the reason."""
         reconciler: Reconciler = request.app.state.reconciler
         applied = request.app.state.gate.applied
-        body: dict[str, Any] = {"applied_version": applied, "state": reconciler.state}
+        body: dict[str, Any] = {"applied_version": applied, "state": reconciler.state, "lease": reconciler.lease.body()}
         if reconciler.refused is not None:
             body["refused"] = reconciler.refused.model_dump()
+        if not reconciler.lease.held and reconciler.lease.holder is not None:  # another sidecar holds the engine
+            return _unhealthy({**body, "status": "standby", "reason": reconciler.lease.reason()})
         if quarantined := reconciler.quarantine.body():
             body["squash_quarantine"] = quarantined
         if reconciler.unhealthy_reason:

@@ -4,6 +4,15 @@
 boot (:meth:`ClaimKeeper.boot`: ask the engine what it holds, DESIGN.md invariant 7) and the
 watch on the claim (invariant 1).
 
+The lease (``docs/reference/engine-lease.md``, :mod:`.lease_keeper`): an engine has one owner.
+Boot first takes the engine's lease, before anything that changes the engine (resuming a paused
+engine it found included); while another sidecar holds it, boot waits, naming the holder in
+``/health`` (503) and the metrics, and tries again every ``lease_renew_interval_s``, so it takes
+the engine over, with no manual step, once that lease lapses (at once after a clean stop, which
+releases it). The watch renews the lease every ``lease_renew_interval_s``; a lease lost (refused:
+another sidecar took the engine; or lapsed unrenewed) drops the claim like a restarted engine and
+boot takes the lease again. No version is claimed without the lease (:meth:`ClaimKeeper._set_applied`).
+
 Boot: an engine caught mid-apply or paused (the previous sidecar died) is brought to a verified
 version and resumed; a fresh engine is ``--boot-version`` or gets the nearest anchor loaded. A
 version the sidecar did not apply itself (recorded by the engine, or ``--boot-version``) is
@@ -42,11 +51,13 @@ from .engines.base import EngineAdapter, EngineState
 from .errors import (
     ApplyRefusedError,
     EngineChangedError,
+    LeaseNotHeldError,
     NothingPublishedError,
     UnmappedTensorError,
 )
 from .fetch import Fetcher
 from .gate import Gate
+from .lease_keeper import LeaseKeeper
 from .metrics import SidecarMetrics
 from .settings import SidecarSettings
 
@@ -108,6 +119,9 @@ class ClaimKeeper(abc.ABC):
         # reboot keeps its thread until it ends.
         self._pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix="stitch-bulletin")
         self._engine_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="stitch-engine")
+        self.lease = LeaseKeeper(
+            settings, engine, metrics
+        )  # the engine's lease: nothing is changed or claimed without it
 
     # -- plumbing ----------------------------------------------------------------------------
 
@@ -130,6 +144,10 @@ class ClaimKeeper(abc.ABC):
         self._publish()
 
     def _set_applied(self, version: int | None, manifest: VersionManifest | None = None) -> None:
+        if version is not None and not self.lease.held:  # the engine is another sidecar's: nothing is claimed
+            log.warning("version %d is not claimed: this sidecar lost the engine's lease; booting again", version)
+            version = None
+            self._reboot.set()
         self._manifest = manifest if version is not None else None
         if version is not None and self._instance is not None:
             self._trusted = (self._instance, version)
@@ -140,9 +158,14 @@ class ClaimKeeper(abc.ABC):
         kind = exc.type if isinstance(exc, StitchError) else type(exc).__name__
         self.last_error = {"type": kind, "message": f"{during}: {exc}", "at": time.time()}
         log.warning("%s failed: %s: %s", during, kind, exc)
+        if isinstance(exc, LeaseNotHeldError):  # the engine (or the adapter) refused for want of the lease
+            self._lease_lost(self.lease.lost(exc))
 
     def close(self) -> None:
-        """Release the worker threads (a running blocking call finishes in the background)."""
+        """Release the engine's lease (a clean stop: another sidecar may take the engine at once)
+        and the worker threads (a running blocking call finishes in the background)."""
+        self.lease.release()
+        self.lease.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._engine_pool.shutdown(wait=False, cancel_futures=True)
 
@@ -220,13 +243,56 @@ class ClaimKeeper(abc.ABC):
             return reason
 
     async def _watch_engine(self) -> None:
-        # Background task: :meth:`check_engine` every ``engine_check_interval_s``.
+        # Background task: :meth:`check_engine` every ``engine_check_interval_s``, and the lease's
+        # renewal every ``lease_renew_interval_s``.
+        await asyncio.gather(self._check_engine_often(), self._keep_lease())
+
+    async def _check_engine_often(self) -> None:
         while True:
             await asyncio.sleep(self.settings.engine_check_interval_s)
             try:
                 await self.check_engine()
             except Exception:
                 log.exception("engine check failed")
+
+    async def _keep_lease(self) -> None:
+        # Renew the held lease; a lost one drops the claim (boot takes the lease again).
+        while True:
+            await asyncio.sleep(self.settings.lease_renew_interval_s)
+            if not self.lease.held:
+                continue  # boot is taking it
+            try:
+                reason = await self.lease.renew(lambda: self.engine_busy)
+            except Exception:
+                log.exception("renewing the engine's lease failed")
+                continue
+            if reason is not None:
+                self._lease_lost(reason)
+
+    def _lease_lost(self, reason: str) -> None:
+        # Another sidecar holds the engine now (or may): claim nothing, leave the engine to it
+        # (a resume still pending is the holder's to do), and boot again (it waits for the lease).
+        self._resume_pending = False
+        if self.gate.applied is not None:
+            self._drop_claim(f"the engine's lease is lost: {reason}")
+        else:
+            self.state = "waiting_for_engine"
+            self._reboot.set()
+
+    async def _hold_lease(self) -> None:
+        """Take the engine's lease; while another sidecar holds it, wait (claiming nothing) and try
+        again every ``lease_renew_interval_s``.
+
+        Raises:
+            EngineUnavailableError, EngineRequestError: the engine does not answer (boot retries).
+        """
+        while True:
+            try:
+                await self.lease.take()
+                return
+            except LeaseNotHeldError:
+                self.state = "waiting_for_engine"
+                await asyncio.sleep(self.settings.lease_renew_interval_s)
 
     async def _require_claim(self, before: str) -> None:
         """Before ``before`` writes to the engine: raise (dropping the claim) if the engine is
@@ -243,14 +309,18 @@ class ClaimKeeper(abc.ABC):
     # -- boot --------------------------------------------------------------------------------
 
     async def boot(self) -> None:
-        """Learn what the engine holds; finish an interrupted commit; load an anchor into a fresh engine.
+        """Take the engine's lease (waiting while another sidecar holds it); learn what the engine
+        holds; finish an interrupted commit; load an anchor into a fresh engine.
 
         Raises:
             SidecarError, BulletinError, PatchError: on failure (the caller retries).
         """
         self._reboot.clear()
+        self.state = "waiting_for_engine"
+        await self._hold_lease()
         async with self._engine_lock:
             target = await self._boot()
+            await self.lease.take()  # renewed after boot's engine calls (a checksum pass can outlast the TTL)
         if target is not None:  # a fresh engine, or one that could not be verified
             await self.sync(target)
 

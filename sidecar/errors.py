@@ -20,6 +20,7 @@ error body (``{"type": ..., "message": ..., <details>}``, see
     ├── NothingPublishedError         ---  the run has no version yet (the sidecar waits)
     ├── EngineVersionMismatchError    ---  after a commit the engine records another version than applied
     ├── EngineChangedError            ---  the engine restarted or its record changed under the sidecar (it boots again)
+    │   └── LeaseNotHeldError         ---  the caller does not hold the engine's lease (another sidecar does, or it lapsed)
     ├── PlanRefusedError              ---  the engine refused a plan before any write (the held version keeps serving)
     │   (engine adapter and vLLM worker extension:)
     ├── EngineRequestError            ---  the engine answered a control call with an unexpected status/body
@@ -153,6 +154,20 @@ class EngineChangedError(SidecarError):
     the engine's weights against the manifest before it claims any version."""
 
     type = "EngineChanged"
+
+
+class LeaseNotHeldError(EngineChangedError):
+    """The caller does not hold the engine's lease (``docs/reference/engine-lease.md``): another
+    owner's lease is live, or the caller's own lapsed. Raised inside the engine for a take refused
+    while another owner's lease is live and for a state-changing call without a live lease (nothing
+    done), and by the adapter before it calls a state-changing route of the engine without one.
+    The sidecar stops claiming a version and tries again to take the lease every renew interval.
+    Details: ``holder`` (the owner whose lease is live, or None), ``expires_in_s`` (seconds until
+    that lease lapses unless renewed, from the engine's answer; None when no lease is live),
+    ``owner`` (the caller).
+    """
+
+    type = "LeaseNotHeld"
 
 
 class PlanRefusedError(SidecarError):

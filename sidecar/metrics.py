@@ -5,7 +5,7 @@ Versions are exported as gauges with ``-1`` meaning "none" (nothing applied or k
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from stitchboard.proto.sidecar_wire import ROUTE_KINDS
 
@@ -95,6 +95,21 @@ class SidecarMetrics:
             "stitch_sidecar_sync_seconds",
             "From seeing a new version at the bulletin to having it applied, seconds.",
             buckets=_SECONDS,
+            registry=r,
+        )
+        self.lease_held = Gauge(
+            "stitch_sidecar_lease_held",
+            "1 while this sidecar holds the engine's lease (it may change the engine and claim a version), else 0.",
+            registry=r,
+        )
+        self.lease = Info(
+            "stitch_sidecar_lease",
+            "The engine's lease: this sidecar's owner id (owner) and the owner the engine last named as its holder (holder; '' when none).",
+            registry=r,
+        )
+        self.leases_lost = Counter(
+            "stitch_sidecar_leases_lost",
+            "Times this sidecar lost the engine's lease (another sidecar took it, or it lapsed unrenewed) and stopped claiming a version.",
             registry=r,
         )
         self.requests_held = Counter(

@@ -51,7 +51,14 @@ from stitchboard.proto.schema import VersionManifest
 from stitchboard.proto.sidecar_wire import COMMIT_STATES, Refusal, RouteKind, SyncReport
 
 from .claim import ClaimKeeper
-from .errors import ApplyRefusedError, EngineChangedError, EngineVersionMismatchError, PlanRefusedError, StagingError
+from .errors import (
+    ApplyRefusedError,
+    EngineChangedError,
+    EngineVersionMismatchError,
+    LeaseNotHeldError,
+    PlanRefusedError,
+    StagingError,
+)
 from .fetch import FetchedPlan
 from .quarantine import SquashQuarantine
 from .rebase import build_rebase
@@ -311,6 +318,8 @@ class Reconciler(ClaimKeeper):
         target = staged.steps[-1].manifest if staged.steps else None
         try:
             prepared, engine_stage_s = await self._stage_in_engine(staged, route)
+        except LeaseNotHeldError:  # another sidecar holds the engine: no refusal of the plan
+            raise
         except Exception as exc:  # nothing was written: the held version keeps serving
             if self.quarantine.blame_engine(staged, exc, "stage"):  # no refusal: the retry plans around it
                 raise StagingError(
@@ -340,6 +349,8 @@ class Reconciler(ClaimKeeper):
             try:
                 apply_s = await self._apply(staged, prepared)
             except Exception as exc:  # any apply failure leads to the anchor, unless nothing was written
+                if isinstance(exc, LeaseNotHeldError):  # the engine is another sidecar's now: it recovers it
+                    raise
                 refused = isinstance(exc, ApplyRefusedError) and (prepared or is_permanent(exc))
                 if refused and await self._still_holds(held):  # refused before the write: the held version serves on
                     raise self._refuse(staged.from_version, staged.to_version, route, exc, target) from exc

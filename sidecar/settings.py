@@ -10,6 +10,11 @@ both processes can read; the port keeps several sidecars of one host apart. The 
 hold the largest plan (an anchor's snapshot when the sidecar recovers): in containers, size
 ``/dev/shm`` accordingly (Docker's default is 64 MiB) or point ``handoff_dir`` elsewhere.
 
+The engine's lease (``docs/reference/engine-lease.md``): a sidecar changes its engine only while
+it holds the engine's lease, which it takes at boot and renews every ``lease_renew_interval_s``;
+another sidecar on the same engine waits, and takes the engine over ``lease_ttl_s`` after the
+holder stops renewing (at once when the holder stopped cleanly: it releases the lease).
+
 ``STITCH_SIDECAR_FAULT_PHASE=paused`` is for crash tests only: the sidecar process exits at once
 (status 86) right after pausing the engine for a commit, leaving it paused. Unset (the default),
 it does nothing.
@@ -21,7 +26,7 @@ import os
 import tempfile
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from stitchboard.proto.fleet import check_replica_id
@@ -116,6 +121,24 @@ class SidecarSettings(BaseSettings):
         gt=0,
         description="How often the sidecar checks that the engine is still the instance, at the version, it verified (also at every /health and before every commit), seconds.",
     )
+    lease_ttl_s: float = Field(
+        5.0,
+        gt=0,
+        le=3600,
+        description=(
+            "How long the engine's lease lasts unless renewed, seconds (default 5): how long a replacement sidecar waits "
+            "after the holder stopped renewing (killed, frozen or cut off) before it takes the engine over; a clean stop "
+            "releases the lease at once. Keep it above the engine's slowest answer to a control call."
+        ),
+    )
+    lease_renew_interval_s: float = Field(
+        1.0,
+        gt=0,
+        description=(
+            "How often the sidecar renews the engine's lease, and tries again to take it while another sidecar holds it, "
+            "seconds (default 1; at most half of lease_ttl_s)."
+        ),
+    )
     retry_after_s: int = Field(
         2, ge=1, description="Retry-After of answers a retry can fix (503, 409 WeightVersionNotReady), seconds."
     )
@@ -149,6 +172,16 @@ class SidecarSettings(BaseSettings):
         None,
         description="Crash tests only: exit the process (status 86) at this phase of a commit; 'paused': right after pausing the engine. None: never.",
     )
+
+    @model_validator(mode="after")
+    def _renew_well_before_the_ttl(self) -> SidecarSettings:
+        # A renewal must reach the engine well before the lease lapses: at least twice per TTL.
+        if self.lease_renew_interval_s * 2 > self.lease_ttl_s:
+            raise ValueError(
+                f"lease_renew_interval_s ({self.lease_renew_interval_s:g} s) must be at most half of lease_ttl_s "
+                f"({self.lease_ttl_s:g} s): the lease would lapse between renewals"
+            )
+        return self
 
     @field_validator("replica_id")
     @classmethod

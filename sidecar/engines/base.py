@@ -2,21 +2,104 @@
 
 Runs in the sidecar process. :class:`EngineAdapter` is the whole contract (blocking calls; the
 reconciler runs them in a thread pool); :class:`EngineState` is what an engine records about
-its weights. Each engine kind has its adapter in a subpackage (:mod:`.vllm`) next to the code
-that runs inside that engine; :func:`stitchboard.sidecar.engines.create_adapter` picks one by
-the ``engine`` setting.
+its weights; :class:`LeaseGrant` what a take of the engine's lease gives. Each engine kind has
+its adapter in a subpackage (:mod:`.vllm`, :mod:`.sglang`) next to the code that runs inside that
+engine; :func:`stitchboard.sidecar.engines.create_adapter` picks one by the ``engine`` setting.
+
+The lease (``docs/reference/engine-lease.md``): an engine has one owner. The engine's own code
+(:mod:`.lease`, held per TP rank) keeps it; :meth:`EngineAdapter.take_lease` takes or renews it,
+and from then on every state-changing call of the adapter acts for that owner: the adapter calls
+none of them, its engine's state-changing routes included (vLLM's ``/pause``, SGLang's
+``/pause_generation``...), unless its lease is live, renewing it first when less than half its
+TTL is left, and the engine refuses its own state-changing calls without it. Read-only calls
+(:meth:`~EngineAdapter.health`, :meth:`~EngineAdapter.state`, :meth:`~EngineAdapter.checksums`,
+output counts) need none.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
+
+from ..errors import LeaseNotHeldError
 
 #: What an engine records about its weights: ``idle`` (holds ``version``, or no known version),
 #: ``paused`` (idle, and scheduling paused), ``applying`` / ``loading`` (a write died half-way:
 #: no known version), ``failed`` (a write could not be undone: only a snapshot load clears it).
 Phase = Literal["idle", "paused", "applying", "loading", "failed"]
+
+
+@dataclass(frozen=True)
+class LeaseGrant:
+    """The engine's lease, held by ``owner`` until at least ``expires_at``.
+
+    Attributes:
+        owner: the owner id the lease was taken for.
+        expires_at: ``time.monotonic()`` of this process before which the lease is live on every
+            TP rank for sure: the time the take was sent plus the least time left any rank
+            answered (the engine's own expiry is never earlier).
+    """
+
+    owner: str
+    expires_at: float
+
+
+class LeaseGuard:
+    """What an adapter keeps of its lease (sidecar process): the owner and TTL of its last take
+    and the latest :class:`LeaseGrant`; :meth:`ensure` before every state-changing call."""
+
+    def __init__(self) -> None:
+        self.owner: str | None = None
+        self.ttl_s = 0.0
+        self.grant: LeaseGrant | None = None
+
+    def taken(self, grant: LeaseGrant, ttl_s: float) -> None:
+        """A take for ``grant.owner`` (TTL ``ttl_s`` seconds) succeeded: act for that owner."""
+        self.owner, self.ttl_s, self.grant = grant.owner, ttl_s, grant
+
+    def note(self, grant: LeaseGrant | None) -> None:
+        """What a call's answer says of the lease: a later expiry for this adapter's owner is kept."""
+        if (
+            grant is not None
+            and grant.owner == self.owner
+            and (self.grant is None or grant.expires_at > self.grant.expires_at)
+        ):
+            self.grant = grant
+
+    def live(self) -> bool:
+        """Whether this adapter's lease is live for sure now."""
+        return self.grant is not None and time.monotonic() < self.grant.expires_at
+
+    def refused(self, owner: str) -> None:
+        """A take for ``owner`` was refused: nothing is known to be held (state-changing calls renew first)."""
+        if self.owner == owner:
+            self.grant = None
+
+    def released(self, owner: str) -> None:
+        """``owner``'s lease was ended: nothing is held, and nothing is renewed, any more."""
+        if self.owner == owner:
+            self.owner, self.grant = None, None
+
+    def ensure(self, what: str, take: Callable[[str, float], LeaseGrant]) -> str:
+        """The owner to act for in the state-changing call ``what``; when less than half the TTL
+        is left of the lease (or none is known), it is renewed first with ``take``.
+
+        Raises:
+            LeaseNotHeldError: no lease was ever taken, or the renewal was refused (nothing called).
+        """
+        owner = self.owner
+        if owner is None:
+            raise LeaseNotHeldError(
+                f"{what}: this adapter holds no lease on the engine (take_lease first); not called",
+                holder=None,
+                expires_in_s=None,
+                owner=None,
+            )
+        if self.grant is None or time.monotonic() > self.grant.expires_at - self.ttl_s / 2:
+            take(owner, self.ttl_s)
+        return owner
 
 
 @dataclass(frozen=True)
@@ -37,10 +120,39 @@ class EngineState:
 
 
 class EngineAdapter(Protocol):
-    """What the sidecar calls on an engine. Every method blocks; errors are ``SidecarError``s."""
+    """What the sidecar calls on an engine. Every method blocks; errors are ``SidecarError``s.
+
+    State-changing methods (:meth:`pause`, :meth:`resume`, :meth:`apply_patch`,
+    :meth:`stage_patches`, :meth:`commit_staged`, :meth:`load_snapshot`, :meth:`set_version`,
+    :meth:`reset_prefix_cache`) act for the owner of the last :meth:`take_lease` and raise
+    ``LeaseNotHeldError`` (nothing called) when its lease is not live.
+    """
 
     def health(self) -> bool:
         """Whether the engine answers its health check."""
+
+    def take_lease(self, owner: str, ttl_s: float) -> LeaseGrant:
+        """Take the engine's lease for ``owner`` for ``ttl_s`` seconds, or renew it; the adapter's
+        state-changing calls act for ``owner`` from then on. On a TP engine every rank's lease is
+        taken; ranks that granted it are released again when another refuses.
+
+        Raises:
+            LeaseNotHeldError: another owner's lease is live (details ``holder``, ``expires_in_s``).
+            EngineUnavailableError, EngineRequestError: the engine does not answer.
+        """
+
+    def release_lease(self, owner: str) -> None:
+        """End ``owner``'s lease at once (a clean stop), on every rank; another owner's is left.
+
+        Raises:
+            EngineUnavailableError, EngineRequestError: the engine does not answer.
+        """
+
+    def known_lease(self) -> LeaseGrant | None:
+        """The freshest grant this adapter knows of its owner's lease: its last take, or a later
+        answer of the engine naming that owner as the holder (None: none taken, or refused or
+        released since). Answers renew a live lease (a call by the holder does), so after a long
+        call this may be later than the last take's."""
 
     def state(self, timeout_s: float | None = None) -> EngineState:
         """What the engine records (phase ``paused`` while paused and idle); ``timeout_s``: how

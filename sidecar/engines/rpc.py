@@ -3,13 +3,16 @@
 Every in-engine method (vLLM's worker extension over ``collective_rpc``; the same shape for any
 engine whose ranks report per call) answers, per TP rank, a JSON object::
 
-    {"ok": true,  "state": {"version", "phase", "instance"}, "report" | "staging" | "checksums": ...}
-    {"ok": false, "state": {...}, "error": {"type", "message", ...details}}
+    {"ok": true,  "state": {"version", "phase", "instance"}, "lease": {"holder", "expires_in_s"},
+     "report" | "staging" | "checksums": ...}
+    {"ok": false, "state": {...}, "lease": {...}, "error": {"type", "message", ...details}}
 
 The error is the wire body of the exception raised in the engine: type ``ApplyFailed``
-(details ``cause``, ``restored``) once writing began; any other type means refused, nothing
-written. :func:`combine` turns the ranks' answers into one :class:`EngineState` and raises the
-sidecar's typed error for a failed call.
+(details ``cause``, ``restored``) once writing began; ``LeaseNotHeld`` when the caller holds no
+live lease (nothing done); any other type means refused, nothing written. ``lease`` is the
+rank's lease after the call (:mod:`.lease`). :func:`combine` turns the ranks' answers into one
+:class:`EngineState`, :func:`raise_if_failed` raises the sidecar's typed error for a failed call
+and :func:`lease_grant` reads what the ranks say of the caller's lease.
 """
 
 from __future__ import annotations
@@ -19,8 +22,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from ..errors import ApplyFailedError, ApplyRefusedError, EngineRequestError, EngineStateError
-from .base import EngineState, Phase
+from ..errors import ApplyFailedError, ApplyRefusedError, EngineRequestError, EngineStateError, LeaseNotHeldError
+from .base import EngineState, LeaseGrant, Phase
 
 
 class RankState(BaseModel):
@@ -31,6 +34,16 @@ class RankState(BaseModel):
     version: int | None
     phase: Phase
     instance: str = ""
+
+
+class RankLease(BaseModel):
+    """One rank's lease after a call: the owner whose lease is live (None: none) and the seconds
+    it has left (0.0 when none is live)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    holder: str | None
+    expires_in_s: float
 
 
 class RankError(BaseModel):
@@ -56,12 +69,14 @@ class RankAnswer(BaseModel):
         report: figures of an apply, commit or snapshot load (seconds, bytes, counts).
         staging: ``{"state": "running" | "ready", "from_version", "to_version", "report"?}``.
         checksums: checkpoint name -> xxh3-128 hex, as the engine holds them.
+        lease: the rank's lease after the call (None: engine code that answers none).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     ok: bool
     state: RankState
+    lease: RankLease | None = None
     error: RankError | None = None
     report: dict[str, Any] | None = None
     staging: dict[str, Any] | None = None
@@ -103,11 +118,37 @@ def combine(answers: Sequence[RankAnswer]) -> EngineState:
     return EngineState(version, phase, "/".join(a.state.instance for a in answers))
 
 
+def lease_grant(answers: Sequence[RankAnswer], owner: str, sent_at: float) -> LeaseGrant | None:
+    """``owner``'s lease as the ranks answered a call sent at ``sent_at`` (``time.monotonic()``):
+    live on every rank until at least ``sent_at`` plus the least time any rank has left; None
+    unless every rank names ``owner`` as its holder."""
+    leases = [a.lease for a in answers]
+    if not leases or any(lease is None or lease.holder != owner for lease in leases):
+        return None
+    return LeaseGrant(owner, sent_at + min(lease.expires_in_s for lease in leases if lease is not None))
+
+
+def lease_refusal(answers: Sequence[RankAnswer]) -> LeaseNotHeldError | None:
+    """The first rank's ``LeaseNotHeld`` refusal among ``answers`` (None: no rank refused so)."""
+    for answer in answers:
+        err = answer.error
+        if not answer.ok and err is not None and err.type == LeaseNotHeldError.type:
+            details = err.details()
+            return LeaseNotHeldError(
+                err.message,
+                holder=details.get("holder"),
+                expires_in_s=details.get("expires_in_s"),
+                owner=details.get("owner"),
+            )
+    return None
+
+
 def raise_if_failed(method: str, answers: Sequence[RankAnswer]) -> None:
     """Raise the typed error of the first rank that failed ``method`` (details gain ``held`` and
     ``phase``: the engine's record after the call).
 
     Raises:
+        LeaseNotHeldError: the caller holds no live lease on some rank (nothing done there).
         ApplyFailedError: writing began (``restored``: whether the old bits are back).
         EngineStateError: the engine's record forbade the call (nothing written).
         ApplyRefusedError: refused before any write (``cause``: the rank's error type).
@@ -117,6 +158,9 @@ def raise_if_failed(method: str, answers: Sequence[RankAnswer]) -> None:
     state = combine(answers)
     if not failed:
         return
+    refusal = lease_refusal(answers)
+    if refusal is not None and all(a.error is None or a.error.type != ApplyFailedError.type for a in failed):
+        raise refusal
     err = failed[0].error or RankError(type="Error", message="the rank reported no error")
     details = {**err.details(), "held": state.version, "phase": state.phase}
     if err.type == ApplyFailedError.type:

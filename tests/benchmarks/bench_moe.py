@@ -39,6 +39,7 @@ from stitchboard.proto.codec import checksum
 from stitchboard.proto.container import RawTensor
 from stitchboard.proto.diff import diff_views
 from tests.benchmarks.bench_codec import raw_view
+from tests.support import lease
 
 #: Tensor classes, in table order.
 CLASSES = ("experts", "router", "attention", "embedding", "lm_head", "other")
@@ -111,6 +112,7 @@ def run_engine(
         server.wait_ready()
         print(f"  vLLM ready in {time.perf_counter() - t:.0f} s")
         engine = VllmEngine(server.url, timeout_s=60)
+        lease.take(engine, "bench")
 
         def snapshot(version: int) -> tuple[float, dict]:
             shards = folder / f"snapshot-v{version}"

@@ -33,6 +33,7 @@ from stitchboard.proto.diff import diff_views
 from stitchboard.sidecar.engines.sglang.adapter import SglangEngine
 from tests.sidecar.sglang_helpers import SglangServer
 from tests.sidecar.vllm_fixtures import SidecarProcess, VllmRun, copy_model_files, view_sums
+from tests.support import lease
 
 STEPS = 20
 #: Steps whose patch pause and full reload are timed (medians printed).
@@ -155,7 +156,7 @@ def main() -> int:
         sidecar.stop()
 
         adapter = SglangEngine(engine.url, folder / "records", timeout_s=120)
-        adapter.state()  # the loader's first call in this record folder starts its stager
+        lease.take(adapter, "bench")  # the sidecar released it at its clean stop
         rounds = [_one_step(adapter, run, model_dir, folder / f"step{i}", engine.url) for i in range(ROUNDS)]
         adapter.close()
         median = {k: statistics.median(r[k] for r in rounds) for k in rounds[0] if isinstance(rounds[0][k], float)}

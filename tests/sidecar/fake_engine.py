@@ -6,6 +6,11 @@ the engine's bits with the trainer's view. Generation is token by token (``token
 apart), and every token names a fingerprint of the weights it was produced with. Pausing
 (vLLM's ``mode=keep``) stops token production without dropping requests; resuming continues
 them. The server runs uvicorn in a thread on a free loopback port.
+
+The engine's lease is the real one (:class:`stitchboard.sidecar.engines.lease.Lease`): every
+state-changing seam method acts for the owner of the seam's last :meth:`FakeEngine.take_lease`
+and raises ``LeaseNotHeldError`` (nothing done, as the real adapter and engine code) without a
+live lease. A second sidecar on the same engine gets its own seam: :meth:`FakeEngine.seam`.
 """
 
 from __future__ import annotations
@@ -26,11 +31,13 @@ from stitchboard.proto.apply import apply_patch
 from stitchboard.proto.codec import checksum
 from stitchboard.proto.container import RawTensor, read_safetensors
 from stitchboard.proto.decode import read_patch
-from stitchboard.sidecar.engines.base import EngineState
+from stitchboard.sidecar.engines.base import EngineState, LeaseGrant
+from stitchboard.sidecar.engines.lease import Lease
 from stitchboard.sidecar.errors import (
     ApplyRefusedError,
     EngineStateError,
     EngineUnavailableError,
+    LeaseNotHeldError,
 )
 
 CONTROL_ROUTES = [
@@ -94,6 +101,10 @@ class FakeEngine:
         state_delay_s: how long :meth:`state` keeps its caller waiting, as an engine busy with a
             long step does; past the call's ``timeout_s`` it fails as a read timeout would.
         fail_resume: while True, :meth:`resume` fails as for an engine that went away.
+        lease: the engine's lease (shared by every seam of this engine).
+        changes: ``(method, owner)`` of every state-changing seam call the lease let through.
+        lease_refusals: ``(method, owner)`` of every state-changing seam call refused for want of
+            the lease (a sidecar must make none: it stops before the call).
     """
 
     def __init__(
@@ -126,6 +137,12 @@ class FakeEngine:
         self.fail_resume = False
         self.staged: list[tuple[list[str], int, int]] | None = None
         self.prefix_cache_resets = 0
+        self.lease = Lease()
+        self.changes: list[tuple[str, str]] = []
+        self.lease_refusals: list[tuple[str, str | None]] = []
+        self._owner: str | None = None  # the owner this seam acts for (its last take)
+        self._grant: LeaseGrant | None = None
+        self._seam_lock = threading.RLock()  # a seam's call runs with its owner swapped in
         self._running = threading.Event()
         self._running.set()
         self._lock = threading.Lock()
@@ -137,6 +154,52 @@ class FakeEngine:
     def health(self) -> bool:
         self.calls.append(("health", ()))
         return not self.unreachable
+
+    def take_lease(self, owner: str, ttl_s: float) -> LeaseGrant:
+        """Take or renew the lease for ``owner`` (the real lease's rules); this seam acts for it."""
+        if self.unreachable:
+            raise EngineUnavailableError(
+                "engine at the fake does not answer stitch_lease (test)", path="/collective_rpc"
+            )
+        sent = time.monotonic()
+        with self._seam_lock:
+            try:
+                view = self.lease.take(owner, ttl_s)
+            except LeaseNotHeldError:
+                if self._owner == owner:
+                    self._grant = None
+                raise
+            self._owner, self._grant = owner, LeaseGrant(owner, sent + view["expires_in_s"])
+            return self._grant
+
+    def release_lease(self, owner: str) -> None:
+        """End ``owner``'s lease."""
+        with self._seam_lock:
+            self.lease.release(owner)
+            if self._owner == owner:
+                self._owner, self._grant = None, None
+
+    def known_lease(self) -> LeaseGrant | None:
+        """The seam's last grant."""
+        with self._seam_lock:
+            return self._grant
+
+    def _require_lease(self, method: str) -> None:
+        """Before a state-changing call: the seam's owner holds a live lease (else refused, nothing done)."""
+        with self._seam_lock:
+            owner = self._owner
+        try:
+            if owner is None:
+                raise LeaseNotHeldError(f"{method}: no lease taken (test)", holder=None, expires_in_s=None, owner=None)
+            self.lease.require(owner, method)
+        except LeaseNotHeldError:
+            self.lease_refusals.append((method, owner))
+            raise
+        self.changes.append((method, owner))
+
+    def seam(self) -> FakeSeam:
+        """Another sidecar's adapter on this engine: the same engine, its own lease owner."""
+        return FakeSeam(self)
 
     def state(self, timeout_s: float | None = None) -> EngineState:
         if self.state_delay_s:
@@ -165,11 +228,13 @@ class FakeEngine:
             self._running.set()
 
     def pause(self) -> None:
+        self._require_lease("pause")
         self.calls.append(("pause", ()))
         self._running.clear()
         self.paused = True
 
     def resume(self) -> None:
+        self._require_lease("resume")
         self.calls.append(("resume", ()))
         if self.fail_resume:
             raise EngineUnavailableError(
@@ -180,6 +245,7 @@ class FakeEngine:
 
     def apply_patch(self, handoff_path: str | list[str], from_version: int, to_version: int) -> dict:
         """Apply the patch file(s) of one version, as one update."""
+        self._require_lease("apply_patch")
         paths = [handoff_path] if isinstance(handoff_path, str) else list(handoff_path)
         self.calls.append(("apply_patch", (tuple(paths), from_version, to_version)))
         with self._lock:
@@ -188,6 +254,7 @@ class FakeEngine:
 
     def stage_patches(self, steps: list[tuple[list[str], int, int]]) -> dict:
         """Check the first step starts at the held version and keep the steps for :meth:`commit_staged`."""
+        self._require_lease("stage_patches")
         steps = [(list(paths), start, end) for paths, start, end in steps]
         self.calls.append(("stage_patches", tuple((tuple(paths), start, end) for paths, start, end in steps)))
         with self._lock:
@@ -207,6 +274,7 @@ class FakeEngine:
 
     def commit_staged(self, to_version: int) -> dict:
         """Apply the staged steps in order (the real worker writes them at once)."""
+        self._require_lease("commit_staged")
         self.calls.append(("commit_staged", (to_version,)))
         with self._lock:
             if self.refuse_commit:
@@ -253,6 +321,7 @@ class FakeEngine:
         return written
 
     def load_snapshot(self, paths: list[str], version: int, checksums: dict[str, str] | None = None) -> dict:
+        self._require_lease("load_snapshot")
         self.calls.append(("load_snapshot", (tuple(paths), version)))
         with self._lock:
             self._refuse_version(version)
@@ -274,6 +343,7 @@ class FakeEngine:
         return {"tensors": len(loaded)}
 
     def set_version(self, version: int, base: int | None = None) -> None:
+        self._require_lease("set_version")
         self.calls.append(("set_version", (version,)))
         if self.phase == "failed":
             raise RuntimeError("engine in phase failed: load a snapshot")
@@ -300,6 +370,7 @@ class FakeEngine:
         return {n: checksum(self.weights[n]) for n in names}
 
     def reset_prefix_cache(self) -> None:
+        self._require_lease("reset_prefix_cache")
         self.calls.append(("reset_prefix_cache", ()))
         self.prefix_cache_resets += 1
 
@@ -394,3 +465,40 @@ class FakeEngine:
 
             app.add_api_route(route, control, methods=["POST", "GET"])
         return app
+
+
+#: The seam methods that act for a lease owner (a :class:`FakeSeam` swaps its owner in for them).
+OWNED_METHODS = frozenset(
+    {
+        "take_lease", "release_lease", "known_lease", "pause", "resume", "apply_patch", "stage_patches",
+        "commit_staged", "load_snapshot", "set_version", "reset_prefix_cache",
+    }
+)  # fmt: skip
+
+
+class FakeSeam:
+    """A second sidecar's adapter on a :class:`FakeEngine`: every attribute is the engine's, but
+    the methods of :data:`OWNED_METHODS` act for this seam's own lease owner (its last take)."""
+
+    def __init__(self, engine: FakeEngine) -> None:
+        self._engine = engine
+        self._owner: str | None = None
+        self._grant: LeaseGrant | None = None
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._engine, name)
+        if name not in OWNED_METHODS:
+            return attr
+        engine = self._engine
+
+        def call(*args, **kwargs):
+            with engine._seam_lock:
+                saved = engine._owner, engine._grant
+                engine._owner, engine._grant = self._owner, self._grant
+                try:
+                    return attr(*args, **kwargs)
+                finally:
+                    self._owner, self._grant = engine._owner, engine._grant
+                    engine._owner, engine._grant = saved
+
+        return call

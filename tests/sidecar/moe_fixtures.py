@@ -26,6 +26,7 @@ import httpx
 import numpy as np
 import pytest
 
+from tests.support import lease
 from tests.support.vllm_server import VllmServer, require_vllm
 
 #: A prompt of the routing checks (~50 tokens: three KV blocks of 16).
@@ -141,12 +142,13 @@ def load_version_0(engine: VllmServer, run: MoeRun) -> None:
 
     adapter = VllmEngine(engine.url, timeout_s=120)
     try:
-        adapter.pause()
-        try:
-            adapter.load_snapshot([str(run.model_dir / "model.safetensors")], 0, run.sums(0))
-            adapter.reset_prefix_cache()
-        finally:
-            adapter.resume()
+        with lease.holding(adapter, "moe-version-0"):
+            adapter.pause()
+            try:
+                adapter.load_snapshot([str(run.model_dir / "model.safetensors")], 0, run.sums(0))
+                adapter.reset_prefix_cache()
+            finally:
+                adapter.resume()
     finally:
         adapter.close()
 

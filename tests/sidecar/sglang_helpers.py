@@ -28,6 +28,7 @@ from stitchboard.demo.engines import greedy
 from stitchboard.demo.processes import ManagedProcess, free_port
 from stitchboard.sidecar.engines.launch import engine_nice
 from stitchboard.sidecar.engines.sglang.launch import sglang_command, sglang_env, sglang_python
+from tests.support import lease
 from tests.support.fork_start import forked_argv
 from tests.support.shm import remove_orphaned_shm
 from tests.support.vllm_server import PROMPTS
@@ -154,12 +155,13 @@ class SharedSglang:
 
         adapter = SglangEngine(self.server.url, self.folder / "reset-records", timeout_s=120)
         try:
-            adapter.pause()
-            try:
-                adapter.load_snapshot([str(model_dir / "model.safetensors")], 0)
-                adapter.reset_prefix_cache()
-            finally:
-                adapter.resume()
+            with lease.holding(adapter, "sglang-reset"):
+                adapter.pause()
+                try:
+                    adapter.load_snapshot([str(model_dir / "model.safetensors")], 0)
+                    adapter.reset_prefix_cache()
+                finally:
+                    adapter.resume()
         finally:
             adapter.close()
         return self.server

@@ -22,6 +22,7 @@ from stitchboard.sidecar.engines.sglang.adapter import SglangEngine
 from stitchboard.sidecar.errors import ApplyRefusedError, EngineStateError
 from tests.sidecar.sglang_helpers import SglangServer, require_sglang
 from tests.sidecar.vllm_fixtures import copy_model_files
+from tests.support import lease
 
 pytestmark = pytest.mark.slow
 
@@ -63,8 +64,10 @@ def sums(view: dict[str, RawTensor]) -> dict[str, str]:
 
 @pytest.fixture
 def adapter(sglang_engine: SglangServer, sglang_workdir: Path) -> Iterator[SglangEngine]:
+    """An adapter on the shared server, holding the engine's lease (released after)."""
     engine = SglangEngine(sglang_engine.url, sglang_workdir / "records", timeout_s=60)
-    yield engine
+    with lease.holding(engine, "sglang"):
+        yield engine
     engine.close()
 
 
@@ -137,6 +140,7 @@ def test_tp2_head_padding_patched_equals_a_fresh_tp2_server(views, smollm2_dir, 
         engine.wait_ready()
         adapter = SglangEngine(engine.url, tmp_path / "records", timeout_s=120)
         try:
+            lease.take(adapter, "tp2")  # every rank's, through the loader's first call, then the ranks' sockets
             adapter.set_version(0, None)
             assert adapter.checksums(sorted(views[0])) == sums(views[0])
             for v in (1, 2):
@@ -191,3 +195,72 @@ def test_a_plan_staged_before_another_write_is_staged_again_in_the_pause(
     assert report["committed"] is True, "not written by the stager (the scheduler's paused loop not held?)"
     assert report["flushed"] is True  # commit() paused with pause(): the sidecar resets the cache
     assert adapter.state().version == 2 and adapter.checksums(sorted(views[2])) == sums(views[2])
+
+
+def test_the_loader_and_its_control_socket_refuse_changes_without_the_lease(
+    sglang_engine, adapter, views, sglang_workdir, smollm2_dir
+):
+    """Called directly, past any adapter: the loader's state-changing ops (an update call) and the
+    control socket's staging and commit refuse an owner without the live lease, by its records and
+    never by raising (the server stays up), and change nothing; another owner's take is refused
+    naming the holder through the socket, without an update call; read-only ops need no lease."""
+    import hashlib
+    import json
+    import uuid
+
+    import httpx
+
+    from stitchboard.sidecar.engines.sglang.adapter import _request_tensor
+    from stitchboard.sidecar.engines.sglang.loader import LOADER_PATH
+    from stitchboard.sidecar.engines.sglang.stager import ask, control_address
+    from stitchboard.sidecar.errors import LeaseNotHeldError
+
+    holder = adapter.known_lease().owner
+    records = sglang_workdir / "intruder-records"
+    before = adapter.state()
+    held = adapter.checksums(sorted(views[0]))
+
+    def loader(req: dict) -> dict:
+        req = {"id": uuid.uuid4().hex, "record_dir": str(records), **req}
+        body = {"serialized_named_tensors": [_request_tensor(req)], "load_format": LOADER_PATH, "flush_cache": False}
+        httpx.post(f"{sglang_engine.url}/begin_weight_update", json={}, timeout=120).raise_for_status()
+        try:
+            httpx.post(f"{sglang_engine.url}/update_weights_from_tensor", json=body, timeout=300).raise_for_status()
+        finally:
+            httpx.post(f"{sglang_engine.url}/end_weight_update", json={}, timeout=120).raise_for_status()
+        record = json.loads((records / "rank0.json").read_text())
+        assert record["request"] == req["id"]
+        return record["answer"]
+
+    path = write_patch(sglang_workdir, views[0], views[1], "lease.patch")
+    digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    snapshot = str(smollm2_dir / "model.safetensors")
+    changes = {
+        "apply": {"steps": [{"paths": [path], "digests": [digest]}], "what": "0->1"},
+        "load_snapshot": {"paths": [snapshot], "digests": ["0" * 64], "checksums": sums(views[0]), "what": "s->0"},
+        "label": {},
+    }
+    for op, args in changes.items():
+        refused = loader({"op": op, "owner": "intruder", **args})
+        assert not refused["ok"] and refused["error"]["type"] == "LeaseNotHeld", (op, refused)
+        assert refused["error"]["holder"] == holder and refused["lease"]["holder"] == holder
+        anonymous = loader({"op": op, **args})
+        assert not anonymous["ok"] and "owner" in anonymous["error"]["message"], (op, anonymous)
+    address = control_address(int(sglang_engine.url.rsplit(":", 1)[1]), 0)
+    staged = ask(address, {"op": "stage", "id": "x", "owner": "intruder", "steps": changes["apply"]["steps"]}, 60)
+    committed = ask(address, {"op": "commit", "id": "y", "owner": "intruder", "plan": "x", "what": "0->1"}, 60)
+    taken = ask(address, {"op": "lease", "owner": "intruder", "ttl_s": 5.0}, 60)
+    for refused in (staged, committed, taken):
+        assert refused["error"]["type"] == "LeaseNotHeld" and refused["error"]["holder"] == holder, refused
+    intruder = SglangEngine(sglang_engine.url, sglang_workdir / "intruder-adapter", timeout_s=60)
+    try:
+        with pytest.raises(LeaseNotHeldError) as raised:
+            intruder.take_lease("intruder", 5.0)
+        assert raised.value.details["holder"] == holder and 0 < raised.value.details["expires_in_s"] <= 10.0
+        assert not (sglang_workdir / "intruder-adapter").exists(), "the take went through an update call"
+    finally:
+        intruder.close()
+    assert sglang_engine.proc.poll() is None, "the server died"
+    assert loader({"op": "state"})["ok"] and loader({"op": "checksums", "names": sorted(views[0])})["ok"]
+    assert adapter.state() == before and before.phase == "idle"
+    assert adapter.checksums(sorted(views[0])) == held, "a refused op changed the weights"

@@ -44,6 +44,7 @@ from stitchboard.sidecar.engines.sglang.adapter import SglangEngine
 from stitchboard.sidecar.errors import ApplyRefusedError
 from tests.sidecar.moe_fixtures import MoeRun
 from tests.sidecar.sglang_helpers import SglangServer, require_sglang
+from tests.support import lease
 from tests.support.vllm_server import PROMPTS
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
@@ -242,6 +243,7 @@ def check_moe_oracle(preset: str, tp: int, folder: Path) -> None:
                 engine.wait_ready()
                 adapter = SglangEngine(engine.url, folder / "records", timeout_s=120)
                 try:
+                    lease.take(adapter, "moe")
                     adapter.set_version(0, None)
                     assert adapter.checksums(sorted(run.sums(0))) == run.sums(0), (
                         "the boot weights read through the map are not version 0's"

@@ -158,6 +158,43 @@ def test_restarted_sidecar_applies_nothing(sglang_engine, run, sidecars):
     assert "engine at version" not in second.log_tail(100_000)
 
 
+def test_two_sidecars_on_one_engine_only_the_lease_holder_changes_it(sglang_engine, run, sidecars, tmp_path):
+    """Issue #27 part B on a real SGLang server. Of two sidecars on one engine exactly one holds the
+    lease (through the loader's control socket: the other makes no update call at all, its
+    records folder stays empty): the other answers /health 503 ``standby`` naming the holder and
+    commits nothing while the holder commits a real step. Killed (-9: nothing released), the
+    holder's lease lapses after the TTL and the other takes the engine over with no manual step
+    (SGLang's version checked against the manifest, nothing applied again), then syncs bit-exact."""
+    first = sidecars(sglang_engine.url, boot_version=0)
+    first.wait_applied(run.latest)
+    holder = first.lease()
+    assert holder["held"] and holder["holder"] == holder["owner"]
+    second = sidecars(sglang_engine.url, boot_version=0)
+    body = second.wait_standby(holder["owner"])
+    assert body["applied_version"] is None and 0 < body["lease"]["holder_expires_in_s"] <= 5.0
+    assert f'holder="{holder["owner"]}"' in second.metrics()
+    quiet = tmp_path / "handoff" / f"sidecar-{second.url.rsplit(':', 1)[1]}" / "sglang-records"
+    assert not quiet.exists() or not any(quiet.iterdir()), "the sidecar without the lease made an update call"
+
+    v = run.step()
+    first.wait_applied(v)
+    records = tmp_path / "handoff" / f"sidecar-{first.url.rsplit(':', 1)[1]}" / "sglang-records"
+    assert_verified(sglang_engine.url, run, v, records)
+    status = second.status()
+    assert (status["applied_version"], status["last_sync"]) == (None, None)
+    assert "stitch_sidecar_commits_total{" not in second.metrics()
+    assert not quiet.exists() or not any(quiet.iterdir())
+
+    os.kill(first.proc.proc.pid, signal.SIGKILL)
+    first.proc.proc.wait(30)
+    taken = second.wait_applied(v)  # once the killed sidecar's lease lapsed
+    assert taken["last_sync"] is None, "the engine's version was applied again on takeover"
+    assert second.lease()["held"]
+    v = run.step()
+    second.wait_applied(v)
+    assert_verified(sglang_engine.url, run, v, quiet)
+
+
 def _corrupt(path: Path) -> bytes:
     good = path.read_bytes()
     bad = bytearray(good)

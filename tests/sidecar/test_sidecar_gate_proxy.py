@@ -222,7 +222,10 @@ def test_health_and_not_ready_before_the_first_version(sc_publisher, sc_start):
     assert r.status_code == 503 and r.json()["type"] == "NotReady" and "retry-after" in r.headers
     sc_publisher.publish(make_view(0))
     sidecar.wait_applied(0)
-    assert sidecar.http.get("/health").json() == {"applied_version": 0, "state": "idle", "status": "ok"}
+    body = sidecar.http.get("/health").json()
+    lease = body.pop("lease")
+    assert body == {"applied_version": 0, "state": "idle", "status": "ok"}
+    assert lease["held"] and lease["holder"] == lease["owner"] and lease["holder_expires_in_s"] > 0
     metrics = sidecar.http.get("/metrics").text
     for line in (
         "stitch_sidecar_applied_version 0.0",

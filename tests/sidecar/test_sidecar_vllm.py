@@ -120,24 +120,24 @@ def test_held_request_is_served_once_its_version_is_applied(vllm_run_engine, vll
     assert_verified(vllm_run_engine.url, vllm_run, v + 1)
 
 
-def test_requests_in_flight_across_a_commit_complete_with_both_versions(vllm_run_engine, vllm_run, vllm_sidecars):
-    """vLLM's pause (mode=keep) keeps running requests through the commit; they are stamped start v, end v + 1.
+def _requests_across_a_commit(sidecar, run, model: str) -> int:
+    """A streamed and a plain request of 1,000 tokens through ``sidecar`` overlap the commit of
+    the next version v + 1 and complete, whole, stamped start v, end v + 1; returns v + 1.
 
     The version is encoded and uploaded before the requests start and committed once both
     generate (:mod:`commit_overlap`), so only the sidecar's sync (staging ~0.5 s, pause ~0.1 s)
     overlaps their 1,000 tokens. Should they still end first, the try shows nothing either way
     and is repeated with the next version, at most 3 times.
     """
-    sidecar = vllm_sidecars(vllm_run_engine.url)
     tokens = 1000  # the engine's context is 1,024 tokens; the prompt takes 13
     for attempt in range(3):
-        v = vllm_run.latest
+        v = run.latest
         sidecar.wait_applied(v)
-        vllm_run.train()
-        held = vllm_run.publish_held()
+        run.train()
+        held = run.publish_held()
         try:
             held.wait_ready()
-            requests = LongRequests(sidecar.url, vllm_run_engine.model, PROMPT, tokens)
+            requests = LongRequests(sidecar.url, model, PROMPT, tokens)
             requests.wait_generating(sidecar.status)
         except BaseException:
             held.abort()  # the module's publisher must not stay blocked for the next tests
@@ -166,7 +166,13 @@ def test_requests_in_flight_across_a_commit_complete_with_both_versions(vllm_run
     assert answer["usage"]["completion_tokens"] == tokens and answer["choices"][0]["finish_reason"] == "length"
     assert (answer["weight_version_start"], answer["weight_version_end"]) == (v, v + 1)
     assert sidecar.status()["last_sync"]["to_version"] == v + 1
-    assert_verified(vllm_run_engine.url, vllm_run, v + 1)
+    return v + 1
+
+
+def test_requests_in_flight_across_a_commit_complete_with_both_versions(vllm_run_engine, vllm_run, vllm_sidecars):
+    """vLLM's pause (mode=keep) keeps running requests through the commit; they are stamped start v, end v + 1."""
+    sidecar = vllm_sidecars(vllm_run_engine.url)
+    assert_verified(vllm_run_engine.url, vllm_run, _requests_across_a_commit(sidecar, vllm_run, vllm_run_engine.model))
 
 
 def test_restarted_sidecar_does_not_reapply(vllm_run_engine, vllm_run, vllm_sidecars):
@@ -190,6 +196,50 @@ def test_restarted_sidecar_does_not_reapply(vllm_run_engine, vllm_run, vllm_side
     )
     assert "engine at version" not in second.proc.log_tail(100_000)
     assert_verified(vllm_run_engine.url, vllm_run, v)
+
+
+def test_two_sidecars_on_one_engine_only_the_lease_holder_changes_it(vllm_run_engine, vllm_run, vllm_sidecars):
+    """Issue #27 part B on a real engine. Of two sidecars on one engine exactly one holds the
+    lease: the other answers /health 503 ``standby`` naming the holder (metrics too), its gate
+    stays closed and none of its commits reaches the engine (it makes none) while the holder's
+    requests across a commit are stamped start v, end v + 1. Killed (-9: nothing released), the
+    holder's lease lapses after the TTL and the other takes the engine over with no manual step
+    (the engine's record checked against the manifest, nothing applied again), then syncs bit-exact."""
+    first = vllm_sidecars(vllm_run_engine.url)
+    first.wait_applied(vllm_run.latest)
+    holder = first.lease()
+    assert holder["held"] and holder["holder"] == holder["owner"]
+    second = vllm_sidecars(vllm_run_engine.url)
+    body = second.wait_standby(holder["owner"])
+    assert body["applied_version"] is None and not body["lease"]["held"]
+    assert 0 < body["lease"]["holder_expires_in_s"] <= 5.0  # the default TTL
+    metrics = second.metrics()
+    assert "stitch_sidecar_lease_held 0.0" in metrics and f'holder="{holder["owner"]}"' in metrics
+    refused = complete(second.url, vllm_run_engine.model, {"X-Stitch-Wait-S": "0.5"})
+    assert refused.status_code == 503 and refused.json()["type"] == "NotReady"
+
+    v = _requests_across_a_commit(first, vllm_run, vllm_run_engine.model)
+    assert_verified(vllm_run_engine.url, vllm_run, v)
+    status = second.status()
+    assert (status["applied_version"], status["last_sync"]) == (None, None)
+    assert "stitch_sidecar_commits_total{" not in second.metrics() and "engine at version" not in second.proc.log_tail(
+        100_000
+    )
+    assert second.wait_standby(holder["owner"])["lease"]["holder"] == holder["owner"]
+
+    os.kill(first.proc.proc.pid, signal.SIGKILL)
+    first.proc.proc.wait(30)
+    taken = second.wait_applied(v)  # once the killed sidecar's lease lapsed
+    assert taken["last_sync"] is None, "the engine's version was applied again on takeover"
+    lease = second.lease()
+    assert lease["held"] and lease["owner"] != holder["owner"]
+    assert vllm_run.step() == v + 1
+    second.wait_applied(v + 1)
+    assert_verified(vllm_run_engine.url, vllm_run, v + 1)
+    assert (
+        complete(second.url, vllm_run_engine.model, {"X-Stitch-Exact-Version": str(v + 1)}).json()["weight_version_end"]
+        == v + 1
+    )
 
 
 def test_control_routes_are_forbidden_through_the_proxy(vllm_run_engine, vllm_run, vllm_sidecars):
@@ -265,15 +315,19 @@ def test_corrupted_bulletin_file_is_rejected_before_touching_the_engine(vllm_run
 
 
 def test_sidecar_killed_with_the_engine_paused_recovers(vllm_run_engine, vllm_run, vllm_sidecars, adapter):
-    """Fault phase ``paused``: the sidecar dies right after pausing the engine; the next one resumes it and syncs."""
-    first = vllm_sidecars(vllm_run_engine.url, fault_phase="paused")
+    """Fault phase ``paused``: the sidecar dies right after pausing the engine, releasing nothing;
+    the next one waits out the dead one's lease (TTL 20 s here), then resumes the engine and syncs."""
+    first = vllm_sidecars(vllm_run_engine.url, fault_phase="paused", lease_ttl_s=20)
     v = vllm_run.latest
     first.wait_applied(v)
+    dead = first.lease()["owner"]
     assert vllm_run.step() == v + 1
     assert first.proc.proc.wait(300) == SIDECAR_FAULT_EXIT
     assert "sidecar exiting at phase paused" in first.proc.log_tail(100_000)
     assert (adapter.state().version, adapter.state().phase) == (v, "paused")
     second = vllm_sidecars(vllm_run_engine.url)
+    standby = second.wait_standby(dead)  # the engine stays paused, untouched, until the dead sidecar's lease lapses
+    assert standby["applied_version"] is None and adapter.state().phase == "paused"
     status = second.wait_applied(v + 1)
     assert status["healthy"] and status["last_sync"]["from_version"] == v
     assert not httpx.get(f"{vllm_run_engine.url}/is_paused", timeout=30).json()["is_paused"]

@@ -21,6 +21,7 @@ from stitchboard.proto.codec import PatchEncoding, build_patch, encode_tensor
 from stitchboard.proto.diff import diff_views
 from stitchboard.proto.schema import XXH3_128
 from tests.sidecar.vllm_fixtures import view_sums
+from tests.support import lease
 
 pytestmark = pytest.mark.slow
 
@@ -259,6 +260,45 @@ def test_snapshot_with_a_wrong_checksum_is_refused(vllm_adapter, vllm_views, vll
     _assert_holds(vllm_adapter, vllm_views, 0)
 
 
+def test_state_changing_worker_calls_are_refused_without_the_lease(
+    vllm_engine, vllm_adapter, vllm_views, vllm_snapshot, vllm_workdir
+):
+    """The worker's state-changing methods, called directly, refuse a caller that holds no live
+    lease (no owner, or another's) and change nothing; a take by another owner is refused naming
+    the holder and its time left; read-only calls need no lease."""
+    import json
+
+    _bring_to(vllm_adapter, vllm_snapshot, 0)
+    holder = vllm_adapter.known_lease().owner
+
+    def rpc(method: str, args: dict) -> dict:
+        r = httpx.post(
+            f"{vllm_engine.url}/collective_rpc", json={"method": method, "args": [json.dumps(args)]}, timeout=120
+        )
+        (answer,) = r.json()["results"]
+        return answer
+
+    patch = _write(vllm_workdir, "lease.patch", _patch(vllm_views[0], vllm_views[1]))
+    calls = {
+        "stitch_set_version": {"version": 1, "base": 0},
+        "stitch_apply_patch": {"paths": [patch], "from_version": 0, "to_version": 1},
+        "stitch_stage": {"steps": [{"paths": [patch], "from_version": 0, "to_version": 1}]},
+        "stitch_commit": {"to_version": 1},
+        "stitch_load_snapshot": {"paths": vllm_snapshot(1), "version": 1, "checksums": view_sums(vllm_views[1])},
+    }
+    for method, args in calls.items():
+        refused = rpc(method, {**args, "owner": "intruder"})
+        assert not refused["ok"] and refused["error"]["type"] == "LeaseNotHeld", (method, refused)
+        assert refused["error"]["holder"] == holder and refused["lease"]["holder"] == holder
+        anonymous = rpc(method, args)
+        assert not anonymous["ok"] and "owner" in anonymous["error"]["message"], (method, anonymous)
+    taken = rpc("stitch_lease", {"owner": "intruder", "ttl_s": 5.0})
+    assert taken["error"]["type"] == "LeaseNotHeld" and taken["error"]["holder"] == holder
+    assert 0 < taken["error"]["expires_in_s"] <= lease.TEST_TTL_S
+    assert rpc("stitch_state", {})["lease"]["holder"] == holder  # read-only: no owner needed
+    _assert_holds(vllm_adapter, vllm_views, 0)  # nothing was written or recorded
+
+
 @pytest.mark.engine
 @pytest.mark.parametrize("phase", ["half-written"])
 def test_fault_injection_kills_the_engine_mid_apply(phase, smollm2_dir, vllm_views, vllm_workdir):
@@ -272,6 +312,7 @@ def test_fault_injection_kills_the_engine_mid_apply(phase, smollm2_dir, vllm_vie
     try:
         server.wait_ready()
         engine = VllmEngine(server.url, timeout_s=30)
+        lease.take(engine, "fault")
         engine.set_version(0)
         patch = _write(vllm_workdir, "fault.patch", _patch(vllm_views[0], vllm_views[1]))
         with pytest.raises((EngineUnavailableError, EngineRequestError)):
@@ -300,6 +341,7 @@ def test_tensor_parallel_3_patch_is_bit_exact_with_a_fresh_tp3_engine(smollm2_di
     try:
         server.wait_ready()
         engine = VllmEngine(server.url, timeout_s=60)
+        lease.take(engine, "tp3")  # every rank's, agreed over vLLM's TP group
         engine.set_version(0)
         assert engine.checksums(sorted(vllm_views[0])) == view_sums(vllm_views[0])
         before = server.greedy()

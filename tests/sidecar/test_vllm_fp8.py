@@ -31,6 +31,7 @@ from stitchboard.sidecar.errors import ApplyRefusedError
 from stitchboard.trainer_client import Publisher
 from stitchboard.trainer_client.resume import pull_version
 from tests.bulletin.bulletin_helpers import ThreadServer
+from tests.support import lease
 from tests.support.training import TRAINING_TEXT
 from tests.support.vllm_server import VllmServer, require_vllm
 
@@ -119,6 +120,7 @@ def test_fp8_patches_in_place_equal_a_fresh_engine(fp8_run: Fp8Run):
     adapter = VllmEngine(engine.url, timeout_s=60)
     try:
         engine.wait_ready()
+        lease.take(adapter, "fp8")
         adapter.set_version(0)
         at_v0 = engine.greedy(PROMPTS, max_tokens=4)
         manifest = fp8_run.client.manifest(fp8_run.run, 2)

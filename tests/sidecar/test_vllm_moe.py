@@ -39,6 +39,7 @@ from tests.sidecar.moe_fixtures import (
     routed_rows,
 )
 from tests.sidecar.vllm_fixtures import SidecarProcess
+from tests.support import lease
 from tests.support.vllm_server import VllmServer, require_vllm
 
 #: Output tokens of the routing check (the prompt's and these positions are compared).
@@ -100,12 +101,14 @@ def test_moe_patches_through_the_sidecar_equal_a_fresh_engine(
         sidecar.wait_applied(single)
         patched = engine.greedy()
         routed = complete(sidecar.url, engine.model, ROUTING_PROMPT, ROUTING_TOKENS, **ASK_ROUTING) if tp == 1 else {}
+        sidecar.stop()  # a clean stop releases the engine's lease: the checks below take it
         adapter = VllmEngine(engine.url, timeout_s=120)
         try:
-            assert adapter.checksums(sorted(run.sums(single))) == run.sums(single)
-            with pytest.raises(ApplyRefusedError):  # its base is gone: refused, nothing written
-                adapter.apply_patch(run.patch_paths(single), single, single + 1)
-            assert adapter.checksums(sorted(run.sums(single))) == run.sums(single)
+            with lease.holding(adapter, "moe"):
+                assert adapter.checksums(sorted(run.sums(single))) == run.sums(single)
+                with pytest.raises(ApplyRefusedError):  # its base is gone: refused, nothing written
+                    adapter.apply_patch(run.patch_paths(single), single, single + 1)
+                assert adapter.checksums(sorted(run.sums(single))) == run.sums(single)
         finally:
             adapter.close()
         assert patched != at_v0

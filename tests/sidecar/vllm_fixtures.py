@@ -26,6 +26,7 @@ from stitchboard.proto.checkpoint import save_checkpoint
 from stitchboard.proto.codec import checksum
 from stitchboard.proto.container import RawTensor
 from stitchboard.proto.sidecar_wire import COMMIT_STATES
+from tests.support import lease
 from tests.support.vllm_server import VllmServer, require_vllm
 
 Views = dict[int, dict[str, RawTensor]]
@@ -89,11 +90,12 @@ def vllm_engine(smollm2_dir: Path, vllm_workdir: Path) -> Iterator[VllmServer]:
 
 @pytest.fixture
 def vllm_adapter(vllm_engine: VllmServer):
-    """A :class:`VllmEngine` adapter on the session engine."""
+    """A :class:`VllmEngine` adapter on the session engine, holding the engine's lease (released after)."""
     from stitchboard.sidecar.engines.vllm.adapter import VllmEngine
 
     engine = VllmEngine(vllm_engine.url, timeout_s=30)
-    yield engine
+    with lease.holding(engine):
+        yield engine
     engine.close()
 
 
@@ -204,12 +206,13 @@ def load_checkpoint_as_version_0(engine_url: str, model_dir: Path, sums: dict[st
 
     engine = VllmEngine(engine_url, timeout_s=60)
     try:
-        engine.pause()
-        try:
-            engine.load_snapshot([str(model_dir / "model.safetensors")], 0, sums)
-            engine.reset_prefix_cache()
-        finally:
-            engine.resume()
+        with lease.holding(engine, "version-0"):
+            engine.pause()
+            try:
+                engine.load_snapshot([str(model_dir / "model.safetensors")], 0, sums)
+                engine.reset_prefix_cache()
+            finally:
+                engine.resume()
     finally:
         engine.close()
 
@@ -267,6 +270,25 @@ class SidecarProcess:
     def metrics(self) -> str:
         """The sidecar's Prometheus metrics text."""
         return httpx.get(f"{self.url}/metrics", timeout=30).text
+
+    def lease(self) -> dict:
+        """The ``lease`` part of ``GET /health``: ``owner``, ``held``, ``holder``, ``holder_expires_in_s``."""
+        return httpx.get(f"{self.url}/health", timeout=30).json()["lease"]
+
+    def wait_standby(self, holder: str, timeout_s: float = 120.0) -> dict:
+        """Wait until ``/health`` answers 503 ``standby`` naming ``holder`` (another sidecar holds
+        the engine's lease); returns that body."""
+        seen: dict = {}
+
+        def standby(_: dict) -> bool:
+            r = httpx.get(f"{self.url}/health", timeout=30)
+            if r.status_code == 503 and r.json().get("status") == "standby":
+                seen.update(r.json())
+            return bool(seen)
+
+        self.wait_status(standby, f"standby naming {holder}", timeout_s)
+        assert seen["lease"]["holder"] == holder and holder in seen["reason"], seen
+        return seen
 
     def wait_status(self, predicate: Callable[[dict], bool], what: str, timeout_s: float = 300.0) -> dict:
         """Poll the status until ``predicate(status)``; returns it. Fails after ``timeout_s`` or if the process exits."""

@@ -32,6 +32,17 @@ to a record file under ``record_dir``, parsed like the vLLM worker's (:mod:`..rp
   process id and start time, so a record whose process is gone (the server restarted) is
   noticed from the records alone, without a call into the engine (an update call would wait
   for requests in flight); a fresh server is asked with a ``state`` call.
+* The lease (``docs/reference/engine-lease.md``): :meth:`SglangEngine.take_lease` asks every
+  rank's control socket (:func:`.stager.control_address`, named by the server's port: no call
+  into SGLang, so a lease held elsewhere is learnt without touching the engine and a renewal
+  never waits for requests in flight); only a server that runs no stitchboard code yet (no
+  socket answers) is asked through an update call, which starts the sockets. Every later loader
+  request names the owner; the state-changing ones are refused by the loader without a live
+  lease, and none of SGLang's own state-changing routes (``/pause_generation``,
+  ``/continue_generation``, ``/flush_cache``, ``/update_weight_version``, the write session and
+  ``/update_weights_from_tensor`` for a change) is called unless the lease is live, renewed
+  first when less than half its TTL is left (:class:`~..base.LeaseGuard`). A write session left
+  open is closed only by the lease's holder (it was its own caller's, who died).
 """
 
 from __future__ import annotations
@@ -48,16 +59,17 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
 from stitchboard.proto.decode import read_patch
 
-from ...errors import ApplyFailedError, EngineRequestError, EngineStateError, EngineUnavailableError
-from ..base import EngineState
-from ..rpc import RankAnswer, combine, parse_answers, raise_if_failed
+from ...errors import ApplyFailedError, EngineRequestError, EngineStateError, EngineUnavailableError, LeaseNotHeldError
+from ..base import EngineState, LeaseGrant, LeaseGuard
+from ..rpc import RankAnswer, combine, lease_grant, lease_refusal, parse_answers, raise_if_failed
 from .loader import LOADER_PATH, REQUEST_NAME, process_start
-from .stager import ask
+from .stager import ask, control_address
 
 log = logging.getLogger("stitchboard.sidecar.engines.sglang.adapter")
 
@@ -110,6 +122,9 @@ class SglangEngine:
         self.timeout_s = timeout_s
         self.apply_timeout_s = apply_timeout_s
         self._http = httpx.Client(base_url=self.engine_url, timeout=timeout_s)
+        url = urlsplit(self.engine_url)
+        self._port = url.port or (443 if url.scheme == "https" else 80)
+        self._lease = LeaseGuard()
         self._tp: int | None = None
         self._staged: list[tuple[list[str], list[str], int, int]] = []
         self._plan: str | None = None
@@ -172,6 +187,7 @@ class SglangEngine:
         # SGLang's weight_version, in the scheduler (its spans) and the tokenizer (answers); its
         # answer comes from the scheduler (paused here: at once). Never with abort_all_requests
         # true (its default). Waits timeout_s, not apply_timeout_s: it writes no weights.
+        self._lease.ensure("POST /update_weight_version", self.take_lease)
         self._request("POST", "/update_weight_version", json={"new_version": label, "abort_all_requests": False})
 
     def _unverified(self) -> None:
@@ -183,9 +199,21 @@ class SglangEngine:
             log.warning("could not label the engine %s: %s", UNVERIFIED, exc)
 
     def _session(self, calls: Any) -> Any:
-        """Run ``calls()`` between ``/begin_weight_update`` and ``/end_weight_update`` (always ended)."""
+        """Run ``calls()`` between ``/begin_weight_update`` and ``/end_weight_update`` (always ended).
+
+        Raises:
+            EngineUnavailableError: a session is open and this adapter does not hold the lease
+                (another sidecar's may be under way: only the holder closes one left open).
+        """
         resp = self._request("POST", "/begin_weight_update", json={}, ok=(200, 400), timeout=self.apply_timeout_s)
-        if resp.status_code == 400:  # a session left open by a caller that died: close it, open ours
+        if resp.status_code == 400:  # a session left open by a caller that died: its holder closes it, opens ours
+            if not self._lease.live():
+                raise EngineUnavailableError(
+                    "a weight-update session is open on the engine and this sidecar does not hold its lease: "
+                    "not closed (another sidecar may be writing); try again",
+                    path="/begin_weight_update",
+                    status=400,
+                )
             self._request("POST", "/end_weight_update", json={}, ok=(200, 400), timeout=self.apply_timeout_s)
             self._request("POST", "/begin_weight_update", json={}, timeout=self.apply_timeout_s)
         try:
@@ -233,14 +261,18 @@ class SglangEngine:
         """
         timeout = timeout or self.apply_timeout_s
         req_id = uuid.uuid4().hex
-        req = {"op": op, "id": req_id, "record_dir": str(self.record_dir), "held": held, **args}
+        req = {"op": op, "id": req_id, "record_dir": str(self.record_dir), "held": held, "owner": self._lease.owner}
+        req.update(args)
 
         def calls() -> list[RankAnswer]:
             if req["held"] is None:
                 req["held"] = self._version()
+            sent = time.monotonic()
             self._update(req, timeout, weight_version=None if version is None else str(version))
             try:
                 answers = self._answers(req_id)
+                if isinstance(req["owner"], str):
+                    self._lease.note(lease_grant(answers, req["owner"], sent))
                 if instance is not None and combine(answers).instance != instance:
                     raise EngineStateError(
                         f"the engine restarted (instance {instance} -> {combine(answers).instance}): nothing is recorded on it",
@@ -292,6 +324,80 @@ class SglangEngine:
         except httpx.HTTPError:
             return False
 
+    def _ask_ranks(self, req: dict[str, Any], what: str) -> list[RankAnswer] | None:
+        """``req`` to every rank's control socket; their answers, or None when rank 0's socket
+        does not exist (no stitchboard code runs in the server yet).
+
+        Raises:
+            EngineUnavailableError: a socket broke off, timed out or answered garbage.
+        """
+        answers = []
+        for rank in range(self._tp_size()):
+            try:
+                answers.append(ask(control_address(self._port, rank), req, self.timeout_s))
+            except (ConnectionRefusedError, FileNotFoundError) as exc:
+                if rank == 0:
+                    return None
+                raise EngineUnavailableError(
+                    f"{what}: rank {rank}'s control socket does not answer ({exc})", path="control_socket"
+                ) from exc
+            except (OSError, ValueError) as exc:
+                raise EngineUnavailableError(
+                    f"{what}: rank {rank}'s control socket failed: {type(exc).__name__}: {exc}", path="control_socket"
+                ) from exc
+        return parse_answers("stitchboard control socket", answers)
+
+    def take_lease(self, owner: str, ttl_s: float) -> LeaseGrant:
+        """Take the engine's lease for ``owner`` for ``ttl_s`` seconds, or renew it, on every rank
+        (their control sockets; a server without them yet through one update call, which starts
+        them); this adapter acts for ``owner`` from then on. A take refused by one rank is undone
+        on the others.
+
+        Raises:
+            LeaseNotHeldError: another owner's lease is live (details ``holder``, ``expires_in_s``).
+            EngineUnavailableError, EngineRequestError.
+        """
+        sent = time.monotonic()
+        req = {"op": "lease", "owner": owner, "ttl_s": ttl_s}
+        answers = self._ask_ranks(req, "taking the engine's lease")
+        try:
+            if answers is None:  # first contact: the loader answers by its records, then listens
+                answers = self._call("lease", {"owner": owner, "ttl_s": ttl_s}, timeout=self.timeout_s * 6)
+            refusal = lease_refusal(answers)
+            if refusal is not None:
+                granted = [rank for rank, a in enumerate(answers) if a.ok]
+                if granted:  # the lease is held on every rank or none
+                    self._ask_ranks({"op": "lease", "owner": owner, "release": True}, "undoing a partial take")
+                raise refusal
+            raise_if_failed("lease", answers)
+        except LeaseNotHeldError:
+            self._lease.refused(owner)
+            raise
+        grant = lease_grant(answers, owner, sent)
+        if grant is None:
+            raise EngineRequestError(
+                f"the loader granted the lease but names other holders: {[a.lease for a in answers]}",
+                path="control_socket",
+            )
+        self._lease.taken(grant, ttl_s)
+        return grant
+
+    def release_lease(self, owner: str) -> None:
+        """End ``owner``'s lease on every rank at once (nothing to do on a server that runs no
+        stitchboard code).
+
+        Raises:
+            EngineUnavailableError, EngineRequestError.
+        """
+        answers = self._ask_ranks({"op": "lease", "owner": owner, "release": True}, "releasing the engine's lease")
+        if answers is not None:
+            raise_if_failed("lease", answers)
+        self._lease.released(owner)
+
+    def known_lease(self) -> LeaseGrant | None:
+        """See :meth:`~..base.EngineAdapter.known_lease`."""
+        return self._lease.grant
+
     def state(self, timeout_s: float | None = None) -> EngineState:
         """SGLang's ``weight_version``; the loader's phase and instance (from its live records, or
         a ``state`` call when none is of a running process); phase ``paused`` when SGLang is
@@ -323,6 +429,7 @@ class SglangEngine:
         passed the request on to the scheduler, not once the scheduler paused: an update call
         queues behind it, and the stager's write waits for the scheduler's paused loop (and
         empties the cache there, for :meth:`reset_prefix_cache`)."""
+        self._lease.ensure("POST /pause_generation", self.take_lease)
         self._request("POST", "/pause_generation", json={"mode": "retract"})
         self._flush_at_commit, self._cache_clean = True, False
 
@@ -347,6 +454,7 @@ class SglangEngine:
     def resume(self) -> None:
         """``POST /continue_generation``."""
         self._flush_at_commit = self._cache_clean = False
+        self._lease.ensure("POST /continue_generation", self.take_lease)
         self._request("POST", "/continue_generation", json={})
 
     def stage_patches(self, steps: Sequence[tuple[Sequence[str], int, int]]) -> dict[str, Any]:
@@ -372,8 +480,7 @@ class SglangEngine:
             raise EngineStateError(
                 f"the engine holds version {held}, the update is from version {steps[0][1]}", held=held, phase="idle"
             )
-        records = self._live_records() if self._tp_size() == 1 else None
-        address = records[0].get("stage_socket") if records else None
+        address = control_address(self._port, 0) if self._tp_size() == 1 else None
         staged = []
         for paths, start, end in steps:
             digests = []
@@ -390,6 +497,7 @@ class SglangEngine:
                 "op": "stage",
                 "id": plan,
                 "held": held,
+                "owner": self._lease.ensure("staging an update", self.take_lease),
                 "steps": [{"paths": p, "digests": d} for p, d, _, _ in staged],
             }
             try:
@@ -446,6 +554,7 @@ class SglangEngine:
         req = {
             "op": "commit",
             "id": uuid.uuid4().hex,
+            "owner": self._lease.ensure("writing the staged update", self.take_lease),
             "plan": plan,
             "what": f"{start}->{end}",
             "held": start,
@@ -501,6 +610,7 @@ class SglangEngine:
 
     def _apply(self, steps: list[tuple[list[str], list[str], int, int]]) -> dict[str, Any]:
         start, end = steps[0][2], steps[-1][3]
+        self._lease.ensure("applying an update", self.take_lease)
         held = self._version()
         if held != start:
             raise EngineStateError(
@@ -544,6 +654,7 @@ class SglangEngine:
             from stitchboard.proto.container import read_safetensors
 
             checksums = {name: checksum(t) for path in paths for name, t in read_safetensors(path)[1].items()}
+        self._lease.ensure("loading a snapshot", self.take_lease)
         t = time.perf_counter()
         args = {
             "paths": list(paths),
@@ -561,6 +672,7 @@ class SglangEngine:
             EngineStateError: the engine records another version than ``base``, is not idle, or
                 restarted while being recorded (then it is labelled unverified); nothing recorded.
         """
+        self._lease.ensure("recording a version", self.take_lease)
         state = self.state()
         if state.phase not in ("idle", "paused") or state.version != base:
             raise EngineStateError(
@@ -568,7 +680,7 @@ class SglangEngine:
                 held=state.version,
                 phase=state.phase,
             )
-        self._call("state", {}, version=version, instance=state.instance)
+        self._call("label", {}, version=version, instance=state.instance)
 
     def checksums(self, names: Sequence[str]) -> dict[str, str]:
         """xxh3-128 of the named checkpoint tensors as the engine holds them."""
@@ -583,4 +695,5 @@ class SglangEngine:
         """
         if self._cache_clean:
             return
+        self._lease.ensure("POST /flush_cache", self.take_lease)
         self._request("POST", "/flush_cache")

@@ -13,22 +13,37 @@ and their sha256 digests, and the loader reads them itself. Requests (``op``)::
     {"op": "load_snapshot", "paths": [...], "digests": [...], "checksums": {name: xxh3}}
     {"op": "checksums", "names": [...]}
     {"op": "output_counts"}   (at a pause: the marked requests' output tokens, :mod:`.token_counts`)
+    {"op": "lease", "owner": O, "ttl_s": T} | {"op": "lease", "owner": O, "release": true}
+    {"op": "label"}           (a call that sets SGLang's weight_version: only with the lease)
 
-plus ``id`` (the request id), ``record_dir`` (where the answers go) and ``held`` (the version the
-caller reads from SGLang's ``weight_version``, echoed in the state). **An exception raised here
-kills the SGLang server**, so :func:`load` never raises: each rank writes its answer, the shape
-of :class:`~stitchboard.sidecar.engines.rpc.RankAnswer`, to ``<record_dir>/rank<r>.json`` with
-the request id and the process's pid and start time (so that the sidecar can tell a record of a
-process that is gone). Everything that can be refused is checked before the first write
-(:mod:`.inplace`); a failure after it writes the old bits back.
+plus ``id`` (the request id), ``record_dir`` (where the answers go), ``held`` (the version the
+caller reads from SGLang's ``weight_version``, echoed in the state) and ``owner`` (the caller's
+lease owner id). **An exception raised here kills the SGLang server**, so :func:`load` never
+raises: each rank writes its answer, the shape of
+:class:`~stitchboard.sidecar.engines.rpc.RankAnswer` (with the rank's ``lease``), to
+``<record_dir>/rank<r>.json`` with the request id and the process's pid and start time (so that
+the sidecar can tell a record of a process that is gone). Everything that can be refused is
+checked before the first write (:mod:`.inplace`); a failure after it writes the old bits back.
 
-Staging while serving (TP = 1): the first call of a process starts a :class:`.stager.StageServer`
-thread whose address every record carries (``stage_socket``). A ``stage`` request to it (the
-``apply`` request's fields, with ``id``) runs :func:`.inplace.stage` on the live weights (reads
-only) and keeps the writes as the process's one staged plan. A ``commit`` request to it naming
-that ``plan`` (engine paused) then only writes, reading each chunk back as it writes it, and
-records, without an update call (SGLang's write session costs ~30 ms of the pause: begin, the
-call's round trip through the tokenizer and scheduler processes, end). What staging checked
+The lease (``docs/reference/engine-lease.md``, :mod:`..lease`): each rank's process holds one.
+``{"op": "lease", "owner", "ttl_s"}`` takes or renews it (``"release": true`` ends it), refused
+(``LeaseNotHeld``, naming the holder and its time left) while another owner's is live; the
+sidecar makes that call through an update call only at its first contact with a server that runs
+no stitchboard code yet, and through the control socket otherwise. The ops that change the engine
+(``apply``, ``load_snapshot``, and ``label``: a call that sets SGLang's ``weight_version``) are
+answered with a refusal, by the records and never by raising, unless the caller's ``owner`` holds
+a live lease on every rank (the ranks agree on it before any collective). SGLang itself sets the
+``weight_version`` a call names whatever the loader answers: the sidecar's adapter sends none
+without its lease. A call whose ``owner`` held a live lease when it began renews it when it ends.
+
+Control socket: the first call of a process starts a :class:`.stager.StageServer` thread on the
+rank's :func:`.stager.control_address` (named by SGLang's HTTP port). Any TP size: ``lease``
+requests. TP = 1, staging while serving: a ``stage`` request (the ``apply`` request's fields,
+with ``id`` and ``owner``) runs :func:`.inplace.stage` on the live weights (reads only) and keeps
+the writes as the process's one staged plan. A ``commit`` request naming that ``plan`` (engine
+paused) then only writes, reading each chunk back as it writes it, and records, without an update
+call (SGLang's write session costs ~30 ms of the pause: begin, the call's round trip through the
+tokenizer and scheduler processes, end). Both need the caller's live lease. What staging checked
 still holds at the write: staging and every loader write hold one lock, every write op bumps a
 generation, and a plan staged under another generation is not written; nothing else writes
 SGLang's weights (its own weight routes are refused by the sidecar's proxy, the engine listens
@@ -63,7 +78,8 @@ import torch
 from stitchboard.proto.env import env_setting
 from stitchboard.proto.errors import StitchError
 
-from ...errors import EngineStateError
+from ...errors import EngineStateError, TpRankError
+from ..lease import Lease, parse_owner, parse_ttl
 from . import paused_hold
 from .routing import install_capturer, keep_first_routing
 from .token_counts import number_samples, output_counts, track_finished
@@ -90,12 +106,17 @@ paused_hold.install()  # the stager's write holds the paused scheduler loop (:mo
 #: event loop that never calls the wrapped method, or a very long forward pass).
 PARK_TIMEOUT_S = 15.0
 
+#: The update-call ops that change the engine (op -> what, for messages): only with the caller's lease.
+OWNED_OPS = {"apply": "applying an update", "load_snapshot": "loading a snapshot", "label": "recording a version"}
+
 _phase = "idle"
 _ranks: Any = None
+_lease = Lease()  # this rank's lease on the engine
 #: Held by staging and by every write of the loader; ``_generation`` counts the write ops.
 _lock = threading.Lock()
 _generation = 0
 _stager: Any = None
+_stager_tp = 1  # the TP size the control socket serves (staging while serving only at TP = 1)
 
 
 @dataclass
@@ -168,6 +189,27 @@ def _state(req: dict[str, Any]) -> dict[str, Any]:
     return {"version": held, "phase": _phase, "instance": INSTANCE_ID}
 
 
+def _lease_op(req: dict[str, Any], ranks: Any = None) -> dict[str, Any]:
+    """A ``lease`` request: take or renew (``ttl_s``), or end (``release``), ``owner``'s lease.
+    With ``ranks`` (an update call, every rank in step) a take refused on any rank is undone on
+    the others, so that every rank holds it or none. Raises LeaseNotHeldError (another owner's is
+    live), TpRankError (another rank refused) or ValueError (malformed)."""
+    owner = parse_owner(req)
+    if req.get("release") is True:
+        _lease.release(owner)
+        return {}
+    ttl_s = parse_ttl(req)
+    if ranks is None:
+        _lease.take(owner, ttl_s)
+        return {}
+    try:
+        ranks.agreed(lambda: _lease.take(owner, ttl_s), "taking the engine's lease")
+    except TpRankError:  # another rank refused: this rank's take is undone
+        _lease.release(owner)
+        raise
+    return {}
+
+
 def _run(model: torch.nn.Module, req: dict[str, Any]) -> dict[str, Any]:
     """Run one request on this rank; returns the answer's extra fields (raises on failure)."""
     op = req.get("op")
@@ -175,7 +217,14 @@ def _run(model: torch.nn.Module, req: dict[str, Any]) -> dict[str, Any]:
         return {}
     if op == "output_counts":
         return {"report": {"output_tokens": output_counts()}}
+    if op == "lease":
+        with _lock:
+            ranks = _get_ranks(model)
+        return _lease_op(req, ranks)
     with _lock:
+        if op in OWNED_OPS:  # every rank refuses, or none, before any collective
+            owner, what = parse_owner(req), OWNED_OPS[str(op)]
+            _get_ranks(model).agreed(lambda: _lease.require(owner, what), what)
         return _locked(model, req, op)
 
 
@@ -199,6 +248,8 @@ def _locked(model: torch.nn.Module, req: dict[str, Any], op: object) -> dict[str
     from .inplace import load_snapshot, stage
 
     ranks = _get_ranks(model)
+    if op == "label":
+        return {}
     if op == "checksums":
         return {"checksums": {n: ranks.checksum(ranks.layout.place(n)) for n in req["names"]}}
     what = str(req.get("what", ""))
@@ -223,7 +274,7 @@ def _locked(model: torch.nn.Module, req: dict[str, Any], op: object) -> dict[str
 
 
 def _commit_plan(model: torch.nn.Module, req: dict[str, Any]) -> dict[str, Any]:
-    """Write the plan ``req["plan"]`` from the stager thread (engine paused, see :func:`_staging`);
+    """Write the plan ``req["plan"]`` from the control socket thread (engine paused, see :func:`_control`);
     the answer's extra fields, ``report.committed`` False when that plan is missing or stale
     (nothing written: the caller applies through the update call). Raises on failure."""
     global _plan
@@ -277,65 +328,72 @@ def _stage_plan(model: torch.nn.Module, req: dict[str, Any]) -> dict[str, Any]:
     return {"report": report}
 
 
-def _staging(model: torch.nn.Module, req: dict[str, Any]) -> dict[str, Any]:
-    """The stager thread's handler. ``stage`` (the default op): :func:`_stage_plan`. ``commit``:
-    :func:`_commit_plan` (write plan ``req["plan"]`` in place, each chunk read back as it is
-    written, empty the radix cache when ``req["flush"]``, while the scheduler thread is held in
-    its paused loop: :mod:`.paused_hold`; when it is not reached, nothing is written), and record
-    the answer in ``req["record_dir"]`` as :func:`load` does. Returns the answer as :func:`load`
-    records it; never raises."""
-    commit = req.get("op") == "commit"
+def _control(model: torch.nn.Module, req: dict[str, Any]) -> dict[str, Any]:
+    """The control socket's handler (see the module doc). ``lease``: :func:`_lease_op`. At TP = 1,
+    with the caller's live lease: ``stage``: :func:`_stage_plan`; ``commit``: :func:`_commit_plan`
+    (write plan ``req["plan"]`` in place, each chunk read back as it is written, empty the radix
+    cache when ``req["flush"]``, while the scheduler thread is held in its paused loop:
+    :mod:`.paused_hold`; when it is not reached, nothing is written), and record the answer in
+    ``req["record_dir"]`` as :func:`load` does. Returns the answer as :func:`load` records it;
+    never raises."""
+    op = req.get("op")
+    owner = req.get("owner") if isinstance(req.get("owner"), str) else None
+    held = owner is not None and _lease.holds(owner)
     try:
-        answer: dict[str, Any] = {"ok": True, **(_commit_plan(model, req) if commit else _stage_plan(model, req))}
+        if op == "lease":
+            extra = _lease_op(req)
+        elif op in ("stage", "commit"):
+            if _stager_tp != 1:
+                raise ValueError(f"staging while serving needs TP = 1 (this engine runs TP = {_stager_tp})")
+            _lease.require(parse_owner(req), "writing the staged update" if op == "commit" else "staging an update")
+            extra = _commit_plan(model, req) if op == "commit" else _stage_plan(model, req)
+        else:
+            raise ValueError(f"unknown op {op!r}")
+        answer: dict[str, Any] = {"ok": True, **extra}
     except Exception as exc:  # noqa: BLE001 - answered, never raised
         log.warning("stitchboard stager: %s: %s", type(exc).__name__, exc)
         answer = {"ok": False, "error": _error(exc)}
-    answer["state"] = _state(req)
-    if commit and isinstance(req.get("record_dir"), str):
+    if held and owner is not None:
+        _lease.extend(owner)
+    answer["state"], answer["lease"] = _state(req), _lease.view()
+    if op == "commit" and isinstance(req.get("record_dir"), str):
         try:
-            _write_record(req["record_dir"], 0, req.get("id"), answer, _stager.address if _stager is not None else None)
+            _write_record(req["record_dir"], 0, req.get("id"), answer)
         except Exception:  # the answer still goes back on the socket
             log.exception("stitchboard stager: could not write the answer record")
     return answer
 
 
-def _serve_staging(model: torch.nn.Module, record_dir: str, rank: int) -> str | None:
-    """Start (or move) this process's stager thread; its address, or None (not started: see the log)."""
-    global _stager
-    from .stager import StageServer, socket_address
+def _after_answer(req: dict[str, Any]) -> None:
+    # Once a commit's answer is sent (or failed): the scheduler thread goes on.
+    if req.get("op") == "commit":
+        paused_hold.release()
 
-    address = socket_address(record_dir, rank, INSTANCE_ID)
-    if _stager is not None and _stager.address == address and _stager.is_alive():
-        return str(_stager.address)
+
+def _http_port() -> int:
+    from sglang.srt.runtime_context import get_server_args
+
+    return int(get_server_args().port)
+
+
+def _serve_control(model: torch.nn.Module, rank: int, size: int) -> None:
+    """Start this process's control socket thread (once; see the module doc). Raises OSError (the
+    address cannot be bound) or what reading SGLang's port raises; the caller logs it."""
+    global _stager, _stager_tp
+    from .stager import StageServer, control_address
+
+    if _stager is not None and _stager.is_alive():
+        return
     with _lock:
         _get_ranks(model)  # here, in SGLang's thread (it reads the TP rank from its context)
-    try:
-        server = StageServer(address, lambda req: _staging(model, req), after=paused_hold.release)
-    except OSError as exc:
-        log.warning(
-            "stitchboard loader: no staging while serving (cannot listen on %r: %s); updates stage in the pause",
-            address,
-            exc,
-        )
-        return None
-    if _stager is not None:
-        _stager.close()
-    _stager = server
-    server.start()
-    return address
+    _stager_tp = size
+    _stager = StageServer(control_address(_http_port(), rank), lambda req: _control(model, req), after=_after_answer)
+    _stager.start()
 
 
-def _write_record(
-    record_dir: str, rank: int, request: object, answer: dict[str, Any], stage_socket: str | None
-) -> None:
+def _write_record(record_dir: str, rank: int, request: object, answer: dict[str, Any]) -> None:
     # The rank's answer to request id ``request``, with this process's pid and start time.
-    record = {
-        "request": request,
-        "pid": os.getpid(),
-        "start": process_start(os.getpid()),
-        "answer": answer,
-        "stage_socket": stage_socket,
-    }
+    record = {"request": request, "pid": os.getpid(), "start": process_start(os.getpid()), "answer": answer}
     os.makedirs(record_dir, exist_ok=True)
     path = os.path.join(record_dir, f"rank{rank}.json")
     tmp = f"{path}.{os.getpid()}.tmp"
@@ -348,6 +406,7 @@ def load(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Tensor]]) 
     """SGLang's custom weight loader entry point (see the module docstring). Never raises."""
     req: dict[str, Any] = {}
     rank, size = 0, 1
+    held, owner = False, None
     why = install_capturer()  # SGLang's return_routed_experts on the CPU (:mod:`.routing`)
     if why is not None:
         log.debug("stitchboard loader: no routed-experts capture: %s", why)
@@ -359,21 +418,23 @@ def load(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Tensor]]) 
         req = json.loads(bytes(tensors[REQUEST_NAME].to("cpu", torch.uint8).numpy().tobytes()))
         if not isinstance(req, dict) or not isinstance(req.get("record_dir"), str):
             raise ValueError("the request must be a JSON object with a record_dir")  # noqa: TRY004 - reported, never raised to SGLang
+        owner = req.get("owner") if isinstance(req.get("owner"), str) else None
+        held = owner is not None and _lease.holds(owner)
         answer: dict[str, Any] = {"ok": True, **_run(model, req)}
     except Exception as exc:  # noqa: BLE001 - an exception here would kill the server: reported instead
         log.warning("stitchboard loader: %s: %s", type(exc).__name__, exc)
         answer = {"ok": False, "error": _error(exc)}
-    answer["state"] = _state(req)
+    if held and owner is not None:
+        _lease.extend(owner)
+    answer["state"], answer["lease"] = _state(req), _lease.view()
+    try:
+        _serve_control(model, rank, size)
+    except Exception:  # never raise into SGLang: no control socket (lease and staging through update calls)
+        log.exception("stitchboard loader: could not start the control socket")
     if not isinstance(req.get("record_dir"), str):
         log.error("stitchboard loader: no record_dir, the answer is lost: %s", answer)
         return
-    stage_socket = None
-    if size == 1:
-        try:
-            stage_socket = _serve_staging(model, req["record_dir"], rank)
-        except Exception:  # never raise into SGLang: the updates stage in the pause
-            log.exception("stitchboard loader: could not start the stager")
     try:
-        _write_record(req["record_dir"], rank, req.get("id"), answer, stage_socket)
+        _write_record(req["record_dir"], rank, req.get("id"), answer)
     except Exception:  # never raise into SGLang
         log.exception("stitchboard loader: could not write the answer record")

@@ -7,6 +7,12 @@ stitchboard.sidecar.vllm_worker.StitchWorkerExtension`` (:mod:`.worker`): ``/pau
 ``/reset_prefix_cache`` and ``/collective_rpc`` into the worker extension (one JSON-string
 argument per call; results are small dicts, one per TP rank). Patches and snapshots travel as
 files under the hand-off folder, never as bytes over HTTP.
+
+The lease (``docs/reference/engine-lease.md``): :meth:`VllmEngine.take_lease` calls
+``stitch_lease`` on every rank; every later call names that owner, the state-changing
+``stitch_*`` ones are refused in the engine without a live lease, and vLLM's own ``/pause``,
+``/resume`` and ``/reset_prefix_cache`` (which cannot check it) are not called unless the lease
+is live, renewed first when less than half its TTL is left (:class:`~..base.LeaseGuard`).
 """
 
 from __future__ import annotations
@@ -20,8 +26,8 @@ from typing import Any
 import httpx
 
 from ...errors import EngineRequestError, EngineUnavailableError
-from ..base import EngineState
-from ..rpc import RankAnswer, combine, parse_answers, raise_if_failed
+from ..base import EngineState, LeaseGrant, LeaseGuard
+from ..rpc import RankAnswer, combine, lease_grant, lease_refusal, parse_answers, raise_if_failed
 
 
 def _snapshot_checksums(paths: Sequence[str]) -> dict[str, str]:
@@ -45,6 +51,7 @@ class VllmEngine:
         self.timeout_s = timeout_s
         self.apply_timeout_s = apply_timeout_s
         self._http = httpx.Client(base_url=self.engine_url, timeout=timeout_s)
+        self._lease = LeaseGuard()
 
     def close(self) -> None:
         """Close the HTTP connection pool."""
@@ -77,15 +84,34 @@ class VllmEngine:
             ) from None
 
     def _rpc(self, method: str, args: dict[str, Any], timeout: float | None = None) -> list[RankAnswer]:
-        """Call a worker-extension method on every rank; returns the per-rank answers."""
+        """Call a worker-extension method on every rank, naming this adapter's lease owner (if
+        any); returns the per-rank answers (what they say of the lease is noted)."""
+        owner = self._lease.owner
+        if owner is not None and "owner" not in args:
+            args = {**args, "owner": owner}
         body = {"method": method, "args": [json.dumps(args)]}
+        sent = time.monotonic()
         answer = self._request("POST", "/collective_rpc", json=body, timeout=timeout)
-        return parse_answers(f"collective_rpc {method}", answer.get("results") if isinstance(answer, dict) else None)
+        answers = parse_answers(f"collective_rpc {method}", answer.get("results") if isinstance(answer, dict) else None)
+        if owner is not None:
+            self._lease.note(lease_grant(answers, owner, sent))
+        return answers
 
     def _checked(self, method: str, args: dict[str, Any], timeout: float | None = None) -> list[RankAnswer]:
         answers = self._rpc(method, args, timeout)
         raise_if_failed(method, answers)
         return answers
+
+    def _owned(self, method: str, args: dict[str, Any], timeout: float | None = None) -> list[RankAnswer]:
+        """:meth:`_checked` for a state-changing method: only with a live lease (renewed first when
+        less than half its TTL is left). Raises LeaseNotHeldError (nothing called) without one."""
+        self._lease.ensure(method, self.take_lease)
+        return self._checked(method, args, timeout)
+
+    def _control(self, path: str, params: dict[str, str] | None = None) -> Any:
+        """``POST`` one of vLLM's own state-changing routes, only with a live lease (see :meth:`_owned`)."""
+        self._lease.ensure(f"POST {path}", self.take_lease)
+        return self._request("POST", path, params=params)
 
     # -- EngineAdapter ---------------------------------------------------------------------------
 
@@ -95,6 +121,47 @@ class VllmEngine:
             return self._http.get("/health", timeout=self.timeout_s).status_code == 200
         except httpx.HTTPError:
             return False
+
+    def take_lease(self, owner: str, ttl_s: float) -> LeaseGrant:
+        """``stitch_lease`` on every rank: take the engine's lease for ``owner`` for ``ttl_s``
+        seconds, or renew it; this adapter acts for ``owner`` from then on.
+
+        Returns:
+            The grant: live for sure until the call's send time plus the least time any rank has left.
+
+        Raises:
+            LeaseNotHeldError: another owner's lease is live on some rank (details ``holder``,
+                ``expires_in_s``); no rank holds it for ``owner`` after the call.
+            EngineUnavailableError, EngineRequestError.
+        """
+        sent = time.monotonic()
+        answers = self._rpc("stitch_lease", {"owner": owner, "ttl_s": ttl_s})
+        refusal = lease_refusal(answers)
+        if refusal is not None:
+            self._lease.refused(owner)
+            raise refusal
+        raise_if_failed("stitch_lease", answers)
+        grant = lease_grant(answers, owner, sent)
+        if grant is None:
+            raise EngineRequestError(
+                f"stitch_lease: the ranks granted the lease but name other holders: {[a.lease for a in answers]}",
+                path="/collective_rpc",
+            )
+        self._lease.taken(grant, ttl_s)
+        return grant
+
+    def release_lease(self, owner: str) -> None:
+        """``stitch_lease`` with ``release``: end ``owner``'s lease on every rank at once.
+
+        Raises:
+            EngineUnavailableError, EngineRequestError.
+        """
+        self._checked("stitch_lease", {"owner": owner, "release": True})
+        self._lease.released(owner)
+
+    def known_lease(self) -> LeaseGrant | None:
+        """See :meth:`~..base.EngineAdapter.known_lease`."""
+        return self._lease.grant
 
     def state(self, timeout_s: float | None = None) -> EngineState:
         """What the worker extension records; phase ``paused`` when it is idle and the engine paused.
@@ -113,16 +180,16 @@ class VllmEngine:
 
     def pause(self) -> None:
         """``POST /pause?mode=keep``: requests in flight are frozen and kept (never aborted)."""
-        self._request("POST", "/pause", params={"mode": "keep"})
+        self._control("/pause", {"mode": "keep"})
 
     def pause_keeping_cache(self) -> None:
         """``POST /pause?mode=keep&clear_cache=false``: as :meth:`pause`, but the prefix cache is kept
         (a plain pause resets it, running requests preempted); for the version-salted cache (:mod:`stitchboard.sidecar.salt`)."""
-        self._request("POST", "/pause", params={"mode": "keep", "clear_cache": "false"})
+        self._control("/pause", {"mode": "keep", "clear_cache": "false"})
 
     def resume(self) -> None:
         """``POST /resume``."""
-        self._request("POST", "/resume")
+        self._control("/resume")
 
     def apply_patch(self, handoff_path: str | Sequence[str], from_version: int, to_version: int) -> dict[str, Any]:
         """Apply the patch file(s) of one version (all files of the version in one call).
@@ -141,7 +208,7 @@ class VllmEngine:
         """
         paths = [handoff_path] if isinstance(handoff_path, str) else list(handoff_path)
         t = time.perf_counter()
-        results = self._checked(
+        results = self._owned(
             "stitch_apply_patch",
             {"paths": paths, "from_version": from_version, "to_version": to_version},
             self.apply_timeout_s,
@@ -153,7 +220,9 @@ class VllmEngine:
 
         The worker reads, decodes and checks the patches and (CPU backend) packs the new GEMM
         copies in a background thread; this polls ``stitch_staged`` every ``poll_s`` seconds,
-        up to ``apply_timeout_s``.
+        up to ``apply_timeout_s`` in all. A poll may wait for what is left of that, not only
+        ``timeout_s``: vLLM answers it after the engine step in flight, which takes longer than
+        a control call may under load (50 streams on a 2-core CPU host: over 10 s).
 
         Args:
             steps: ``(hand-off paths, from_version, to_version)`` in order from the held version.
@@ -171,9 +240,12 @@ class VllmEngine:
         body = {
             "steps": [{"paths": list(paths), "from_version": start, "to_version": end} for paths, start, end in steps]
         }
-        self._checked("stitch_stage", body, self.apply_timeout_s)
+        self._owned("stitch_stage", body, self.apply_timeout_s)
         while True:
-            results = self._checked("stitch_staged", {})
+            # vLLM answers collective_rpc between engine steps: while it generates, a poll waits up
+            # to a step, under load longer than a control call may; it may take what the staging has left.
+            left = self.apply_timeout_s - (time.perf_counter() - t)
+            results = self._checked("stitch_staged", {}, max(left, self.timeout_s))
             if all((r.staging or {}).get("state") == "ready" for r in results):
                 return {**(results[0].staging or {}).get("report", {}), "rpc_s": time.perf_counter() - t}
             if time.perf_counter() - t > self.apply_timeout_s:
@@ -196,7 +268,7 @@ class VllmEngine:
                 the old bits are back). EngineUnavailableError, EngineRequestError.
         """
         t = time.perf_counter()
-        results = self._checked("stitch_commit", {"to_version": to_version}, self.apply_timeout_s)
+        results = self._owned("stitch_commit", {"to_version": to_version}, self.apply_timeout_s)
         return {**(results[0].report or {}), "rpc_s": time.perf_counter() - t}
 
     def load_snapshot(
@@ -220,7 +292,7 @@ class VllmEngine:
         """
         sums = dict(checksums) if checksums is not None else _snapshot_checksums(paths)
         t = time.perf_counter()
-        results = self._checked(
+        results = self._owned(
             "stitch_load_snapshot", {"paths": list(paths), "version": version, "checksums": sums}, self.apply_timeout_s
         )
         return {**(results[0].report or {}), "rpc_s": time.perf_counter() - t}
@@ -232,7 +304,7 @@ class VllmEngine:
             EngineStateError: phase ``failed``, or the engine records another version than
                 ``base`` (e.g. it restarted); nothing recorded.
         """
-        self._checked("stitch_set_version", {"version": version, "base": base})
+        self._owned("stitch_set_version", {"version": version, "base": base})
 
     def checksums(self, names: Sequence[str]) -> dict[str, str]:
         """xxh3-128 of the named checkpoint tensors as the engine holds them (for verification)."""
@@ -245,7 +317,7 @@ class VllmEngine:
         Raises:
             EngineRequestError: the engine reports the reset failed.
         """
-        answer = self._request("POST", "/reset_prefix_cache", params={"reset_running_requests": "true"})
+        answer = self._control("/reset_prefix_cache", {"reset_running_requests": "true"})
         if not (isinstance(answer, dict) and answer.get("success")):
             raise EngineRequestError(f"engine could not reset its prefix cache: {answer}", path="/reset_prefix_cache")
 

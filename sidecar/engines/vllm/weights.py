@@ -83,6 +83,38 @@ def _gathered_tensor_bytes(p: Placement, block: torch.Tensor, group: object) -> 
     return full.contiguous().reshape(-1).numpy()
 
 
+def agreed(group: object | None, step: Callable[[], T], what: str) -> T:
+    """Run ``step`` (rank-local work: reading files, mapping names, writing, a lease check) and
+    tell every TP rank of ``group`` whether any rank failed it, before anyone's next collective;
+    returns its result.
+
+    Without this the other ranks would wait in a gather for a rank that gave up, until the
+    group's timeout (10 min); with it every rank refuses, or restores, at once. With no group
+    (TP = 1) it just runs ``step``.
+
+    Raises:
+        what ``step`` raised, on its rank; :class:`TpRankError` on every other rank when any failed.
+    """
+    error: Exception | None = None
+    result = None
+    try:
+        result = step()
+    except Exception as exc:  # noqa: BLE001 - every rank's failure is shared with the others
+        error = exc
+    failed: dict[int, str] = {}
+    if group is not None:
+        mine = None if error is None else f"{type(error).__name__}: {error}"
+        everyone: list[str | None] = [None] * torch.distributed.get_world_size(group)
+        torch.distributed.all_gather_object(everyone, mine, group=group)
+        failed = {rank: message for rank, message in enumerate(everyone) if message is not None}
+    if error is not None:
+        raise error
+    if failed:
+        rank, message = next(iter(failed.items()))
+        raise TpRankError(f"{what}: TP rank {rank} failed ({message}); this rank did not", failed=failed)
+    return result  # type: ignore[return-value]
+
+
 class WeightIO:
     """Reads and writes checkpoint tensors of one rank's live model.
 
@@ -121,34 +153,8 @@ class WeightIO:
         return _gathered_tensor_bytes(p, block, self.tp_group) if self.tp_group is not None else _block_bytes(block)
 
     def agreed(self, step: Callable[[], T], what: str) -> T:
-        """Run ``step`` (rank-local work: reading files, mapping names, writing) and tell every TP
-        rank whether any rank failed it, before anyone's next collective; returns its result.
-
-        Without this the other ranks would wait in a gather for a rank that gave up, until the
-        group's timeout (10 min); with it every rank refuses, or restores, at once. At TP = 1
-        it just runs ``step``.
-
-        Raises:
-            what ``step`` raised, on its rank; :class:`TpRankError` on every other rank when any failed.
-        """
-        error: Exception | None = None
-        result = None
-        try:
-            result = step()
-        except Exception as exc:  # noqa: BLE001 - every rank's failure is shared with the others
-            error = exc
-        failed: dict[int, str] = {}
-        if self.tp_group is not None:
-            mine = None if error is None else f"{type(error).__name__}: {error}"
-            everyone: list[str | None] = [None] * torch.distributed.get_world_size(self.tp_group)
-            torch.distributed.all_gather_object(everyone, mine, group=self.tp_group)
-            failed = {rank: message for rank, message in enumerate(everyone) if message is not None}
-        if error is not None:
-            raise error
-        if failed:
-            rank, message = next(iter(failed.items()))
-            raise TpRankError(f"{what}: TP rank {rank} failed ({message}); this rank did not", failed=failed)
-        return result  # type: ignore[return-value]
+        """:func:`agreed` over this rank's stitchboard TP group."""
+        return agreed(self.tp_group, step, what)
 
     def checksums(self, names: Sequence[str]) -> dict[str, str]:
         """Checksums of the named checkpoint tensors (raises ``UnmappedTensorError``)."""

@@ -13,6 +13,9 @@ JSON dict: ``{"ok": true, "state": {...}, ...}`` or ``{"ok": false, "error": {"t
 (all ranks run each call, in step):
 
 * ``stitch_state("{}")``: ``state`` only.
+* ``stitch_lease('{"owner": O, "ttl_s": T}')``: take the engine's lease for owner O for T seconds,
+  or renew it; refused (``LeaseNotHeld``, details ``holder`` and ``expires_in_s``) while another
+  owner's lease is live. ``{"owner": O, "release": true}`` ends O's lease at once.
 * ``stitch_set_version('{"version": V, "base": B}')``: record V (for ``--boot-version`` and empty
   deltas), refused unless the engine records B now (``null``: no version).
 * ``stitch_stage('{"steps": [{"paths": [...], "from_version": F, "to_version": T}, ...]}')``:
@@ -29,6 +32,15 @@ JSON dict: ``{"ok": true, "state": {...}, ...}`` or ``{"ok": false, "error": {"t
   tokens so far of each output of the sidecar's marked requests (key ``<mark>:<prompt>:<choice>``; read at a pause: :mod:`.token_counts`).
 * ``stitch_routed_experts('{"marks": [...]}')``: ``report``: the experts the marked requests'
   tokens were routed to during generation, handed over once (:mod:`.routing`).
+
+The lease (:mod:`..lease`, ``docs/reference/engine-lease.md``): each rank holds one, its expiry
+on the worker's own monotonic clock. The state-changing methods (``stitch_set_version``,
+``stitch_stage``, ``stitch_commit``, ``stitch_apply_patch``, ``stitch_load_snapshot``) take the
+caller's ``owner`` in their arguments and are refused (``LeaseNotHeld``, nothing done) unless
+that owner's lease is live on every rank (the ranks agree on it over vLLM's TP group before
+anything else, so none goes on alone); the read-only ones (state, staged, checksums, counts,
+routed experts) need none. A call whose ``owner`` held a live lease when it began renews that
+lease when it ends. Every answer carries the rank's ``lease`` (``holder``, ``expires_in_s``).
 
 TP > 1: the ranks gather tensors on a gloo group of stitchboard's own. A step one rank can fail
 alone (reading a hand-off file, mapping a name, writing) ends with an agreement between the
@@ -65,13 +77,14 @@ from typing import Any
 from stitchboard.proto.env import env_setting
 from stitchboard.proto.errors import StitchError
 
-from ...errors import ApplyFailedError, EngineStateError
+from ...errors import ApplyFailedError, EngineStateError, TpRankError
+from ..lease import Lease, parse_owner, parse_ttl
 from . import routing
 from .experts import ExpertLayout
 from .layout import RuntimeLayout
 from .token_counts import output_counts, track_finished
 from .update import StagingJob, apply_patch_files, commit_staged, parse_steps
-from .weights import WeightIO, load_snapshot_files
+from .weights import WeightIO, agreed, load_snapshot_files
 
 log = logging.getLogger("stitchboard.sidecar.engines.vllm.worker")
 
@@ -143,6 +156,7 @@ class StitchWorkerExtension:
     _stitch_phase: str = "idle"
     _stitch_io: WeightIO | None = None
     _stitch_job: StagingJob | None = None
+    _stitch_lease_record: Lease | None = None
 
     # -- plumbing ------------------------------------------------------------------------------
 
@@ -171,17 +185,43 @@ class StitchWorkerExtension:
         routing.note_version(self._stitch_version)  # every version change happens inside a call, before its answer
         return {"version": self._stitch_version, "phase": self._stitch_phase, "instance": INSTANCE_ID}
 
-    def _stitch_call(self, request: str, run: Any) -> dict[str, Any]:
-        """Parse ``request`` (JSON object), run ``run(args)``, wrap the result or the error."""
+    def _stitch_lease(self) -> Lease:
+        if self._stitch_lease_record is None:
+            self._stitch_lease_record = Lease()
+        return self._stitch_lease_record
+
+    def _stitch_agreed(self, step: Any, what: str) -> Any:
+        """:func:`.weights.agreed` over vLLM's own TP CPU group: RPCs run in the worker's main
+        thread, where no staging collective of stitchboard's group can be under way."""
+        from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group
+
+        group = get_tp_group().cpu_group if get_tensor_model_parallel_world_size() > 1 else None
+        return agreed(group, step, what)
+
+    def _stitch_call(self, request: str, run: Any, owned: str | None = None) -> dict[str, Any]:
+        """Parse ``request`` (JSON object), run ``run(args)``, wrap the result or the error. With
+        ``owned`` (the state change, for messages) the caller's ``owner`` must hold a live lease
+        on every rank first; a call whose ``owner`` held one when it began renews it at its end."""
+        lease = self._stitch_lease()
+        owner: str | None = None
+        held = False
         try:
             args = json.loads(request) if request else {}
             if not isinstance(args, dict):
                 raise ValueError("the request must be a JSON object")  # noqa: TRY004 - reported to the sidecar as a refused request
+            owner = args.get("owner") if isinstance(args.get("owner"), str) else None
+            held = owner is not None and lease.holds(owner)
+            if owned is not None:
+                caller = parse_owner(args)
+                self._stitch_agreed(lambda: lease.require(caller, owned), owned)
             result = run(args)
-            return {"ok": True, "state": self._stitch_state(), **(result or {})}
+            answer = {"ok": True, "state": self._stitch_state(), **(result or {})}
         except Exception as exc:  # noqa: BLE001 - every error goes back to the sidecar as a report
             log.warning("stitchboard call failed: %s: %s", type(exc).__name__, exc)
-            return {"ok": False, "state": self._stitch_state(), "error": _error(exc)}
+            answer = {"ok": False, "state": self._stitch_state(), "error": _error(exc)}
+        if held and owner is not None:
+            lease.extend(owner)
+        return {**answer, "lease": lease.view()}
 
     def _stitch_finish_staging(self, drop: bool) -> None:
         """Wait for a background staging to end (it reads the weights and uses the TP group);
@@ -226,8 +266,28 @@ class StitchWorkerExtension:
     # -- RPC methods ---------------------------------------------------------------------------
 
     def stitch_state(self, request: str = "{}") -> dict[str, Any]:
-        """``{"ok": true, "state": {"version", "phase"}}``."""
+        """``{"ok": true, "state": {"version", "phase", "instance"}, "lease": {...}}``."""
         return self._stitch_call(request, lambda args: None)
+
+    def stitch_lease(self, request: str) -> dict[str, Any]:
+        """Take (``owner``, ``ttl_s`` seconds) or renew the engine's lease on every rank, or end it
+        (``owner``, ``release``: true). A take refused on any rank (another owner's lease is live
+        there: ``LeaseNotHeld``) is undone on the ranks that granted it, so that the lease is
+        held on every rank or on none; ``lease`` in the answer says who holds it."""
+
+        def run(args: dict[str, Any]) -> None:
+            owner, lease = parse_owner(args), self._stitch_lease()
+            if args.get("release") is True:
+                lease.release(owner)
+                return
+            ttl_s = parse_ttl(args)
+            try:
+                self._stitch_agreed(lambda: lease.take(owner, ttl_s), "taking the engine's lease")
+            except TpRankError:  # another rank refused: this rank's take is undone
+                lease.release(owner)
+                raise
+
+        return self._stitch_call(request, run)
 
     def stitch_set_version(self, request: str) -> dict[str, Any]:
         """Record ``version`` (int >= 0) as held, only if the engine records ``base`` now (int, or
@@ -249,7 +309,7 @@ class StitchWorkerExtension:
                 )
             self._stitch_version = version
 
-        return self._stitch_call(request, run)
+        return self._stitch_call(request, run, owned="recording a version")
 
     def stitch_stage(self, request: str) -> dict[str, Any]:
         """Start staging ``steps`` (consecutive patch versions from the held one) in the background.
@@ -265,7 +325,7 @@ class StitchWorkerExtension:
             self._stitch_job = StagingJob(self._stitch_weights(), steps)
             return {"staging": self._stitch_job.status()}
 
-        return self._stitch_call(request, run)
+        return self._stitch_call(request, run, owned="staging an update")
 
     def stitch_staged(self, request: str = "{}") -> dict[str, Any]:
         """``{"ok": true, "state", "staging": {"state": "running" | "ready", ...}}``, or the
@@ -306,7 +366,7 @@ class StitchWorkerExtension:
                 end, lambda: commit_staged(self._stitch_weights(), staged, functools.partial(_fault, version=end))
             )
 
-        return self._stitch_call(request, run)
+        return self._stitch_call(request, run, owned="committing the staged update")
 
     def stitch_apply_patch(self, request: str) -> dict[str, Any]:
         """Apply ``paths`` (patch files of one version) taking ``from_version`` to ``to_version``.
@@ -325,7 +385,7 @@ class StitchWorkerExtension:
                 end, lambda: apply_patch_files(io, paths, start, end, functools.partial(_fault, version=end))
             )
 
-        return self._stitch_call(request, run)
+        return self._stitch_call(request, run, owned="applying a patch")
 
     def stitch_load_snapshot(self, request: str) -> dict[str, Any]:
         """Load ``paths`` (snapshot shards) verified against ``checksums``; record ``version``.
@@ -356,7 +416,7 @@ class StitchWorkerExtension:
             self._stitch_version, self._stitch_phase = version, "idle"
             return {"report": report}
 
-        return self._stitch_call(request, run)
+        return self._stitch_call(request, run, owned="loading a snapshot")
 
     def stitch_checksums(self, request: str) -> dict[str, Any]:
         """``{"ok": true, "state", "checksums": {name: xxh3-128 hex}}`` of ``names`` as held now."""
