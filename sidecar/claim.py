@@ -119,9 +119,8 @@ class ClaimKeeper(abc.ABC):
         # reboot keeps its thread until it ends.
         self._pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix="stitch-bulletin")
         self._engine_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="stitch-engine")
-        self.lease = LeaseKeeper(
-            settings, engine, metrics
-        )  # the engine's lease: nothing is changed or claimed without it
+        # The engine's lease: nothing is changed or claimed without it.
+        self.lease = LeaseKeeper(settings, engine, metrics)
 
     # -- plumbing ----------------------------------------------------------------------------
 
@@ -295,12 +294,21 @@ class ClaimKeeper(abc.ABC):
                 await asyncio.sleep(self.settings.lease_renew_interval_s)
 
     async def _require_claim(self, before: str) -> None:
-        """Before ``before`` writes to the engine: raise (dropping the claim) if the engine is
-        not the instance this boot found, or no longer records the applied version.
+        """Before ``before`` writes to the engine: raise (dropping the claim) if this sidecar lost
+        the engine's lease, or the engine is not the instance this boot found, or no longer
+        records the applied version.
 
         Raises:
+            LeaseNotHeldError: the lease was lost (boot takes it again).
             EngineChangedError: the main loop boots again.
         """
+        if not self.lease.held:
+            raise LeaseNotHeldError(
+                f"before {before}: this sidecar does not hold the engine's lease",
+                holder=self.lease.holder,
+                expires_in_s=None,
+                owner=self.lease.owner,
+            )
         reason = self._claim_broken(await self._engine_io(self.engine.state))
         if reason is not None:
             self._drop_claim(reason)
