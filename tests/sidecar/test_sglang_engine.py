@@ -260,6 +260,22 @@ def test_the_loader_and_its_control_socket_refuse_changes_without_the_lease(
         assert not (sglang_workdir / "intruder-adapter").exists(), "the take went through an update call"
     finally:
         intruder.close()
+    # An adapter whose lease was ended behind its back (its grant not run out: no renewal first) is
+    # refused by the loader; the version label its call made SGLang set goes back as it was.
+    label = httpx.get(f"{sglang_engine.url}/model_info", timeout=60).json()["weight_version"]
+    adapter.release_lease(holder)
+    stale = SglangEngine(sglang_engine.url, sglang_workdir / "stale-records", timeout_s=60)
+    try:
+        stale.take_lease("stale", 60.0)
+        assert ask(address, {"op": "lease", "owner": "stale", "release": True}, 60)["lease"]["holder"] is None
+        adapter.take_lease(holder, lease.TEST_TTL_S)
+        with pytest.raises(LeaseNotHeldError):
+            stale.set_version(before.version + 7, before.version)
+        with pytest.raises(LeaseNotHeldError):
+            stale.apply_patch(path, before.version, before.version + 1)
+    finally:
+        stale.close()
+    assert httpx.get(f"{sglang_engine.url}/model_info", timeout=60).json()["weight_version"] == label
     assert sglang_engine.proc.poll() is None, "the server died"
     assert loader({"op": "state"})["ok"] and loader({"op": "checksums", "names": sorted(views[0])})["ok"]
     assert adapter.state() == before and before.phase == "idle"

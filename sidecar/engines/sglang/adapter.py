@@ -279,12 +279,15 @@ class SglangEngine:
                         held=None,
                         phase="idle",
                     )
-                raise_if_failed(op, answers)
+                self._raise_if_failed(op, answers)
             except Exception as exc:
                 if version is not None:
+                    # the label goes back to what the engine held, or to UNVERIFIED when its bits may have
+                    # changed; refused for want of the lease, nothing of this call changed the engine
+                    # but the label (another sidecar's, now): it goes back as it was
                     kept = (
                         req["held"] is not None
-                        and instance is None
+                        and (instance is None or isinstance(exc, LeaseNotHeldError))
                         and not (isinstance(exc, ApplyFailedError) and not exc.details.get("restored"))
                     )
                     self._update(
@@ -297,6 +300,15 @@ class SglangEngine:
 
         self.record_dir.mkdir(parents=True, exist_ok=True)
         return self._session(calls)
+
+    def _raise_if_failed(self, what: str, answers: list[RankAnswer]) -> None:
+        # :func:`..rpc.raise_if_failed`; a refusal for want of the lease: nothing is known to be held.
+        try:
+            raise_if_failed(what, answers)
+        except LeaseNotHeldError:
+            if self._lease.owner is not None:
+                self._lease.refused(self._lease.owner)
+            raise
 
     def _live_records(self) -> list[dict[str, Any]] | None:
         # The ranks' last records, if every one is of a process still running; else None.
@@ -508,7 +520,7 @@ class SglangEngine:
                 )
             else:
                 answers = parse_answers("stitchboard stager", [answer])
-                raise_if_failed("stage", answers)
+                self._raise_if_failed("stage", answers)
                 self._plan, self._stager = plan, address
                 report.update(answers[0].report or {}, in_engine=True)
         self._staged = staged
@@ -589,7 +601,7 @@ class SglangEngine:
             )
             return None
         try:
-            raise_if_failed("apply", answers)
+            self._raise_if_failed("apply", answers)
         except ApplyFailedError as exc:
             if not exc.details.get("restored"):
                 self._unverified()

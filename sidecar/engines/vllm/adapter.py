@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 
-from ...errors import EngineRequestError, EngineUnavailableError
+from ...errors import EngineRequestError, EngineUnavailableError, LeaseNotHeldError
 from ..base import EngineState, LeaseGrant, LeaseGuard
 from ..rpc import RankAnswer, combine, lease_grant, lease_refusal, parse_answers, raise_if_failed
 
@@ -99,7 +99,12 @@ class VllmEngine:
 
     def _checked(self, method: str, args: dict[str, Any], timeout: float | None = None) -> list[RankAnswer]:
         answers = self._rpc(method, args, timeout)
-        raise_if_failed(method, answers)
+        try:
+            raise_if_failed(method, answers)
+        except LeaseNotHeldError:  # the engine says this adapter's lease is gone: nothing is known to be held
+            if self._lease.owner is not None:
+                self._lease.refused(self._lease.owner)
+            raise
         return answers
 
     def _owned(self, method: str, args: dict[str, Any], timeout: float | None = None) -> list[RankAnswer]:
