@@ -1,0 +1,91 @@
+"""The vLLM adapter against an engine busy generating: its calls wait behind the engine's steps.
+
+vLLM answers ``/collective_rpc`` between engine steps (the engine core takes the call from its
+input queue after the step it is in, and the worker runs it after its forward pass), so under
+load every in-engine call waits up to a step; with 50 streams on the 2-core CPU host a
+staging's poll waited longer than a control call's 10 s. Here a stand-in for vLLM's HTTP
+routes answers ``stitch_staged`` only after a "step" longer than the adapter's control timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from fastapi import FastAPI, Request
+
+from stitchboard.sidecar.engines.vllm.adapter import VllmEngine
+from stitchboard.sidecar.errors import EngineRequestError, EngineUnavailableError
+from tests.support.app_server import AppServer
+
+#: The adapter's control-call timeout in these tests, seconds.
+CONTROL_TIMEOUT_S = 0.3
+#: How long the stand-in holds each ``stitch_staged`` call (one engine step under load), seconds.
+STEP_S = 1.0
+
+
+class BusyEngine:
+    """``/collective_rpc`` of a vLLM engine whose worker extension answers ``stitch_staged`` only
+    after :data:`STEP_S`; staging is ready at the ``ready_after``-th poll (never when None)."""
+
+    def __init__(self, ready_after: int | None) -> None:
+        self.ready_after = ready_after
+        self.calls: list[str] = []
+
+    def app(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.post("/collective_rpc")
+        async def collective_rpc(request: Request) -> dict:
+            body = await request.json()
+            method, args = body["method"], json.loads(body["args"][0])
+            self.calls.append(method)
+            answer: dict = {"ok": True, "state": {"version": 0, "phase": "idle", "instance": "busy"}}
+            if "owner" in args:  # the adapter names its lease's owner in every call
+                answer["lease"] = {"holder": args["owner"], "expires_in_s": float(args.get("ttl_s", 60.0))}
+            if method in ("stitch_stage", "stitch_staged"):
+                polls = self.calls.count("stitch_staged")
+                ready = method == "stitch_staged" and self.ready_after is not None and polls >= self.ready_after
+                if method == "stitch_staged":
+                    await asyncio.sleep(STEP_S)
+                answer["staging"] = {"state": "ready" if ready else "running", "from_version": 0, "to_version": 1}
+                if ready:
+                    answer["staging"]["report"] = {"bytes": 10, "read_s": 0.01}
+            return {"results": [answer]}
+
+        return app
+
+
+@pytest.fixture
+def busy():
+    def start(ready_after: int | None, apply_timeout_s: float) -> tuple[BusyEngine, VllmEngine]:
+        engine = BusyEngine(ready_after)
+        server = AppServer(engine.app())
+        servers.append(server)
+        adapter = VllmEngine(server.url, timeout_s=CONTROL_TIMEOUT_S, apply_timeout_s=apply_timeout_s)
+        adapters.append(adapter)
+        adapter.take_lease("test-busy", 60.0)  # staging changes the engine: only with its lease
+        return engine, adapter
+
+    servers: list[AppServer] = []
+    adapters: list[VllmEngine] = []
+    yield start
+    for adapter in adapters:
+        adapter.close()
+    for server in servers:
+        server.stop()
+
+
+def test_a_staging_poll_waits_behind_an_engine_step_longer_than_a_control_call(busy):
+    engine, adapter = busy(ready_after=2, apply_timeout_s=60.0)
+    report = adapter.stage_patches([(["/handoff/v1.patch"], 0, 1)], poll_s=0.0)
+    assert report["bytes"] == 10
+    assert engine.calls.count("stitch_staged") == 2
+
+
+def test_a_staging_that_never_ends_still_fails_at_the_apply_timeout(busy):
+    engine, adapter = busy(ready_after=None, apply_timeout_s=2.5)
+    with pytest.raises((EngineRequestError, EngineUnavailableError)):
+        adapter.stage_patches([(["/handoff/v1.patch"], 0, 1)], poll_s=0.0)
+    assert 2 <= engine.calls.count("stitch_staged") <= 4
