@@ -27,6 +27,7 @@ from stitchboard.proto.fleet import FleetCount, FleetView, needed_replicas
 from .errors import TooManyReplicasError
 from .fleet import FleetStore, Record, fleet_view
 from .fleet_counts import LiveIndex
+from .hangup import Hangup
 from .ledger import Ledger
 
 
@@ -69,6 +70,9 @@ class FleetWatcher:
         fleet: the records in the store.
         ledger: where the runs' latest versions are read.
         interval_s: the longest a snapshot is used before it is read again, seconds.
+
+    Attributes:
+        waiting: the fleet long-polls (:meth:`wait`) waiting now.
     """
 
     def __init__(self, fleet: FleetStore, ledger: Ledger, interval_s: float) -> None:
@@ -76,6 +80,7 @@ class FleetWatcher:
         self._ledger = ledger
         self._interval = interval_s
         self._runs: dict[str, _Snapshot] = {}
+        self.waiting = 0
 
     def _snapshot(self, run: str) -> _Snapshot:
         return self._runs.setdefault(run, _Snapshot())
@@ -159,21 +164,34 @@ class FleetWatcher:
         return (await self._fresh(run)).view(run)
 
     async def wait(
-        self, run: str, version: int, min_replicas: int | None, fraction: float | None, wait_s: float
+        self,
+        run: str,
+        version: int,
+        min_replicas: int | None,
+        fraction: float | None,
+        wait_s: float,
+        hangup: Hangup | None = None,
     ) -> FleetCount:
-        """The fleet's count at ``version`` once the requirement is met, or as it is after ``wait_s`` seconds.
+        """The fleet's count at ``version`` once the requirement is met, or as it is after ``wait_s`` seconds,
+        or at once when ``hangup`` says the request's client hung up.
 
         Raises:
             BulletinError: the store could not be read.
         """
         deadline = time.monotonic() + wait_s
-        while True:
-            snap = await self._fresh(run)
-            index = snap.index(run)
-            needed = needed_replicas(index.live, min_replicas, fraction)
-            remaining = deadline - time.monotonic()
-            if needed is None or index.at_or_above(version) >= needed or remaining <= 0:
-                return index.count(version, min_replicas, fraction)
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(min(remaining, self._interval)):
-                    await snap.changed.wait()
+        self.waiting += 1
+        try:
+            while True:
+                snap = await self._fresh(run)
+                index = snap.index(run)
+                needed = needed_replicas(index.live, min_replicas, fraction)
+                remaining = deadline - time.monotonic()
+                gone = hangup is not None and hangup.gone
+                if needed is None or index.at_or_above(version) >= needed or remaining <= 0 or gone:
+                    return index.count(version, min_replicas, fraction)
+                bound = min(remaining, self._interval)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(bound) if hangup is None else hangup.within(bound):
+                        await snap.changed.wait()
+        finally:
+            self.waiting -= 1

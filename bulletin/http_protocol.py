@@ -25,6 +25,10 @@ once with the request's cycle completed as uvicorn's own ``send`` completes it, 
 ASGI messages through the middlewares. The long-poll fan-out (``longpoll.py``) answers thousands
 of waiters this way in one pass: its Python cost per answer was ~30 % of the fan-out (the rest
 is the kernel's write), measured with ``bench_bulletin.py --clients 5000``.
+
+It offers each request, too, the future of its connection's loss (the scope extension
+``hangup.CONNECTION_CLOSED``, :func:`connection_closed`), done when the client hangs up: a
+long-poll ends its wait then (:mod:`.hangup`) with a callback, not a task per waiter.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResp
 from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
 from uvicorn.server import ServerState
 
+from .hangup import CONNECTION_CLOSED
 from .whole_answer import WHOLE_ANSWER, WholeAnswer
 
 #: Writes up to this size are joined (an answer's head, a JSON body); larger ones (blob chunks) go out as they are.
@@ -158,12 +163,41 @@ def send_whole(cycle_ref: weakref.ref[RequestResponseCycle], state: ServerState,
     return True
 
 
+def connection_closed(
+    protocol_ref: weakref.ref[CoalescingHttpToolsProtocol], cycle_ref: weakref.ref[RequestResponseCycle]
+) -> asyncio.Future[None]:
+    """A future done once the connection of the cycle ``cycle_ref`` refers to is lost (the client hung up,
+    or the server closed it): at once when it already was. Made when first asked for, one per request;
+    both references are weak, as in :func:`send_whole`."""
+    protocol, cycle = protocol_ref(), cycle_ref()
+    if protocol is None or cycle is None or cycle.disconnected or protocol.transport.is_closing():
+        lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        lost.set_result(None)
+        return lost
+    if protocol.lost is None or protocol.lost[0] is not cycle:
+        protocol.lost = (cycle, protocol.loop.create_future())
+    return protocol.lost[1]
+
+
 class CoalescingHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol writing through a :class:`CoalescingTransport`, and offering each
-    request :func:`send_whole` as the scope extension ``WHOLE_ANSWER`` (:mod:`.whole_answer`) (``uvicorn.run(..., http=...)``)."""
+    request :func:`send_whole` as the scope extension ``WHOLE_ANSWER`` (:mod:`.whole_answer`) and
+    :func:`connection_closed` as ``CONNECTION_CLOSED`` (:mod:`.hangup`) (``uvicorn.run(..., http=...)``).
+
+    Attributes:
+        lost: the request cycle asked for its connection's loss, and that future (None: not asked).
+    """
+
+    lost: tuple[RequestResponseCycle, asyncio.Future[None]] | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(CoalescingTransport(transport, self.loop))  # type: ignore[arg-type]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        lost, self.lost = self.lost, None
+        super().connection_lost(exc)
+        if lost is not None and not lost[1].done():
+            lost[1].set_result(None)
 
     def on_headers_complete(self) -> None:
         super().on_headers_complete()
@@ -171,3 +205,4 @@ class CoalescingHttpToolsProtocol(HttpToolsProtocol):
         if cycle is not None and cycle.scope is self.scope:  # an upgrade request made no cycle
             extensions: dict[str, Any] = self.scope.setdefault("extensions", {})
             extensions[WHOLE_ANSWER] = partial(send_whole, weakref.ref(cycle), self.server_state)
+            extensions[CONNECTION_CLOSED] = partial(connection_closed, weakref.ref(self), weakref.ref(cycle))

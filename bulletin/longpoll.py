@@ -8,7 +8,7 @@ is to every waiter (:class:`SharedAnswer`). Waiters that register how to send th
 (:meth:`Watcher.register`, the fast path of :mod:`.longpoll_asgi`) are answered by one task, in
 one pass, as soon as the version is known, before any of the thousands of waiting request
 tasks is resumed: the last answer goes out after one send per waiter, and the requests finish
-(timers, metrics) afterwards.
+(timers, metrics) afterwards. A waiter whose client hangs up ends at once (:mod:`.hangup`).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from starlette.types import Receive, Scope, Send
 from stitchboard.proto.schema import VersionInfo, canonical_json
 
 from .gc_hold import COLLECTOR
+from .hangup import Hangup
 from .ledger import Ledger
 from .metrics import BulletinMetrics
 from .whole_answer import WHOLE_ANSWER, WholeAnswer
@@ -176,8 +177,14 @@ class Watcher:
             )  # the store no longer holds it (run deleted out of band): forget it
         self.note(info)
 
-    async def wait(self, run: str, after: int, wait_s: float) -> VersionInfo | None:
-        """The latest version of ``run`` once it is greater than ``after``, or ``None`` after ``wait_s`` seconds.
+    @property
+    def waiting(self) -> int:
+        """The long-polls waiting now (every run)."""
+        return sum(self._waiters.values())
+
+    async def wait(self, run: str, after: int, wait_s: float, hangup: Hangup | None = None) -> VersionInfo | None:
+        """The latest version of ``run`` once it is greater than ``after``, or ``None`` after ``wait_s`` seconds,
+        or at once when ``hangup`` says the request's client hung up (check ``hangup.gone``).
 
         Raises:
             BulletinError: the store could not be read.
@@ -194,13 +201,15 @@ class Watcher:
                 if current is not None and current.version > after:
                     return current
                 remaining = deadline - time.monotonic()
-                if remaining <= 0:
+                if remaining <= 0 or (hangup is not None and hangup.gone):
                     return None
                 if self._task is None or self._task.done():
                     self._task = asyncio.create_task(self._poll_forever())
                 event = self._events.setdefault(run, asyncio.Event())
                 with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(remaining):  # no extra task per waiter, unlike wait_for
+                    async with (
+                        asyncio.timeout(remaining) if hangup is None else hangup.within(remaining)
+                    ):  # no extra task per waiter, unlike wait_for
                         await event.wait()
         finally:
             self._waiters[run] -= 1

@@ -9,7 +9,8 @@ where the server offers it: :mod:`.whole_answer`). Anything else (a bad run id o
 refused token, another route) passes to the app unchanged, whose route
 (:func:`~.routes_versions.latest`) answers it and documents the API; both give the same answers.
 The middleware sits outside the app's latency middleware (an answer sent whole passes no ASGI
-message through it) and records the requests it answers in the same histogram.
+message through it) and records the requests it answers in the same histogram. A waiter whose
+client hangs up ends at once, answering nothing (recorded as status 499; :mod:`.hangup`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .deps import BulletinState
 from .errors import BulletinError
+from .hangup import Hangup
 from .ledger import run_key
 from .longpoll import DirectWaiter
 
@@ -34,6 +36,8 @@ log = logging.getLogger("stitchboard.bulletin")
 LATEST_ROUTE = "/v1/runs/{run}/versions/latest"
 _PATH = re.compile(r"^/v1/runs/([^/]+)/versions/latest$")
 _NO_CONTENT = Response(status_code=204)
+#: The status recorded for a long-poll whose client hung up (nothing is sent).
+CLIENT_GONE = 499
 
 
 def _query(raw: bytes) -> tuple[int, float] | None:
@@ -99,8 +103,10 @@ class LongPollFastPath:
         watcher, waiter = self.state.watcher, DirectWaiter(scope, receive, send, after)
         watcher.register(run, waiter)  # a version noted while waiting is sent by the watcher's fan-out
         failure: Response | None = None
+        hangup = Hangup(scope, receive)
         try:
-            info = await watcher.wait(run, after, min(wait_s, self.state.settings.max_wait_s))
+            with hangup:
+                info = await watcher.wait(run, after, min(wait_s, self.state.settings.max_wait_s), hangup)
         except BulletinError as exc:
             failure = JSONResponse(exc.body(), status_code=exc.status)
         except Exception as exc:  # the app's catch-all answer, as for any route
@@ -114,6 +120,8 @@ class LongPollFastPath:
         if waiter.claimed and waiter.sent is not None:
             await waiter.sent
             return 200
+        if hangup.gone:
+            return CLIENT_GONE
         if failure is not None:
             await failure(scope, receive, send)
             return failure.status_code

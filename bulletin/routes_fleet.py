@@ -23,6 +23,7 @@ from stitchboard.proto.fleet import FleetCount, FleetView, ReplicaReport, Report
 from .deps import Read, Replica
 from .errors import InvalidRequestError, PayloadTooLargeError
 from .fleet import replica_key
+from .hangup import Hangup
 from .ledger import run_key
 
 router = APIRouter(prefix="/v1", tags=["fleet"])
@@ -78,6 +79,7 @@ async def replicas(run: str, state: Read) -> FleetView:
 @router.get("/runs/{run}/fleet", response_model=FleetCount)
 async def fleet(
     run: str,
+    request: Request,
     state: Read,
     version: Annotated[int, Query(ge=0, description="count live replicas whose applied version is >= this")],
     min_replicas: Annotated[int | None, Query(ge=1, description="requirement: at least this many")] = None,
@@ -95,10 +97,12 @@ async def fleet(
     and those whose lease expired.
     """
     run_key(run)
-    return await state.fleet.wait(
-        run,
-        version,
-        min_replicas,
-        fraction,
-        min(wait_s, state.settings.max_wait_s) if (min_replicas or fraction) else 0.0,
-    )
+    with Hangup(request.scope, request.receive) as hangup:  # the wait ends when the client hangs up
+        return await state.fleet.wait(
+            run,
+            version,
+            min_replicas,
+            fraction,
+            min(wait_s, state.settings.max_wait_s) if (min_replicas or fraction) else 0.0,
+            hangup,
+        )

@@ -17,6 +17,7 @@ from stitchboard.proto.schema import Plan, VersionInfo, VersionManifest, check_p
 from .deps import BulletinState, Publish, Read
 from .errors import BulletinError, InvalidRequestError, NotFoundError, PayloadTooLargeError
 from .gc_hold import COLLECTOR
+from .hangup import Hangup
 from .ledger import run_key
 from .metrics import OTHER
 from .planner import make_plan
@@ -100,16 +101,18 @@ async def publish(run: str, request: Request, state: Publish) -> JSONResponse:
 )
 async def latest(
     run: str,
+    request: Request,
     state: Read,
     after: Annotated[int, Query(ge=-1, description="answer only with a version greater than this")] = -1,
     wait_s: Annotated[float, Query(ge=0, description="long-poll up to this many seconds (capped by max_wait_s)")] = 0.0,
 ) -> Response:
     """The latest committed version of the run, as soon as it is greater than ``after``; 204 if none within ``wait_s``.
 
-    A run with no version yet is not an error (204).
+    A run with no version yet is not an error (204). The wait ends when the client hangs up.
     """
     run_key(run)
-    info = await state.watcher.wait(run, after, min(wait_s, state.settings.max_wait_s))
+    with Hangup(request.scope, request.receive) as hangup:
+        info = await state.watcher.wait(run, after, min(wait_s, state.settings.max_wait_s), hangup)
     if info is None:
         return Response(status_code=204)
     return state.watcher.answer(run)
