@@ -5,7 +5,8 @@ Routes live in :mod:`.routes_versions` (versions, long-poll, plans, runs) and
 :mod:`.deps`. This module adds the ops routes (``/healthz``, ``/readyz``, ``/metrics``) and
 the error handlers. Every error answer is JSON
 ``{"type", "message", ...}`` (:class:`stitchboard.proto.schema.ErrorBody`); the OpenAPI
-document is at ``/openapi.json``.
+document is at ``/openapi.json``. Every request body is read only up to its route's cap
+(:func:`body_caps`, :mod:`.body_caps`), before any token check.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import tempfile
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 from anyio import to_thread
 from fastapi import FastAPI, Request
@@ -29,8 +32,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from stitchboard.proto.env import RENAMED_ENV
 
 from .auth import Authorizer
+from .body_caps import BodyCaps, Cap, Refusal
 from .deps import BulletinState
-from .errors import BulletinError
+from .errors import BulletinError, PayloadTooLargeError
 from .fleet import FleetStore
 from .fleet_watch import FleetWatcher
 from .ledger import Ledger
@@ -75,6 +79,32 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return _error(500, "InternalError", f"internal error ({type(exc).__name__}); see the bulletin log")
+
+
+def body_caps(settings: BulletinSettings) -> dict[tuple[str, str], Cap]:
+    """The routes that take a body and their caps (every other route takes none: ``docs/reference/limits.md``)."""
+
+    def cap(field: str) -> Cap:
+        return Cap(getattr(settings, field), f"{BulletinSettings.model_config['env_prefix']}{field.upper()}")
+
+    return {
+        ("PUT", "/v1/runs/{run}/blobs/{sha256}"): cap("max_blob_bytes"),
+        ("POST", "/v1/runs/{run}/versions"): cap("max_manifest_bytes"),
+        ("PUT", "/v1/runs/{run}/squashes/{base}/{target}"): cap("max_manifest_bytes"),
+        ("PUT", "/v1/runs/{run}/replicas/{replica_id}"): cap("max_report_bytes"),
+        ("POST", "/status/login"): cap("max_login_bytes"),
+    }
+
+
+def _refuse_body(metrics: BulletinMetrics, refusal: Refusal) -> JSONResponse:
+    metrics.bodies_refused.labels(refusal.route).inc()
+    details: dict[str, Any] = {"limit_bytes": refusal.cap.limit_bytes}
+    if refusal.cap.setting:
+        details["setting"] = refusal.cap.setting
+    if "run" in refusal.path_params:
+        details["run_id"] = refusal.path_params["run"]
+    exc = PayloadTooLargeError(refusal.message, **details)
+    return JSONResponse(exc.body(), status_code=exc.status)
 
 
 def _remove_stale_uploads(folder: Path, older_than_s: float) -> None:
@@ -189,4 +219,11 @@ def create_app(settings: BulletinSettings | None = None, store: Store | None = N
     app.add_middleware(
         LongPollFastPath, state=state
     )  # outside it: times the long-polls it answers itself (longpoll_asgi.py)
+    app.add_middleware(
+        BodyCaps,
+        routes=app.router.routes,
+        caps=body_caps(settings),
+        refuse=partial(_refuse_body, metrics),
+        body_bytes=metrics.request_body_bytes,
+    )  # outermost: a body over its cap is refused before anything else runs (body_caps.py)
     return app

@@ -105,7 +105,11 @@ class TooManyReplicasError(InvalidRequestError):
 
 
 class PayloadTooLargeError(InvalidRequestError):
-    """The body is over the configured size limit (blobs: ``max_blob_bytes``; manifests: ``max_manifest_bytes``)."""
+    """The body is over its route's cap (``docs/reference/limits.md``: blobs ``max_blob_bytes``, manifests
+    and squash records ``max_manifest_bytes``, replica reports ``max_report_bytes``, the login form
+    ``max_login_bytes``; a route that takes no body refuses any), or a blob's stated ``size_bytes`` is.
+    Refused before the body is read further and before the token is checked; the connection is
+    closed. Details: ``limit_bytes``, ``setting`` (the setting's environment variable), ``run_id``."""
 
     type = "PayloadTooLarge"
     status = 413

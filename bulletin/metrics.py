@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from .body_caps import UNMATCHED
 from .stores import Store
 
 #: The label value standing for any run that does not exist, or any method outside :data:`METHODS`.
@@ -75,6 +76,19 @@ class BulletinMetrics:
             "stitch_bulletin_blob_bytes_received", "Blob bytes received and verified by this process.", registry=r
         )
         self.waiters = Gauge("stitch_bulletin_waiters", "Long-poll requests currently waiting.", registry=r)
+        self.request_body_bytes = Counter(
+            "stitch_bulletin_request_body_bytes",
+            f"Request body bytes read, by route template ({UNMATCHED!r}: a path no route matches); the body rule "
+            "stops reading each body at its route's cap (body_caps.py).",
+            ["route"],
+            registry=r,
+        )
+        self.bodies_refused = Counter(
+            "stitch_bulletin_bodies_refused",
+            "Requests answered 413 PayloadTooLarge by the body rule before the route ran, by route template.",
+            ["route"],
+            registry=r,
+        )
         self.request_seconds = Histogram(
             "stitch_bulletin_request_seconds",
             "Request latency by method, route and status, seconds (long-polls include their wait).",

@@ -21,15 +21,12 @@ from pydantic import ValidationError
 from stitchboard.proto.fleet import FleetCount, FleetView, ReplicaReport, ReportAccepted
 
 from .deps import Read, Replica
-from .errors import InvalidRequestError, PayloadTooLargeError
+from .errors import InvalidRequestError
 from .fleet import replica_key
 from .hangup import Hangup
 from .ledger import run_key
 
 router = APIRouter(prefix="/v1", tags=["fleet"])
-
-#: Largest report body accepted, bytes (a report is about 1 KiB).
-MAX_REPORT_BYTES = 64 * 1024
 
 
 @router.put("/runs/{run}/replicas/{replica_id}", response_model=ReportAccepted, responses={413: {}, 422: {}})
@@ -43,13 +40,7 @@ async def report(run: str, replica_id: str, request: Request, state: Replica) ->
     ``TooManyReplicas``; a live replica's renewal is never refused).
     """
     replica_key(run, replica_id)
-    body = await request.body()
-    if len(body) > MAX_REPORT_BYTES:
-        raise PayloadTooLargeError(
-            f"report of replica {replica_id!r} is {len(body)} bytes, over the {MAX_REPORT_BYTES}-byte limit",
-            run_id=run,
-            replica_id=replica_id,
-        )
+    body = await request.body()  # at most max_report_bytes (the body rule, body_caps.py)
     try:
         parsed = ReplicaReport.model_validate_json(body)
     except ValidationError as exc:

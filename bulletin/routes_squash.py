@@ -16,7 +16,6 @@ from stitchboard.proto.squash_schema import SquashList, SquashManifest
 from .deps import Publish, Read
 from .errors import InvalidRequestError, NotFoundError
 from .ledger import run_key
-from .routes_versions import _read_limited
 from .squash_store import drop_squash, list_squashes, put_squash
 
 router = APIRouter(prefix="/v1", tags=["squashes"])
@@ -36,7 +35,7 @@ async def put(run: str, base: int, target: int, request: Request, state: Publish
     identical record already was; nothing is written on a 4xx.
     """
     run_key(run)
-    body = await _read_limited(request, state.settings.max_manifest_bytes, run)
+    body = await request.body()  # at most max_manifest_bytes (the body rule, body_caps.py)
     try:
         squash = SquashManifest.model_validate_json(body)
     except ValidationError as exc:

@@ -15,7 +15,7 @@ from stitchboard.proto.errors import SchemaError
 from stitchboard.proto.schema import Plan, VersionInfo, VersionManifest, check_publishable, parse_manifest
 
 from .deps import BulletinState, Publish, Read
-from .errors import BulletinError, InvalidRequestError, NotFoundError, PayloadTooLargeError
+from .errors import BulletinError, InvalidRequestError, NotFoundError
 from .gc_hold import COLLECTOR
 from .hangup import Hangup
 from .ledger import run_key
@@ -47,21 +47,6 @@ def _run_label(state: BulletinState, run: str) -> str:
         return OTHER
 
 
-async def _read_limited(request: Request, limit: int, run: str) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLargeError(
-            f"manifest for run {run!r} is {declared} bytes, over the {limit}-byte limit", run_id=run
-        )
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLargeError(f"manifest for run {run!r} is over the {limit}-byte limit", run_id=run)
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 @router.post(
     "/runs/{run}/versions",
     response_model=VersionInfo,
@@ -76,7 +61,7 @@ async def publish(run: str, request: Request, state: Publish) -> JSONResponse:
     files. Nothing is written on a 4xx.
     """
     run_key(run)
-    body = await _read_limited(request, state.settings.max_manifest_bytes, run)
+    body = await request.body()  # at most max_manifest_bytes (the body rule, body_caps.py)
     loop = asyncio.get_running_loop()
 
     def on_commit(committed: VersionInfo) -> None:  # wakes this process's long-polls before the latest pointer moves

@@ -59,9 +59,23 @@ class BulletinSettings(BaseSettings, S3Settings):
     port: int = Field(8700, description="TCP port to listen on.")
     tokens: dict[str, TokenGrant] = Field(default_factory=dict, description="Bearer token -> grant (JSON).")
 
-    max_blob_bytes: int = Field(8 * GiB, gt=0, description="Largest blob accepted by PUT .../blobs, bytes.")
+    max_blob_bytes: int = Field(
+        8 * GiB, gt=0, description="Largest blob accepted by PUT .../blobs, bytes (default 8 GiB)."
+    )
     max_manifest_bytes: int = Field(
-        32 * MiB, gt=0, description="Largest manifest accepted by POST .../versions, bytes."
+        32 * MiB,
+        gt=0,
+        description="Largest manifest accepted by POST .../versions, and squash record by PUT .../squashes, bytes (default 32 MiB).",
+    )
+    max_report_bytes: int = Field(
+        64 * 1024,
+        gt=0,
+        description="Largest replica report accepted by PUT .../replicas/{replica_id}, bytes (default 64 KiB; a report is about 1 KiB).",
+    )
+    max_login_bytes: int = Field(
+        4096,
+        gt=0,
+        description="Largest status-page login form accepted by POST /status/login, bytes (default 4 KiB); refused before the token is looked at.",
     )
     max_wait_s: float = Field(300.0, ge=0, description="Upper bound on a long-poll's wait_s, seconds.")
     poll_interval_s: float = Field(

@@ -30,16 +30,17 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from stitchboard.bulletin.body_caps import ANY_METHOD, BodyBudget, BodyCaps, Cap, Refusal
 from stitchboard.bulletin.client import BulletinClient
 from stitchboard.proto.sidecar_wire import SHOULD_RETRY_HEADER, SidecarStatus
 
 from .engines import create_adapter
 from .engines.base import EngineAdapter
-from .errors import RouteForbiddenError, SidecarError, WeightVersionNotReadyError
+from .errors import BodyBudgetError, BodyTooLargeError, RouteForbiddenError, SidecarError, WeightVersionNotReadyError
 from .fetch import Fetcher
 from .gate import Gate
 from .metrics import SidecarMetrics
-from .proxy import Proxy, read_body
+from .proxy import Proxy
 from .reconciler import Reconciler
 from .report import Reporter
 from .routed_experts import RoutingSource
@@ -48,6 +49,8 @@ from .settings import SidecarSettings
 
 log = logging.getLogger("stitchboard.sidecar")
 _ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+#: The route of every proxied request (the only one that takes a body).
+PROXIED_ROUTE = "/{path:path}"
 
 
 def create_app(
@@ -127,8 +130,7 @@ def create_app(
     )
     app.state.metrics = metrics
 
-    @app.exception_handler(SidecarError)
-    async def _sidecar_error(request: Request, exc: SidecarError) -> JSONResponse:
+    def error_answer(exc: SidecarError) -> JSONResponse:
         metrics.requests_rejected.labels(exc.type).inc()
         headers = None
         if exc.status == 503 or isinstance(exc, WeightVersionNotReadyError):  # a later attempt can succeed
@@ -136,6 +138,17 @@ def create_app(
         elif 400 <= exc.status < 500:  # the same request fails the same way
             headers = {SHOULD_RETRY_HEADER: "false"}
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    @app.exception_handler(SidecarError)
+    async def _sidecar_error(request: Request, exc: SidecarError) -> JSONResponse:
+        return error_answer(exc)
+
+    def refuse_body(refusal: Refusal) -> JSONResponse:  # the body rule's answers (bulletin/body_caps.py)
+        if refusal.reason == "budget":
+            return error_answer(BodyBudgetError(refusal.message, budget_bytes=refusal.budget_bytes))
+        return error_answer(
+            BodyTooLargeError(refusal.message, limit_bytes=refusal.cap.limit_bytes, setting=refusal.cap.setting)
+        )
 
     @app.get("/health", tags=["ops"])
     async def health(request: Request) -> JSONResponse:
@@ -218,23 +231,34 @@ def create_app(
         """The engine's own ``/metrics``, passed through."""
         return await request.app.state.proxy.forward_plain(request, "/metrics")
 
-    @app.api_route("/{path:path}", methods=_ALL_METHODS, include_in_schema=False)
+    @app.api_route(PROXIED_ROUTE, methods=_ALL_METHODS, include_in_schema=False)
     async def proxied(request: Request, path: str) -> Response:
         """Engine routes: OpenAI routes gated and stamped, read-only routes as they are, the rest 403
-        (paths normalised first, dot segments 400, bodies over ``max_body_bytes`` 413)."""
+        (paths normalised first, dot segments 400; bodies over ``max_body_bytes`` get 413 and wait for
+        room in ``body_budget_bytes``, before this runs: the body rule)."""
         route = normalise_path(
             request.scope.get("raw_path", b"").decode("latin-1").split("?", 1)[0] or request.url.path
         )
         proxy: Proxy = request.app.state.proxy
         kind = proxy.routes.kind(request.method, route)
         if kind == "model":
-            return await proxy.forward_model(request, route, await read_body(request, settings.max_body_bytes))
+            return await proxy.forward_model(request, route, await request.body())
         if kind == "read":
-            return await proxy.forward_plain(request, route, await read_body(request, settings.max_body_bytes))
+            return await proxy.forward_plain(request, route, await request.body())
         raise RouteForbiddenError(
             f"{request.method} {route} is not forwarded: the sidecar serves inference and read-only routes; engine control (pause, weight updates, sleep...) is the sidecar's alone",
             method=request.method,
             path=route,
         )
 
+    budget = BodyBudget(settings.body_budget_bytes, settings.body_budget_wait_s)
+    metrics.body_budget_held.set_function(lambda: budget.held_bytes)
+    app.add_middleware(
+        BodyCaps,
+        routes=app.router.routes,
+        caps={(ANY_METHOD, PROXIED_ROUTE): Cap(settings.max_body_bytes, "STITCH_SIDECAR_MAX_BODY_BYTES")},
+        refuse=refuse_body,
+        body_bytes=metrics.request_body_bytes,
+        budget=budget,
+    )  # every body read up to its cap, and the bodies in flight within the budget, before the app runs
     return app

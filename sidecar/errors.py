@@ -11,7 +11,8 @@ error body (``{"type": ..., "message": ..., <details>}``, see
     ├── InvalidVersionConstraintError 400  malformed X-Stitch-* header or weight_version field
     ├── RouteForbiddenError           403  engine control / dev route: only the sidecar changes weights
     ├── InvalidPathError              400  a path with dot segments ('.', '..', also percent-encoded)
-    ├── BodyTooLargeError             413  a request body over the max_body_bytes setting
+    ├── BodyTooLargeError             413  a request body over the max_body_bytes setting (or any to a route without one)
+    ├── BodyBudgetError               503  no room for a body within body_budget_wait_s (bodies in flight hold body_budget_bytes)
     ├── RoutedExpertsRefusedError     400  return_routed_experts malformed, or not served for this model/route
     ├── NotReadyError                 503  no verified version applied (starting, recovering, unhealthy)
     ├── EngineUnavailableError        503  the engine does not answer
@@ -88,10 +89,21 @@ class InvalidPathError(SidecarError):
 
 
 class BodyTooLargeError(SidecarError):
-    """The request body is larger than the ``max_body_bytes`` setting; details: ``limit_bytes``."""
+    """The request body is larger than the ``max_body_bytes`` setting, or a route that takes no body
+    got one (``docs/reference/limits.md``); refused before the body is read further, the
+    connection closed. Details: ``limit_bytes``, ``setting``."""
 
     type = "BodyTooLarge"
     status = 413
+
+
+class BodyBudgetError(SidecarError):
+    """The request bodies in flight hold the whole ``body_budget_bytes`` budget and none gave room for
+    this body within ``body_budget_wait_s``; nothing was forwarded. Retry after ``Retry-After``.
+    Details: ``budget_bytes``."""
+
+    type = "BodyBudgetExhausted"
+    status = 503
 
 
 class RoutedExpertsRefusedError(SidecarError):

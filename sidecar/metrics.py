@@ -115,6 +115,17 @@ class SidecarMetrics:
         self.requests_held = Counter(
             "stitch_sidecar_requests_held", "Requests held by the gate before admission (or rejection).", registry=r
         )
+        self.request_body_bytes = Counter(
+            "stitch_sidecar_request_body_bytes",
+            "Request body bytes read, by route template (the proxied routes are '/{path:path}'); reading stops at max_body_bytes.",
+            ["route"],
+            registry=r,
+        )
+        self.body_budget_held = Gauge(
+            "stitch_sidecar_body_budget_held_bytes",
+            "Bytes of request bodies held now by requests in flight (at most body_budget_bytes).",
+            registry=r,
+        )
         self.requests_rejected = Counter(
             "stitch_sidecar_requests_rejected",
             "Requests refused by the sidecar, by error type.",

@@ -12,7 +12,9 @@
   refused (the app answers 403 :class:`~.errors.RouteForbiddenError`); the engine's
   ``/metrics`` is served under ``/engine/metrics`` by the app.
 * Paths are matched, and forwarded, as :func:`~.routes.normalise_path` makes them. Bodies are
-  read up to ``max_body_bytes`` (413 :class:`~.errors.BodyTooLargeError` beyond). The
+  read whole, after the app's body rule (``bulletin/body_caps.py``) has cut any over
+  ``max_body_bytes`` (413 :class:`~.errors.BodyTooLargeError`) and bounded the bytes of all
+  bodies in flight by ``body_budget_bytes`` (503 :class:`~.errors.BodyBudgetError`). The
   ``weight_version`` body field is read whenever the engine would read the body as JSON (no
   media type, or ``application/json`` / ``application/*+json`` in any letter case, as FastAPI does).
 * An engine that breaks off a stream (killed, restarted) ends the client's stream with the stamp
@@ -40,7 +42,7 @@ from starlette.types import Receive, Scope, Send
 from stitchboard.proto.sidecar_wire import END_HEADER, START_HEADER
 
 from .answer_versions import AnswerVersionCheck, reported_versions
-from .errors import AnswerVersionMismatchError, BodyTooLargeError, EngineUnavailableError
+from .errors import AnswerVersionMismatchError, EngineUnavailableError
 from .gate import BODY_FIELD, Gate, parse_constraint
 from .metrics import SidecarMetrics
 from .routed_experts import RoutedExperts, RoutingSource, wants_routing
@@ -78,26 +80,6 @@ def is_json_body(content_type: str | None) -> bool:
         return True
     main, _, sub = content_type.split(";", 1)[0].strip().lower().partition("/")
     return main == "application" and (sub == "json" or sub.endswith("+json"))
-
-
-async def read_body(request: Request, limit_bytes: int) -> bytes:
-    """The request's body, read up to ``limit_bytes``.
-
-    Raises:
-        BodyTooLargeError: the declared ``Content-Length`` or the bytes received exceed the limit
-            (reading stops there).
-    """
-    declared = request.headers.get("content-length", "")
-    too_large = f"request body over {limit_bytes} bytes (the max_body_bytes setting): send a smaller request"
-    if declared.isdigit() and int(declared) > limit_bytes:
-        raise BodyTooLargeError(too_large, limit_bytes=limit_bytes)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit_bytes:
-            raise BodyTooLargeError(too_large, limit_bytes=limit_bytes)
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def _stamp(v: int | None) -> str:
@@ -263,7 +245,7 @@ class Proxy:
 
     async def forward_model(self, request: Request, path: str, body: bytes) -> Response:
         """Gate, forward and stamp a request whose answer depends on the weights (``path`` on the
-        engine, ``body`` as read by :func:`read_body`).
+        engine, ``body`` the request's, within its cap).
 
         Raises:
             InvalidVersionConstraintError: bad ``X-Stitch-*`` header or ``weight_version`` field (400).

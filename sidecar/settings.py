@@ -147,7 +147,23 @@ class SidecarSettings(BaseSettings):
         description="Salt each request's prefix-cache key by the version it is admitted under (cache_salt, vLLM and SGLang) instead of resetting the cache at every commit (sidecar/salt.py).",
     )
     max_body_bytes: int = Field(
-        64 * 1024 * 1024, ge=1, description="Largest request body the proxy reads, bytes; larger ones get 413."
+        64 * 1024 * 1024,
+        ge=1,
+        description="Largest request body the proxy reads, bytes (default 64 MiB); larger ones get 413, reading stops at the cap.",
+    )
+    body_budget_bytes: int = Field(
+        256 * 1024 * 1024,
+        ge=1,
+        description=(
+            "Most bytes of request bodies the proxy holds at once across all requests in flight, bytes (default 256 MiB; "
+            "at least max_body_bytes): a declared body takes its length before it is read, a chunked one as it arrives, "
+            "each until its answer ends. The process holds up to about twice this while the bodies are joined and parsed."
+        ),
+    )
+    body_budget_wait_s: float = Field(
+        5.0,
+        ge=0,
+        description="How long a request body waits for room in body_budget_bytes before it is answered 503 BodyBudgetExhausted, seconds (default 5).",
     )
 
     replica_id: str | None = Field(
@@ -180,6 +196,15 @@ class SidecarSettings(BaseSettings):
             raise ValueError(
                 f"lease_renew_interval_s ({self.lease_renew_interval_s:g} s) must be at most half of lease_ttl_s "
                 f"({self.lease_ttl_s:g} s): the lease would lapse between renewals"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _budget_holds_a_body(self) -> SidecarSettings:
+        if self.body_budget_bytes < self.max_body_bytes:
+            raise ValueError(
+                f"body_budget_bytes ({self.body_budget_bytes}) must be at least max_body_bytes ({self.max_body_bytes}): "
+                "a body at the cap could never be read"
             )
         return self
 
