@@ -13,7 +13,7 @@ part, rank 0 stores the record, :mod:`stitchboard.bulletin.squash_store`). At ve
 encodes squash(L - d -> L) for each depth d it can, and stores it only when it is smaller than
 the chain of L - d + 1 .. L. Before a squash is uploaded it is checked against the views it
 was made from (:func:`check_squash`: the rebuilt view is version B's by its checksums, and the
-patch decoded on it gives the latest view's bits exactly): a squash whose index is right but
+patch decoded on it reaches the latest view's checksums): a squash whose index is right but
 whose bits are wrong (a bad reverse record, an encoder fault) would pass every check the
 bulletin can make, so it is stopped here and logged. Squashes are derived: a failure is logged,
 never raised (the version is committed already), and ``stitchboard squash rebuild`` (:mod:`.squash_cli`) makes
@@ -40,7 +40,7 @@ from stitchboard.proto.codec import build_patch, checksum, encode_tensor
 from stitchboard.proto.container import RawTensor
 from stitchboard.proto.decode import read_patch
 from stitchboard.proto.errors import BaseMismatchError, PatchError, TargetMismatchError
-from stitchboard.proto.schema import Encoding, FileRef, VersionManifest, canonical_json
+from stitchboard.proto.schema import XXH3_128, Encoding, FileRef, VersionManifest, canonical_json
 from stitchboard.proto.squash_schema import MIN_SQUASH_SPAN, SquashManifest
 
 from .encode_version import bytes_ref
@@ -241,9 +241,12 @@ def check_squash(
     """Check a squash against the views it was made from, before it leaves the trainer.
 
     The bulletin and the sidecar can check a squash's index only (a ``cond`` stream decodes only
-    on its base); this is the check of its bits: ``old`` must be the base version's view by its
-    checksums, every tensor not in ``old`` must be unchanged between the versions, and the patch
-    decoded on ``old`` must give ``latest``'s bits exactly (target checksums, then the bits).
+    on its base); this is the check of its bits. Every entry must carry the base version's and
+    the latest version's checksums; ``old`` must be the base version's view (each tensor the
+    patch lists is hashed against its base checksum as the patch is applied, each other one
+    here, and must be unchanged between the versions), and every tensor the patch lists must
+    decode on ``old`` to bits with the latest version's checksum (the checksums the manifest
+    took from ``latest``), as an engine decodes it.
 
     Args:
         data: the squash's patch file (this process's part).
@@ -253,22 +256,27 @@ def check_squash(
         base_checksums, target_checksums: every tensor's xxh3-128 in the base and the latest version.
 
     Raises:
-        BaseMismatchError: the rebuilt view is not the base version's, or a tensor it lacks changed.
-        TargetMismatchError: the patch decodes on it to other bits than the latest view's.
+        BaseMismatchError: the rebuilt view is not the base version's, a tensor it lacks changed,
+            or an entry names another base checksum.
+        TargetMismatchError: the patch decodes on it to other bits than the latest view's, or an
+            entry names another target checksum.
         PatchError: the patch does not parse or decode.
     """
-    wrong = sorted(
-        n for n, t in zip(old, _pool_map(lambda n: checksum(old[n]), list(old)), strict=True) if t != base_checksums[n]
-    )
+    patch = read_patch(data, what="squash")
+    for name, entry in patch.entries.items():
+        if entry.base.get(XXH3_128) != base_checksums.get(name):
+            raise BaseMismatchError(f"the squash's entry for tensor {name!r} names another base checksum")
+        if entry.target.get(XXH3_128) != target_checksums.get(name):
+            raise TargetMismatchError(f"the squash's entry for tensor {name!r} names another target checksum")
+    unlisted = [n for n in old if n not in patch.entries]  # changed since the base, and back
+    sums = dict(zip(unlisted, _pool_map(lambda n: checksum(old[n]), unlisted), strict=True))
+    wrong = sorted(n for n in unlisted if sums[n] != base_checksums[n] or base_checksums[n] != target_checksums[n])
     missed = sorted(n for n in latest if n not in old and base_checksums[n] != target_checksums[n])
     if wrong or missed:
         raise BaseMismatchError(
             f"the rebuilt base view is not the base version's: tensors {(wrong + missed)[:3]} differ from its checksums"
         )
-    apply_patch(old, read_patch(data, what="squash"))
-    differ = sorted(n for n in old if not np.array_equal(old[n].bits, latest[n].bits))
-    if differ:
-        raise TargetMismatchError(f"the squash decodes to other bits than the latest view's in tensors {differ[:3]}")
+    apply_patch(old, patch)  # bases hashed, decoded, targets hashed: BaseMismatchError, TargetMismatchError
 
 
 #: ``exchange(what, work)``: run ``work`` on every rank; (this rank's kept value, every rank's shared value).
