@@ -454,9 +454,11 @@ def test_engine_restarted_under_a_running_sidecar_is_never_served_under_the_old_
 
     second = vllm_sidecars(engine.url, boot_version=0, engine_check_interval_s=3600)
     second.wait_applied(v)
+    owner = second.lease()["owner"]  # before the restart: /health checks the engine too
     engine = engine_chain.kill_and_restart()
     adapter = VllmEngine(engine.url, timeout_s=60)
     try:
+        adapter.take_lease(owner, 10.0)  # acting for the sidecar, which renews its lease on the new engine
         with pytest.raises(EngineStateError):
             adapter.set_version(v + 1, v)  # the restarted engine records no version: no flip onto it
         assert adapter.state().version is None
