@@ -4,15 +4,21 @@ The module's run publishes real AdamW steps of SmolLM2 with ``squash_depths=(3,)
 squashes; :mod:`stitchboard.trainer_client.squash`); the session engine holds version 0, and a
 real ``stitchboard sidecar run`` process brings it to version 3 through the squash 0 -> 3 (a
 ``cond`` patch decoded by the worker extension on the engine's own bits), verified bit for bit.
+A squash whose index is right but whose stream is damaged (uploaded around the trainer's check)
+is refused by the engine's staging, quarantined by the sidecar, and the chain taken instead.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
+from stitchboard.proto.schema import FileRef
 from stitchboard.trainer_client.publisher import Publisher
 from tests.sidecar.test_sidecar_vllm import assert_verified
 from tests.sidecar.vllm_fixtures import VllmRun
@@ -49,3 +55,37 @@ def test_a_replica_three_versions_behind_catches_up_through_one_squash(vllm_run_
         status["last_sync"]
     )
     assert_verified(vllm_run_engine.url, vllm_run, 3)
+
+
+def test_a_squash_the_engine_refuses_is_quarantined_and_the_chain_taken(
+    vllm_run_engine, vllm_run, vllm_sidecars, tmp_path
+):
+    base = vllm_run.latest  # the engine holds it (3 after the test above, 0 alone)
+    for _ in range(3):
+        vllm_run.step()
+    client, run, target = vllm_run.client, vllm_run.run, base + 3
+    (real,) = [s for s in client.squashes(run) if (s.base_version, s.target_version) == (base, target)]
+    (ref,) = real.files
+    data = bytearray(client.download_blob(run, ref.sha256, tmp_path / ref.path, ref.size_bytes).read_bytes())
+    hlen = int.from_bytes(data[:8], "little")
+    payload = json.loads(data[8 : 8 + hlen])["__payload__"]["data_offsets"]
+    data[8 + hlen + (payload[0] + payload[1]) // 2] ^= 0xFF  # the stream damaged, the index untouched
+    sha = hashlib.sha256(data).hexdigest()
+    client.put_blob(run, sha, bytes(data))
+    assert client.drop_squash(run, base, target)
+    damaged = real.model_copy(
+        update={"files": [FileRef(path=ref.path, sha256=sha, size_bytes=len(data), role="patch")]}
+    )
+    assert client.put_squash(damaged) is True, "the bulletin checks indexes only"
+
+    sidecar = vllm_sidecars(vllm_run_engine.url)  # the engine records version ``base``
+    status = sidecar.wait_applied(target)
+    assert status["last_sync"]["from_version"] == base and status["last_sync"]["route"] == "delta"
+    assert_verified(vllm_run_engine.url, vllm_run, target)
+    (quarantined,) = httpx.get(f"{sidecar.url}/health", timeout=30).json()["squash_quarantine"]
+    assert (quarantined["base_version"], quarantined["target_version"], quarantined["during"]) == (
+        base,
+        target,
+        "stage",
+    )
+    assert 'stitch_sidecar_squash_quarantines_total{during="stage"} 1.0' in sidecar.metrics()
