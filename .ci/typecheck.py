@@ -5,7 +5,8 @@ to each top-level folder: the editable install maps ``stitchboard.<part>`` to th
 an import hook that mypy cannot follow, so mypy reads them through the links instead).
 
 ``proto/``, ``bulletin/``, ``trainer_client/``, ``demo/`` and the sidecar service must have no
-error. Code inside engine processes (``sidecar/engines/<engine>/`` but the adapters) may keep the
+error; the first three are checked with every flag of ``mypy --strict`` (pyproject.toml's override
+section; ``tests/test_typecheck_config.py`` keeps it equal to ``--strict``). Code inside engine processes (``sidecar/engines/<engine>/`` but the adapters) may keep the
 errors listed in ``.ci/mypy-baseline.txt`` (one ``path: message`` a line, line numbers left
 out, so unrelated edits do not churn it) and no others; a listed error that is gone fails too,
 until the line is removed: the baseline only shrinks. Exit status 1 on any failure.

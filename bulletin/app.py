@@ -193,7 +193,7 @@ def create_app(settings: BulletinSettings | None = None, store: Store | None = N
     app.include_router(squash_router)
 
     @app.get("/healthz", tags=["ops"])
-    async def healthz() -> dict:
+    async def healthz() -> dict[str, str]:
         """Liveness: the process answers."""
         return {"status": "ok"}
 

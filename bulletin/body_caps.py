@@ -144,7 +144,7 @@ class BodyBudget:
             self.held_bytes += size_bytes
             return True
         loop = asyncio.get_running_loop()
-        entry = (size_bytes, loop.create_future())
+        entry: tuple[int, asyncio.Future[bool]] = (size_bytes, loop.create_future())
         self._queue.append(entry)
         timer = loop.call_later(self.wait_s, _settle, entry[1], False)
         try:

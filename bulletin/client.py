@@ -140,7 +140,7 @@ class BulletinClient:
         self,
         run: str,
         sha256: str,
-        source: str | os.PathLike | bytes,
+        source: str | os.PathLike[str] | bytes,
         size_bytes: int | None = None,
         *,
         force: bool = False,
@@ -211,7 +211,9 @@ class BulletinClient:
         answer = self._retrying(lambda: send(None), what)
         return answer.status_code == 201
 
-    def download_blob(self, run: str, sha256: str, dest: str | os.PathLike, expected_size: int | None = None) -> Path:
+    def download_blob(
+        self, run: str, sha256: str, dest: str | os.PathLike[str], expected_size: int | None = None
+    ) -> Path:
         """Download a blob to ``dest``, verifying its sha256 (and size); resumes ``dest + '.part'`` via Range.
 
         The file appears at ``dest`` only once verified (atomic rename).

@@ -39,7 +39,7 @@ class _Snapshot:
         self.latest: int | None = None
         self.read_at = -float("inf")
         self.changed = asyncio.Event()
-        self.refreshing: asyncio.Task | None = None
+        self.refreshing: asyncio.Future[tuple[dict[str, Record], int | None]] | None = None
         self.admitting: set[str] = set()  # new replicas whose first report is being written
         self._index: LiveIndex | None = None
         self._view: tuple[FleetView, float] | None = None  # and the instant its first live lease runs out

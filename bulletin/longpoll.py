@@ -88,9 +88,9 @@ class Watcher:
         self._events: dict[str, asyncio.Event] = {}
         self._waiters: dict[str, int] = {}
         self._direct: dict[str, set[DirectWaiter]] = {}
-        self._fan_outs: set[asyncio.Task] = set()
+        self._fan_outs: set[asyncio.Task[None]] = set()
         self._reads: dict[str, asyncio.Task[None]] = {}
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
 
     def register(self, run: str, waiter: DirectWaiter) -> None:
         """Have the watcher send ``waiter``'s answer when a version of ``run`` newer than its ``after`` is noted (see :meth:`unregister`)."""
@@ -115,7 +115,7 @@ class Watcher:
                 if waiter.sent is not None:
                     waiter.sent.set_result(None)
 
-    def _fan_out_done(self, task: asyncio.Task) -> None:
+    def _fan_out_done(self, task: asyncio.Task[None]) -> None:
         self._fan_outs.discard(task)
         COLLECTOR.release()
 

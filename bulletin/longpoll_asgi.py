@@ -59,7 +59,8 @@ def _query(raw: bytes) -> tuple[int, float] | None:
 
 
 def _authorization(scope: Scope) -> str | None:
-    for name, value in scope["headers"]:
+    headers: list[tuple[bytes, bytes]] = scope["headers"]
+    for name, value in headers:
         if name == b"authorization":
             return value.decode("latin-1")
     return None

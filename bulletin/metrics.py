@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .body_caps import UNMATCHED
 from .stores import Store
@@ -102,18 +103,18 @@ class BulletinMetrics:
 class LatencyMiddleware:
     """Pure ASGI middleware observing :attr:`BulletinMetrics.request_seconds` per route template."""
 
-    def __init__(self, app, metrics: BulletinMetrics) -> None:
+    def __init__(self, app: ASGIApp, metrics: BulletinMetrics) -> None:
         self.app = app
         self.metrics = metrics
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         start = time.perf_counter()
         status = 500
 
-        async def send_status(message) -> None:
+        async def send_status(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]

@@ -37,7 +37,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import xxhash
@@ -120,7 +120,7 @@ class PatchEntry:
         """Bytes per element."""
         return DTYPE_SIZES[self.dtype]
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         """The entry as stored in the index."""
         return {
             "name": self.name,

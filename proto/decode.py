@@ -265,7 +265,9 @@ def _entry_from_json(obj: object, encoding: str, what: str) -> PatchEntry:
     return PatchEntry(name, dtype, tuple(shape), count, gap_bytes, dict(obj["base"]), dict(obj["target"]))
 
 
-def _check_container(meta: dict[str, str], slots: Mapping[str, tuple[str, int]], what: str) -> tuple[str, dict]:
+def _check_container(
+    meta: dict[str, str], slots: Mapping[str, tuple[str, int]], what: str
+) -> tuple[str, dict[str, str]]:
     """The patch's (encoding, free metadata) from its container: ``meta`` and name -> (dtype, bytes) of its tensors."""
     if set(meta) != {FORMAT}:
         raise PatchFormatError(

@@ -473,7 +473,7 @@ def canonical_json(model: BaseModel) -> bytes:
     return json.dumps(model.model_dump(mode="json"), sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-def parse_manifest(data: bytes | str | dict) -> VersionManifest:
+def parse_manifest(data: bytes | str | dict[str, Any]) -> VersionManifest:
     """Parse and validate a manifest from JSON bytes/text or a dict.
 
     Raises:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from .errors import PublisherClosedError, PublishError
 
@@ -46,7 +46,7 @@ class BoundedWorker:
         self._slots = threading.BoundedSemaphore(max_pending)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
         self._lock = threading.Lock()
-        self._futures: list[Future] = []
+        self._futures: list[Future[Any]] = []  # each job's own result type
         self._submitted = 0
         self._error: BaseException | None = None
         self._failed_job: int | None = None  # the index of the job that failed with self._error

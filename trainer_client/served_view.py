@@ -77,6 +77,9 @@ WRAPPER_SEGMENTS = ("_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_
 #: A per-tensor dtype map: checkpoint name or fnmatch pattern -> dtype of the served tensor.
 DtypeMap = Mapping[str, torch.dtype]
 
+#: Where a tensor's elements lie: (device, storage address, offset, shape, strides, dtype); equal keys, one tensor.
+StorageKey = tuple[torch.device, int, int | torch.SymInt, tuple[int, ...], tuple[int, ...], torch.dtype]
+
 
 def checkpoint_name(name: str) -> str:
     """The checkpoint name of a (possibly wrapped) parameter name.
@@ -91,7 +94,7 @@ def checkpoint_name(name: str) -> str:
     return name
 
 
-def _storage_key(t: torch.Tensor) -> tuple | None:
+def _storage_key(t: torch.Tensor) -> StorageKey | None:
     if getattr(t, "is_sparse", False) or t.numel() == 0:
         return None
     local = t.to_local() if hasattr(t, "to_local") else t
@@ -160,7 +163,7 @@ def checkpoint_state(
         state = _reverted_hf_state(module, state)
     else:
         state, dropped = dict(model_or_state_dict), set()
-    groups: dict[tuple, list[str]] = {}
+    groups: dict[StorageKey, list[str]] = {}
     out: dict[str, torch.Tensor] = {}
     for raw_name, tensor in state.items():
         if not isinstance(tensor, torch.Tensor):

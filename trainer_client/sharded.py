@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import pickle
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar, Unpack
+from typing import Any, TypeVar, Unpack, cast
 
 import torch
 import torch.distributed as dist
@@ -212,7 +212,7 @@ class ShardedPublisher(PublisherCore):
         value, error = outcome[0]
         if error is not None:
             raise error
-        return value
+        return cast(T, value)  # rank 0's work() result, come through the pickled broadcast
 
     def _start(self, mode: str, assets: AssetsArg) -> tuple[PublishedVersion | None, list[FileRef], dict[str, bytes]]:
         """Resume on every rank; a rank's failure is raised on all; every rank takes rank 0's asset refs."""

@@ -44,6 +44,9 @@ from .served_view import from_raw
 from .watch_layouts import Layout, checkpoints, choose_layout, read_stable
 
 #: Per-checkpoint failures: logged, the checkpoint skipped until its files change.
+#: A folder's files as (relative name, size in bytes, modification time in ns), sorted: equal listings, same files.
+Listing = tuple[tuple[str, int, int], ...]
+
 _REFUSALS = (CheckpointError, PatchError, ServedViewError, ConflictError, InvalidRequestError)
 
 
@@ -132,8 +135,8 @@ class Watcher:
         self.say = say
         self.last_step: int | None = None
         self._publisher: Publisher | None = None
-        self._failed: dict[str, tuple] = {}  # folder name -> listing it failed with
-        self._seen: dict[str, tuple[tuple, float]] = {}  # folder name -> (listing, first seen unchanged), settle_s
+        self._failed: dict[str, Listing] = {}  # folder name -> listing it failed with
+        self._seen: dict[str, tuple[Listing, float]] = {}  # folder name -> (listing, first seen unchanged), settle_s
 
     def resume(self) -> int | None:
         """Start after the step of the run's latest version (None: publish every checkpoint); returns it."""
@@ -259,7 +262,7 @@ class Watcher:
         return Outcome(step, path, status, message=message)
 
 
-def _listing(path: Path) -> tuple:
+def _listing(path: Path) -> Listing:
     """(relative name, size, modification time in ns) of every file under ``path``; () when it is gone."""
     out = []
     for root, _, files in os.walk(path):

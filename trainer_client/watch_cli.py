@@ -10,13 +10,12 @@ import signal
 import threading
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, cast
+from typing import Annotated
 
 import typer
 
 from stitchboard.bulletin.cli_options import Bulletin, Run, Token
 from stitchboard.proto.codec import ENCODINGS
-from stitchboard.proto.schema import Encoding
 
 
 class LayoutName(StrEnum):
@@ -82,7 +81,7 @@ def watch(
         signal.signal(sig, lambda *_: stop.set())
     options: PublisherOptions = {
         "served": served,
-        "encoding": cast(Encoding, encoding),
+        "encoding": encoding,
         "snapshot_every": snapshot_every,
     }
     try:
