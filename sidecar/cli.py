@@ -1,17 +1,29 @@
-"""``stitchboard sidecar run``: serve the sidecar in front of one engine on the same host."""
+"""``stitchboard sidecar run``: serve the sidecar in front of one engine on the same host.
+
+Its options are the fields of :class:`~stitchboard.sidecar.settings.SidecarSettings`, made here from
+the model: one ``--field-name`` per field (``--name/--no-name`` for a yes/no field; ``salt_cache``
+keeps its published ``--salt-cache/--reset-cache``), its type, its default and its description, so
+a new setting is an option without an edit here. An option given on the command line overrides the
+``STITCH_SIDECAR_*`` environment variable; one left out leaves the variable, else the default.
+"""
 
 from __future__ import annotations
 
+import inspect
 import logging
-from typing import Annotated, Any
+from typing import Any, Optional
 
 import typer
 import uvicorn
 from pydantic import ValidationError
+from pydantic.fields import FieldInfo
 
 from .settings import SidecarSettings
 
 app = typer.Typer(no_args_is_help=True)
+
+#: Yes/no fields whose off switch is not ``--no-<name>`` (kept as published).
+OFF_SWITCHES = {"salt_cache": "--reset-cache"}
 
 
 @app.callback()
@@ -21,78 +33,35 @@ def sidecar() -> None:
 
 def _settings(**overrides: Any) -> SidecarSettings:
     try:
-        return SidecarSettings(**{k: v for k, v in overrides.items() if v is not None})
+        return SidecarSettings(**overrides)
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         typer.echo(f"invalid sidecar settings: {problems} (options or STITCH_SIDECAR_* env vars)", err=True)
         raise typer.Exit(2) from None
 
 
-@app.command("run")
-def run_sidecar(
-    bulletin: Annotated[str | None, typer.Option(help="bulletin URL (env STITCH_SIDECAR_BULLETIN)")] = None,
-    run: Annotated[str | None, typer.Option("--run", help="run id to follow (env STITCH_SIDECAR_RUN)")] = None,
-    token: Annotated[
-        str | None,
-        typer.Option(
-            help="bearer token with scope replica (reads, and reports this replica to the fleet view; env STITCH_SIDECAR_TOKEN)"
-        ),
-    ] = None,
-    engine: Annotated[str | None, typer.Option(help="engine kind: vllm or sglang (env STITCH_SIDECAR_ENGINE)")] = None,
-    engine_url: Annotated[
-        str | None,
-        typer.Option(
-            help="engine base URL on this host (env STITCH_SIDECAR_ENGINE_URL, default http://127.0.0.1:8001)"
-        ),
-    ] = None,
-    host: Annotated[
-        str | None, typer.Option(help="address to listen on (env STITCH_SIDECAR_HOST, default 127.0.0.1)")
-    ] = None,
-    port: Annotated[int | None, typer.Option(help="TCP port (env STITCH_SIDECAR_PORT, default 8000)")] = None,
-    boot_version: Annotated[
-        int | None,
-        typer.Option(
-            help="published version the engine's boot checkpoint is; omit to load the nearest anchor (env STITCH_SIDECAR_BOOT_VERSION)"
-        ),
-    ] = None,
-    handoff_dir: Annotated[
-        str | None,
-        typer.Option(
-            help="memory-backed folder shared with the engine (env STITCH_SIDECAR_HANDOFF_DIR, default /dev/shm/stitchboard)"
-        ),
-    ] = None,
-    salt_cache: Annotated[
-        bool | None,
-        typer.Option(
-            "--salt-cache/--reset-cache",
-            help="salt the prefix cache by version instead of resetting it at every commit (env STITCH_SIDECAR_SALT_CACHE, default reset)",
-        ),
-    ] = None,
-    replica_id: Annotated[
-        str | None,
-        typer.Option(
-            help="stable id of this replica in the fleet view (env STITCH_SIDECAR_REPLICA_ID, default <host name>-<port>)"
-        ),
-    ] = None,
-    log_level: Annotated[
-        str | None, typer.Option(help="log level (env STITCH_SIDECAR_LOG_LEVEL, default info)")
-    ] = None,
-) -> None:
-    """Follow RUN at the bulletin, apply its versions to the engine, and proxy its OpenAI API (other settings: STITCH_SIDECAR_* env vars, see stitchboard.sidecar.settings)."""
-    settings = _settings(
-        bulletin=bulletin,
-        run=run,
-        token=token,
-        engine=engine,
-        engine_url=engine_url,
-        host=host,
-        port=port,
-        boot_version=boot_version,
-        handoff_dir=handoff_dir,
-        salt_cache=salt_cache,
-        replica_id=replica_id,
-        log_level=log_level,
-    )
+def option_parameter(name: str, field: FieldInfo) -> inspect.Parameter:
+    """The ``stitchboard sidecar run`` option of settings field ``name``, as a keyword parameter typer reads.
+
+    Its type and default are the field's (no default for a required field: the environment may give it);
+    its help is the field's description with the environment variable's name.
+    """
+    flag = "--" + name.replace("_", "-")
+    off = OFF_SWITCHES.get(name, "--no-" + name.replace("_", "-"))
+    decls = [f"{flag}/{off}"] if field.annotation is bool else [flag]
+    env = SidecarSettings.model_config.get("env_prefix", "") + name.upper()
+    default = None if field.is_required() else field.get_default(call_default_factory=True)
+    description = (field.description or "").removesuffix(".")
+    option = typer.Option(default, *decls, help=f"{description} (env {env}).")
+    annotation = field.annotation if default is not None else Optional[field.annotation]  # noqa: UP045
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=annotation)
+
+
+def run_sidecar(ctx: typer.Context, **options: Any) -> None:
+    """Follow RUN at the bulletin, apply its versions to the engine, and proxy its OpenAI API (every option is
+    also a STITCH_SIDECAR_* env var, see stitchboard.sidecar.settings)."""
+    given = {k: v for k, v in options.items() if getattr(ctx.get_parameter_source(k), "name", None) == "COMMANDLINE"}
+    settings = _settings(**given)
     from .app import create_app
 
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -103,3 +72,13 @@ def run_sidecar(
         log_level=settings.log_level,
         timeout_graceful_shutdown=5,
     )
+
+
+# typer reads the options from the signature; typeshed's functions lack the __signature__ that inspect reads.
+run_sidecar.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+    [
+        inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context),
+        *(option_parameter(name, field) for name, field in SidecarSettings.model_fields.items()),
+    ]
+)
+app.command("run")(run_sidecar)
