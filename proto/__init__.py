@@ -1,28 +1,7 @@
 """stitchboard.proto: the wire contracts and the bit-exact patch codec (no server or engine imports).
 
-Module tree (module -> what it holds -> which process uses it)::
-
-    proto/
-    ├── schema.py       VersionManifest (TensorSpec, FileRef, VersionStats), VersionInfo,     every process
-    │                   RunInfo, Plan/PlanStep, ErrorBody; name checks, canonical_json
-    ├── answers.py      bulletin answer bodies: VersionPage, RunList, BlobStored, UploadUrl   bulletin and its client
-    ├── sidecar_wire.py the sidecar's headers, stamps, states and SidecarStatus              sidecar and its clients
-    ├── errors.py       StitchError (root of every tree; body()), wire_types, codec errors     every process
-    ├── dtypes.py       safetensors dtype names and element sizes                            trainer, codec
-    ├── container.py    RawTensor; strict safetensors read/write                             trainer, sidecar/vLLM worker
-    ├── codec.py        the patch format and encoder (positions + replacement/XOR bits)      trainer, sidecar/vLLM worker
-    ├── _bitdiff.c      the change-detection and position kernels (C extension)              codec
-    ├── decode.py       reading and validating patch files before any write                  sidecar/vLLM worker, trainer
-    ├── apply.py        apply a patch: validate, write, verify or undo                       trainer (checks), `patch apply`
-    ├── diff.py         diff whole views in a thread pool                                    trainer
-    ├── checkpoint.py   HF-style (sharded) safetensors checkpoints: anchors                  trainer, sidecar
-    ├── cli.py          the `stitchboard` command (subcommands from entry points)            every CLI
-    ├── env.py          renamed env variables: RENAMED_ENV, env_setting                      every process
-    └── patch_cli.py    `stitchboard patch diff|apply|inspect`                               people debugging weights
-
-Inside the package imports point one way: the codec modules import schema, dtypes and
-errors; schema imports dtypes and errors; answers imports schema; sidecar_wire and env import
-nothing of the package.
+The names below are the ones most callers need. Every module, with what it holds and the process it
+runs in, is listed in DESIGN.md's map ("Packages and modules"), the one list of them.
 """
 
 from .answers import BlobStored, RunList, UploadUrl, VersionPage

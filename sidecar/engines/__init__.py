@@ -1,21 +1,8 @@
 """Engine adapters (run in the sidecar) and the code each engine runs inside its own processes.
 
-::
-
-    engines/
-    ├── base.py       EngineAdapter protocol, EngineState        sidecar process
-    ├── rpc.py        typed per-rank answers of in-engine calls  sidecar process
-    └── vllm/         one engine kind
-        ├── adapter.py  VllmEngine: the adapter over vLLM's HTTP   sidecar process
-        ├── launch.py   the vLLM command line and environment    demo, tests, benchmarks
-        ├── worker.py   StitchWorkerExtension (collective_rpc)   vLLM worker processes
-        ├── layout.py   checkpoint names -> runtime placements   vLLM worker processes
-        ├── weights.py  hashing, snapshot loads, TP agreement    vLLM worker processes
-        └── update.py   patches staged while serving, committed  vLLM worker processes
-    sglang/         the other: adapter.py (sidecar), launch.py, loader.py + inplace.py + layout.py
-                    (SGLang scheduler processes, one per TP rank)
-
-Nothing here is imported at package import: the worker processes import only what they run.
+One folder per engine kind. Which process runs each module is in DESIGN.md's map ("Packages and
+modules"), the one list of them. Nothing here is imported at package import: the worker processes
+import only what they run.
 """
 
 from __future__ import annotations

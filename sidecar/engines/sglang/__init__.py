@@ -1,1 +1,2 @@
-"""The SGLang engine: the sidecar's adapter and the loader that runs inside SGLang's processes (see :mod:`..`)."""
+"""The SGLang engine: the sidecar's adapter and the loader that runs inside SGLang's processes
+(their modules and processes: DESIGN.md's map)."""
