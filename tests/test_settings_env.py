@@ -1,4 +1,4 @@
-"""Environment variables per role: legacy names still read with a warning, new names win, the README table is complete."""
+"""Environment variables per role: legacy names still read with a warning, new names win, the settings page's table is complete."""
 
 from __future__ import annotations
 
@@ -67,9 +67,9 @@ def test_bulletin_warns_at_start_up_about_variables_it_ignores(monkeypatch, tmp_
     ]
 
 
-def test_readme_settings_table_names_every_prefix_variable_and_legacy_name():
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("\n## Settings\n", 1)[1].split("\n## ", 1)[0]
+def test_settings_page_roles_table_names_every_prefix_variable_and_legacy_name():
+    page = (ROOT / "docs" / "reference" / "settings.md").read_text()
+    section = page.split("\n## Roles and prefixes\n", 1)[1].split("\n## ", 1)[0]
     rows = [
         [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
         for line in section.splitlines()
