@@ -1,6 +1,6 @@
 """Renamed environment variables: read the new name, fall back to the legacy one with a warning.
 
-Every role reads its environment variables under one prefix (the table in README.md):
+Every role reads its environment variables under one prefix (the table in docs/reference/settings.md):
 ``STITCH_BULLETIN_*`` (bulletin server), ``STITCH_CLIENT_*`` (the client CLIs and the trainer
 example), ``STITCH_SIDECAR_*``, ``STITCH_BOOT_*`` (deploy boot step), ``STITCH_ENGINE_*`` (the
 vLLM worker) and ``STITCH_DEMO_*``. :data:`RENAMED_ENV` lists the variables that had another

@@ -1,6 +1,6 @@
 """The prefix cache salted by version, instead of reset at every commit (sidecar process).
 
-With the ``salt_cache`` setting (``--salt-cache``; off by default, see the README's figures),
+With the ``salt_cache`` setting (``--salt-cache``; off by default, see docs/benchmarks.md),
 every request the proxy admits to a salted route gets the body field ``cache_salt`` =
 ``stitch-v<version it is admitted under>`` (a client's own salt is kept in front:
 ``<salt>|stitch-v<N>``; a list of salts, one per prompt of a batch, is salted item by item):

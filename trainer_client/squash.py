@@ -48,7 +48,7 @@ from .encode_version import bytes_ref
 log = logging.getLogger("stitchboard.trainer_client")
 
 #: Squash depths a publisher emits unless told otherwise: none. Measured on real SmolLM2 steps
-#: (``tests/benchmarks/bench_squash.py``, README), depths (4, 8) add ~11x the delta's own encode
+#: (``tests/benchmarks/bench_squash.py``, docs/benchmarks.md), depths (4, 8) add ~11x the delta's own encode
 #: time to every publish (the reverse record, then two encodes of 2-5x the changed elements and
 #: the check of each, :func:`check_squash`; ~4.7x without the checks), which grows with the model and, through ``max_pending``, can stall a trainer; they pay off only
 #: for replicas that fall behind (restarts, long stalls). Turn them on per run where that happens.

@@ -1,4 +1,4 @@
-"""A pytest plugin that counts the malformed inputs the tests try, per surface (the README's figures).
+"""A pytest plugin that counts the malformed inputs the tests try, per surface (the figures in docs/reliability.md).
 
 Run: ``python -m pytest -q -p tests.codec.count_refusals tests/codec tests/bulletin tests/trainer_client``.
 At the end it prints, per surface, how many refusals the tests provoked and saw:
