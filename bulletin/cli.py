@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+from enum import StrEnum
 from typing import Annotated, Any
 
 import typer
@@ -30,6 +32,27 @@ def _settings(**overrides: Any) -> BulletinSettings:
     return BulletinSettings(**{k: v for k, v in overrides.items() if v is not None})
 
 
+class HttpProtocol(StrEnum):
+    """``serve --http``: uvicorn's HTTP protocol; :data:`HTTP_PROTOCOLS` has the import string uvicorn loads."""
+
+    bulletin = "bulletin"  # an answer's head and body in one write (http_protocol.py)
+    httptools = "httptools"  # uvicorn's own
+
+
+HTTP_PROTOCOLS = {
+    HttpProtocol.bulletin: "stitchboard.bulletin.http_protocol:CoalescingHttpToolsProtocol",
+    HttpProtocol.httptools: "httptools",
+}
+
+
+def served_app() -> Any:
+    """The app ``bulletin serve`` runs in each of its processes (uvicorn's app factory): settings from the
+    ``STITCH_BULLETIN_*`` environment, the startup heap frozen once the app is built (``gc_hold.py``)."""
+    served = create_app(BulletinSettings())
+    freeze_startup_heap()  # full collections then walk only what serving creates
+    return served
+
+
 @app.command()
 def serve(
     store: StoreOpt = None,
@@ -38,21 +61,28 @@ def serve(
     ] = None,
     port: Annotated[int | None, typer.Option(help="TCP port [env STITCH_BULLETIN_PORT, default 8700]")] = None,
     log_level: Annotated[str | None, typer.Option(help="uvicorn log level [env STITCH_BULLETIN_LOG_LEVEL]")] = None,
+    workers: Annotated[
+        int | None,
+        typer.Option(min=1, help="bulletin processes sharing the port [env STITCH_BULLETIN_WORKERS, default 1]"),
+    ] = None,
+    http: Annotated[HttpProtocol, typer.Option(help="uvicorn's HTTP protocol")] = HttpProtocol.bulletin,
 ) -> None:
     """Serve the REST API (all other settings: STITCH_BULLETIN_* env vars, see stitchboard.bulletin.settings)."""
-    from .http_protocol import CoalescingHttpToolsProtocol  # httptools: only the server needs it
-
-    settings = _settings(store=store, host=host, port=port, log_level=log_level)
-    served = create_app(settings)
-    freeze_startup_heap()  # full collections then walk only what serving creates (gc_hold.py)
+    overrides = {"store": store, "host": host, "port": port, "log_level": log_level, "workers": workers}
+    settings = _settings(**overrides)
+    prefix = BulletinSettings.model_config["env_prefix"]
+    for name, value in overrides.items():  # each worker process reads its settings from the environment
+        if value is not None:
+            os.environ[f"{prefix}{name.upper()}"] = str(value)
+    open_store(settings.store, settings)  # a store URL not understood stops here, once, not in every worker
     access_log = settings.log_level.lower() in (
         "trace",
         "debug",
         "info",
     )  # above info uvicorn drops its lines, but still formats them per answer
     uvicorn.run(
-        served, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=access_log, timeout_graceful_shutdown=5,
-        http=CoalescingHttpToolsProtocol,  # an answer's head and body in one write (http_protocol.py)
+        f"{__name__}:served_app", factory=True, workers=settings.workers, http=HTTP_PROTOCOLS[http],
+        host=settings.host, port=settings.port, log_level=settings.log_level, access_log=access_log, timeout_graceful_shutdown=5,
     )  # fmt: skip
 
 

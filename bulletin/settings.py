@@ -146,6 +146,11 @@ class BulletinSettings(BaseSettings, S3Settings):
     )
 
     log_level: str = Field("info", description="uvicorn log level.")
+    workers: int = Field(
+        1,
+        ge=1,
+        description="Bulletin processes serving the one port (uvicorn's workers; default 1), each its own long-polls: docs/reference/bulletin-scaling.md.",
+    )
 
 
 def ignored_env_names(environ: Mapping[str, str]) -> list[str]:
