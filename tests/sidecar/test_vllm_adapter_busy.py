@@ -4,7 +4,8 @@ vLLM answers ``/collective_rpc`` between engine steps (the engine core takes the
 input queue after the step it is in, and the worker runs it after its forward pass), so under
 load every in-engine call waits up to a step; with 50 streams on the 2-core CPU host a
 staging's poll waited longer than a control call's 10 s. Here a stand-in for vLLM's HTTP
-routes answers ``stitch_staged`` only after a "step" longer than the adapter's control timeout.
+routes answers ``stitch_staged`` only after a "step" longer than the adapter's control timeout,
+and ``/is_paused`` and ``stitch_state`` only together, as at one step boundary.
 """
 
 from __future__ import annotations
@@ -89,3 +90,50 @@ def test_a_staging_that_never_ends_still_fails_at_the_apply_timeout(busy):
     with pytest.raises((EngineRequestError, EngineUnavailableError)):
         adapter.stage_patches([(["/handoff/v1.patch"], 0, 1)], poll_s=0.0)
     assert 2 <= engine.calls.count("stitch_staged") <= 4
+
+
+class StepBoundaryEngine:
+    """vLLM's ``/collective_rpc`` (``stitch_state``) and ``/is_paused``, each answered only once the
+    other is in flight too: both wait for the same step boundary, as vLLM's engine core takes the
+    calls queued during a step after it. A call that comes alone is never answered."""
+
+    def __init__(self, paused: bool) -> None:
+        self.paused = paused
+        self.arrived: list[str] = []
+        self._both = asyncio.Event()
+
+    async def _boundary(self, route: str) -> None:
+        self.arrived.append(route)
+        if {"stitch_state", "/is_paused"} <= set(self.arrived):
+            self._both.set()
+        await self._both.wait()
+
+    def app(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.post("/collective_rpc")
+        async def collective_rpc(request: Request) -> dict:
+            body = await request.json()
+            await self._boundary(body["method"])
+            return {"results": [{"ok": True, "state": {"version": 7, "phase": "idle", "instance": "step"}}]}
+
+        @app.get("/is_paused")
+        async def is_paused() -> dict:
+            await self._boundary("/is_paused")
+            return {"is_paused": self.paused}
+
+        return app
+
+
+@pytest.mark.parametrize("paused", [False, True])
+def test_a_state_call_asks_the_worker_and_the_scheduler_at_the_same_step_boundary(paused: bool):
+    engine = StepBoundaryEngine(paused)
+    server = AppServer(engine.app())
+    adapter = VllmEngine(server.url, timeout_s=5.0)
+    try:
+        state = adapter.state()
+    finally:
+        adapter.close()
+        server.stop()
+    assert (state.version, state.phase) == (7, "paused" if paused else "idle")
+    assert sorted(engine.arrived) == ["/is_paused", "stitch_state"]

@@ -21,6 +21,7 @@ import dataclasses
 import json
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -171,6 +172,10 @@ class VllmEngine:
     def state(self, timeout_s: float | None = None) -> EngineState:
         """What the worker extension records; phase ``paused`` when it is idle and the engine paused.
 
+        The worker's record (``collective_rpc``) and ``/is_paused`` are asked at once: the engine
+        core answers both after the step in flight, so one after the other they waited for two
+        steps (under load on a CPU host: ~2 s each, docs/benchmarks.md), together for one.
+
         Args:
             timeout_s: how long each call may wait for its answer, seconds (None: ``timeout_s`` of
                 the adapter). The engine core answers ``collective_rpc`` between steps.
@@ -178,9 +183,11 @@ class VllmEngine:
         Raises:
             EngineUnavailableError, EngineRequestError, EngineStateError (ranks disagree).
         """
-        state = combine(self._rpc("stitch_state", {}, timeout_s))
-        if state.phase == "idle" and self._request("GET", "/is_paused", timeout=timeout_s).get("is_paused"):
-            return dataclasses.replace(state, phase="paused")
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-is-paused") as pool:
+            paused = pool.submit(self._request, "GET", "/is_paused", timeout=timeout_s)
+            state = combine(self._rpc("stitch_state", {}, timeout_s))
+            if state.phase == "idle" and paused.result().get("is_paused"):
+                return dataclasses.replace(state, phase="paused")
         return state
 
     def pause(self) -> None:
