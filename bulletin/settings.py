@@ -149,7 +149,7 @@ class BulletinSettings(BaseSettings, S3Settings):
     workers: int = Field(
         1,
         ge=1,
-        description="Bulletin processes serving the one port (uvicorn's workers; default 1), each its own long-polls: docs/reference/bulletin-scaling.md.",
+        description="Bulletin processes serving the one port (uvicorn's workers; default 1), each its own long-polls: docs/bulletin.md, Long-polls.",
     )
 
 

@@ -82,6 +82,7 @@ def redraw_routers(run: MoeRun, seed: int) -> int:
         for name, param in run.trainer.model.named_parameters():
             if name.endswith("mlp.gate.weight"):
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+    run.trainer.steps += 1  # new bits: a step of their own (the bulletin refuses other bits under a published step)
     return run.publisher.publish(run.trainer.model, step=run.trainer.steps).version
 
 
