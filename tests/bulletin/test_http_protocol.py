@@ -246,3 +246,31 @@ def test_a_request_leaves_no_reference_cycle(served: str):
     finally:
         gc.enable()
     assert left <= 2, f"{left} request cycles of 40 finished requests were left to the cyclic collector"
+
+
+def test_uvicorn_is_within_the_range_the_protocol_was_measured_and_tested_on():
+    """The protocol subclasses uvicorn's internal httptools protocol and request cycle, so the
+    bulletin extra pins uvicorn to the minor release these tests ran on (kept over uvicorn's stock
+    protocol by bench_bulletin: docs/bulletin.md, Long-polls). An install outside the pin fails here
+    with what to do, before a served bulletin meets a changed internal."""
+    import tomllib
+    from importlib.metadata import version
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+
+    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    (pin,) = [
+        Requirement(r).specifier
+        for r in pyproject["project"]["optional-dependencies"]["bulletin"]
+        if Requirement(r).name == "uvicorn"
+    ]
+    assert pin.contains("0.55.0") and not pin.contains("0.56.0") and not pin.contains("0.54.0"), (
+        f"the bulletin extra's uvicorn pin {pin} is wider than the release bulletin/http_protocol.py was tested on"
+    )
+    installed = version("uvicorn")
+    assert pin.contains(installed), (
+        f"uvicorn {installed} is installed, outside the bulletin's pin {pin}: bulletin/http_protocol.py subclasses "
+        "its internals; install a uvicorn within the pin, or run these tests and bench_bulletin on the new release "
+        "and move the pin (or serve with --http httptools)"
+    )
