@@ -14,6 +14,8 @@ so the OpenAI clients do not retry them:
 * ``GET /metrics``: the sidecar's Prometheus metrics; ``GET /engine/metrics``: the engine's.
 * the engine's model routes, gated and stamped, and its read-only routes (per engine kind,
   :mod:`.routes`; :mod:`.proxy`); any other path: 403 ``RouteForbidden``.
+* with ``admin_api = "prime-rl"``: prime-rl's admin routes (``/pause``, ``/resume``, ``/update_weights``,
+  LoRA 501), served by the sidecar itself (:mod:`.admin_prime_rl`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from stitchboard.bulletin.body_caps import ANY_METHOD, BodyBudget, BodyCaps, Cap
 from stitchboard.bulletin.client import BulletinClient
 from stitchboard.proto.sidecar_wire import SHOULD_RETRY_HEADER, SidecarStatus
 
+from . import admin_prime_rl
 from .engines import create_adapter
 from .engines.base import EngineAdapter
 from .errors import BodyBudgetError, BodyTooLargeError, RouteForbiddenError, SidecarError, WeightVersionNotReadyError
@@ -231,6 +234,8 @@ def create_app(
         """The engine's own ``/metrics``, passed through."""
         return await request.app.state.proxy.forward_plain(request, "/metrics")
 
+    admin_caps = admin_prime_rl.register(app, settings, client)  # STITCH_SIDECAR_ADMIN_API; before the catch-all
+
     @app.api_route(PROXIED_ROUTE, methods=_ALL_METHODS, include_in_schema=False)
     async def proxied(request: Request, path: str) -> Response:
         """Engine routes: OpenAI routes gated and stamped, read-only routes as they are, the rest 403
@@ -256,7 +261,7 @@ def create_app(
     app.add_middleware(
         BodyCaps,
         routes=app.router.routes,
-        caps={(ANY_METHOD, PROXIED_ROUTE): Cap(settings.max_body_bytes, "STITCH_SIDECAR_MAX_BODY_BYTES")},
+        caps={(ANY_METHOD, PROXIED_ROUTE): Cap(settings.max_body_bytes, "STITCH_SIDECAR_MAX_BODY_BYTES"), **admin_caps},
         refuse=refuse_body,
         body_bytes=metrics.request_body_bytes,
         budget=budget,

@@ -15,6 +15,11 @@ error body (``{"type": ..., "message": ..., <details>}``, see
     ├── BodyBudgetError               503  no room for a body within body_budget_wait_s (bodies in flight hold body_budget_bytes)
     ├── RoutedExpertsRefusedError     400  return_routed_experts malformed, or not served for this model/route
     ├── NotReadyError                 503  no verified version applied (starting, recovering, unhealthy)
+    │   (prime-rl's admin API, STITCH_SIDECAR_ADMIN_API=prime-rl, sidecar/admin_prime_rl.py:)
+    ├── InvalidAdminRequestError      422  an admin request the sidecar cannot act on (weight_dir not .../step_N, a pause mode)
+    ├── StepNotAppliedError           503  the version of the asked step was not published and applied within admin_update_wait_s
+    ├── StepRefusedError              409  the engine refused the version of the asked step for good (a tensor set it has no place for)
+    ├── AdapterRunsUnsupportedError   501  LoRA adapter routes: adapter runs are not supported yet (issue #31)
     ├── EngineUnavailableError        503  the engine does not answer
     ├── AnswerVersionMismatchError    503  an engine answer names weights the sidecar did not hold (not delivered)
     ├── StagingError                  ---  staged files disagree with their manifests (never sent to the engine)
@@ -120,6 +125,45 @@ class NotReadyError(SidecarError):
 
     type = "NotReady"
     status = 503
+
+
+class InvalidAdminRequestError(SidecarError):
+    """An admin request of prime-rl's orchestrator the sidecar cannot act on: a ``weight_dir`` whose
+    last folder is not ``step_N`` (nor ``step_N/weight``), a body that is no JSON object, a pause
+    mode other than ``keep`` or ``wait``. Retrying the same request cannot help. Details: ``field``,
+    ``value`` (what was sent, shortened)."""
+
+    type = "InvalidAdminRequest"
+    status = 422
+
+
+class StepNotAppliedError(SidecarError):
+    """``POST /update_weights``: no version of the run records the asked training step (or a later
+    one), or its version was not applied and verified, within ``admin_update_wait_s``; a retry can
+    succeed (prime-rl retries 5xx). Details: ``step``, ``version`` (the step's version, None: not
+    published), ``applied_version``, ``wait_s``."""
+
+    type = "StepNotApplied"
+    status = 503
+
+
+class StepRefusedError(SidecarError):
+    """``POST /update_weights``: the engine refused the version of the asked step (or a later one
+    with its tensor set) for good: a tensor name, dtype or shape it has no place for
+    (:mod:`.refusals`). The held version keeps serving; no retry of the same step can succeed until a
+    version with another tensor set is published. Details: ``step``, ``version``, ``refused_version``,
+    ``applied_version``, ``cause``."""
+
+    type = "StepRefused"
+    status = 409
+
+
+class AdapterRunsUnsupportedError(SidecarError):
+    """A LoRA adapter route of prime-rl's admin API (``/load_lora_adapter``, ``/v1/unload_lora_adapter``):
+    adapter runs are not supported yet (issue #31). Details: ``path``."""
+
+    type = "AdapterRunsUnsupported"
+    status = 501
 
 
 class EngineUnavailableError(SidecarError):

@@ -166,6 +166,23 @@ class SidecarSettings(BaseSettings):
         description="How long a request body waits for room in body_budget_bytes before it is answered 503 BodyBudgetExhausted, seconds (default 5).",
     )
 
+    admin_api: Literal["off", "prime-rl"] = Field(
+        "off",
+        description=(
+            "Engine-control routes the sidecar serves itself for an RL framework's orchestrator: off (every control route "
+            "answers 403 RouteForbidden) or prime-rl (its /pause, /resume, /update_weights and LoRA routes; "
+            "docs/integrations/prime-rl.md). None of them calls the engine's own control routes."
+        ),
+    )
+    admin_update_wait_s: float = Field(
+        600.0,
+        gt=0,
+        description=(
+            "prime-rl admin API: how long one POST /update_weights waits for its step's version to be published and "
+            "applied, seconds (default 600, below prime-rl's 720 s per attempt); then 503 StepNotApplied, which prime-rl retries."
+        ),
+    )
+
     replica_id: str | None = Field(
         None,
         description="Stable id of this replica in the bulletin's fleet view (1-128 of [A-Za-z0-9._-]); None: '<host name>-<port>'.",
