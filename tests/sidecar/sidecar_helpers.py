@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -142,3 +143,18 @@ def assert_at(sidecar, publisher: Publisher, version: int) -> None:
     sidecar.wait_applied(version)
     assert sidecar.engine.version == version
     assert same_bits(sidecar.engine.weights, publisher.views[version]), f"engine bits are not version {version}'s"
+
+
+@contextmanager
+def corrupted(path: Path) -> Iterator[None]:
+    """One byte in the middle of the stored file ``path`` flipped (bit rot under the same name and
+    size) inside the block; its original bytes written back when the block ends, failed or not,
+    so the tests after it find the store whole."""
+    good = path.read_bytes()
+    bad = bytearray(good)
+    bad[len(bad) // 2] ^= 0xFF
+    path.write_bytes(bytes(bad))
+    try:
+        yield
+    finally:
+        path.write_bytes(good)

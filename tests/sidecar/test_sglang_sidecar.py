@@ -25,6 +25,7 @@ from stitchboard.proto.decode import read_patch
 from stitchboard.sidecar.engines.sglang.adapter import SglangEngine
 from stitchboard.sidecar.engines.sglang.loader import FAULT_ENV, FAULT_PHASES, FAULT_VERSION_ENV
 from tests.sidecar.sglang_helpers import SglangServer, require_sglang
+from tests.sidecar.sidecar_helpers import corrupted
 from tests.sidecar.vllm_fixtures import SidecarProcess, VllmRun, copy_model_files
 
 pytestmark = pytest.mark.slow
@@ -195,14 +196,6 @@ def test_two_sidecars_on_one_engine_only_the_lease_holder_changes_it(sglang_engi
     assert_verified(sglang_engine.url, run, v, quiet)
 
 
-def _corrupt(path: Path) -> bytes:
-    good = path.read_bytes()
-    bad = bytearray(good)
-    bad[len(bad) // 2] ^= 0xFF
-    path.write_bytes(bytes(bad))
-    return good
-
-
 def test_corrupted_file_is_refused_before_the_engine_is_touched(sglang_engine, run, sidecars):
     """Wrong bytes stored under a patch's sha256: the fetch refuses them, SGLang is never paused and
     keeps its version; once the store is repaired the sidecar gets through on its own."""
@@ -217,8 +210,7 @@ def test_corrupted_file_is_refused_before_the_engine_is_touched(sglang_engine, r
     assert run.step() == v + 1
     (patch,) = [f for f in run.client.manifest(run.run, v + 1).files if f.role == "patch"]
     blob = run.store / "runs" / run.run / "blobs" / patch.sha256
-    good = _corrupt(blob)
-    try:
+    with corrupted(blob):  # put back when the block ends: the module's next tests need version v + 1
         sidecar = sidecars(sglang_engine.url)
         status = sidecar.wait_status(
             lambda s: (s["last_error"] or {}).get("type") == "BlobMismatch", "the checksum mismatch reported"
@@ -228,8 +220,6 @@ def test_corrupted_file_is_refused_before_the_engine_is_touched(sglang_engine, r
             "the engine was paused"
         )
         assert sglang_engine.greedy() == before
-    finally:
-        blob.write_bytes(good)  # the module's next tests need version v + 1
     sidecar.wait_applied(v + 1)
 
 

@@ -31,6 +31,7 @@ from stitchboard.sidecar.engines.vllm.worker import (
 from stitchboard.sidecar.errors import EngineStateError
 from stitchboard.sidecar.reconciler import FAULT_EXIT_CODE as SIDECAR_FAULT_EXIT
 from tests.sidecar.commit_overlap import LongRequests
+from tests.sidecar.sidecar_helpers import corrupted
 from tests.support.vllm_server import VllmServer, require_vllm
 
 pytestmark = pytest.mark.slow
@@ -277,15 +278,6 @@ def test_routing_asked_of_a_dense_model_is_refused_by_name(vllm_run_engine, vllm
     assert vllm_run_engine.model in r.json()["message"], r.text
 
 
-def _corrupt(path: Path) -> bytes:
-    """Flip one byte in the middle of ``path``; returns the original bytes."""
-    good = path.read_bytes()
-    bad = bytearray(good)
-    bad[len(bad) // 2] ^= 0xFF
-    path.write_bytes(bytes(bad))
-    return good
-
-
 def test_corrupted_bulletin_file_is_rejected_before_touching_the_engine(vllm_run_engine, vllm_run, vllm_sidecars):
     """Wrong bytes stored under a patch's sha256: staging refuses them, the engine is never paused and
     keeps its version and answers; once the store is repaired the sidecar gets through on its own."""
@@ -297,19 +289,18 @@ def test_corrupted_bulletin_file_is_rejected_before_touching_the_engine(vllm_run
     assert vllm_run.step() == v + 1
     (patch,) = [f for f in vllm_run.client.manifest(vllm_run.run, v + 1).files if f.role == "patch"]
     blob = vllm_run.store / "runs" / vllm_run.run / "blobs" / patch.sha256
-    good = _corrupt(blob)  # bit rot: wrong bytes stored under the sha256
-    sidecar = vllm_sidecars(vllm_run_engine.url)
-    status = sidecar.wait_status(
-        lambda s: (s["last_error"] or {}).get("type") == "BlobMismatch", "the checksum mismatch reported"
-    )
-    assert (status["applied_version"], status["target_version"]) == (v, v + 1)
-    assert not re.search(r"stitch_sidecar_pause_seconds_count\{route=\"\w+\"\} [1-9]", sidecar.metrics()), (
-        "the engine was paused"
-    )
-    assert httpx.get(f"{sidecar.url}/health", timeout=30).status_code == 200  # still serving verified version v
-    assert_verified(vllm_run_engine.url, vllm_run, v)
-    assert vllm_run_engine.greedy() == before
-    blob.write_bytes(good)  # the store is repaired: the sidecar's retries now get through
+    with corrupted(blob):  # bit rot: wrong bytes stored under the sha256; repaired when the block ends
+        sidecar = vllm_sidecars(vllm_run_engine.url)
+        status = sidecar.wait_status(
+            lambda s: (s["last_error"] or {}).get("type") == "BlobMismatch", "the checksum mismatch reported"
+        )
+        assert (status["applied_version"], status["target_version"]) == (v, v + 1)
+        assert not re.search(r"stitch_sidecar_pause_seconds_count\{route=\"\w+\"\} [1-9]", sidecar.metrics()), (
+            "the engine was paused"
+        )
+        assert httpx.get(f"{sidecar.url}/health", timeout=30).status_code == 200  # still serving verified version v
+        assert_verified(vllm_run_engine.url, vllm_run, v)
+        assert vllm_run_engine.greedy() == before
     sidecar.wait_applied(v + 1)
     assert_verified(vllm_run_engine.url, vllm_run, v + 1)
 
