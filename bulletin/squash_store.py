@@ -16,7 +16,8 @@ meanwhile is left dangling: the planner ignores it and the next gc drops it.
 Reading: records are parsed once per stored etag (:meth:`.Ledger.derived_record`), so a plan
 with squashes costs one listing of the folder, not a read per record. A record this bulletin
 cannot read (a newer schema written by a newer bulletin on the same store, or damaged bytes) is
-left out of plans and listings and logged once; it never fails them. The put check reads only
+left out of plans and listings and logged once; it never fails them, nor gc, which spares every
+blob name (a sha256 in hex) found in its bytes until the record is dropped. The put check reads only
 each patch file's header and index, by ranged reads (:func:`~stitchboard.proto.decode.read_patch_index`),
 never a whole blob.
 """
@@ -41,6 +42,7 @@ from .ledger import Ledger, blob_is_sound, blob_key, intents_key, run_key
 from .stores import Store
 
 log = logging.getLogger("stitchboard.bulletin")
+_BLOB_NAME = re.compile(rb"(?<![0-9a-f])[0-9a-f]{64}(?![0-9a-f])")  # a blob key: sha256 in hex
 
 _NAME = re.compile(r"^(\d{12})-(\d{12})\.json$")
 
@@ -234,13 +236,28 @@ def squash_blobs(ledger: Ledger, run: str, cache: dict[tuple[str, str], set[str]
             continue
         if (o.key, o.etag) not in cache:
             try:
-                cache[(o.key, o.etag)] = {
-                    f.sha256 for f in SquashManifest.model_validate_json(ledger.store.get(o.key)[0]).files
-                }
+                cache[(o.key, o.etag)] = _named_blobs(o.key, ledger.store.get(o.key)[0])
             except NotFoundError:
                 continue
         out |= cache[(o.key, o.etag)]
     return out
+
+
+def _named_blobs(key: str, data: bytes) -> set[str]:
+    # The blobs a stored squash record references. One this bulletin cannot read (a newer
+    # schema, damaged bytes) still spares every blob name (a sha256 in hex) found in its bytes:
+    # gc cannot tell which of them a newer reader needs, and must not stop on the record.
+    try:
+        return {f.sha256 for f in SquashManifest.model_validate_json(data).files}
+    except ValidationError:
+        names = {m.decode() for m in _BLOB_NAME.findall(data)}
+        log.warning(
+            "gc cannot read the squash record %s: it spares the %d blob names found in its bytes "
+            "(drop the record to free them, or upgrade this bulletin)",
+            key,
+            len(names),
+        )
+        return names
 
 
 def prune_squashes(ledger: Ledger, run: str, kept: set[int], dry_run: bool = False) -> list[tuple[int, int]]:

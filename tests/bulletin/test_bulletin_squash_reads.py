@@ -23,6 +23,7 @@ import pytest
 
 from stitchboard.bulletin.errors import InvalidRequestError
 from stitchboard.bulletin.ledger import blob_key
+from stitchboard.bulletin.retention import collect_garbage
 from stitchboard.bulletin.squash_store import squash_key
 from stitchboard.bulletin.stores import StreamDigest
 from stitchboard.proto.decode import MAX_PATCH_HEADER_BYTES
@@ -132,6 +133,7 @@ def test_an_unreadable_squash_record_is_skipped_and_logged(server, client, run, 
     publish(server, client, run, rl_steps(13, 5, numel=4096), tmp_path, squash_depths=(3,))
     assert [(s.base_version, s.target_version) for s in client.squashes(run)] == [(0, 3), (1, 4), (2, 5)]
     # A newer bulletin on the same store wrote a record this one cannot read (schema 99, a new field).
+    s25 = client.squashes(run)[2]
     newer = json.loads(client.squashes(run)[1].model_dump_json()) | {"schema_version": 99, "hints": {"tier": "hot"}}
     counted.inner.delete(squash_key(run, 1, 4))
     counted.inner.put_new(squash_key(run, 1, 4), json.dumps(newer).encode())
@@ -150,6 +152,12 @@ def test_an_unreadable_squash_record_is_skipped_and_logged(server, client, run, 
     assert len(skipped) == 2, skipped
     assert any(squash_key(run, 1, 4) in m and "hints" in m for m in skipped), skipped
     assert any(damaged in m for m in skipped), skipped
+    # gc reads every record to spare its blobs: it neither stops on these two nor frees the blob
+    # the newer record names; the damaged record names none any more, so its blob goes.
+    blob_14, blob_25 = newer["files"][0]["sha256"], s25.files[0].sha256
+    report = collect_garbage(server.app.state.bulletin.ledger, keep_snapshots=9, grace_s=0.0, runs=[run])
+    assert client.has_blob(run, blob_14) is not None, "the newer record's blob was spared"
+    assert report.blobs_removed.get(run) == [blob_25], report.blobs_removed
 
 
 def test_plans_with_squashes_read_each_record_once_per_etag(server, client, run, tmp_path, counted):
