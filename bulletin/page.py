@@ -120,8 +120,12 @@ async def login(request: Request) -> Response:
 
 
 @router.post("/logout")
-async def logout() -> Response:
-    """Forget the browser's token."""
+async def logout(request: Request) -> Response:
+    """Forget the browser's token; refused (403) from another origin, as a login is (:func:`.cross_origin`):
+    a page elsewhere must not be able to log its visitor out."""
+    refused = cross_origin(request)
+    if refused is not None:
+        return _login(refused, 403)
     answer = RedirectResponse("/status", status_code=303)
     answer.delete_cookie(COOKIE, path="/status", httponly=True, samesite="strict")
     return answer

@@ -1,6 +1,7 @@
 """The status page's login guard: a login posted from another origin is refused (in a real headless
 Chromium, and header by header over HTTP), a login without Origin or Referer is taken only without
-cookies, and failed logins from one address are slowed down (429 with Retry-After)."""
+cookies, a logout from another origin is refused too, and failed logins from one address are slowed
+down (429 with Retry-After)."""
 
 from __future__ import annotations
 
@@ -83,6 +84,15 @@ def test_origin_and_referer_are_checked_against_the_host(bulletin):
     for headers in allowed:
         answer = _login(url, "viewer", **headers)
         assert answer.status_code == 303 and "stitch_token=viewer" in answer.headers["set-cookie"], headers
+
+
+def test_a_logout_posted_from_another_origin_is_refused(bulletin):
+    url = bulletin.url
+    for headers in ({"origin": "http://evil.example"}, {"cookie": "stitch_token=viewer"}):
+        answer = httpx.post(f"{url}/status/logout", headers=headers)
+        assert answer.status_code == 403 and "set-cookie" not in answer.headers, headers
+    answer = httpx.post(f"{url}/status/logout", headers={"origin": url, "cookie": "stitch_token=viewer"})
+    assert answer.status_code == 303 and 'stitch_token=""' in answer.headers["set-cookie"]
 
 
 def test_failed_logins_from_one_address_are_slowed_down(bulletin):
