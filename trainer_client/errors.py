@@ -117,3 +117,21 @@ class WatchLayoutError(TrainerError):
     layouts (``--layout auto``). The message names the layouts found and their folders."""
 
     type = "WatchLayout"
+
+
+class RolloutError(TrainerError):
+    """A rollout through the sidecars failed (TRL's ``rollout_func``, :mod:`.trl.rollout`): no sidecar
+    could be reached, or one answered with an error. The message names the sidecar and the status;
+    ``details``: ``sidecar``, ``status``, ``body`` (the start of the answer)."""
+
+    type = "RolloutError"
+
+
+class RolloutVersionError(RolloutError):
+    """A rollout could not get the weight version it asks for (the version of a training step, or later)
+    within its wait: the publish of that step has not committed, or the sidecar did not apply it in time.
+    ``details``: ``step`` (the minimum training step), ``min_version``, ``sidecar`` (None when the version
+    itself was not found), ``applied_version`` (the sidecar's, when it said). Raise the wait
+    (``wait_s``), allow more staleness, or see why the sidecar lags (``/v1/stitch/status``)."""
+
+    type = "RolloutVersion"

@@ -1,0 +1,281 @@
+"""``PublishCallback``: a TRL/transformers ``TrainerCallback`` that publishes the policy after each optimizer step.
+
+Runs in the trainer process (every rank of it). Version 0, the anchor of the starting weights, is
+published at ``on_train_begin`` unless the run already has versions (the user published it, or a
+resumed run); then one version per optimizer step at ``on_step_end``, recording TRL's
+``state.global_step`` as the version's ``step``. The view is taken on the training thread (a bf16
+copy, the only part that blocks the step) and published in the background by the publisher's
+bounded worker (:meth:`Publisher.publish_async`), so the next step runs while it uploads.
+
+Ranks: rank 0 publishes. Under FSDP every rank joins the gather of the full state dict
+(``get_model_state_dict(full_state_dict=True, cpu_offload=True)``), which only rank 0 keeps; under
+DDP each rank holds the whole model and no collective is needed. Shard-local publish comes with
+the sharding issue (#32).
+
+Faults (the bulletin or the network down), ``on_fault``:
+
+* ``block`` (default): a failed publish is found at the next step end (or when a rollout asks for
+  its version); the trainer then publishes its current weights again, retrying until they commit
+  or ``block_timeout_s`` runs out; then the step is skipped with a log line. Never raises.
+* ``skip``: each failed publish is logged and skipped; the next step's version carries its changes
+  (a delta from the last committed version). Never raises.
+* ``raise``: the failure is raised into the training loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from stitchboard.bulletin.errors import UnavailableError
+from stitchboard.proto.errors import StitchError
+
+from ..publish_result import PublishResult
+from ..publisher import Publisher
+
+log = logging.getLogger("stitchboard.trainer_client.trl")
+
+FaultPolicy = Literal["block", "skip", "raise"]
+FAULT_POLICIES: tuple[str, ...] = ("block", "skip", "raise")
+
+
+@dataclass
+class Published:
+    """One publish the callback started: the training ``step``, its future (None once settled) and
+    the committed ``version`` (None while in flight, or when it failed: ``failed`` True)."""
+
+    step: int
+    future: Future[PublishResult] | None
+    version: int | None = None
+    failed: bool = False
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether ``model`` holds FSDP (1 or 2) modules, whose full weights only a collective gathers."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    return any(isinstance(m, FullyShardedDataParallel | FSDPModule) for m in model.modules())
+
+
+def full_state_dict(model: torch.nn.Module) -> Mapping[str, torch.Tensor] | torch.nn.Module:
+    """What to publish for ``model``: the model itself, or under FSDP its gathered full state dict
+    (bf16/fp32 tensors as trained, on the host), which every rank must join and only rank 0 receives
+    (an empty dict elsewhere)."""
+    if not is_sharded(model):
+        return model
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {name: t for name, t in state.items() if isinstance(t, torch.Tensor)}
+
+
+class PublishCallback(TrainerCallback):
+    """Publishes the served view of the policy after every optimizer step (a ``TrainerCallback``).
+
+    Args:
+        publisher: a :class:`~stitchboard.trainer_client.publisher.Publisher`, or a function making one,
+            called on rank 0 only (the other ranks never contact the bulletin).
+        on_fault: ``block`` (default), ``skip`` or ``raise`` (see the module docstring).
+        block_timeout_s: under ``block``, how long to retry a failed publish, seconds (default 300).
+        retry_interval_s: pause between those retries, seconds (default 2).
+        background: publish in the background (default); False: each publish commits before the
+            step ends.
+
+    Raises:
+        ValueError: an unknown ``on_fault``, or a timeout < 0.
+
+    The callback is the rollout's source of versions in the same process: :meth:`version_for_step`.
+    """
+
+    def __init__(
+        self,
+        publisher: Publisher | Callable[[], Publisher],
+        *,
+        on_fault: FaultPolicy = "block",
+        block_timeout_s: float = 300.0,
+        retry_interval_s: float = 2.0,
+        background: bool = True,
+    ) -> None:
+        if on_fault not in FAULT_POLICIES:
+            raise ValueError(f"on_fault must be one of {FAULT_POLICIES}, got {on_fault!r}")
+        if block_timeout_s < 0 or retry_interval_s < 0:
+            raise ValueError(f"timeouts must be >= 0 s, got {block_timeout_s} and {retry_interval_s}")
+        self._make = publisher if callable(publisher) and not isinstance(publisher, Publisher) else None
+        self.publisher: Publisher | None = publisher if isinstance(publisher, Publisher) else None
+        self.on_fault: FaultPolicy = on_fault
+        self.block_timeout_s = block_timeout_s
+        self.retry_interval_s = retry_interval_s
+        self.background = background
+        self.published: list[Published] = []
+        self.skipped_steps: list[int] = []
+        self._lock = threading.Lock()
+
+    # -- TrainerCallback hooks ----------------------------------------------------------------
+
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """Publish version 0 (the anchor of the starting weights), unless the run already has versions."""
+        model = kwargs.get("model")
+        if model is None:
+            return
+        what = full_state_dict(model)
+        if not state.is_world_process_zero:
+            return
+        publisher = self._publisher(state.global_step)
+        if publisher is None:
+            return
+        if publisher.last_version is not None:
+            log.info(
+                "run %s: resuming after version %d at step %d: no anchor published",
+                publisher.run,
+                publisher.last_version,
+                state.global_step,
+            )
+            return
+        self._publish_blocking(publisher, what, state.global_step)
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        """Publish the weights after optimizer step ``state.global_step`` (rank 0; every rank joins an FSDP gather)."""
+        model = kwargs.get("model")
+        if model is None:
+            return
+        what = full_state_dict(model)
+        if not state.is_world_process_zero:
+            return
+        publisher = self._publisher(state.global_step)
+        if publisher is None:
+            return
+        if self._settle(wait=False):
+            self._publish_blocking(publisher, what, state.global_step)  # block: the bulletin was down
+        elif self.background:
+            self._publish_async(publisher, what, state.global_step)
+        else:
+            self._publish_blocking(publisher, what, state.global_step)
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """Wait for the publishes in flight; under ``block``, publish the final weights again if one failed."""
+        if not state.is_world_process_zero or self.publisher is None:
+            return
+        model = kwargs.get("model")
+        if self._settle(wait=True) and model is not None and not is_sharded(model):  # no collective on rank 0 alone
+            self._publish_blocking(self.publisher, full_state_dict(model), state.global_step)
+
+    # -- versions for the rollout ---------------------------------------------------------------
+
+    def version_for_step(self, step: int, timeout_s: float) -> int | None:
+        """The first version this callback published at training step ``step`` or later, once committed.
+
+        Waits up to ``timeout_s`` seconds for a publish in flight. Returns None when none of this
+        callback's publishes is at ``step`` or later (ask the bulletin's step lookup then), or each
+        of them failed or is still in flight at the deadline.
+        """
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            candidates = [p for p in self.published if p.step >= step]
+        for p in candidates:
+            if p.future is not None:
+                try:
+                    p.future.exception(timeout=max(0.0, deadline - time.monotonic()))
+                except TimeoutError:
+                    return None
+                self._settle(wait=False)
+            if p.version is not None:
+                return p.version
+        return None
+
+    @property
+    def last_step(self) -> int | None:
+        """The training step of the newest publish started (None before any)."""
+        with self._lock:
+            return self.published[-1].step if self.published else None
+
+    # -- internals --------------------------------------------------------------------------------
+
+    def _publisher(self, step: int) -> Publisher | None:
+        if self.publisher is None and self._make is not None:
+            try:
+                self.publisher = self._make()
+            except StitchError as exc:
+                self._fault(exc, step)
+        return self.publisher
+
+    def _fault(self, exc: BaseException, step: int) -> None:
+        """Apply the policy to a failed publish of ``step`` that is not retried (raise, or log the skip)."""
+        if self.on_fault == "raise":
+            raise exc
+        self.skipped_steps.append(step)
+        log.warning(
+            "step %d: not published (%s: %s); the next version carries its changes", step, type(exc).__name__, exc
+        )
+
+    def _record(self, entry: Published) -> None:
+        with self._lock:
+            self.published.append(entry)
+
+    def _publish_async(self, publisher: Publisher, what: Any, step: int) -> None:
+        try:
+            future = publisher.publish_async(what, step=step)
+        except StitchError as exc:  # the view could not be taken (an earlier failure was settled before)
+            self._fault(exc, step)
+            return
+        self._record(Published(step, future))
+
+    def _publish_blocking(self, publisher: Publisher, what: Any, step: int) -> None:
+        """Publish now; under ``block`` retry an unreachable bulletin until ``block_timeout_s``."""
+        deadline = time.monotonic() + self.block_timeout_s
+        while True:
+            try:
+                result = publisher.publish(what, step=step)
+            except UnavailableError as exc:
+                if self.on_fault == "block" and time.monotonic() + self.retry_interval_s < deadline:
+                    log.warning(
+                        "step %d: bulletin unavailable (%s); retrying for up to %.0f s", step, exc, self.block_timeout_s
+                    )
+                    time.sleep(self.retry_interval_s)
+                    continue
+                self._fault(exc, step)
+                return
+            except StitchError as exc:
+                self._fault(exc, step)
+                return
+            self._record(Published(step, None, result.version))
+            return
+
+    def _settle(self, wait: bool) -> bool:
+        """Record the outcome of finished publishes (``wait``: of all of them). Failures are logged as skipped
+        (``block``, ``skip``) or raised (``raise``); returns True when one failed under ``block`` (the caller
+        then publishes the current weights, blocking)."""
+        with self._lock:
+            open_ = [p for p in self.published if p.future is not None and (wait or p.future.done())]
+        failed = False
+        for p in open_:
+            future = p.future
+            if future is None:
+                continue
+            exc = future.exception()
+            with self._lock:
+                if p.future is None:  # settled by another caller meanwhile
+                    continue
+                p.future, p.failed = None, exc is not None
+                p.version = None if exc is not None else future.result().version
+            if exc is None:
+                continue
+            failed = True
+            if self.publisher is not None:
+                try:
+                    self.publisher.flush()  # the worker keeps the failure to raise it once: take it here
+                except Exception:  # noqa: BLE001, S110 - it is the failure handled below
+                    pass
+            self._fault(exc, p.step)
+        return failed and self.on_fault == "block"
