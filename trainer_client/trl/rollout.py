@@ -206,7 +206,8 @@ class SidecarRollout:
         return [list(ids) for ids in processing(text=prompts)["input_ids"]]
 
     def version_for_step(self, step: int) -> int:
-        """The first version at training step ``step`` or later, waiting up to ``wait_s`` for it.
+        """The first version at training step ``step`` or later, waiting up to ``wait_s`` for it: from the
+        callback's own publishes, else the bulletin's step lookup (``bulletin=``, or the callback's publisher's).
 
         Raises:
             RolloutVersionError: none within the wait.
@@ -216,29 +217,25 @@ class SidecarRollout:
             version = self.callback.version_for_step(step, self.wait_s)
             if version is not None:
                 return version
-            if self._bulletin is None:
-                raise RolloutVersionError(
-                    f"no committed version of step {step} or later within {self.wait_s:.0f} s "
-                    f"(skipped steps: {self.callback.skipped_steps}); see the trainer's log for the publish failure",
-                    step=step,
-                    min_version=None,
-                    sidecar=None,
-                    applied_version=None,
-                )
-        assert self._bulletin is not None and self.run is not None
-        while True:
-            info = self._bulletin.version_for_step(self.run, step)
+        client, run = self._bulletin, self.run
+        if client is None and self.callback is not None and self.callback.publisher is not None:
+            client, run = self.callback.publisher.client, self.callback.publisher.run
+        skipped = f" (steps skipped by the callback: {self.callback.skipped_steps})" if self.callback else ""
+        while client is not None and run is not None:
+            info = client.version_for_step(run, step)
             if info is not None:
                 return info.version
             if time.monotonic() >= deadline:
-                raise RolloutVersionError(
-                    f"run {self.run}: no version of step {step} or later at the bulletin within {self.wait_s:.0f} s",
-                    step=step,
-                    min_version=None,
-                    sidecar=None,
-                    applied_version=None,
-                )
+                break
             time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+        raise RolloutVersionError(
+            f"run {run}: no version of step {step} or later within {self.wait_s:g} s{skipped}; "
+            "see the trainer's log for a failed publish",
+            step=step,
+            min_version=None,
+            sidecar=None,
+            applied_version=None,
+        )
 
     # -- requests -----------------------------------------------------------------------------------
 
