@@ -11,7 +11,7 @@ PY := $(VENV)/bin/python
 ENGINE ?= vllm
 STAMP := $(VENV)/.installed
 
-.PHONY: venv venv-sglang test test-fast test-engine test-heavy demo bench lint clean
+.PHONY: venv venv-sglang test test-fast test-engine test-heavy demo example-trl bench lint clean
 
 venv: $(STAMP)
 
@@ -95,6 +95,10 @@ lint: venv
 
 demo: venv $(if $(filter sglang,$(ENGINE)),venv-sglang)
 	$(VENV)/bin/stitchboard demo --engine $(ENGINE) --workdir stitchboard-demo
+
+# TRL's GRPOTrainer on SmolLM2, rollouts from real vLLM through a sidecar (examples/trl/README.md)
+example-trl: venv
+	$(PY) examples/trl/train_grpo.py --workdir stitchboard-example-trl
 
 bench: venv
 	$(PY) -m tests.benchmarks.bench_codec
