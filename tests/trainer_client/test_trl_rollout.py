@@ -158,3 +158,16 @@ def test_groups_and_spans_helpers() -> None:
     spans = [{"version": 3, "start": 0, "end": 2}, {"version": 4, "start": 2, "end": 3}]
     assert expand_spans(spans, 4) == [3, 3, 4, -1]
     assert expand_spans(None, 2) == [-1, -1]
+
+
+def test_version_published_before_the_callback_is_found_at_the_bulletin(
+    bulletin, run, sidecars: Sidecars, tmp_path: Path
+) -> None:
+    sidecars.start()
+    trainer = grpo_trainer(tmp_path)
+    with Publisher(bulletin.url, run, client=bulletin.client()) as publisher:
+        publisher.publish(trainer.model, step=0)  # the user's own version 0: the callback never published it
+        rollout = SidecarRollout(sidecars.urls, callback=PublishCallback(publisher), wait_s=5)
+        out = rollout(PROMPTS[:1] * 2, trainer)
+        rollout.close()
+    assert rollout.last["min_version"] == 0 and out["weight_versions"] == [[0] * 4] * 2
