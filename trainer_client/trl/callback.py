@@ -49,13 +49,15 @@ FAULT_POLICIES: tuple[str, ...] = ("block", "skip", "raise")
 
 @dataclass
 class Published:
-    """One publish the callback started: the training ``step``, its future (None once settled) and
-    the committed ``version`` (None while in flight, or when it failed: ``failed`` True)."""
+    """One publish the callback started: the training ``step``, its future (None once settled), the
+    committed ``version`` and its :class:`PublishResult` (None while in flight, or when it failed:
+    ``failed`` True)."""
 
     step: int
     future: Future[PublishResult] | None
     version: int | None = None
     failed: bool = False
+    result: PublishResult | None = None
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
@@ -249,7 +251,7 @@ class PublishCallback(TrainerCallback):
             except StitchError as exc:
                 self._fault(exc, step)
                 return
-            self._record(Published(step, None, result.version))
+            self._record(Published(step, None, result.version, result=result))
             return
 
     def _settle(self, wait: bool) -> bool:
@@ -268,7 +270,8 @@ class PublishCallback(TrainerCallback):
                 if p.future is None:  # settled by another caller meanwhile
                     continue
                 p.future, p.failed = None, exc is not None
-                p.version = None if exc is not None else future.result().version
+                p.result = None if exc is not None else future.result()
+                p.version = None if p.result is None else p.result.version
             if exc is None:
                 continue
             failed = True
