@@ -8,17 +8,21 @@ an unreachable sidecar, and the error of a rollout whose version does not come w
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from transformers import TrainerCallback
 
+from stitchboard.bulletin.client import BulletinClient
 from stitchboard.demo.processes import free_socket
 from stitchboard.trainer_client.errors import RolloutVersionError
 from stitchboard.trainer_client.publisher import Publisher
 from stitchboard.trainer_client.trl.callback import PublishCallback
 from stitchboard.trainer_client.trl.rollout import SidecarRollout, expand_spans, group_runs
+from tests.support.fault_proxy import FaultProxy, Rule
 from tests.trainer_client.trl_tiny import (
     PROMPTS,
     TokenEngine,
@@ -171,3 +175,70 @@ def test_version_published_before_the_callback_is_found_at_the_bulletin(
         out = rollout(PROMPTS[:1] * 2, trainer)
         rollout.close()
     assert rollout.last["min_version"] == 0 and out["weight_versions"] == [[0] * 4] * 2
+
+
+class OutageAt(TrainerCallback):
+    """Before the PublishCallback sees step ``at``: waits for the publishes in flight, then makes the proxy
+    drop every connection for ``heal_after_s`` seconds (so step ``at``'s background publish fails)."""
+
+    def __init__(self, proxy: FaultProxy, callback: PublishCallback, at: int, heal_after_s: float) -> None:
+        self.proxy, self.callback, self.at = proxy, callback, at
+        self.rule = Rule("drop", times=None)
+        self.timer = threading.Timer(heal_after_s, self.heal)
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        if state.global_step == self.at:
+            for p in list(self.callback.published):
+                if p.future is not None:
+                    p.future.exception()
+            self.proxy.add(self.rule)
+            self.timer.start()
+
+    def heal(self) -> None:
+        self.rule.times = 0
+        self.timer.cancel()
+
+
+def test_under_block_a_failed_publish_is_redone_before_the_rollout_waits_for_it(
+    bulletin, run, sidecars: Sidecars, tmp_path: Path
+) -> None:
+    sidecars.start()
+    proxy = FaultProxy(bulletin.url)
+    publisher = Publisher(proxy.url, run, client=BulletinClient(proxy.url, retries=1, backoff_s=0.01))
+    callback = PublishCallback(publisher, on_fault="block", retry_interval_s=0.2)
+    rollout = SidecarRollout(sidecars.urls, callback=callback, wait_s=20)
+    seen = Seen()
+    outage = OutageAt(proxy, callback, 2, heal_after_s=1.0)
+    try:
+        grpo_trainer(tmp_path, steps=3, callbacks=[outage, callback], rollout_func=rollout, reward=seen).train()
+    finally:
+        outage.heal()
+        rollout.close()
+        proxy.stop()
+        publisher.close()
+    assert callback.skipped_steps == [2]  # its background publish failed ...
+    done = [(p.step, p.version) for p in callback.published if not p.failed]
+    assert done == [(0, 0), (1, 1), (2, 2), (3, 3)]  # ... and was redone when the rollout of step 3 asked for it
+    assert [c["step"] for c in seen.calls] == [0, 1, 2]
+    assert all(v == [2] * 4 for v in seen.calls[2]["weight_versions"])
+
+
+def test_under_skip_a_rollout_without_its_version_says_why(bulletin, run, sidecars: Sidecars, tmp_path: Path) -> None:
+    sidecars.start()
+    proxy = FaultProxy(bulletin.url)
+    publisher = Publisher(proxy.url, run, client=BulletinClient(proxy.url, retries=1, backoff_s=0.01))
+    callback = PublishCallback(publisher, on_fault="skip")
+    rollout = SidecarRollout(sidecars.urls, callback=callback, wait_s=1)
+    outage = OutageAt(proxy, callback, 2, heal_after_s=60)
+    trainer = grpo_trainer(tmp_path, steps=3, callbacks=[outage, callback], rollout_func=rollout)
+    try:
+        with pytest.raises(
+            RolloutVersionError, match=r"no version of step 2 or later .*skipped by the callback: \[2\].*unreachable"
+        ) as info:
+            trainer.train()
+    finally:
+        outage.heal()
+        rollout.close()
+        proxy.stop()
+        publisher.close()
+    assert info.value.details["step"] == 2 and info.value.details["sidecar"] is None

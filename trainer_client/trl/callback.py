@@ -119,6 +119,8 @@ class PublishCallback(TrainerCallback):
         self.published: list[Published] = []
         self.skipped_steps: list[int] = []
         self._lock = threading.Lock()
+        self._model: torch.nn.Module | None = None  # the model of the last step end (unsharded), and its step
+        self._step = 0
 
     # -- TrainerCallback hooks ----------------------------------------------------------------
 
@@ -156,6 +158,7 @@ class PublishCallback(TrainerCallback):
         publisher = self._publisher(state.global_step)
         if publisher is None:
             return
+        self._model, self._step = (None if is_sharded(model) else model), state.global_step
         if self._settle(wait=False):
             self._publish_blocking(publisher, what, state.global_step)  # block: the bulletin was down
         elif self.background:
@@ -178,29 +181,24 @@ class PublishCallback(TrainerCallback):
     def version_for_step(self, step: int, timeout_s: float) -> int | None:
         """The first version this callback published at training step ``step`` or later, once committed.
 
-        Waits up to ``timeout_s`` seconds for a publish in flight. Returns None when none of this
-        callback's publishes is at ``step`` or later (ask the bulletin's step lookup then), or each
-        of them failed or is still in flight at the deadline.
+        Waits up to ``timeout_s`` seconds for the publishes in flight. Under ``block``, a failed one is
+        published again first (the current weights, blocking, as at the next step end). Returns None when
+        none of this callback's publishes is at ``step`` or later (ask the bulletin's step lookup then),
+        or each of them failed or is still in flight at the deadline.
         """
         deadline = time.monotonic() + timeout_s
         with self._lock:
-            candidates = [p for p in self.published if p.step >= step]
-        for p in candidates:
-            if p.future is not None:
-                try:
-                    p.future.exception(timeout=max(0.0, deadline - time.monotonic()))
-                except TimeoutError:
-                    return None
-                self._settle(wait=False)
-            if p.version is not None:
-                return p.version
-        return None
-
-    @property
-    def last_step(self) -> int | None:
-        """The training step of the newest publish started (None before any)."""
+            pending = [p.future for p in self.published if p.step >= step and p.future is not None]
+        for future in pending:
+            try:
+                future.exception(timeout=max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                return None
+        if self._settle(wait=False) and self.publisher is not None and self._model is not None:
+            self._publish_blocking(self.publisher, self._model, self._step)
         with self._lock:
-            return self.published[-1].step if self.published else None
+            done = [p.version for p in self.published if p.step >= step and p.version is not None]
+        return done[0] if done else None
 
     # -- internals --------------------------------------------------------------------------------
 
@@ -226,12 +224,16 @@ class PublishCallback(TrainerCallback):
             self.published.append(entry)
 
     def _publish_async(self, publisher: Publisher, what: Any, step: int) -> None:
-        try:
-            future = publisher.publish_async(what, step=step)
-        except StitchError as exc:  # the view could not be taken (an earlier failure was settled before)
-            self._fault(exc, step)
+        for attempt in (1, 2):
+            try:
+                future = publisher.publish_async(what, step=step)
+            except StitchError as exc:
+                if attempt == 1:  # an earlier publish failed since _settle looked (raised once: its record says it)
+                    continue
+                self._fault(exc, step)
+                return
+            self._record(Published(step, future))
             return
-        self._record(Published(step, future))
 
     def _publish_blocking(self, publisher: Publisher, what: Any, step: int) -> None:
         """Publish now; under ``block`` retry an unreachable bulletin until ``block_timeout_s``."""

@@ -31,6 +31,7 @@ from typing import Any
 import httpx
 
 from stitchboard.bulletin.client import BulletinClient
+from stitchboard.bulletin.errors import UnavailableError
 from stitchboard.proto import sidecar_wire as wire
 
 from ..errors import RolloutError, RolloutVersionError
@@ -221,15 +222,19 @@ class SidecarRollout:
         if client is None and self.callback is not None and self.callback.publisher is not None:
             client, run = self.callback.publisher.client, self.callback.publisher.run
         skipped = f" (steps skipped by the callback: {self.callback.skipped_steps})" if self.callback else ""
+        unreachable = ""
         while client is not None and run is not None:
-            info = client.version_for_step(run, step)
+            try:
+                info = client.version_for_step(run, step)
+            except UnavailableError as exc:  # the bulletin down: as not found yet, until the deadline
+                info, unreachable = None, f"; the bulletin was unreachable ({exc})"
             if info is not None:
                 return info.version
             if time.monotonic() >= deadline:
                 break
             time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
         raise RolloutVersionError(
-            f"run {run}: no version of step {step} or later within {self.wait_s:g} s{skipped}; "
+            f"run {run}: no version of step {step} or later within {self.wait_s:g} s{skipped}{unreachable}; "
             "see the trainer's log for a failed publish",
             step=step,
             min_version=None,
