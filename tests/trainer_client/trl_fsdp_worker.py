@@ -1,0 +1,75 @@
+"""One rank of the FSDP test of PublishCallback (``test_trl_fsdp.py``): a CPU gloo job, FSDP2 on a tiny Llama.
+
+Run as ``python trl_fsdp_worker.py RENDEZVOUS_FILE BULLETIN_URL RUN`` with ``RANK`` and ``WORLD_SIZE`` set.
+Every rank calls the callback's hooks as the Trainer does (train begin, one optimizer step, step end,
+train end); rank 0 then checks that versions 0 and 1 at the bulletin are the served views of the
+gathered full state dicts, and every rank that only rank 0 made a publisher. Exits 0 on success.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from transformers import LlamaConfig, LlamaForCausalLM, TrainerControl, TrainerState
+
+from stitchboard.bulletin.client import BulletinClient
+from stitchboard.trainer_client.publisher import Publisher
+from stitchboard.trainer_client.resume import rebuild_version
+from stitchboard.trainer_client.served_view import served_view
+from stitchboard.trainer_client.trl.callback import PublishCallback
+
+
+def full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def main() -> int:
+    rendezvous, url, run = sys.argv[1:4]
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True)  # fmt: skip
+    model = LlamaForCausalLM(config)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    made = []
+    callback = PublishCallback(lambda: made.append(rank) or Publisher(url, run, encoding="xor"))
+    state, control = TrainerState(is_world_process_zero=rank == 0), TrainerControl()
+    callback.on_train_begin(None, state, control, model=model)  # type: ignore[arg-type]
+    before = full(model)
+    model(torch.tensor([[1, 2, 3, 4]])).logits.sum().backward()
+    optimizer.step()
+    state.global_step = 1
+    callback.on_step_end(None, state, control, model=model)  # type: ignore[arg-type]
+    callback.on_train_end(None, state, control, model=model)  # type: ignore[arg-type]
+    after = full(model)
+    if rank == 0:
+        assert made == [0] and callback.publisher is not None
+        with BulletinClient(url) as client:
+            for version, sd in ((0, before), (1, after)):
+                view, rebuilt = served_view(sd), rebuild_version(client, run, version).view
+                assert set(view) == set(rebuilt), (version, sorted(set(view) ^ set(rebuilt)))
+                for name in view:
+                    assert view[name].bits.tobytes() == rebuilt[name].bits.tobytes(), (version, name)
+                assert client.manifest(run, version).metadata["step"] == version
+            assert not all(before[k].equal(after[k]) for k in before)  # the step changed the weights
+        callback.publisher.close()
+    else:
+        assert made == [] and callback.publisher is None and callback.published == []
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
