@@ -11,7 +11,7 @@ PY := $(VENV)/bin/python
 ENGINE ?= vllm
 STAMP := $(VENV)/.installed
 
-.PHONY: venv venv-sglang test test-fast test-engine test-heavy demo example-trl bench lint clean
+.PHONY: venv venv-sglang test test-fast test-engine test-heavy demo example-trl example-watch bench lint clean
 
 venv: $(STAMP)
 
@@ -99,6 +99,10 @@ demo: venv $(if $(filter sglang,$(ENGINE)),venv-sglang)
 # TRL's GRPOTrainer on SmolLM2, rollouts from real vLLM through a sidecar (examples/trl/README.md)
 example-trl: venv
 	$(PY) examples/trl/train_grpo.py --workdir stitchboard-example-trl
+
+# prime-rl's broadcast folders through stitchboard watch and a sidecar with its admin API (examples/prime-rl-watch/README.md)
+example-watch: venv
+	$(PY) examples/prime-rl-watch/run_watch.py --workdir stitchboard-example-watch
 
 bench: venv
 	$(PY) -m tests.benchmarks.bench_codec
