@@ -264,3 +264,20 @@ def test_bulletin_down_names_the_step(tmp_path: Path) -> None:
     with pytest.raises(PublishError, match="step 3"):
         transfer.send_weights((n, p.detach()) for n, p in model.named_parameters())
     transfer.destroy()
+
+
+def test_a_streamed_name_the_model_lacks_is_refused(bulletin, run) -> None:
+    """A name that is no checkpoint name of the model (fused MoE experts) is refused, naming it; nothing published."""
+    from tests.trainer_client.watch_frameworks import tiny_llama
+
+    model = tiny_llama()
+    trainer = SimpleNamespace(
+        state=SimpleNamespace(global_step=1), model=model, accelerator=SimpleNamespace(unwrap_model=lambda m: m)
+    )
+    transfer = WeightTransfer(bulletin.url, run, wait_for_fleet=False).attach(trainer)
+    transfer.init_weight_transfer()
+    fused = [("model.layers.0.mlp.experts.gate_up_proj", torch.zeros(2, 4, 4))]
+    with pytest.raises(PublishError, match="gate_up_proj"):
+        transfer.send_weights(iter(fused))
+    assert transfer.published == [] and transfer.publisher is not None and transfer.publisher.last_version is None
+    transfer.destroy()
