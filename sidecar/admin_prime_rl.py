@@ -14,12 +14,15 @@ off (the default), none is registered and each stays a 403 ``RouteForbidden`` of
 * ``POST /resume``: reopens admission; held requests go on to the gate.
 * ``POST /update_weights {"weight_dir": ".../step_N"}`` (or ``.../step_N/weight``, prime-rl's
   checkpoint folder on resume): asks the bulletin for the first version whose manifest records step
-  N or later (``GET /v1/runs/{run}/versions?step=N``), long-polling while none does, and answers 200
+  N or later (``GET /v1/runs/{run}/versions?step=N``), asking again whenever the sidecar learns of a newer
+  version (the reconciler follows the bulletin: one follower for every wait), and answers 200
   ``{"status", "step", "version", "applied_version"}`` once the sidecar's applied, verified version is
   that one or later; 503 ``StepNotApplied`` past ``admin_update_wait_s`` (prime-rl retries 5xx),
   409 ``StepRefused`` when the engine refused that version for good (:mod:`.refusals`), 422
-  ``InvalidAdminRequest`` for a body it cannot read. The sidecar applies versions as it always
-  does (following the bulletin); this route only waits for one.
+  ``InvalidAdminRequest`` for a body it cannot read (not JSON, nested too deep, a step not in ASCII
+  digits). The sidecar applies versions as it always does (following the bulletin); this route only
+  waits for one, on the event loop: its lookups run on threads of their own (:data:`ADMIN_LOOKUP_THREADS`),
+  so any number of waits never holds the executor that ``/health``'s engine call and the claim check use.
 * ``POST /load_lora_adapter``, ``POST /v1/unload_lora_adapter``: 501 ``AdapterRunsUnsupported``.
 * ``GET /health`` and ``GET /v1/models`` are the sidecar's own and the engine's (unchanged); prime-rl
   checks that ``/v1/models``'s ``data`` lists an ``id`` equal to its model name.
@@ -34,6 +37,8 @@ import asyncio
 import json
 import logging
 import re
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import PurePosixPath
 from typing import Any
 
@@ -72,7 +77,11 @@ APPLIED_POLL_S = 0.05
 MAX_STEP = 2**63 - 1
 PAUSE_MODES = ("keep", "wait")
 LORA_ROUTES = ("/load_lora_adapter", "/v1/unload_lora_adapter")
-_STEP_DIR = re.compile(r"step_(\d+)")
+#: Threads of the ``/update_weights`` step lookups at the bulletin (blocking client calls), shared by every wait of
+#: the process: the waits queue here, never in the event loop's default executor.
+ADMIN_LOOKUP_THREADS = 2
+_LOOKUPS = ThreadPoolExecutor(max_workers=ADMIN_LOOKUP_THREADS, thread_name_prefix="stitch-admin")
+_STEP_DIR = re.compile(r"step_([0-9]+)")  # ASCII digits only (\d and int() take any script's)
 _EXPECTED = '{"weight_dir": "<output_dir>/broadcasts/step_N"} (or .../checkpoints/step_N/weight)'
 
 
@@ -107,7 +116,7 @@ def _weight_dir_of(body: bytes) -> Any:
     """``weight_dir`` of an ``/update_weights`` body (other keys are ignored)."""
     try:
         data = json.loads(body) if body else None
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):  # RecursionError: nested too deep
         data = None
     if not isinstance(data, dict) or "weight_dir" not in data:
         raise InvalidAdminRequestError(
@@ -202,30 +211,40 @@ class PauseHold:
         return proxy is not None and proxy.routes.kind(scope["method"], route) == "model"
 
 
-async def _version_of_step(
-    client: BulletinClient, settings: SidecarSettings, step: int, deadline: float
-) -> tuple[VersionInfo | None, str | None]:
-    """The first version at ``step`` or later, long-polling the bulletin for new versions until the
-    event loop's ``deadline``; ``(None, why)`` when none came in time."""
+async def _lookup(deadline: float, call: Callable[..., Any], *args: Any) -> Any:
+    """``call(*args)`` on the admin's lookup threads, awaited until the event loop's ``deadline``.
+
+    Raises:
+        TimeoutError: no answer by the deadline (a call still queued is dropped).
+    """
     loop = asyncio.get_running_loop()
-    after, problem = -1, None
+    return await asyncio.wait_for(asyncio.wrap_future(_LOOKUPS.submit(call, *args)), max(0.0, deadline - loop.time()))
+
+
+async def _version_of_step(
+    client: BulletinClient, settings: SidecarSettings, gate: Gate, step: int, deadline: float
+) -> tuple[VersionInfo | None, str | None]:
+    """The first version at ``step`` or later, asked of the bulletin again each time the gate's target or applied
+    version moves (the reconciler follows the bulletin's latest), at least every ``poll_wait_s`` (after an error,
+    ``retry_backoff_s``), until the event loop's ``deadline``; ``(None, why)`` when none came in time."""
+    loop = asyncio.get_running_loop()
+    problem = None
     while True:
-        remaining = deadline - loop.time()
+        known, pause_s = (gate.target, gate.applied), settings.poll_wait_s
         try:
-            info = await asyncio.to_thread(client.version_for_step, settings.run, step)
+            info = await _lookup(deadline, client.version_for_step, settings.run, step)
             if info is not None:
                 return info, None
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                return None, problem
-            latest = await asyncio.to_thread(client.latest, settings.run, after, min(remaining, settings.poll_wait_s))
-            after = latest if latest is not None else after
+        except TimeoutError:
+            return None, problem or "the bulletin did not answer the step lookup in time"
         except StitchError as exc:  # the bulletin unreachable or answering oddly: asked again until the deadline
-            problem = f"the bulletin's last answer: {exc.type}: {exc}"
+            problem, pause_s = f"the bulletin's last answer: {exc.type}: {exc}", settings.retry_backoff_s
             log.warning("prime-rl /update_weights: looking up step %d of run %r: %s", step, settings.run, problem)
-            if remaining <= 0:
-                return None, problem
-            await asyncio.sleep(min(settings.retry_backoff_s, remaining))
+        until = min(deadline, loop.time() + pause_s)
+        while (gate.target, gate.applied) == known and loop.time() < until:
+            await asyncio.sleep(min(APPLIED_POLL_S, until - loop.time()))
+        if loop.time() >= deadline:
+            return None, problem
 
 
 async def wait_for_step(
@@ -241,7 +260,7 @@ async def wait_for_step(
     loop = asyncio.get_running_loop()
     wait_s = settings.admin_update_wait_s
     deadline = loop.time() + wait_s
-    info, problem = await _version_of_step(client, settings, step, deadline)
+    info, problem = await _version_of_step(client, settings, gate, step, deadline)
     if info is None:
         raise StepNotAppliedError(
             f"no version of run {settings.run!r} records step {step} or later after {wait_s:g} s"

@@ -140,6 +140,7 @@ def test_update_weights_answers_once_the_steps_version_is_applied(sc_publisher, 
     [
         {"weight_dir": "/out/broadcasts/checkpoint-3"},
         {"weight_dir": "/out/broadcasts/step_x"},
+        {"weight_dir": "/out/broadcasts/step_\u0660"},  # a Unicode digit zero: not step 0
         {"weight_dir": None},
         {"weight_dir": 3},
         {"path": "/out/broadcasts/step_3"},
@@ -154,10 +155,22 @@ def test_a_malformed_weight_dir_is_422_naming_the_expected_form(sc_publisher, sc
     assert "step_N" in r.json()["message"] and r.headers[SHOULD_RETRY_HEADER] == "false"
 
 
+def test_a_body_nested_too_deep_is_422_not_500(sc_publisher, sc_start):
+    """A body under the cap whose JSON nests deeper than the parser recurses is refused as unreadable (422, not
+    retried), not a 500 that prime-rl would retry for minutes."""
+    sc_publisher.publish(make_view(0))
+    sidecar = sc_start(FakeEngine(), **ON)
+    body = '{"weight_dir": "/out/broadcasts/step_0", "a": ' + "[" * 1900 + "]" * 1900 + "}"
+    assert len(body) < 4096
+    r = sidecar.http.post("/update_weights", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 422 and r.json()["type"] == "InvalidAdminRequest", r.text
+    assert r.headers[SHOULD_RETRY_HEADER] == "false"
+
+
 def test_the_step_is_read_from_the_last_folder():
     assert step_of_weight_dir("/o/broadcasts/step_12") == 12
     assert step_of_weight_dir("/o/checkpoints/step_7/weight/") == 7
-    for bad in ("/o/step_1/model", "/o/step_-1", "step_", f"/o/step_{2**63}", ""):
+    for bad in ("/o/step_1/model", "/o/step_-1", "step_", f"/o/step_{2**63}", "", "/o/step_\u0661\u0662"):
         with pytest.raises(InvalidAdminRequestError):
             step_of_weight_dir(bad)
 
@@ -173,6 +186,31 @@ def test_a_step_never_published_answers_503_within_the_bound(sc_publisher, sc_st
     assert (r.json()["step"], r.json()["version"], r.json()["applied_version"]) == (7, None, 0)
     assert "step 7" in r.json()["message"] and r.headers[SHOULD_RETRY_HEADER] == "true"
     assert 1.0 <= elapsed < 10, elapsed
+
+
+def test_many_waits_leave_health_and_requests_answered(sc_publisher, sc_start):
+    """40 /update_weights waits for a step not yet published (more than the event loop's default executor has
+    threads) hold none of the threads /health's engine call uses: /health answers 200 while every wait is still
+    pending, and a wait still answers once its step's version is applied."""
+    publish_step(sc_publisher, make_view(0), 0)
+    sidecar = sc_start(FakeEngine(), admin_update_wait_s=6.0, engine_call_timeout_s=2.0, **ON)
+    sidecar.wait_applied(0)
+    waits = [
+        _in_thread(
+            lambda: httpx.post(
+                f"{sidecar.url}/update_weights", json={"weight_dir": "/out/broadcasts/step_1"}, timeout=60
+            )
+        )
+        for _ in range(40)
+    ]
+    time.sleep(0.5)  # the waits reach the sidecar (not a bound on anything asserted)
+    health = sidecar.http.get("/health")
+    assert health.status_code == 200 and health.json()["status"] == "ok", health.text
+    assert all(thread.is_alive() for thread, _ in waits), "a wait answered before its step was published"
+    publish_step(sc_publisher, mutate(sc_publisher.views[-1], 1), 1)
+    for thread, out in waits:
+        thread.join(60)
+        assert out["response"].status_code == 200 and out["response"].json()["version"] == 1, out["response"].text
 
 
 def test_a_step_whose_version_the_engine_refuses_for_good_is_409(sc_publisher, sc_start):
