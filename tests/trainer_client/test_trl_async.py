@@ -261,8 +261,68 @@ def test_bulletin_down_names_the_step(tmp_path: Path) -> None:
     transfer = WeightTransfer(bulletin.url, "r1", wait_for_fleet=False, retries=0, backoff_s=0.01).attach(trainer)
     transfer.init_weight_transfer()
     bulletin.stop()
-    with pytest.raises(PublishError, match="step 3"):
+    with pytest.raises(PublishError, match="step 3: the bulletin at .* was unreachable"):
         transfer.send_weights((n, p.detach()) for n, p in model.named_parameters())
+    transfer.destroy()
+
+
+def test_a_refused_publish_says_refused_not_unreachable(bulletin, run) -> None:
+    """A 409 (a step going back, other bits at the run's last step) is worded as the bulletin's refusal, with what to
+    do, never as an unreachable bulletin to start."""
+    from tests.trainer_client.watch_frameworks import tiny_llama
+
+    model = tiny_llama()
+    trainer = SimpleNamespace(
+        state=SimpleNamespace(global_step=5), model=model, accelerator=SimpleNamespace(unwrap_model=lambda m: m)
+    )
+    transfer = WeightTransfer(bulletin.url, run, wait_for_fleet=False).attach(trainer)
+    transfer.init_weight_transfer()
+    transfer.send_weights((n, p.detach()) for n, p in model.named_parameters())
+    for step, bump in ((3, 0.0), (5, 1.0)):  # a step going back; other bits at step 5
+        trainer.state.global_step = step
+        with pytest.raises(PublishError) as refused:
+            transfer.send_weights((n, p.detach() + bump) for n, p in model.named_parameters())
+        message = str(refused.value)
+        assert f"step {step}: the bulletin refused" in message and "409 VersionConflict" in message, message
+        assert "resume the trainer" in message and "Start the bulletin" not in message, message
+    assert transfer.published == [(5, 0)]
+    transfer.destroy()
+
+
+def _stream_with(model, name: str, replace) -> Iterator[tuple[str, torch.Tensor]]:
+    for n, p in model.named_parameters():
+        if n == name:
+            yield from replace(p.detach())
+        else:
+            yield n, p.detach()
+
+
+@pytest.mark.parametrize(
+    ("how", "replace", "expected"),
+    [
+        ("a local shard", lambda t: [("W", t[: t.shape[0] // 2])], r"as \(16, 64\) torch.float32, but the model's"),
+        ("int32", lambda t: [("W", t.to(torch.int32))], r"as \(32, 64\) torch.int32: parameters are floating"),
+        ("float64", lambda t: [("W", t.double())], r"torch.float64, but the model's .* torch.float32"),
+        ("twice, the second zeros", lambda t: [("W", t), ("W", torch.zeros_like(t))], "twice in one weight sync"),
+    ],
+)
+def test_a_streamed_tensor_unlike_the_models_is_refused(bulletin, run, how, replace, expected) -> None:
+    """A tensor the model's parameter cannot be (another shape, as a local shard; another dtype; not floating point;
+    streamed twice, last-wins) is refused before anything is published, naming it with its shape and dtype."""
+    from tests.trainer_client.watch_frameworks import tiny_llama
+
+    model = tiny_llama()
+    name = "model.layers.0.mlp.down_proj.weight"
+    trainer = SimpleNamespace(
+        state=SimpleNamespace(global_step=1), model=model, accelerator=SimpleNamespace(unwrap_model=lambda m: m)
+    )
+    transfer = WeightTransfer(bulletin.url, run, wait_for_fleet=False).attach(trainer)
+    transfer.init_weight_transfer()
+    stream = _stream_with(model, name, lambda t: [(name if n == "W" else n, x) for n, x in replace(t)])
+    with pytest.raises(PublishError, match=expected) as refused:
+        transfer.send_weights(stream)
+    assert name in str(refused.value), how
+    assert transfer.published == [] and transfer.publisher is not None and transfer.publisher.last_version is None
     transfer.destroy()
 
 

@@ -24,7 +24,13 @@ from typing import Any, Self
 
 import torch
 
-from stitchboard.bulletin.errors import BulletinError
+from stitchboard.bulletin.errors import (
+    AuthError,
+    BulletinError,
+    ConflictError,
+    RequestTimeoutError,
+    UnavailableError,
+)
 from stitchboard.proto.container import RawTensor
 
 from ..errors import PublishError
@@ -113,8 +119,12 @@ class WeightTransfer:
         Publishing the same step again with the same bits (a resumed run's first sync) is a no-op.
 
         Raises:
-            PublishError: called before :meth:`init_weight_transfer`, or the publish failed (the bulletin down
-                after the client's retries, a refusal); names the step, the run's versions are unchanged.
+            PublishError: called before :meth:`init_weight_transfer`; a streamed tensor that is not floating point,
+                that the stream holds twice (after wrapper prefixes are stripped), or whose shape or dtype is not the
+                model's (a local shard; checked when the model's state is known, i.e. not under PEFT): refused
+                before anything is published, naming the tensor; or the publish failed (the bulletin unreachable
+                after the client's retries, or it refused the version: a step going back, other bits at the run's
+                last step, a token without the publish scope); names the step, the run's versions are unchanged.
             FleetTimeoutError: the version was published but the fleet did not serve it within
                 ``fleet_timeout_s``; names the step, the version and the replicas that lag.
             ServedViewError: a tensor has no served dtype.
@@ -128,11 +138,10 @@ class WeightTransfer:
             result = self.publisher.publish_view(self.publisher.served.apply(view), step=step)
         except BulletinError as exc:
             raise PublishError(
-                f"AsyncGRPOTrainer weight sync at step {step}: publishing run {self.run!r} to {self.url} failed"
-                f" ({type(exc).__name__}: {exc}); no version was committed. Start the bulletin or check its"
-                " logs; a restarted trainer resumes the run.",
+                f"AsyncGRPOTrainer weight sync at step {step}: {_why_not_published(exc, self.run, self.url)}",
                 run_id=self.run,
                 step=step,
+                cause=exc.type,
             ) from exc
         self.published.append((step, result.version))
         if self.wait_for_fleet:
@@ -155,7 +164,8 @@ class WeightTransfer:
         """The served view of the streamed tensors, completed from the model's state (one tensor held at a time).
 
         Raises:
-            PublishError: a streamed name is no checkpoint name of the model (fused MoE experts), or a tensor the
+            PublishError: a streamed name is no checkpoint name of the model (fused MoE experts) or comes twice, a
+                streamed tensor is not floating point or differs from the model's in shape or dtype, or a tensor the
                 stream leaves out is sharded.
         """
         model = self._trainer.accelerator.unwrap_model(self._trainer.model)
@@ -169,6 +179,7 @@ class WeightTransfer:
                     " experts?): publish with Publisher.publish(model) from a callback instead",
                     name=name,
                 )
+            _check_streamed(name, key, tensor, None if state is None else state[key], key in view)
             view[key] = self._cast(key, tensor)
             del tensor
         for key, tensor in (state or {}).items():
@@ -186,3 +197,55 @@ class WeightTransfer:
     def _cast(self, name: str, tensor: torch.Tensor) -> RawTensor:
         assert self.publisher is not None
         return cast_served(name, tensor, self.publisher.dtypes, self.publisher.default_dtype)
+
+
+def _check_streamed(name: str, key: str, tensor: torch.Tensor, model_tensor: torch.Tensor | None, seen: bool) -> None:
+    """Refuse a streamed tensor that cannot be the model's parameter ``key``: a second one under that name, one not
+    floating point, or one whose shape or dtype is not ``model_tensor``'s (its global shape, for a DTensor; None:
+    the model's state is not known, under PEFT).
+
+    Raises:
+        PublishError: naming the tensor, its shape and dtype and the model's.
+    """
+    got = f"{tuple(tensor.shape)} {tensor.dtype}"
+    if seen:
+        also = "" if key == name else f" (checkpoint name {key!r})"
+        raise PublishError(
+            f"AsyncGRPOTrainer streams {name!r}{also} twice in one weight sync: each parameter is streamed once;"
+            " nothing was published",
+            name=name,
+        )
+    if not tensor.is_floating_point():
+        raise PublishError(
+            f"AsyncGRPOTrainer streams {name!r} as {got}: parameters are floating point; nothing was published",
+            name=name,
+            dtype=str(tensor.dtype),
+        )
+    if model_tensor is not None and (tensor.shape != model_tensor.shape or tensor.dtype != model_tensor.dtype):
+        raise PublishError(
+            f"AsyncGRPOTrainer streams {name!r} as {got}, but the model's {key!r} is"
+            f" {tuple(model_tensor.shape)} {model_tensor.dtype} (a local shard? stream full tensors, as"
+            " DTensor.full_tensor() gives); nothing was published",
+            name=name,
+            shape=list(tensor.shape),
+            model_shape=list(model_tensor.shape),
+        )
+
+
+def _why_not_published(exc: BulletinError, run: str, url: str) -> str:
+    """Why a version was not committed, by its cause: the bulletin unreachable, or the bulletin's refusal."""
+    if isinstance(exc, UnavailableError | RequestTimeoutError):
+        return (
+            f"the bulletin at {url} was unreachable for run {run!r} ({exc.type}: {exc}); no version was committed."
+            " Start the bulletin or check its logs; a restarted trainer resumes the run"
+        )
+    if isinstance(exc, ConflictError):
+        advice = (
+            "A run's steps only move forward and a step's weights are published once: resume the trainer from the"
+            " checkpoint of the run's last step, or publish to a new run"
+        )
+    elif isinstance(exc, AuthError):
+        advice = "Give the WeightTransfer a token with the publish scope for this run"
+    else:
+        advice = "The bulletin's reason above says what to change"
+    return f"the bulletin refused the version of run {run!r} ({exc.status} {exc.type}: {exc}); no version was committed. {advice}"
