@@ -58,9 +58,12 @@ class PublisherClosedError(PublishError):
 
 class ResumeError(TrainerError):
     """The last published view could not be rebuilt from the bulletin, or the rebuilt view
-    does not match its manifest's checksums (``details["tensors"]`` names the mismatches).
+    does not match its manifest's checksums (``details["tensors"]`` names the mismatches):
+    publish a fresh anchor instead (``Publisher(..., resume="anchor")``).
 
-    Publish a fresh anchor instead (``Publisher(..., resume="anchor")``).
+    Or a TRL trainer starts at a step behind the run's last version (``PublishCallback``, resumed from
+    an older checkpoint): ``details``: ``run``, ``version``, ``version_step``, ``trainer_step``; resume
+    from the checkpoint of ``version_step`` or later, or publish to a new run id.
     """
 
     type = "ResumeError"

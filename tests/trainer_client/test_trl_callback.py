@@ -18,6 +18,7 @@ from transformers import TrainerCallback
 from stitchboard.bulletin.client import BulletinClient
 from stitchboard.bulletin.errors import UnavailableError
 from stitchboard.proto.container import RawTensor
+from stitchboard.trainer_client.errors import ResumeError
 from stitchboard.trainer_client.publisher import Publisher
 from stitchboard.trainer_client.resume import rebuild_version
 from stitchboard.trainer_client.served_view import served_view
@@ -110,6 +111,84 @@ def test_resumed_run_publishes_no_second_anchor(bulletin, run, tmp_path: Path) -
     grpo_trainer(tmp_path, steps=1, callbacks=[callback]).train()
     assert steps_of(client, run) == {0: 0, 1: 1}
     publisher.close()
+
+
+@pytest.mark.parametrize("on_fault", ["block", "skip"])
+def test_a_trainer_behind_the_runs_last_step_is_refused_at_once(bulletin, run, tmp_path: Path, on_fault: str) -> None:
+    client = bulletin.client()
+    trainer = grpo_trainer(tmp_path, steps=1)
+    with Publisher(bulletin.url, run, client=client) as publisher:  # a first life that reached step 2
+        publisher.publish(trainer.model, step=0)
+        trainer.model.model.norm.weight.data += 1.0
+        publisher.publish(trainer.model, step=2)
+    publisher = Publisher(bulletin.url, run, client=client)
+    trainer = grpo_trainer(tmp_path, steps=1, callbacks=[PublishCallback(publisher, on_fault=on_fault)])
+    with pytest.raises(ResumeError) as info:  # it starts at step 0: a conflict, whatever the fault policy
+        trainer.train()
+    message = str(info.value)
+    assert run in message and "last version 1 is at training step 2" in message and "starts at step 0" in message
+    assert "checkpoint of step 2 or later" in message and "new run id" in message
+    assert info.value.details == {"run": run, "version": 1, "version_step": 2, "trainer_step": 0}
+    assert steps_of(client, run) == {0: 0, 1: 2}  # nothing published
+    publisher.close()
+
+
+class CutCommit(TrainerCallback):
+    """Before the PublishCallback sees step ``at``: the bulletin commits that step's version, but each of the
+    client's attempts has its answer cut (a commit whose answer was lost)."""
+
+    def __init__(self, proxy: FaultProxy, at: int) -> None:
+        self.proxy, self.at = proxy, at
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        if state.global_step == self.at:
+            self.proxy.add(Rule("cut", path=r"/versions$", method="POST", times=2))
+
+
+def test_skip_takes_a_lost_commit_off_the_skipped_steps(bulletin, run, tmp_path: Path) -> None:
+    proxy = FaultProxy(bulletin.url)
+    client = bulletin.client()
+    publisher = Publisher(proxy.url, run, client=BulletinClient(proxy.url, retries=1, backoff_s=0.01))
+    callback = PublishCallback(publisher, on_fault="skip", background=False)
+    try:
+        grpo_trainer(tmp_path, steps=3, callbacks=[CutCommit(proxy, 2), callback]).train()
+    finally:
+        proxy.stop()
+        publisher.close()
+    assert steps_of(client, run) == {0: 0, 1: 1, 2: 2, 3: 3}
+    assert callback.skipped_steps == []  # step 2 is version 2: found when version 3 committed
+    assert [(p.step, p.version) for p in callback.published if not p.failed] == [(s, s) for s in range(4)]
+
+
+class OutageAtEnd(TrainerCallback):
+    """The bulletin unreachable from step ``at``'s end (the last) until the training ends."""
+
+    def __init__(self, proxy: FaultProxy, at: int) -> None:
+        self.proxy, self.at = proxy, at
+        self.rule = Rule("drop", times=None)
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        if state.global_step == self.at:
+            self.proxy.add(self.rule)
+
+    def on_train_end(self, args, state, control, **kwargs) -> None:
+        self.rule.times = 0
+
+
+def test_skip_publishes_the_final_weights_again_at_the_train_end(bulletin, run, tmp_path: Path) -> None:
+    proxy = FaultProxy(bulletin.url)
+    client = bulletin.client()
+    publisher = Publisher(proxy.url, run, client=BulletinClient(proxy.url, retries=1, backoff_s=0.01))
+    callback = PublishCallback(publisher, on_fault="skip", background=False)
+    snapshots = Snapshots()
+    try:
+        grpo_trainer(tmp_path, steps=2, callbacks=[OutageAtEnd(proxy, 2), callback, snapshots]).train()
+    finally:
+        proxy.stop()
+        publisher.close()
+    assert steps_of(client, run) == {0: 0, 1: 1, 2: 2}  # no next version would have carried step 2
+    assert callback.skipped_steps == []
+    assert same_bits(rebuild_version(client, run).view, snapshots.views[2])
 
 
 def _outage_run(bulletin, run, tmp_path: Path, on_fault: str, heal_after_s: float | None, **kwargs: Any):

@@ -2,7 +2,8 @@
 
 Runs in the trainer process (every rank of it). Version 0, the anchor of the starting weights, is
 published at ``on_train_begin`` unless the run already has versions (the user published it, or a
-resumed run); then one version per optimizer step at ``on_step_end``, recording TRL's
+resumed run; a trainer starting behind the run's last step is refused with ``ResumeError``); then one
+version per optimizer step at ``on_step_end``, recording TRL's
 ``state.global_step`` as the version's ``step``. The view is taken on the training thread (a bf16
 copy, the only part that blocks the step) and published in the background by the publisher's
 bounded worker (:meth:`Publisher.publish_async`), so the next step runs while it uploads.
@@ -16,9 +17,14 @@ Faults (the bulletin or the network down), ``on_fault``:
 
 * ``block`` (default): a failed publish is found at the next step end (or when a rollout asks for
   its version); the trainer then publishes its current weights again, retrying until they commit
-  or ``block_timeout_s`` runs out; then the step is skipped with a log line. Never raises.
+  or ``block_timeout_s`` runs out (or the asking rollout's wait); then the step is skipped with a log
+  line. Never raises.
 * ``skip``: each failed publish is logged and skipped; the next step's version carries its changes
-  (a delta from the last committed version). Never raises.
+  (a delta from the last committed version); the last step's, at ``on_train_end``, is tried once
+  more. Never raises.
+
+``skipped_steps``: the steps without a version of their own (one redone, or whose commit landed
+although its answer was lost, is taken off).
 * ``raise``: the failure is raised into the training loop.
 """
 
@@ -38,6 +44,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from stitchboard.bulletin.errors import UnavailableError
 from stitchboard.proto.errors import StitchError
 
+from ..errors import ResumeError
 from ..publish_result import PublishResult
 from ..publisher import Publisher
 
@@ -93,6 +100,7 @@ class PublishCallback(TrainerCallback):
 
     Raises:
         ValueError: an unknown ``on_fault``, or a timeout < 0.
+        ResumeError (``on_train_begin``): the trainer starts at a step behind the run's last version.
 
     The callback is the rollout's source of versions in the same process: :meth:`version_for_step`.
     """
@@ -138,6 +146,7 @@ class PublishCallback(TrainerCallback):
         if publisher is None:
             return
         if publisher.last_version is not None:
+            self._check_resume(publisher, state.global_step)
             log.info(
                 "run %s: resuming after version %d at step %d: no anchor published",
                 publisher.run,
@@ -169,11 +178,13 @@ class PublishCallback(TrainerCallback):
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        """Wait for the publishes in flight; under ``block``, publish the final weights again if one failed."""
+        """Wait for the publishes in flight; publish the final weights again if one failed under ``block``, or
+        under ``skip`` if the last step's failed (no next version carries it): once, logged if it fails."""
         if not state.is_world_process_zero or self.publisher is None:
             return
         model = kwargs.get("model")
-        if self._settle(wait=True) and model is not None and not is_sharded(model):  # no collective on rank 0 alone
+        again = self._settle(wait=True) or (self.on_fault == "skip" and state.global_step in self.skipped_steps)
+        if again and model is not None and not is_sharded(model):  # no collective on rank 0 alone
             self._publish_blocking(self.publisher, full_state_dict(model), state.global_step)
 
     # -- versions for the rollout ---------------------------------------------------------------
@@ -195,7 +206,7 @@ class PublishCallback(TrainerCallback):
             except TimeoutError:
                 return None
         if self._settle(wait=False) and self.publisher is not None and self._model is not None:
-            self._publish_blocking(self.publisher, self._model, self._step)
+            self._publish_blocking(self.publisher, self._model, self._step, deadline)
         with self._lock:
             done = [p.version for p in self.published if p.step >= step and p.version is not None]
         return done[0] if done else None
@@ -210,11 +221,40 @@ class PublishCallback(TrainerCallback):
                 self._fault(exc, step)
         return self.publisher
 
+    def _check_resume(self, publisher: Publisher, step: int) -> None:
+        """Refuse a trainer at ``step`` behind the run's last version (resumed from an older checkpoint): its
+        steps would meet the run's versions of those steps (other bits: refused) and its rollouts would get them.
+
+        Raises:
+            ResumeError: naming the run, its last version and step, the trainer's step and what to do.
+        """
+        last = publisher.last_version
+        if last is None:
+            return
+        try:
+            last_step = publisher.client.manifest(publisher.run, last).metadata.get("step")
+        except UnavailableError as exc:  # a fault, not a conflict: the policy's, at the first step end
+            log.warning("run %s: could not read version %d's step to check the resume (%s)", publisher.run, last, exc)
+            return
+        if isinstance(last_step, int) and last_step > step:
+            raise ResumeError(
+                f"run {publisher.run}: its last version {last} is at training step {last_step}, but the trainer "
+                f"starts at step {step}: its steps {step + 1}..{last_step} already have versions of another "
+                f"history, which the bulletin keeps and the rollouts would get. Resume from the checkpoint of step "
+                f"{last_step} or later, or publish to a new run id",
+                run=publisher.run,
+                version=last,
+                version_step=last_step,
+                trainer_step=step,
+            )
+
     def _fault(self, exc: BaseException, step: int) -> None:
         """Apply the policy to a failed publish of ``step`` that is not retried (raise, or log the skip)."""
         if self.on_fault == "raise":
             raise exc
-        self.skipped_steps.append(step)
+        with self._lock:
+            if step not in self.skipped_steps:
+                self.skipped_steps.append(step)
         log.warning(
             "step %d: not published (%s: %s); the next version carries its changes", step, type(exc).__name__, exc
         )
@@ -222,6 +262,32 @@ class PublishCallback(TrainerCallback):
     def _record(self, entry: Published) -> None:
         with self._lock:
             self.published.append(entry)
+            if entry.version is not None and entry.step in self.skipped_steps:
+                self.skipped_steps.remove(entry.step)  # published again (block, or at the train end)
+        if entry.version is not None:
+            self._find_lost_commit(entry.version)
+
+    def _find_lost_commit(self, version: int) -> None:
+        """After ``version`` committed: if the version before it is none of this callback's, it is a publish
+        whose commit answer was lost (the publisher adopted it, :meth:`Publisher.publish`): its manifest's step
+        is taken off ``skipped_steps`` and recorded with it. One manifest read, only when a skipped step waits."""
+        lost = version - 1
+        with self._lock:
+            if not self.skipped_steps or lost < 0 or any(p.version == lost for p in self.published):
+                return
+        if self.publisher is None:
+            return
+        try:
+            step = self.publisher.client.manifest(self.publisher.run, lost).metadata.get("step")
+        except StitchError:
+            return
+        with self._lock:
+            if step not in self.skipped_steps:
+                return
+            self.skipped_steps.remove(step)
+            at = next((i for i, p in enumerate(self.published) if p.step > step), len(self.published))
+            self.published.insert(at, Published(step, None, lost))
+        log.warning("step %d: committed as version %d after all (its answer was lost)", step, lost)
 
     def _publish_async(self, publisher: Publisher, what: Any, step: int) -> None:
         for attempt in (1, 2):
@@ -235,9 +301,10 @@ class PublishCallback(TrainerCallback):
             self._record(Published(step, future))
             return
 
-    def _publish_blocking(self, publisher: Publisher, what: Any, step: int) -> None:
-        """Publish now; under ``block`` retry an unreachable bulletin until ``block_timeout_s``."""
-        deadline = time.monotonic() + self.block_timeout_s
+    def _publish_blocking(self, publisher: Publisher, what: Any, step: int, deadline: float | None = None) -> None:
+        """Publish now; under ``block`` retry an unreachable bulletin until ``block_timeout_s``, or until
+        ``deadline`` (``time.monotonic()``) if sooner (a rollout's wait)."""
+        deadline = min(time.monotonic() + self.block_timeout_s, deadline if deadline is not None else float("inf"))
         while True:
             try:
                 result = publisher.publish(what, step=step)
@@ -275,6 +342,7 @@ class PublishCallback(TrainerCallback):
                 p.result = None if exc is not None else future.result()
                 p.version = None if p.result is None else p.result.version
             if exc is None:
+                self._find_lost_commit(future.result().version)
                 continue
             failed = True
             if self.publisher is not None:
