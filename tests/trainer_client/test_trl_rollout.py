@@ -8,20 +8,25 @@ an unreachable sidecar, and the error of a rollout whose version does not come w
 
 from __future__ import annotations
 
+import asyncio
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
 from transformers import TrainerCallback
 
 from stitchboard.bulletin.client import BulletinClient
 from stitchboard.demo.processes import free_socket
-from stitchboard.trainer_client.errors import RolloutVersionError
+from stitchboard.trainer_client.errors import RolloutError, RolloutVersionError
 from stitchboard.trainer_client.publisher import Publisher
 from stitchboard.trainer_client.trl.callback import PublishCallback
 from stitchboard.trainer_client.trl.rollout import SidecarRollout, expand_spans, group_runs
+from tests.support.app_server import AppServer
 from tests.support.fault_proxy import FaultProxy, Rule
 from tests.trainer_client.trl_tiny import (
     PROMPTS,
@@ -243,3 +248,140 @@ def test_under_skip_a_rollout_without_its_version_says_why(bulletin, run, sideca
         proxy.stop()
         publisher.close()
     assert info.value.details["step"] == 2 and info.value.details["sidecar"] is None
+
+
+def test_under_block_the_rollout_waits_no_longer_than_wait_s(bulletin, run, tmp_path: Path) -> None:
+    proxy = FaultProxy(bulletin.url)
+    publisher = Publisher(proxy.url, run, client=BulletinClient(proxy.url, retries=1, backoff_s=0.01))
+    callback = PublishCallback(publisher, on_fault="block", block_timeout_s=120, retry_interval_s=0.2)
+    trainer = grpo_trainer(tmp_path)
+    rollout = SidecarRollout(["http://127.0.0.1:9"], callback=callback, wait_s=1)
+    state = trainer.state
+    try:
+        callback.on_train_begin(trainer.args, state, trainer.control, model=trainer.model)
+        proxy.add(Rule("drop", times=None))  # the bulletin unreachable from step 1's publish on
+        state.global_step = 1
+        callback.on_step_end(trainer.args, state, trainer.control, model=trainer.model)
+        t0 = time.monotonic()
+        with pytest.raises(RolloutVersionError, match=r"no version of step 1 or later within 1 s"):
+            rollout.version_for_step(1)
+        waited_s = time.monotonic() - t0
+    finally:
+        rollout.close()
+        proxy.stop()
+        publisher.close()
+    assert waited_s < 30  # the republish under block stops at the rollout's deadline, not block_timeout_s (120 s)
+    assert callback.skipped_steps == [1]  # listed once: the failed publish and its failed republish
+
+
+class Hostile:
+    """A stand-in sidecar of ``run`` whose ``/v1/completions`` answers as ``mode`` says (a broken or hostile one)."""
+
+    def __init__(self, run: str, stamp: int) -> None:
+        self.mode, self.run, self.stamp = "ok", run, stamp
+        self.server = AppServer(self.app())
+        self.url = self.server.url
+
+    def app(self) -> FastAPI:
+        app = FastAPI()
+        me = self
+
+        @app.get("/v1/stitch/status")
+        async def status() -> dict[str, Any]:
+            return {"run_id": me.run}
+
+        @app.post("/v1/completions")
+        async def completions(request: Request) -> Any:
+            n, m, v = (await request.json())["n"], me.mode, me.stamp
+            stamps = {"weight_version_start": v, "weight_version_end": v}
+            bad_ids = {"oob": [3, 10**9], "negative": [3, -5], "str": ["x", 4], "float": [3.0, 4.0]}
+            ids: list[Any] = bad_ids.get(m, [3, 4])
+            lp: list[Any] = [None, "x"] if m == "logprobs" else [-1.0, -1.0]
+            choices = [{"index": i, "token_ids": ids, "logprobs": {"token_logprobs": lp}} for i in range(n)]
+            if m == "duplicate":
+                choices = [{**c, "index": 0} for c in choices]
+            if m == "nostamps":
+                stamps = {}
+            if m == "stale":
+                stamps = {"weight_version_start": v - 1, "weight_version_end": v}
+            if m == "slow":
+                await asyncio.sleep(3)
+            if m == "cut":
+
+                async def cut() -> AsyncIterator[bytes]:
+                    yield b'{"choices": ['
+                    raise RuntimeError("cut")
+
+                return StreamingResponse(cut(), media_type="application/json")
+            return JSONResponse({**stamps, "choices": choices})
+
+        return app
+
+
+@pytest.mark.parametrize(
+    ("mode", "error"),
+    [
+        ("ok", None),
+        ("nostamps", r"asked for version 2 or later .*weight_version_start=None"),
+        ("stale", r"asked for version 2 or later .*weight_version_start=1"),
+        ("oob", r"token ids \[1000000000\] are not ints in \[0, 33\)"),
+        ("negative", r"token ids \[-5\]"),
+        ("str", r"token ids \['x'\]"),
+        ("float", r"token ids \[3.0, 4.0\]"),
+        ("duplicate", r"choice indexes \[0, 0\] for n=2"),
+        ("logprobs", r"logprobs .* are not one number per token"),
+        ("slow", r"the request failed after it was sent \(ReadTimeout"),
+        ("cut", r"the request failed after it was sent"),
+    ],
+)
+def test_a_wrong_answer_is_refused_naming_the_sidecar(
+    bulletin, run, tmp_path: Path, mode: str, error: str | None
+) -> None:
+    trainer = grpo_trainer(tmp_path)
+    with Publisher(bulletin.url, run, client=bulletin.client()) as publisher:
+        for step in range(3):
+            trainer.model.model.norm.weight.data += 1.0
+            publisher.publish(trainer.model, step=step)
+    trainer.state.global_step = 2  # asks for version 2
+    sidecar = Hostile(run, stamp=2)
+    sidecar.mode = mode
+    rollout = SidecarRollout([sidecar.url], bulletin=bulletin.url, run=run, wait_s=5, timeout_s=1, model="m")
+    try:
+        if error is None:
+            assert rollout(PROMPTS[:1] * 2, trainer)["completion_ids"] == [[3, 4]] * 2
+        else:
+            with pytest.raises(RolloutError, match=error) as info:
+                rollout(PROMPTS[:1] * 2, trainer)
+            assert sidecar.url in str(info.value) and info.value.details["sidecar"] == sidecar.url
+    finally:
+        rollout.close()
+        sidecar.server.stop()
+
+
+def test_a_sidecar_of_another_run_or_a_plain_engine_is_refused(
+    bulletin, run, sidecars: Sidecars, tmp_path: Path
+) -> None:
+    engine = sidecars.start()
+    trainer = grpo_trainer(tmp_path)
+    other = f"{run}-other"
+    with Publisher(bulletin.url, other, client=bulletin.client()) as publisher:
+        publisher.publish(trainer.model, step=0)
+    for url, why in ((sidecars.urls[0], f"follows run '{run}'"), (engine.url, "answered 404")):
+        rollout = SidecarRollout([url], bulletin=bulletin.url, run=other, wait_s=5)
+        with pytest.raises(RolloutError, match=why) as info:
+            rollout(PROMPTS[:1] * 2, trainer)
+        assert f"trains run '{other}'" in str(info.value) and url in str(info.value)
+        rollout.close()
+    assert engine.requests == []  # no work was sent
+
+
+def test_a_refused_token_in_the_step_lookup_says_so(bulletin, run) -> None:
+    refuse = Rule("status", path=r"/versions", method="GET", times=None, status=401, code="Unauthorized")
+    proxy = FaultProxy(bulletin.url, [refuse])
+    rollout = SidecarRollout(["http://127.0.0.1:9"], bulletin=proxy.url, run=run, wait_s=5)
+    try:
+        with pytest.raises(RolloutError, match="the bulletin refused the token of the step lookup"):
+            rollout.version_for_step(0)
+    finally:
+        rollout.close()
+        proxy.stop()

@@ -13,6 +13,9 @@ to the reward functions. This one:
 * asks for "at least the step just published": ``X-Stitch-Min-Version`` is the version of training
   step ``global_step - staleness_steps`` (from the :class:`~.callback.PublishCallback` in this
   process, else the bulletin's step lookup), ``X-Stitch-Wait-S`` how long the sidecar may hold it;
+* checks once that each sidecar follows the run being trained (its ``/v1/stitch/status``), and each
+  answer: its stamps at or above the version asked, one completion per index, token ids in the vocabulary, numeric
+  logprobs; anything else is a :class:`~stitchboard.trainer_client.errors.RolloutError`;
 * returns ``weight_versions`` besides: per completion, the weight version of each of its tokens
   (from the sidecar's spans, ``X-Stitch-Return-Weight-Versions: 1``), which reward functions get
   as a keyword argument. ``weight_version_start`` / ``weight_version_end``: the sidecar's stamps.
@@ -26,12 +29,12 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeGuard
 
 import httpx
 
 from stitchboard.bulletin.client import BulletinClient
-from stitchboard.bulletin.errors import UnavailableError
+from stitchboard.bulletin.errors import AuthError, BulletinError, UnavailableError
 from stitchboard.proto import sidecar_wire as wire
 
 from ..errors import RolloutError, RolloutVersionError
@@ -46,6 +49,8 @@ FAILOVER_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
 #: The header asking a sidecar for per-token version spans, and the answer field holding them (sidecar/spans.py).
 SPANS_HEADER = "X-Stitch-Return-Weight-Versions"
 SPANS_FIELD = "weight_versions"
+#: The sidecar's status route, whose ``run_id`` names the run it follows (sidecar/app.py).
+STATUS_PATH = "/v1/stitch/status"
 
 
 def expand_spans(spans: Any, length: int) -> list[int]:
@@ -79,7 +84,8 @@ class SidecarRollout:
         sidecars: base URLs of the sidecars, e.g. ``["http://gpu0:8100"]`` (tried round-robin).
         callback: the :class:`~.callback.PublishCallback` of this trainer (it knows each step's version);
             None: the bulletin's step lookup (``bulletin`` and ``run``).
-        bulletin, run, token: the bulletin's URL, the run id and a read token, for the step lookup.
+        bulletin, run, token: the bulletin's URL, the run id and a read token, for the step lookup; ``run``
+            (else the callback's publisher's) is also the run every sidecar must follow.
         staleness_steps: how many optimizer steps behind the rollout's weights may be (default 0: the
             step just published).
         wait_s: how long a request may wait for its version, seconds (the publish's commit, then the
@@ -96,7 +102,10 @@ class SidecarRollout:
     Raises (from a call):
         RolloutVersionError: the version of step ``global_step - staleness_steps`` could not be had within
             ``wait_s`` (it names the step, the version and the sidecar).
-        RolloutError: no sidecar could be reached, or one answered with another error.
+        RolloutError: no sidecar could be reached; one follows another run (or is no sidecar); one answered
+            with an error, broke the answer off or timed out; an answer without stamps, stamped below the
+            version asked, or malformed (token ids outside the vocabulary, duplicate indexes, non-numeric
+            logprobs); the bulletin refused the token of the step lookup.
         ValueError (construction): no sidecars, or a negative staleness or wait.
     """
 
@@ -135,6 +144,8 @@ class SidecarRollout:
         self._pool = ThreadPoolExecutor(max_workers=max(1, max_concurrency), thread_name_prefix="stitch-rollout")
         self._next = itertools.count()
         self._lock = threading.Lock()
+        self._checked: set[str] = set()  # sidecars whose run was checked
+        self._vocab = 0  # token ids must be in [0, vocab) (0: not known)
         #: What the last call did: ``min_step``, ``min_version``, ``requests``, ``sidecars`` (per request).
         self.last: dict[str, Any] = {}
 
@@ -150,6 +161,7 @@ class SidecarRollout:
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
         """Generate one completion per prompt (TRL's ``rollout_func``); see the class docstring."""
         prompt_ids = self.tokenize(prompts, trainer)
+        self._vocab = vocab_size(trainer)
         min_step = max(0, int(trainer.state.global_step) - self.staleness_steps)
         min_version = self.version_for_step(min_step)
         model = self.model or self._model_id()
@@ -228,6 +240,17 @@ class SidecarRollout:
                 info = client.version_for_step(run, step)
             except UnavailableError as exc:  # the bulletin down: as not found yet, until the deadline
                 info, unreachable = None, f"; the bulletin was unreachable ({exc})"
+            except AuthError as exc:
+                raise RolloutError(
+                    f"run {run}: the bulletin refused the token of the step lookup ({exc}); give SidecarRollout "
+                    "a token= that may read the run",
+                    sidecar=None,
+                    status=exc.status,
+                ) from exc
+            except BulletinError as exc:
+                raise RolloutError(
+                    f"run {run}: the step lookup of step {step} failed: {exc}", sidecar=None, status=exc.status
+                ) from exc
             if info is not None:
                 return info.version
             if time.monotonic() >= deadline:
@@ -264,6 +287,42 @@ class SidecarRollout:
                 errors.append(f"{sidecar}: {exc!r}")
         raise RolloutError(f"no sidecar lists a model ({'; '.join(errors)}); pass model=", sidecar=None, status=None)
 
+    def _trained_run(self) -> str | None:
+        if self.run is not None:
+            return self.run
+        publisher = self.callback.publisher if self.callback is not None else None
+        return publisher.run if publisher is not None else None
+
+    def _check_run(self, sidecar: str) -> None:
+        """Once per sidecar: refuse one that follows another run than the one trained, or is no sidecar.
+
+        Raises:
+            RolloutError: naming both runs (or what the sidecar answered); httpx's connection errors pass.
+        """
+        run = self._trained_run()
+        if run is None or sidecar in self._checked:
+            return
+        try:
+            r = self._http.get(f"{sidecar}{STATUS_PATH}")
+            followed = r.json().get("run_id") if r.status_code == 200 else None
+        except FAILOVER_ERRORS:
+            raise
+        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+            raise RolloutError(
+                f"sidecar {sidecar}: its {STATUS_PATH} could not be read ({exc!r}); is it a stitchboard sidecar?",
+                sidecar=sidecar,
+                status=None,
+            ) from exc
+        if followed != run:
+            what = f"follows run {followed!r}" if followed is not None else f"answered {r.status_code} to {STATUS_PATH}"
+            raise RolloutError(
+                f"sidecar {sidecar} {what}, but this trainer trains run {run!r}: give the sidecars of run {run!r}",
+                sidecar=sidecar,
+                status=r.status_code,
+            )
+        with self._lock:
+            self._checked.add(sidecar)
+
     def _order(self) -> list[str]:
         with self._lock:
             first = next(self._next) % len(self.sidecars)
@@ -289,26 +348,26 @@ class SidecarRollout:
         refused = []
         for sidecar in self._order():
             try:
+                self._check_run(sidecar)
                 answer = self._post(sidecar, body, headers, step, version)
             except FAILOVER_ERRORS as exc:
                 log.warning("sidecar %s unreachable (%r): trying the next", sidecar, exc)
                 refused.append(f"{sidecar}: {exc!r}")
                 continue
-            return sidecar, self._choices(sidecar, answer, count)
+            return sidecar, self._choices(sidecar, answer, count, version)
         raise RolloutError(f"no sidecar could be reached: {'; '.join(refused)}", sidecar=None, status=None)
 
     def _post(self, sidecar: str, body: dict[str, Any], headers: dict[str, str], step: int, version: int) -> Any:
-        with self._http.stream("POST", f"{sidecar}/v1/completions", json=body, headers=headers) as r:
-            data = bytearray()
-            for chunk in r.iter_bytes():
-                data += chunk
-                if len(data) > MAX_ANSWER_BYTES:
-                    raise RolloutError(
-                        f"sidecar {sidecar}: answer over {MAX_ANSWER_BYTES} bytes",
-                        sidecar=sidecar,
-                        status=r.status_code,
-                    )
-            status = r.status_code
+        try:
+            status, data = self._read(sidecar, body, headers)
+        except FAILOVER_ERRORS:
+            raise
+        except httpx.HTTPError as exc:  # the request reached the sidecar: never sent again
+            raise RolloutError(
+                f"sidecar {sidecar}: the request failed after it was sent ({exc!r}); raise timeout_s if it timed out",
+                sidecar=sidecar,
+                status=None,
+            ) from exc
         try:
             answer = httpx.Response(status, content=bytes(data)).json()
         except ValueError:
@@ -335,38 +394,81 @@ class SidecarRollout:
             )
         return answer
 
-    def _choices(self, sidecar: str, answer: dict[str, Any], count: int) -> list[dict[str, Any]]:
-        choices = sorted(
-            (c for c in answer.get("choices") or [] if isinstance(c, dict)), key=lambda c: c.get("index", 0)
-        )
-        if len(choices) != count:
-            raise RolloutError(
-                f"sidecar {sidecar} answered {len(choices)} completions for n={count}; "
-                "use group_requests=False for an engine without n",
-                sidecar=sidecar,
-                status=200,
-            )
+    def _read(self, sidecar: str, body: dict[str, Any], headers: dict[str, str]) -> tuple[int, bytearray]:
+        """POST a completion request; (status, the answer read up to :data:`MAX_ANSWER_BYTES`)."""
+        with self._http.stream("POST", f"{sidecar}/v1/completions", json=body, headers=headers) as r:
+            data = bytearray()
+            for chunk in r.iter_bytes():
+                data += chunk
+                if len(data) > MAX_ANSWER_BYTES:
+                    raise RolloutError(
+                        f"sidecar {sidecar}: answer over {MAX_ANSWER_BYTES} bytes",
+                        sidecar=sidecar,
+                        status=r.status_code,
+                    )
+            return r.status_code, data
+
+    def _choices(self, sidecar: str, answer: dict[str, Any], count: int, version: int) -> list[dict[str, Any]]:
+        def bad(what: str) -> RolloutError:
+            return RolloutError(f"sidecar {sidecar}: {what}", sidecar=sidecar, status=200)
+
         start, end = answer.get(wire.START_FIELD), answer.get(wire.END_FIELD)
+        if not is_int(start) or not is_int(end) or start < version:
+            raise bad(
+                f"asked for version {version} or later ({wire.MIN_HEADER}), the answer is stamped "
+                f"{wire.START_FIELD}={start!r}, {wire.END_FIELD}={end!r}: is it a sidecar of this run?"
+            )
+        raw = answer.get("choices")
+        choices = [c for c in raw if isinstance(c, dict)] if isinstance(raw, list) else []
+        if len(choices) != count:
+            raise bad(
+                f"answered {len(choices)} completions for n={count}; use group_requests=False for an engine without n"
+            )
+        indexes = [c.get("index") for c in choices]
+        if sorted(i if is_int(i) else -1 for i in indexes) != list(range(count)):
+            raise bad(f"choice indexes {indexes} for n={count} (each of 0..{count - 1} once)")
+        choices.sort(key=lambda c: int(c["index"]))
         out = []
         for c in choices:
             ids = c.get("token_ids")
             if not isinstance(ids, list):
-                raise RolloutError(
-                    f"sidecar {sidecar}: a completion without token_ids (the engine ignored return_token_ids)",
-                    sidecar=sidecar,
-                    status=200,
-                )
+                raise bad("a completion without token_ids (the engine ignored return_token_ids)")
+            wrong = [t for t in ids if not is_int(t) or t < 0 or (self._vocab and t >= self._vocab)]
+            if wrong:
+                raise bad(f"token ids {wrong[:5]} are not ints in [0, {self._vocab or 'vocab'}) (choice {c['index']})")
             lp = (c.get("logprobs") or {}).get("token_logprobs") if isinstance(c.get("logprobs"), dict) else None
+            if lp is not None and (
+                not isinstance(lp, list)
+                or len(lp) != len(ids)
+                or not all(isinstance(x, int | float) and not isinstance(x, bool) for x in lp)
+            ):
+                raise bad(f"logprobs {str(lp)[:80]} are not one number per token (choice {c['index']})")
             spans = c.get(SPANS_FIELD) if count > 1 else answer.get(SPANS_FIELD)
             if spans is None and start is not None and start == end:
                 spans = [{"version": start, "start": 0, "end": len(ids)}]  # made under one version
             out.append(
                 {
-                    "completion_ids": [int(t) for t in ids],
-                    "logprobs": list(lp) if isinstance(lp, list) and len(lp) == len(ids) else [0.0] * len(ids),
+                    "completion_ids": list(ids),
+                    "logprobs": [float(x) for x in lp] if lp is not None else [0.0] * len(ids),
                     "weight_versions": expand_spans(spans, len(ids)),
                     "weight_version_start": start,
                     "weight_version_end": end,
                 }
             )
         return out
+
+
+def is_int(value: Any) -> TypeGuard[int]:
+    """An int of JSON (not a bool, not a float)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def vocab_size(trainer: Any) -> int:
+    """The larger of the trainer's model config ``vocab_size`` and its tokenizer's length (0: neither known)."""
+    config = getattr(getattr(trainer, "model", None), "config", None)
+    sizes = [getattr(config, "vocab_size", None)]
+    try:
+        sizes.append(len(trainer.processing_class))
+    except TypeError:
+        pass
+    return max((n for n in sizes if is_int(n)), default=0)
