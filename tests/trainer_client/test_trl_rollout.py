@@ -25,7 +25,8 @@ from stitchboard.demo.processes import free_socket
 from stitchboard.trainer_client.errors import RolloutError, RolloutVersionError
 from stitchboard.trainer_client.publisher import Publisher
 from stitchboard.trainer_client.trl.callback import PublishCallback
-from stitchboard.trainer_client.trl.rollout import SidecarRollout, expand_spans, group_runs
+from stitchboard.trainer_client.trl.rollout import SidecarRollout, group_runs
+from stitchboard.trainer_client.trl.rollout_answers import expand_spans
 from tests.support.app_server import AppServer
 from tests.support.fault_proxy import FaultProxy, Rule
 from tests.trainer_client.trl_tiny import (
