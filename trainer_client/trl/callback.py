@@ -136,15 +136,10 @@ class PublishCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         """Publish version 0 (the anchor of the starting weights), unless the run already has versions."""
-        model = kwargs.get("model")
-        if model is None:
+        found = self._rank_zero_view(state, kwargs.get("model"))
+        if found is None:
             return
-        what = full_state_dict(model)
-        if not state.is_world_process_zero:
-            return
-        publisher = self._publisher(state.global_step)
-        if publisher is None:
-            return
+        publisher, what, _model = found
         if publisher.last_version is not None:
             self._check_resume(publisher, state.global_step)
             log.info(
@@ -158,15 +153,10 @@ class PublishCallback(TrainerCallback):
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """Publish the weights after optimizer step ``state.global_step`` (rank 0; every rank joins an FSDP gather)."""
-        model = kwargs.get("model")
-        if model is None:
+        found = self._rank_zero_view(state, kwargs.get("model"))
+        if found is None:
             return
-        what = full_state_dict(model)
-        if not state.is_world_process_zero:
-            return
-        publisher = self._publisher(state.global_step)
-        if publisher is None:
-            return
+        publisher, what, model = found
         self._model, self._step = (None if is_sharded(model) else model), state.global_step
         if self._settle(wait=False):
             self._publish_blocking(publisher, what, state.global_step)  # block: the bulletin was down
@@ -212,6 +202,19 @@ class PublishCallback(TrainerCallback):
         return done[0] if done else None
 
     # -- internals --------------------------------------------------------------------------------
+
+    def _rank_zero_view(
+        self, state: TrainerState, model: torch.nn.Module | None
+    ) -> tuple[Publisher, Mapping[str, torch.Tensor] | torch.nn.Module, torch.nn.Module] | None:
+        """On rank 0: the publisher, what to publish and the model; None elsewhere, without a model, or
+        without a publisher. Every rank calls it: under FSDP each joins the full-state-dict gather."""
+        if model is None:
+            return None
+        what = full_state_dict(model)
+        if not state.is_world_process_zero:
+            return None
+        publisher = self._publisher(state.global_step)
+        return None if publisher is None else (publisher, what, model)
 
     def _publisher(self, step: int) -> Publisher | None:
         if self.publisher is None and self._make is not None:
