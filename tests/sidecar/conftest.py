@@ -22,7 +22,7 @@ from stitchboard.proto.sidecar_wire import COMMIT_STATES
 from stitchboard.sidecar.app import create_app as create_sidecar
 from stitchboard.sidecar.settings import SidecarSettings
 from tests.sidecar.fake_engine import FakeEngine
-from tests.sidecar.sidecar_helpers import AppServer, Publisher, wait_for
+from tests.sidecar.sidecar_helpers import FAST_SIDECAR, AppServer, Publisher, wait_for
 
 
 class _DropShutdownCancels(logging.Filter):
@@ -105,12 +105,7 @@ def sc_start(sc_bulletin: AppServer, sc_publisher: Publisher, tmp_path: Path) ->
             "run": sc_publisher.run,
             "engine_url": engine.url,
             "handoff_dir": str(tmp_path / "handoff"),
-            "poll_wait_s": 5.0,
-            "retry_backoff_s": 0.05,
-            "max_backoff_s": 0.2,
-            "request_wait_s": 5.0,
-            "bulletin_retries": 1,
-            "retry_after_s": 1,
+            **FAST_SIDECAR,
             **overrides,
         }
         settings = SidecarSettings(**values)

@@ -19,6 +19,16 @@ from stitchboard.proto.schema import FileRef, TensorSpec, VersionManifest, Versi
 from tests.sidecar.fake_engine import copy_view
 from tests.support.app_server import AppServer  # noqa: F401  (re-exported: the sidecar tests serve apps with it)
 
+#: Sidecar settings for tests before the fake engine: short waits and one retry, so a fault shows in seconds.
+FAST_SIDECAR = {
+    "poll_wait_s": 5.0,
+    "retry_backoff_s": 0.05,
+    "max_backoff_s": 0.2,
+    "request_wait_s": 5.0,
+    "bulletin_retries": 1,
+    "retry_after_s": 1,
+}
+
 
 def wait_for(predicate: Callable[[], object], timeout_s: float = 60.0, what: str = "condition") -> object:
     """Poll ``predicate`` until truthy; return its value, or fail after ``timeout_s`` seconds."""

@@ -28,6 +28,7 @@ from stitchboard.bulletin.client import BulletinClient
 from stitchboard.sidecar.app import create_app as create_sidecar
 from stitchboard.sidecar.settings import SidecarSettings
 from tests.sidecar.fake_engine import FakeEngine
+from tests.sidecar.sidecar_helpers import FAST_SIDECAR
 from tests.support.app_server import AppServer
 
 CHARS = "abcdefghijklmnopqrstuvwxyz ?.:"
@@ -170,12 +171,7 @@ def serve_sidecar(
             "run": run,
             "engine_url": engine.url,
             "handoff_dir": str(workdir / "handoff"),
-            "poll_wait_s": 5.0,
-            "retry_backoff_s": 0.05,
-            "max_backoff_s": 0.2,
-            "request_wait_s": 5.0,
-            "bulletin_retries": 1,
-            "retry_after_s": 1,
+            **FAST_SIDECAR,
             **overrides,
         }
     )
