@@ -38,7 +38,7 @@ from stitchboard.proto.sidecar_wire import SHOULD_RETRY_HEADER, SidecarStatus
 
 from . import admin_prime_rl
 from .engines import create_adapter
-from .engines.base import EngineAdapter
+from .engines.base import EngineAdapter, ReplaysRouting
 from .errors import BodyBudgetError, BodyTooLargeError, RouteForbiddenError, SidecarError, WeightVersionNotReadyError
 from .fetch import Fetcher
 from .gate import Gate
@@ -88,7 +88,7 @@ def create_app(
         reconciler = Reconciler(settings, client, engine, gate, metrics, fetcher)
         routing = (
             RoutingSource(engine.routed_experts, settings.engine_call_timeout_s)
-            if hasattr(engine, "routed_experts")
+            if isinstance(engine, ReplaysRouting)
             else None
         )  # vLLM: routing replay
         proxy = Proxy(

@@ -51,6 +51,7 @@ from stitchboard.proto.schema import VersionManifest
 from stitchboard.proto.sidecar_wire import COMMIT_STATES, Refusal, RouteKind, SyncReport
 
 from .claim import ClaimKeeper
+from .engines.base import CountsOutputs, PausesKeepingCache
 from .errors import (
     ApplyRefusedError,
     EngineChangedError,
@@ -121,10 +122,14 @@ class Reconciler(ClaimKeeper):
 
     async def _read_counts(self) -> None:
         # In the pause: the engine's output-token counts of the marked requests (None: an engine that cannot count).
-        counts = getattr(self.engine, "output_counts", None)
+        engine = self.engine
         try:
             self._pause_counts = (
-                {} if not self.spans.wanted() else None if counts is None else await self._engine_io(counts)
+                {}
+                if not self.spans.wanted()
+                else await self._engine_io(engine.output_counts)
+                if isinstance(engine, CountsOutputs)
+                else None
             )
         except Exception as exc:  # noqa: BLE001 - spans are lost for these requests, the commit goes on
             log.warning(
@@ -340,9 +345,12 @@ class Reconciler(ClaimKeeper):
         self.gate.set_committing(True)
         paused_at = None
         try:
-            keep = getattr(self.engine, "pause_keeping_cache", None)
-            self._keep_cache = keep is not None and not self.salter.needs_reset(self.gate.in_flight)
-            await self._engine_io(keep if self._keep_cache else self.engine.pause)
+            engine = self.engine
+            self._keep_cache = False
+            pause = engine.pause
+            if isinstance(engine, PausesKeepingCache) and not self.salter.needs_reset(self.gate.in_flight):
+                self._keep_cache, pause = True, engine.pause_keeping_cache
+            await self._engine_io(pause)
             paused_at = time.perf_counter()
             self._fault("paused")
             await self._read_counts()

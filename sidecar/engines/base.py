@@ -14,6 +14,10 @@ none of them, its engine's state-changing routes included (vLLM's ``/pause``, SG
 TTL is left, and the engine refuses its own state-changing calls without it. Read-only calls
 (:meth:`~EngineAdapter.health`, :meth:`~EngineAdapter.state`, :meth:`~EngineAdapter.checksums`,
 output counts) need none.
+
+Optional engine powers are the runtime-checkable Protocols at the end (:class:`CountsOutputs`,
+:class:`PausesKeepingCache`, :class:`ReplaysRouting`): the sidecar asks ``isinstance(engine, P)``
+before it uses one, and an engine kind offers a power by defining its method.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from ..errors import LeaseNotHeldError
 
@@ -189,3 +193,35 @@ class EngineAdapter(Protocol):
     def checksums(self, names: Sequence[str]) -> dict[str, str]:
         """xxh3-128 (hex) of the named checkpoint tensors as the engine holds them; raises
         ApplyRefusedError for a name the engine has no place for."""
+
+
+@runtime_checkable
+class CountsOutputs(Protocol):
+    """An engine that counts the output tokens of the requests the sidecar marked: the spans of
+    requests in flight across a commit (:mod:`stitchboard.sidecar.spans`) need it."""
+
+    def output_counts(self) -> dict[str, int]:
+        """Output key (``<mark>:<prompt>:<choice>``) -> output tokens generated so far; call it
+        while the engine is paused. Read-only: needs no lease."""
+        ...
+
+
+@runtime_checkable
+class PausesKeepingCache(Protocol):
+    """An engine that can pause without dropping its prefix cache: a version-salted commit
+    (:mod:`stitchboard.sidecar.salt`) may then keep the cache instead of flushing it."""
+
+    def pause_keeping_cache(self) -> None:
+        """As :meth:`EngineAdapter.pause`, the prefix cache kept; needs the lease."""
+        ...
+
+
+@runtime_checkable
+class ReplaysRouting(Protocol):
+    """An engine whose worker captures the MoE routing of the marked requests, handed over on
+    request (vLLM's routing replay, :mod:`stitchboard.sidecar.routed_experts`)."""
+
+    def routed_experts(self, marks: list[str]) -> dict[str, Any]:
+        """The captured routing of the requests marked ``marks``, handed over once; ``[]``:
+        whether the model has MoE layers. Read-only: needs no lease."""
+        ...
