@@ -34,10 +34,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
-import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from .engines.contract import new_routing_mark
 from .errors import RoutedExpertsRefusedError
 
 log = logging.getLogger("stitchboard.sidecar.routed_experts")
@@ -189,7 +189,7 @@ class RoutedExperts:
 
     def __init__(self, source: RoutingSource, start_len: int, payload: dict[str, Any], client_id: str | None) -> None:
         self.source, self.start_len = source, start_len
-        self.mark = f"stitch-routing-{uuid.uuid4().hex}"
+        self.mark = new_routing_mark()
         self.request_id = f"{client_id}-{self.mark}" if client_id else self.mark
         self.strip_usage = False
         self.usage: tuple[int, int] | None = None

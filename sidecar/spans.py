@@ -40,13 +40,12 @@ version whose bits made the tokens.
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from .answer_versions import parse_version
-from .engines.sglang.token_counts import MARK_PARAM
+from .engines.contract import MARK_PARAM, new_mark
 from .errors import InvalidVersionConstraintError
 from .stamps import SseStamper
 
@@ -157,7 +156,7 @@ class SpanLedger:
     def open(self, start: int, client_id: str | None = None, choices: int = 1) -> str:
         """Register a request admitted at ``start`` with ``choices`` outputs per prompt; returns the
         ``X-Request-Id`` to send the engine (the client's own id, if any, with the mark appended)."""
-        mark = f"stitch-{uuid.uuid4().hex}"
+        mark = new_mark()
         self._open[mark] = _Open(start, max(1, choices))
         return f"{client_id}-{mark}" if client_id else mark
 

@@ -22,8 +22,8 @@ import pytest
 
 from stitchboard.demo.engines import stitchboard_cli
 from stitchboard.proto.decode import read_patch
+from stitchboard.sidecar.engines.contract import FAULT_ENV, FAULT_PHASES, FAULT_VERSION_ENV
 from stitchboard.sidecar.engines.sglang.adapter import SglangEngine
-from stitchboard.sidecar.engines.sglang.loader import FAULT_ENV, FAULT_PHASES, FAULT_VERSION_ENV
 from tests.sidecar.sglang_helpers import SglangServer, require_sglang
 from tests.sidecar.sidecar_helpers import corrupted
 from tests.sidecar.vllm_fixtures import SidecarProcess, VllmRun, copy_model_files

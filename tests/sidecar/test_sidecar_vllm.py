@@ -22,12 +22,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from stitchboard.sidecar.engines.contract import FAULT_ENV, FAULT_PHASES, FAULT_VERSION_ENV
 from stitchboard.sidecar.engines.vllm.adapter import VllmEngine
-from stitchboard.sidecar.engines.vllm.worker import (
-    FAULT_ENV,
-    FAULT_PHASES,
-    FAULT_VERSION_ENV,
-)
 from stitchboard.sidecar.errors import EngineStateError
 from stitchboard.sidecar.reconciler import FAULT_EXIT_CODE as SIDECAR_FAULT_EXIT
 from tests.sidecar.commit_overlap import LongRequests

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from stitchboard.sidecar.engines.contract import MARK_PARAM
 from stitchboard.sidecar.engines.sglang import token_counts
-from stitchboard.sidecar.engines.sglang.token_counts import MARK_PARAM, sample_key
+from stitchboard.sidecar.engines.sglang.token_counts import sample_key
 from stitchboard.sidecar.spans import SpanLedger, Spans
 
 

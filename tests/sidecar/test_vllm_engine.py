@@ -303,8 +303,8 @@ def test_state_changing_worker_calls_are_refused_without_the_lease(
 @pytest.mark.parametrize("phase", ["half-written"])
 def test_fault_injection_kills_the_engine_mid_apply(phase, smollm2_dir, vllm_views, vllm_workdir):
     """``STITCH_ENGINE_FAULT_PHASE`` makes the engine process exit at that phase of an apply (crash tests)."""
+    from stitchboard.sidecar.engines.contract import FAULT_ENV
     from stitchboard.sidecar.engines.vllm.adapter import VllmEngine
-    from stitchboard.sidecar.engines.vllm.worker import FAULT_ENV
     from stitchboard.sidecar.errors import EngineRequestError, EngineUnavailableError
     from tests.support.vllm_server import VllmServer
 

@@ -79,6 +79,7 @@ from stitchboard.proto.env import env_setting
 from stitchboard.proto.errors import StitchError
 
 from ...errors import EngineStateError, TpRankError
+from ..contract import FAULT_ENV, FAULT_EXIT_CODE, FAULT_VERSION_ENV
 from ..lease import Lease, parse_owner, parse_ttl
 from . import paused_hold
 from .routing import install_capturer, keep_first_routing
@@ -90,11 +91,6 @@ log = logging.getLogger("stitchboard.sidecar.engines.sglang.loader")
 REQUEST_NAME = "stitchboard.request"
 #: The ``load_format`` / ``--custom-weight-loader`` path of :func:`load`.
 LOADER_PATH = "stitchboard.sidecar.engines.sglang.loader.load"
-#: Fault injection (crash tests), the same variables as the vLLM worker's.
-FAULT_ENV = "STITCH_ENGINE_FAULT_PHASE"
-FAULT_VERSION_ENV = "STITCH_ENGINE_FAULT_VERSION"
-FAULT_PHASES = ("staged", "half-written", "written-unverified")
-FAULT_EXIT_CODE = 86
 #: This process's instance id.
 INSTANCE_ID = uuid.uuid4().hex
 track_finished()  # the final counts of finished marked requests (:mod:`.token_counts`)

@@ -42,10 +42,8 @@ import sys
 from collections import OrderedDict
 from typing import Any
 
-#: The mark the sidecar puts into the request ids it wants counts of.
-MARK = re.compile(r"stitch-[0-9a-f]{32}")
-#: The ``custom_params`` key holding the mark of a request with several outputs.
-MARK_PARAM = "stitch_spans_mark"
+from ..contract import MARK, MARK_PARAM
+
 #: How many finished marked requests' final counts (and marks being numbered) are kept.
 FINISHED_KEPT = 4096
 #: The ``Req`` attribute holding the output key :func:`number_samples` gave it.

@@ -25,7 +25,6 @@ it; the last :data:`KEPT` marked requests nobody collected are kept, older ones 
 from __future__ import annotations
 
 import base64
-import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import partial
@@ -33,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-#: The mark the sidecar puts into the request ids whose routing it wants.
-ROUTE_MARK = re.compile(r"stitch-routing-[0-9a-f]{32}")
+from ..contract import ROUTE_MARK
+
 #: How many marked requests' routings are kept until collected.
 KEPT = 1024
 

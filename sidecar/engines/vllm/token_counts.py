@@ -22,8 +22,8 @@ import re
 from collections import OrderedDict
 from typing import Any
 
-#: The mark the sidecar puts into the request ids it wants counts of.
-MARK = re.compile(r"stitch-[0-9a-f]{32}")
+from ..contract import MARK
+
 #: How many finished marked requests' final counts are kept.
 FINISHED_KEPT = 4096
 

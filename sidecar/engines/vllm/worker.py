@@ -78,6 +78,7 @@ from stitchboard.proto.env import env_setting
 from stitchboard.proto.errors import StitchError
 
 from ...errors import ApplyFailedError, EngineStateError, TpRankError
+from ..contract import FAULT_ENV, FAULT_EXIT_CODE, FAULT_VERSION_ENV
 from ..lease import Lease, parse_owner, parse_ttl
 from . import routing
 from .experts import ExpertLayout
@@ -88,13 +89,6 @@ from .weights import WeightIO, agreed, load_snapshot_files
 
 log = logging.getLogger("stitchboard.sidecar.engines.vllm.worker")
 
-#: Environment variable naming the phase at which to kill the process (crash tests).
-FAULT_ENV = "STITCH_ENGINE_FAULT_PHASE"
-#: Environment variable restricting the fault to an apply or load to this version (crash tests).
-FAULT_VERSION_ENV = "STITCH_ENGINE_FAULT_VERSION"
-FAULT_PHASES = ("staged", "half-written", "written-unverified")
-#: Exit status of a fault-injected exit.
-FAULT_EXIT_CODE = 86
 #: Timeout of a collective of stitchboard's TP group (how long the others wait for a rank that died or hangs).
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 #: This worker process's instance id (``state.instance``): new in every process, so a restarted
