@@ -61,7 +61,8 @@ def _is_base(name: str, entry: PatchEntry, view: Mapping[str, RawTensor], encodi
         else ""
     )
     raise BaseMismatchError(
-        f"tensor {name!r} is not the patch's base (xxh3 {current} != {entry.base[XXH3_128]}){hint}: fetch the base version or an anchor and apply again"
+        f"tensor {name!r} is not the patch's base (xxh3 {current} != {entry.base[XXH3_128]}){hint}: "
+        "fetch the base version or an anchor and apply again"
     )
 
 
@@ -74,7 +75,8 @@ def _plan_writes(view: Mapping[str, RawTensor], patch: Patch) -> list[TensorDelt
             )
         if have.dtype != entry.dtype or tuple(have.shape) != entry.shape:
             raise TensorSetMismatchError(
-                f"tensor {name!r} is {have.dtype}{list(have.shape)} but the patch is for {entry.dtype}{list(entry.shape)}"
+                f"tensor {name!r} is {have.dtype}{list(have.shape)} but the patch is for "
+                f"{entry.dtype}{list(entry.shape)}"
             )
     if patch.encoding == "cond":
         for name, entry in patch.entries.items():

@@ -178,7 +178,8 @@ def check_compatible(name: str, base: RawTensor, target: RawTensor) -> None:
     """
     if base.dtype != target.dtype or tuple(base.shape) != tuple(target.shape):
         raise TensorSetMismatchError(
-            f"tensor {name!r} changed from {base.dtype}{list(base.shape)} to {target.dtype}{list(target.shape)}: a delta cannot express that; publish an anchor (full snapshot)"
+            f"tensor {name!r} changed from {base.dtype}{list(base.shape)} to {target.dtype}{list(target.shape)}: "
+            "a delta cannot express that; publish an anchor (full snapshot)"
         )
 
 

@@ -157,11 +157,13 @@ def parse_safetensors_header(
         begin, end = offs
         if not 0 <= begin <= end <= data_len:
             raise PatchFormatError(
-                f"{what}: tensor {name!r} data_offsets {offs} outside the {data_len}-byte data section (truncated file?)"
+                f"{what}: tensor {name!r} data_offsets {offs} outside the {data_len}-byte data section "
+                "(truncated file?)"
             )
         if end - begin != numel_of(shape) * DTYPE_SIZES[dtype]:
             raise PatchFormatError(
-                f"{what}: tensor {name!r} holds {end - begin} bytes but shape {shape} of {dtype} needs {numel_of(shape) * DTYPE_SIZES[dtype]}"
+                f"{what}: tensor {name!r} holds {end - begin} bytes but shape {shape} of {dtype} needs "
+                f"{numel_of(shape) * DTYPE_SIZES[dtype]}"
             )
         slots[name] = TensorSlot(dtype, tuple(shape), begin, end)
     cursor = 0

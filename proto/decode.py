@@ -152,7 +152,8 @@ class Patch:
             )
         if base.dtype != entry.dtype or tuple(base.shape) != entry.shape:
             raise TensorSetMismatchError(
-                f"tensor {name!r} is {base.dtype}{list(base.shape)} but the patch is for {entry.dtype}{list(entry.shape)}"
+                f"tensor {name!r} is {base.dtype}{list(base.shape)} but the patch is for "
+                f"{entry.dtype}{list(entry.shape)}"
             )
         if not base_verified and checksum(base) != entry.base[XXH3_128]:
             raise BaseMismatchError(
@@ -163,7 +164,8 @@ class Patch:
         positions, values = cond_codec.decode(stream, base, entry.count, f"{self._what}: tensor {name!r}")
         if patched_checksum(base, positions, values) != entry.target[XXH3_128]:
             raise TargetMismatchError(
-                f"tensor {name!r} of {self._what} decodes to bits that do not match its target checksum (a corrupt stream); nothing was written"
+                f"tensor {name!r} of {self._what} decodes to bits that do not match its target checksum (a corrupt "
+                "stream); nothing was written"
             )
         return TensorDelta(entry, self.encoding, positions, values)
 
@@ -249,7 +251,8 @@ def _entry_from_json(obj: object, encoding: str, what: str) -> PatchEntry:
         raise PatchFormatError(f"{what}: tensor {name!r} claims {count} changed elements of {numel}")
     if encoding == "cond" and gap_bytes < cond_codec.MIN_STREAM_BYTES:
         raise PatchFormatError(
-            f"{what}: tensor {name!r} has a {gap_bytes}-byte coded stream; one with changes has at least {cond_codec.MIN_STREAM_BYTES}"
+            f"{what}: tensor {name!r} has a {gap_bytes}-byte coded stream; "
+            f"one with changes has at least {cond_codec.MIN_STREAM_BYTES}"
         )
     if encoding != "cond" and not count <= gap_bytes <= 10 * count:
         raise PatchFormatError(f"{what}: tensor {name!r} has {gap_bytes} gap bytes for {count} varints")
@@ -271,14 +274,16 @@ def _check_container(
     """The patch's (encoding, free metadata) from its container: ``meta`` and name -> (dtype, bytes) of its tensors."""
     if set(meta) != {FORMAT}:
         raise PatchFormatError(
-            f"{what}: not a stitchboard patch (no {FORMAT!r} metadata); an anchor is a plain checkpoint, load it instead"
+            f"{what}: not a stitchboard patch (no {FORMAT!r} metadata); an anchor is a plain checkpoint, "
+            "load it instead"
         )
     header = load_json(meta[FORMAT], f"{what}: {FORMAT!r} metadata")
     if not isinstance(header, dict) or set(header) != {"format_version", "encoding", "metadata"}:
         raise PatchFormatError(f"{what}: {FORMAT!r} metadata must have format_version, encoding, metadata")
     if header["format_version"] != FORMAT_VERSION:
         raise PatchFormatError(
-            f"{what}: patch format version {header['format_version']!r} is not supported (this reader knows {FORMAT_VERSION}); upgrade stitchboard"
+            f"{what}: patch format version {header['format_version']!r} is not supported (this reader knows "
+            f"{FORMAT_VERSION}); upgrade stitchboard"
         )
     encoding, extra = header["encoding"], header["metadata"]
     if encoding not in ENCODINGS:
@@ -311,13 +316,15 @@ def _read_index(index: bytes | memoryview, encoding: str, what: str) -> list[Pat
 def _check_payload(
     entries: list[PatchEntry], encoding: str, payload_len: int, frame_head: bytes | memoryview, what: str
 ) -> None:
-    """The payload holds (``cond``) or declares in its zstd frame header (``frame_head``: its first bytes) the size the index implies."""
+    """The payload holds (``cond``) or declares in its zstd frame header (``frame_head``: its first bytes) the size the
+    index implies."""
     want = payload_size(entries, encoding)
     if encoding == "cond" and payload_len != want:
         raise PatchFormatError(f"{what}: {PAYLOAD_KEY} holds {payload_len} bytes, the index implies {want}")
     if encoding != "cond" and _declared_size(frame_head) != want:
         raise PatchFormatError(
-            f"{what}: {PAYLOAD_KEY} declares {_declared_size(frame_head)} bytes, the index implies {want}; refusing to decompress"
+            f"{what}: {PAYLOAD_KEY} declares {_declared_size(frame_head)} bytes, the index implies {want}; "
+            "refusing to decompress"
         )
 
 

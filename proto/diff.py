@@ -49,7 +49,8 @@ def check_same_tensor_set(base: Mapping[str, RawTensor], target: Mapping[str, Ra
     )
     if added or removed or changed:
         raise TensorSetMismatchError(
-            f"tensor set changed (added {added[:3]}, removed {removed[:3]}, dtype/shape changed {changed[:3]}): a delta cannot express that; publish an anchor (full snapshot)"
+            f"tensor set changed (added {added[:3]}, removed {removed[:3]}, dtype/shape changed {changed[:3]}): "
+            "a delta cannot express that; publish an anchor (full snapshot)"
         )
 
 

@@ -55,7 +55,8 @@ def wire_types(root: type[E]) -> dict[str, type[E]]:
         other = table.setdefault(cls.type, cls)
         if other is not cls:
             raise TypeError(
-                f"{other.__qualname__} and {cls.__qualname__} both have wire type {cls.type!r}: give each class of the {root.__qualname__} tree its own type"
+                f"{other.__qualname__} and {cls.__qualname__} both have wire type {cls.type!r}: "
+                f"give each class of the {root.__qualname__} tree its own type"
             )
         pending.extend(cls.__subclasses__())
     return table

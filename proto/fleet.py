@@ -48,7 +48,8 @@ def check_replica_id(replica_id: str) -> str:
 
 
 class SyncFigures(_Model):
-    """The last completed sync of a replica: the version it reached, bytes fetched, seconds, pause seconds, when (Unix s).
+    """The last completed sync of a replica: the version it reached, bytes fetched, seconds, pause seconds,
+    when (Unix s).
 
     Times and durations are finite and within :data:`UnixSeconds` / :data:`Seconds` (else the report is refused).
     """
@@ -122,7 +123,8 @@ class ReportAccepted(_Model):
 
 
 class ReplicaView(_Model):
-    """One replica as fleet queries show it: its last report, whether its lease is live, and its lag behind the run's latest version.
+    """One replica as fleet queries show it: its last report, whether its lease is live,
+    and its lag behind the run's latest version.
 
     Attributes:
         report: the replica's last report.

@@ -40,7 +40,8 @@ def diff(
     encoding: Annotated[
         str,
         typer.Option(
-            help="cond (smallest; valid only on its base), xor (fastest; valid only on its base) or overwrite (idempotent)"
+            help="cond (smallest; valid only on its base), xor (fastest; valid only on its base) "
+            "or overwrite (idempotent)"
         ),
     ] = "cond",
 ) -> None:
@@ -54,8 +55,10 @@ def diff(
     n, total = result.changed_elements, result.total_elements
     per = f"{len(result.patch) / n:.3f}" if n else "-"
     console.print(
-        f"{n:,} of {total:,} elements changed ({100 * n / max(total, 1):.3f} %) in {len(result.changed_tensors)} tensors; "
-        f"patch {len(result.patch):,} bytes ({per} bytes per changed element, {encoding}); {time.perf_counter() - t0:.2f} s"
+        f"{n:,} of {total:,} elements changed ({100 * n / max(total, 1):.3f} %) "
+        f"in {len(result.changed_tensors)} tensors; "
+        f"patch {len(result.patch):,} bytes ({per} bytes per changed element, {encoding}); "
+        f"{time.perf_counter() - t0:.2f} s"
     )
 
 
@@ -80,7 +83,8 @@ def apply(
     except (StitchError, OSError, ValueError) as exc:
         _fail(exc)
     console.print(
-        f"applied {p.changed_elements:,} element changes in {len(p.entries)} tensors ({p.encoding}); verified; wrote {output}"
+        f"applied {p.changed_elements:,} element changes in {len(p.entries)} tensors ({p.encoding}); verified; "
+        f"wrote {output}"
     )
 
 
@@ -124,6 +128,7 @@ def _inspect_checkpoint(path: Path) -> None:
     for name, t in sorted(tensors.items()):
         table.add_row(name, t.dtype, json.dumps(list(t.shape)), f"{t.nbytes:,}")
     console.print(
-        f"[bold]{path}[/bold]: checkpoint (anchor) with {len(tensors)} tensors, {sum(t.nbytes for t in tensors.values()):,} bytes"
+        f"[bold]{path}[/bold]: checkpoint (anchor) with {len(tensors)} tensors, "
+        f"{sum(t.nbytes for t in tensors.values()):,} bytes"
     )
     console.print(table)

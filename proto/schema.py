@@ -82,7 +82,8 @@ def check_name(name: str, what: str = "name") -> str:
     )
     if bad or any(part in ("", ".") for part in name.removesuffix("/").split("/")):
         raise SchemaError(
-            f"invalid {what} {name!r}: use a relative name without '..', '.' or empty segments, NUL or control characters"
+            f"invalid {what} {name!r}: use a relative name without '..', '.' or empty segments, "
+            "NUL or control characters"
         )
     return name
 
@@ -412,7 +413,8 @@ class PlanStep(_Model):
             raise ValueError("a squash step names its base_version; other steps do not")
         if self.base_version is not None and not 0 <= self.base_version < self.version - 1:
             raise ValueError(
-                f"squash to version {self.version} from base {self.base_version}: the base must be at least two versions older"
+                f"squash to version {self.version} from base {self.base_version}: "
+                "the base must be at least two versions older"
             )
         return self
 
@@ -463,7 +465,8 @@ def check_publishable(manifest: VersionManifest) -> VersionManifest:
     shadows = [f.path for f in manifest.files if f.role == "asset" and is_checkpoint_file(f.path)]
     if shadows:
         raise SchemaError(
-            f"version {manifest.version} of run {manifest.run_id!r}: asset paths {shadows[:5]} are named like checkpoint files (*.safetensors, {CHECKPOINT_INDEX_NAME}); rename the assets"
+            f"version {manifest.version} of run {manifest.run_id!r}: asset paths {shadows[:5]} are named like "
+            f"checkpoint files (*.safetensors, {CHECKPOINT_INDEX_NAME}); rename the assets"
         )
     return manifest
 

@@ -74,11 +74,13 @@ class SquashManifest(_Model):
     def _check(self) -> SquashManifest:
         if not 1 <= self.schema_version <= SCHEMA_VERSION:
             raise ValueError(
-                f"schema_version {self.schema_version} is not supported (this reader knows 1..{SCHEMA_VERSION}); upgrade stitchboard"
+                f"schema_version {self.schema_version} is not supported (this reader knows 1..{SCHEMA_VERSION}); "
+                "upgrade stitchboard"
             )
         if self.target_version - self.base_version < MIN_SQUASH_SPAN:
             raise ValueError(
-                f"a squash spans at least {MIN_SQUASH_SPAN} versions: {self.base_version} -> {self.target_version} is not one (use the version's delta)"
+                f"a squash spans at least {MIN_SQUASH_SPAN} versions: {self.base_version} -> {self.target_version} "
+                "is not one (use the version's delta)"
             )
         if not self.files:
             raise ValueError("a squash has at least one patch file")
@@ -120,7 +122,8 @@ def check_patch_lineage(
     what = f"the squash {base.version} -> {target.version} of run {target.run_id!r}"
     if base.layout() != target.layout():
         raise SchemaError(
-            f"{what}: versions {base.version} and {target.version} have different tensor sets: only an anchor leads across that"
+            f"{what}: versions {base.version} and {target.version} have different tensor sets: "
+            "only an anchor leads across that"
         )
     before, after = base.checksums(), target.checksums()
     specs = target.tensor_map()
