@@ -38,8 +38,9 @@ import asyncio
 import functools
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from stitchboard.bulletin.client import BulletinClient
 from stitchboard.bulletin.errors import NotFoundError
@@ -66,6 +67,9 @@ log = logging.getLogger("stitchboard.sidecar")
 #: Engine phases in which its recorded version is trustworthy; any other (``applying``,
 #: ``loading``, ``failed``) means a commit was interrupted and the weights are of no known version.
 IDLE_PHASES = frozenset({None, "idle", "paused"})
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 
 class ClaimKeeper(abc.ABC):
@@ -96,7 +100,7 @@ class ClaimKeeper(abc.ABC):
         self.gate = gate
         self.metrics = metrics
         self.fetcher = fetcher
-        self.state: SidecarState = "starting"
+        self._state: SidecarState = "starting"
         self.last_error: dict[str, Any] | None = None
         self.unhealthy_reason: str | None = None
         self.last_sync: SyncReport | None = None
@@ -124,15 +128,27 @@ class ClaimKeeper(abc.ABC):
 
     # -- plumbing ----------------------------------------------------------------------------
 
-    async def _io(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        """Run a blocking bulletin call (or local file work) in the bulletin pool."""
+    async def _io(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """Run a blocking bulletin call (or local file work) in the bulletin pool; its answer."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
 
-    async def _engine_io(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        """Run a blocking engine-adapter call in the engine pool."""
+    async def _engine_io(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """Run a blocking engine-adapter call in the engine pool; its answer."""
         return await asyncio.get_running_loop().run_in_executor(
             self._engine_pool, functools.partial(fn, *args, **kwargs)
         )
+
+    @property
+    def state(self) -> SidecarState:
+        """What the sidecar is doing (``/health``, status, ``stitch_sidecar_state``); changed by :meth:`_set_state` only."""
+        return self._state
+
+    def _set_state(self, state: SidecarState, why: str) -> None:
+        # The one place the state changes: logged (debug) and exported with the reason.
+        if state != self._state:
+            log.debug("state %s -> %s: %s", self._state, state, why)
+            self.metrics.state.state(state)
+        self._state = state
 
     def _publish(self) -> None:
         self.metrics.versions(self.gate.applied, self.gate.target)
@@ -193,7 +209,7 @@ class ClaimKeeper(abc.ABC):
         self.last_error = {"type": EngineChangedError.type, "message": reason, "at": time.time()}
         self.metrics.claims_dropped.inc()
         self._set_applied(None)
-        self.state = "waiting_for_engine"
+        self._set_state("waiting_for_engine", "the claim was dropped")
         self._reboot.set()
 
     async def check_engine(self) -> str | None:
@@ -275,7 +291,7 @@ class ClaimKeeper(abc.ABC):
         if self.gate.applied is not None:
             self._drop_claim(f"the engine's lease is lost: {reason}")
         else:
-            self.state = "waiting_for_engine"
+            self._set_state("waiting_for_engine", "the lease was lost")
             self._reboot.set()
 
     async def _hold_lease(self) -> None:
@@ -290,7 +306,7 @@ class ClaimKeeper(abc.ABC):
                 await self.lease.take()
                 return
             except LeaseNotHeldError:
-                self.state = "waiting_for_engine"
+                self._set_state("waiting_for_engine", "another sidecar holds the lease")
                 await asyncio.sleep(self.settings.lease_renew_interval_s)
 
     async def _require_claim(self, before: str) -> None:
@@ -324,7 +340,7 @@ class ClaimKeeper(abc.ABC):
             SidecarError, BulletinError, PatchError: on failure (the caller retries).
         """
         self._reboot.clear()
-        self.state = "waiting_for_engine"
+        self._set_state("waiting_for_engine", "boot: taking the lease")
         await self._hold_lease()
         async with self._engine_lock:
             target = await self._boot()
@@ -334,18 +350,18 @@ class ClaimKeeper(abc.ABC):
 
     async def _boot(self) -> int | None:
         # Everything but the anchor load; returns the version to load from the nearest anchor, if any.
-        self.state = "waiting_for_engine"
+        self._set_state("waiting_for_engine", "boot: asking the engine what it holds")
         info = await self._engine_io(self.engine.state)
         self._instance = info.instance
         version, phase = info.version, info.phase
         paused = phase == "paused"
-        self.state = "booting"
+        self._set_state("booting", f"the engine holds version {version} in phase {phase!r}")
         if self._trusted == (info.instance, version) and phase == "idle" and version is not None:
             # the engine process this sidecar verified, at the version it verified: it was only unreachable
-            manifest = await self._io(self.client.manifest, self.run_id, version)
+            known = await self._io(self.client.manifest, self.run_id, version)
             log.info("the engine instance is back at version %d, as this sidecar left it", version)
-            self._set_applied(version, manifest)
-            self.state = "idle"
+            self._set_applied(version, known)
+            self._set_state("idle", "the engine instance is back as this sidecar left it")
             return None
         if phase not in IDLE_PHASES or paused:
             log.warning(
@@ -356,7 +372,7 @@ class ClaimKeeper(abc.ABC):
             )
             await self._recover_interrupted(version if phase in IDLE_PHASES else None, paused)
             return None
-        manifest = None
+        manifest: VersionManifest | None = None
         if version is not None:
             manifest = await self._verify_claim(version, "the engine records")
         elif self.settings.boot_version is not None and not self._force_anchor:
@@ -366,7 +382,7 @@ class ClaimKeeper(abc.ABC):
         if manifest is not None:
             self._force_anchor = False
             self._set_applied(manifest.version, manifest)
-            self.state = "idle"
+            self._set_state("idle", f"version {manifest.version} verified on the engine")
             return None
         target = await self._io(self.client.latest, self.run_id, -1, self.settings.poll_wait_s)
         if target is None:
@@ -399,7 +415,10 @@ class ClaimKeeper(abc.ABC):
                 await self._resume()
         finally:
             self.gate.set_committing(False)
-            self.state = "idle" if self.gate.applied is not None else "unhealthy"
+            if self.gate.applied is not None:
+                self._set_state("idle", "the interrupted commit was recovered")
+            else:
+                self._set_state("unhealthy", "the interrupted commit could not be recovered")
 
     async def _verify_claim(self, version: int, claim: str) -> VersionManifest | None:
         """This run's manifest of ``version`` if the engine's weights are that version, bit for bit

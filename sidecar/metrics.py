@@ -5,9 +5,11 @@ Versions are exported as gauges with ``-1`` meaning "none" (nothing applied or k
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from typing import get_args
 
-from stitchboard.proto.sidecar_wire import ROUTE_KINDS
+from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram, Info
+
+from stitchboard.proto.sidecar_wire import ROUTE_KINDS, SidecarState
 
 _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 
@@ -32,6 +34,12 @@ class SidecarMetrics:
         self.healthy = Gauge(
             "stitch_sidecar_healthy",
             "1 when the engine answers and the last sync did not leave the sidecar unhealthy.",
+            registry=r,
+        )
+        self.state = Enum(
+            "stitch_sidecar_state",
+            "What the sidecar is doing (its status's state: idle, staging, committing, retrying...).",
+            states=list(get_args(SidecarState)),
             registry=r,
         )
         self.in_flight = Gauge("stitch_sidecar_requests_in_flight", "Admitted requests not yet completed.", registry=r)

@@ -43,7 +43,8 @@ import asyncio
 import logging
 import os
 import time
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from stitchboard.bulletin.errors import NotFoundError
 from stitchboard.proto.errors import StitchError
@@ -68,6 +69,8 @@ from .salt import CacheSalter
 from .spans import SpanLedger
 
 log = logging.getLogger("stitchboard.sidecar")
+
+T = TypeVar("T")
 
 #: Exit status of a fault-injected exit (``fault_phase`` setting; the worker extension uses the same).
 FAULT_EXIT_CODE = 86
@@ -157,7 +160,7 @@ class Reconciler(ClaimKeeper):
         finally:
             watch.cancel()
 
-    async def _until_ok(self, fn: Any, during: str, *, escalate: bool) -> None:
+    async def _until_ok(self, fn: Callable[[], Awaitable[None]], during: str, *, escalate: bool) -> None:
         # Retries ``fn`` with backoff; with ``escalate``, repeated failures switch to the anchor
         # route. A dropped claim ends the retries of a sync: the caller boots again.
         delay = self.settings.retry_backoff_s
@@ -181,7 +184,7 @@ class Reconciler(ClaimKeeper):
                     self._force_anchor = True
                 self._error(exc, during)
                 if self.state not in ("unhealthy", "waiting_for_engine"):
-                    self.state = "retrying"
+                    self._set_state("retrying", f"{during} failed")
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.settings.max_backoff_s)
 
@@ -198,7 +201,8 @@ class Reconciler(ClaimKeeper):
                     self._set_target(target)
             await self.sync(target)
             return
-        self.state = "idle" if applied is not None else self.state
+        if applied is not None:
+            self._set_state("idle", f"at the target, version {applied}")
         if target is None and applied is not None:  # booted on the engine's version: learn the run's latest now
             latest = await self._io(self.client.latest, self.run_id)
             if latest is not None:
@@ -216,7 +220,7 @@ class Reconciler(ClaimKeeper):
         left = 0.0 if retry_at is None else retry_at - time.time()
         if left <= 0:
             return False
-        self.state = "retrying"
+        self._set_state("retrying", f"the plan to version {target} waits out its refusal")
         latest = await self._unless_reboot(
             self._io(self.client.latest, self.run_id, target, min(left, self.settings.poll_wait_s))
         )
@@ -224,7 +228,7 @@ class Reconciler(ClaimKeeper):
             self._set_target(latest)
         return True
 
-    async def _unless_reboot(self, call: Any) -> Any:
+    async def _unless_reboot(self, call: Awaitable[T]) -> T | None:
         # Await ``call`` (a long-poll), but give up on it (None) as soon as the claim is dropped;
         # its thread finishes the wait in the background and its answer is ignored.
         task = asyncio.ensure_future(call)
@@ -254,7 +258,7 @@ class Reconciler(ClaimKeeper):
         if await self._wait_out_refusal(target):
             return
         seen = time.perf_counter()
-        self.state = "staging"
+        self._set_state("staging", f"fetching the plan to version {target}")
         staged = await self._stage(target)
         while (
             newer := await self._io(self.client.latest, self.run_id, staged.to_version)
@@ -341,7 +345,7 @@ class Reconciler(ClaimKeeper):
             return
         if prepared:  # time passed while the engine staged: look again
             await self._require_claim(f"pausing the engine for versions {staged.from_version}->{staged.to_version}")
-        self.state = "committing"
+        self._set_state("committing", f"pausing the engine for version {staged.to_version}")
         self.gate.set_committing(True)
         paused_at = None
         try:
@@ -386,7 +390,7 @@ class Reconciler(ClaimKeeper):
                     self.metrics.pause_seconds.labels(route).observe(time.perf_counter() - paused_at)
                 self.gate.set_committing(False)
             if self.state == "resuming":
-                self.state = "idle"
+                self._set_state("idle", "the engine resumed")
 
     async def _still_holds(self, version: int | None) -> bool:
         # Whether the engine (the instance this boot found) still records ``version`` (None: the
@@ -417,20 +421,22 @@ class Reconciler(ClaimKeeper):
         """
         if route == "anchor":
             return False, 0.0
-        self.state = "staging"
+        self._set_state("staging", f"the engine stages the plan to version {staged.to_version}")
         start = time.perf_counter()
-        steps: list[tuple[list[str], int | None, int]]
+        applied = self.gate.applied
+        assert applied is not None  # both routes staged while serving start from a verified version (_route_of)
+        steps: list[tuple[list[str], int, int]]
         if route == "staged_anchor":
             want = staged.steps[-1].manifest.checksums()
             held = await self._engine_io(self.engine.checksums, sorted(want))
             path, _ = await self._io(build_rebase, staged, held, self.fetcher.folder_of(staged.to_version, "rebase"))
             if path is None:
                 return None, time.perf_counter() - start
-            steps = [([str(path)], self.gate.applied, staged.to_version)]
+            steps = [([str(path)], applied, staged.to_version)]
         else:
             # Empty deltas between them change no bit: each delta runs from the previous one's version.
             deltas = [s for s in staged.steps if not s.empty]
-            ends: list[int | None] = [staged.from_version, *(s.version for s in deltas[:-1])]
+            ends = [applied, *(s.version for s in deltas[:-1])]  # the delta route starts at the applied version
             steps = [
                 ([str(p) for p in s.paths], ends[i], s.version if i < len(deltas) - 1 else staged.to_version)
                 for i, s in enumerate(deltas)
@@ -460,7 +466,7 @@ class Reconciler(ClaimKeeper):
         self._refused_plans[(start, end)] = float("inf") if retry_at is None else retry_at
         self.metrics.refusals.labels(route).inc()
         self.metrics.refused_version.set(end)
-        self.state = "retrying"
+        self._set_state("retrying", f"versions {start}->{end} refused")
         retry = (
             "it is not tried again: the engine has no place for this tensor set; a version with another tensor "
             "set is awaited (was the run published for this model?)"
@@ -488,6 +494,7 @@ class Reconciler(ClaimKeeper):
                 elif step.empty:
                     await self._engine_io(self.engine.set_version, step.version, step.base_version)
                 else:  # a delta, or a squash from its base
+                    assert step.base_version is not None  # a delta or squash step names its base (FetchedStep)
                     await self._engine_io(
                         self.engine.apply_patch, [str(p) for p in step.paths], step.base_version, step.version
                     )
@@ -533,7 +540,10 @@ class Reconciler(ClaimKeeper):
         self.metrics.commits.labels("flipped" if flipped else "applied").inc()
         self.metrics.sync_seconds.observe(total)
         self.fetcher.discard()
-        self.state = "idle" if flipped else "resuming"  # idle once the engine is resumed
+        if flipped:
+            self._set_state("idle", f"flipped to version {staged.to_version}")
+        else:  # idle once the engine is resumed
+            self._set_state("resuming", f"version {staged.to_version} applied")
         log.info(
             "engine at version %d (from %s, %d bytes, %.3f s)",
             staged.to_version,
@@ -544,7 +554,7 @@ class Reconciler(ClaimKeeper):
 
     async def _recover(self, target: int, seen: float, paused_at: float | None) -> None:
         # The engine is paused and holds no verified version: load the nearest anchor, then deltas.
-        self.state = "recovering"
+        self._set_state("recovering", f"loading the nearest anchor, then the deltas to version {target}")
         staged_target: VersionManifest | None = None
         try:
             plan = await self._io(self.client.plan, self.run_id, None, target)
@@ -557,7 +567,7 @@ class Reconciler(ClaimKeeper):
                 cause = str(exc.details.get("cause", exc.type))  # later versions of this tensor set: not tried
                 self._refused_set = RefusedTensorSet(target, tensor_set(staged_target), cause, str(exc))
             self.unhealthy_reason = f"recovery from the anchor to version {target} failed: {type(exc).__name__}: {exc}"
-            self.state = "unhealthy"
+            self._set_state("unhealthy", self.unhealthy_reason)
             self._force_anchor = True
             self.metrics.recoveries.labels("failed").inc()
             self._publish()

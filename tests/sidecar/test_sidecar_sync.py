@@ -280,6 +280,10 @@ def test_failed_apply_recovers_from_the_anchor_in_the_same_pause(fault, commit_c
     assert 'stitch_sidecar_recoveries_total{outcome="ok"} 1.0' in sidecar.http.get("/metrics").text
 
 
+#: The state metric's sample for one state while the sidecar is in it.
+_STATE = 'stitch_sidecar_state{{stitch_sidecar_state="{}"}} 1.0'
+
+
 def test_failed_recovery_marks_the_sidecar_unhealthy_until_it_succeeds(sc_publisher, sc_start):
     sc_publisher.publish(make_view(0))
     sidecar = sc_start(FakeEngine())
@@ -292,12 +296,14 @@ def test_failed_recovery_marks_the_sidecar_unhealthy_until_it_succeeds(sc_publis
     assert health["status"] == "unhealthy" and "recovery from the anchor to version 1 failed" in health["reason"]
     status = sidecar.status()
     assert status["applied_version"] is None and status["healthy"] is False
+    assert status["state"] == "unhealthy" and _STATE.format("unhealthy") in sidecar.http.get("/metrics").text
     wait_for(lambda: not engine.paused, what="engine resumed after the failed recovery")
     r = sidecar.http.post("/v1/completions", json={"prompt": "x"}, headers={"X-Stitch-Wait-S": "0.1"})
     assert r.status_code == 503 and r.json()["type"] == "NotReady"
     engine.fail_snapshot = 0
     assert_at(sidecar, sc_publisher, 1)
     assert sidecar.http.get("/health").status_code == 200
+    wait_for(lambda: _STATE.format("idle") in sidecar.http.get("/metrics").text, what="the state metric back at idle")
 
 
 def test_restart_finds_an_engine_mid_apply_and_recovers_it(sc_publisher, sc_start):
