@@ -1,11 +1,12 @@
 """The gated, stamping proxy in front of the engine's HTTP server.
 
-* Model routes (answers depend on the weights; per engine kind, :mod:`.routes`) pass the
+* Model routes (answers depend on the weights; per engine kind, its descriptor's route table,
+  :mod:`.engines.registry`) pass the
   :class:`~.gate.Gate` and are stamped (:mod:`.stamps`): JSON answers get
   ``weight_version_start`` / ``weight_version_end`` fields and ``X-Stitch-Version-Start`` /
   ``X-Stitch-Version-End`` headers; streamed (SSE) answers get the start header and the stamps
   at their end. Events are forwarded as soon as they are complete: nothing else is buffered.
-* Where the engine's answers name its own weight version (SGLang), each answer is checked
+* Where the engine's answers name its own weight version (the kind's ``reports_versions``: SGLang), each answer is checked
   against what the sidecar held while the request ran before it is sent
   (:mod:`.answer_versions`); a mismatch is answered 503 ``AnswerVersionMismatch`` instead.
 * Read routes (models, tokenizer, model info) are forwarded as they are; every other path is
@@ -42,12 +43,11 @@ from starlette.types import Receive, Scope, Send
 from stitchboard.proto.sidecar_wire import END_HEADER, START_HEADER
 
 from .answer_versions import AnswerVersionCheck, reported_versions
+from .engines.registry import EngineRows, lookup
 from .errors import AnswerVersionMismatchError, EngineUnavailableError
 from .gate import BODY_FIELD, Gate, parse_constraint
 from .metrics import SidecarMetrics
 from .routed_experts import RoutedExperts, RoutingSource, wants_routing
-from .routed_experts_sglang import SglangRoutedExperts
-from .routes import route_table
 from .salt import CacheSalter
 from .settings import SidecarSettings
 from .spans import DROP, EDITED, WANT_FIELD, SpanLedger, Spans, SpanStamper, wants_spans
@@ -127,14 +127,14 @@ class _Admitted:
     """One admitted model request, as its answer needs it: the start stamp, the claims it was
     admitted with, ``release`` (ends the admission once; returns the end stamp), and what the
     answer is decorated with (each None when the request did not ask): per-token version spans,
-    vLLM routing replay, SGLang routing replay."""
+    routing replay from the engine's workers (vLLM), routing replay from the engine's own rows (SGLang)."""
 
     start: int
     claims: int
     release: Callable[[], int | None]
     spans: Spans | None
     routed: RoutedExperts | None
-    sg_routed: SglangRoutedExperts | None
+    sg_routed: EngineRows | None
 
 
 class Proxy:
@@ -158,16 +158,19 @@ class Proxy:
         salter: CacheSalter | None = None,
         routing: RoutingSource | None = None,
     ) -> None:
-        self.routing = routing  # the engine's routed experts (vLLM; :mod:`.routed_experts`); None: SGLang's own (:mod:`.routed_experts_sglang`)
+        self.routing = (
+            routing  # the engine's routed experts (vLLM; :mod:`.routed_experts`); None: the kind's own rows, if any
+        )
         self.settings = settings
+        self.kind = lookup(settings.engine)  # the engine kind's descriptor (:mod:`.engines.registry`)
         self.spans = spans or SpanLedger()  # shared with the reconciler (per-token version spans, :mod:`.spans`)
         self.salter = salter or CacheSalter(settings.salt_cache, settings.engine)  # the cache salt (:mod:`.salt`)
         self.gate = gate
         self.metrics = metrics
-        self.routes = route_table(settings.engine)
+        self.routes = self.kind.routes
         self.versions = (
             AnswerVersionCheck(gate, check_engine, settings.engine_call_timeout_s)
-            if self.routes.reports_versions and check_engine is not None
+            if self.kind.reports_versions and check_engine is not None
             else None
         )
         timeout = httpx.Timeout(settings.engine_timeout_s, connect=settings.engine_call_timeout_s, pool=None)
@@ -264,12 +267,9 @@ class Proxy:
         start_len = wants_routing(request.headers, payload, path) if self.routing is not None else None
         if self.routing is not None and start_len is not None:
             await self.routing.require_moe()
-        sg_start = (
-            wants_routing(request.headers, payload, path)
-            if self.routing is None and self.settings.engine == "sglang"
-            else None
-        )
-        want = want or sg_start is not None  # SGLang's rows are tagged from the output tokens' spans
+        engine_rows = self.kind.engine_rows if self.routing is None else None
+        sg_start = wants_routing(request.headers, payload, path) if engine_rows is not None else None
+        want = want or sg_start is not None  # the engine's own rows are tagged from the output tokens' spans
         wait_s = min(
             constraint.wait_s if constraint.wait_s is not None else self.settings.request_wait_s,
             self.settings.max_request_wait_s,
@@ -286,9 +286,9 @@ class Proxy:
             if self.routing is not None and start_len is not None
             else None
         )
-        sg_routed = SglangRoutedExperts(sg_start, payload) if sg_start is not None else None
+        sg_routed = engine_rows(sg_start, payload) if engine_rows is not None and sg_start is not None else None
         client_id = routed.request_id if routed is not None else request.headers.get("x-request-id")
-        spans = Spans(self.spans, self.routes.reports_versions, start, path, payload, client_id) if want else None
+        spans = Spans(self.spans, self.kind.reports_versions, start, path, payload, client_id) if want else None
         if (
             self.salter.salt(path, payload, start)
             or had_field
@@ -367,7 +367,7 @@ class Proxy:
             admitted.routed,
             admitted.sg_routed,
         )
-        final = _finished_output if path in self.routes.final_in_place else None
+        final = _finished_output if path in self.kind.final_in_place else None
 
         def streamed_spans() -> tuple[list[dict[str, int]] | None, dict[int, list[dict[str, int]]] | None]:
             if spans is None:

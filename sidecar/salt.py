@@ -1,7 +1,8 @@
 """The prefix cache salted by version, instead of reset at every commit (sidecar process).
 
 With the ``salt_cache`` setting (``--salt-cache``; off by default, see docs/benchmarks.md),
-every request the proxy admits to a salted route gets the body field ``cache_salt`` =
+every request the proxy admits to a salted route (the engine kind's ``salted_paths``,
+:mod:`.engines.registry`) gets the body field ``cache_salt`` (the kind's ``salt_field``) =
 ``stitch-v<version it is admitted under>`` (a client's own salt is kept in front:
 ``<salt>|stitch-v<N>``; a list of salts, one per prompt of a batch, is salted item by item):
 
@@ -28,12 +29,7 @@ from __future__ import annotations
 
 from typing import Any
 
-SALT_FIELD = "cache_salt"
-#: The routes salted, per engine kind.
-SALTED_PATHS = {
-    "vllm": frozenset({"/v1/completions", "/v1/chat/completions"}),
-    "sglang": frozenset({"/generate", "/v1/completions", "/v1/chat/completions"}),
-}
+from .engines.registry import lookup
 
 
 def _salted(own: str | None, version: int) -> str:
@@ -45,11 +41,15 @@ class CacheSalter:
 
     Args:
         enabled: the ``salt_cache`` setting.
-        engine: the engine kind (``vllm`` and ``sglang`` are salted; any other kind never is).
+        engine: the engine kind (its descriptor's ``salted_paths``; a kind without any is never salted).
+
+    Raises:
+        ValueError: an engine kind that is neither built in nor registered.
     """
 
     def __init__(self, enabled: bool, engine: str) -> None:
-        self.paths = SALTED_PATHS.get(engine, frozenset())
+        kind = lookup(engine)
+        self.paths, self.field = kind.salted_paths, kind.salt_field
         self.enabled = enabled and bool(self.paths)
         self.unsalted_since_reset = False
 
@@ -58,7 +58,7 @@ class CacheSalter:
         whether it did. A model request it cannot salt is remembered (the next commit resets)."""
         if not self.enabled:
             return False
-        own = payload.get(SALT_FIELD) if isinstance(payload, dict) else None
+        own = payload.get(self.field) if isinstance(payload, dict) else None
         if (
             path not in self.paths
             or not isinstance(payload, dict)
@@ -68,7 +68,7 @@ class CacheSalter:
         ):
             self.unsalted_since_reset = True
             return False
-        payload[SALT_FIELD] = [_salted(s, version) for s in own] if isinstance(own, list) else _salted(own, version)
+        payload[self.field] = [_salted(s, version) for s in own] if isinstance(own, list) else _salted(own, version)
         return True
 
     def needs_reset(self, in_flight: int) -> bool:

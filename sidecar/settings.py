@@ -48,7 +48,10 @@ class SidecarSettings(BaseSettings):
     token: str | None = Field(
         None, description="Bearer token with scope replica (read and report; None: open bulletin)."
     )
-    engine: Literal["vllm", "sglang"] = Field("vllm", description="Engine kind behind the sidecar: vllm or sglang.")
+    engine: str = Field(
+        "vllm",
+        description="Engine kind behind the sidecar: vllm or sglang (or a kind registered with stitchboard.sidecar.engines.register).",
+    )
     engine_url: str = Field("http://127.0.0.1:8001", description="Base URL of the engine's HTTP server (same host).")
     host: str = Field("127.0.0.1", description="Address the sidecar listens on.")
     port: int = Field(8000, description="TCP port the sidecar listens on (clients use it instead of the engine's).")
@@ -224,6 +227,15 @@ class SidecarSettings(BaseSettings):
                 "a body at the cap could never be read"
             )
         return self
+
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, value: str) -> str:
+        # Refuse an unknown kind at start (its descriptor says how the sidecar treats the engine).
+        from .engines.registry import lookup
+
+        lookup(value)
+        return value
 
     @field_validator("replica_id")
     @classmethod

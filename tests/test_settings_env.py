@@ -75,7 +75,7 @@ def test_settings_page_roles_table_names_every_prefix_variable_and_legacy_name()
         for line in section.splitlines()
         if line.startswith("| ")
     ][2:]  # after header and rule
-    worker = (ROOT / "sidecar" / "engines" / "vllm" / "worker.py").read_text()
+    worker = (ROOT / "sidecar" / "engines" / "contract.py").read_text()  # the engine-side variables
     engine = re.findall(r'^FAULT(?:_VERSION)?_ENV = "([A-Z_]+)"$', worker, re.MULTILINE)
     assert len(engine) == 2
     prefixes = [

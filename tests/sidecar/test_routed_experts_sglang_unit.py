@@ -1,11 +1,11 @@
 """The sidecar's side of routing replay on SGLang without an engine: the fields sent on to SGLang,
 the cache salt, and the rows' weight versions from the output tokens' spans
-(:mod:`stitchboard.sidecar.routed_experts_sglang`). SGLang's own rows: ``test_sglang_moe.py``."""
+(:mod:`stitchboard.sidecar.engines.sglang.routing_replay`). SGLang's own rows: ``test_sglang_moe.py``."""
 
 from __future__ import annotations
 
+from stitchboard.sidecar.engines.sglang.routing_replay import SglangRoutedExperts, row_versions
 from stitchboard.sidecar.routed_experts import ERROR_FIELD, START_LEN_FIELD, VERSIONS_FIELD, WANT_FIELD, wants_routing
-from stitchboard.sidecar.routed_experts_sglang import SglangRoutedExperts, row_versions
 
 
 def test_rows_carry_the_version_of_the_pass_that_routed_them():

@@ -4,9 +4,11 @@ SGLang's spans normalised, and when a salted commit still resets the cache."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
+from stitchboard.sidecar.engines import lookup, register
 from stitchboard.sidecar.engines.sglang.token_counts import output_key as sglang_output_key
 from stitchboard.sidecar.engines.vllm.token_counts import output_key
 from stitchboard.sidecar.errors import InvalidVersionConstraintError
@@ -155,7 +157,8 @@ def test_salted_commits_reset_only_when_old_kv_could_still_be_used():
     )
     salter.was_reset()
     assert not salter.needs_reset(0)
-    assert CacheSalter(False, "vllm").needs_reset(0) and CacheSalter(True, "fake").needs_reset(0)
+    register(replace(lookup("vllm"), name="unsalted", salted_paths=frozenset()))  # a kind that salts no route
+    assert CacheSalter(False, "vllm").needs_reset(0) and CacheSalter(True, "unsalted").needs_reset(0)
     sglang = CacheSalter(True, "sglang")
     batch = {"text": ["a", "b"], "cache_salt": ["mine", ""]}
     assert sglang.salt("/generate", batch, 3) and batch["cache_salt"] == ["mine|stitch-v3", "stitch-v3"]

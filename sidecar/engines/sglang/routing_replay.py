@@ -1,13 +1,13 @@
 """Routing replay on SGLang: the engine's own ``routed_experts``, tagged with weight versions (sidecar process).
 
-The request fields and the answer's format are those of :mod:`.routed_experts` (the vLLM path).
+The request fields and the answer's format are those of :mod:`...routed_experts` (the vLLM path).
 On SGLang the routing is SGLang's own: the request's ``return_routed_experts`` and
 ``routed_experts_start_len`` go to the engine, whose scheduler captures the rows during
-generation (on the CPU through stitchboard's capturer, :mod:`.engines.sglang.routing`) and
+generation (on the CPU through stitchboard's capturer, :mod:`.routing`) and
 answers ``sglext.routed_experts`` (a stream: in a final chunk of its own), passed on as it came.
 The sidecar adds, top-level (a stream: in its stamp event), ``routed_experts_weight_versions``
 over those rows and ``routed_experts_start_len``, from the answer's per-token ``weight_versions``
-(:mod:`.spans`, asked for on the client's behalf, so the answer carries them too): the row that
+(:mod:`...spans`, asked for on the client's behalf, so the answer carries them too): the row that
 made output token ``o`` is row ``prompt_tokens - 1 + o`` and the prompt rows were routed by the
 prefill pass, which made output token 0, so a request that crossed no commit has all its rows
 under the version of its one span. SGLang's radix cache keys
@@ -17,8 +17,8 @@ cache (rows of cached positions are not routed in this request). Only a prompt o
 with ``routed_experts_start_len >= len(prompt)`` keeps the cache.
 
 A request running across a commit is retracted in the pause and, on resume, computes its whole
-sequence again under the new weights (:mod:`.engines.sglang.adapter`); stitchboard's loader keeps
-the first routing of every position through that recompute (:mod:`.engines.sglang.routing`), so
+sequence again under the new weights (:mod:`.adapter`); stitchboard's loader keeps
+the first routing of every position through that recompute (:mod:`.routing`), so
 the rows before the engine's count at the pause are the old version's, the routing those tokens
 were sampled from, and carry its version, as on vLLM.
 """
@@ -28,7 +28,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from .routed_experts import ERROR_FIELD, START_LEN_FIELD, VERSIONS_FIELD, WANT_FIELD
+from ...routed_experts import ERROR_FIELD, START_LEN_FIELD, VERSIONS_FIELD, WANT_FIELD
 
 SALT_MARK = "stitch-routing"
 
@@ -56,7 +56,7 @@ class SglangRoutedExperts:
     """The routing of one admitted SGLang request that asked for it (proxy side; event-loop only).
 
     Args:
-        start_len: ``routed_experts_start_len`` (from :func:`.routed_experts.wants_routing`).
+        start_len: ``routed_experts_start_len`` (from :func:`...routed_experts.wants_routing`).
         payload: the decoded request body: gets the two fields back for SGLang, and a unique
             ``cache_salt`` when the prompt must be routed in this request.
     """
