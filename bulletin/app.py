@@ -1,9 +1,9 @@
 """The bulletin service: :func:`create_app` builds the FastAPI app (nothing is created at import).
 
 Routes live in :mod:`.routes_versions` (versions, long-poll, plans, runs) and
-:mod:`.routes_blobs` (blob upload/download), :mod:`.routes_squash` (squashes); the state they share and the token checks, in
-:mod:`.deps`. This module adds the ops routes (``/healthz``, ``/readyz``, ``/metrics``) and
-the error handlers. Every error answer is JSON
+:mod:`.routes_blobs` (blob upload/download), :mod:`.routes_squash` (squashes);
+the state they share and the token checks, in :mod:`.deps`. This module adds the ops routes
+(``/healthz``, ``/readyz``, ``/metrics``) and the error handlers. Every error answer is JSON
 ``{"type", "message", ...}`` (:class:`stitchboard.proto.schema.ErrorBody`); the OpenAPI
 document is at ``/openapi.json``. Every request body is read only up to its route's cap
 (:func:`body_caps`, :mod:`.body_caps`), before any token check.
@@ -181,7 +181,8 @@ def create_app(settings: BulletinSettings | None = None, store: Store | None = N
     app = FastAPI(
         title="stitchboard bulletin",
         version="1",
-        description="Publishes immutable weight versions of RL runs and tells rollout engines how to reach the latest one.",
+        description="Publishes immutable weight versions of RL runs and tells rollout engines how to reach the "
+        "latest one.",
         lifespan=lifespan,
     )
     app.state.bulletin = state
@@ -199,7 +200,8 @@ def create_app(settings: BulletinSettings | None = None, store: Store | None = N
 
     @app.get("/readyz", tags=["ops"])
     async def readyz() -> JSONResponse:
-        """Readiness: the object store is reachable. With tokens configured it says only ready or not ready (no store URL, no error text)."""
+        """Readiness: the object store is reachable. With tokens configured it says only ready or not ready (no store
+        URL, no error text)."""
         try:
             await to_thread.run_sync(store.check)
         except BulletinError as exc:
@@ -211,7 +213,8 @@ def create_app(settings: BulletinSettings | None = None, store: Store | None = N
 
     @app.get("/metrics", tags=["ops"])
     def metrics_endpoint(request: Request) -> Response:
-        """Prometheus metrics. With tokens configured the caller needs a token with the ``metrics`` scope (401/403 otherwise)."""
+        """Prometheus metrics. With tokens configured the caller needs a token with the ``metrics`` scope (401/403
+        otherwise)."""
         state.auth.check(request.headers.get("authorization"), "metrics")
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 

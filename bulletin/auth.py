@@ -1,9 +1,10 @@
-"""Bearer-token authorization: scopes ``read``, ``publish``, ``replica`` and ``metrics``, optionally limited to some runs.
+"""Bearer-token authorization: scopes ``read``, ``publish``, ``replica`` and ``metrics``,
+optionally limited to some runs.
 
 Tokens come from :attr:`BulletinSettings.tokens`. ``publish`` implies ``read`` (a trainer checks
 for existing blobs before uploading); ``replica`` (a sidecar: follow the run and report itself,
-``PUT .../replicas/{id}``) implies ``read`` but not ``publish``; ``metrics`` (``GET /metrics``, which names every run) is
-implied by no other scope. With no tokens configured every request is allowed and the service
+``PUT .../replicas/{id}``) implies ``read`` but not ``publish``; ``metrics`` (``GET /metrics``,
+which names every run) is implied by no other scope. With no tokens configured every request is allowed and the service
 warns at start-up.
 """
 

@@ -1,4 +1,5 @@
-"""The body rule: every request body is read only up to its route's cap, before the app, and so any token check, sees it.
+"""The body rule: every request body is read only up to its route's cap, before the app, and so any token check,
+sees it.
 
 One pure ASGI layer, :class:`BodyCaps`, outermost in both services (bulletin and sidecar
 processes; the sidecar imports it from here, as it imports the bulletin's client). Each
@@ -109,7 +110,10 @@ class Refusal:
             if self.declared_bytes is not None and self.declared_bytes > self.cap.limit_bytes
             else f"has more than {self.cap.limit_bytes} bytes"
         )
-        return f"the request body of {where} {size}, over the route's {self.cap.limit_bytes}-byte cap{setting}: send a smaller body"
+        return (
+            f"the request body of {where} {size}, over the route's {self.cap.limit_bytes}-byte "
+            f"cap{setting}: send a smaller body"
+        )
 
 
 class BodyCut(BaseException):

@@ -82,7 +82,8 @@ def serve(
     )  # above info uvicorn drops its lines, but still formats them per answer
     uvicorn.run(
         f"{__name__}:served_app", factory=True, workers=settings.workers, http=HTTP_PROTOCOLS[http],
-        host=settings.host, port=settings.port, log_level=settings.log_level, access_log=access_log, timeout_graceful_shutdown=5,
+        host=settings.host, port=settings.port, log_level=settings.log_level, access_log=access_log,
+        timeout_graceful_shutdown=5,
     )  # fmt: skip
 
 

@@ -102,7 +102,8 @@ class BulletinClient:
             except httpx.TransportError as exc:
                 if last:
                     raise UnavailableError(
-                        f"{what}: bulletin {self.url} unreachable after {attempt + 1} attempts: {exc!r}; check the URL and that it is up"
+                        f"{what}: bulletin {self.url} unreachable after {attempt + 1} attempts: {exc!r}; "
+                        "check the URL and that it is up"
                     ) from exc
             else:
                 if response.status_code < 400:
@@ -229,7 +230,8 @@ class BulletinClient:
 
         Raises:
             NotFoundError: the bulletin has no such blob.
-            BlobMismatchError: the received bytes do not match ``sha256``/``expected_size`` (the partial file is removed).
+            BlobMismatchError: the received bytes do not match ``sha256``/``expected_size`` (the partial file is
+            removed).
             AuthError, UnavailableError: see the module docstring.
         """
         dest = Path(dest)
@@ -248,7 +250,11 @@ class BulletinClient:
         if digest.hexdigest() != sha256 or (expected_size is not None and size != expected_size):
             part.unlink()
             raise BlobMismatchError(
-                f"{what}: got {size} bytes hashing to {digest.hexdigest()}, expected {expected_size if expected_size is not None else '?'} bytes with sha256 {sha256}; the partial file was removed, retry; if a retry gets the same bytes, the stored copy is corrupt: upload the file again (put_blob(..., force=True): the bulletin replaces a stored copy that fails its check)",
+                f"{what}: got {size} bytes hashing to {digest.hexdigest()}, expected "
+                f"{expected_size if expected_size is not None else '?'} bytes with sha256 {sha256}; "
+                "the partial file was removed, retry; if a retry gets the same bytes, the stored copy is corrupt: "
+                "upload the file again (put_blob(..., force=True): the bulletin replaces a stored copy that fails "
+                "its check)",
                 run_id=run,
                 sha256=sha256,
             )
@@ -408,7 +414,8 @@ class BulletinClient:
     def plan(
         self, run: str, from_version: int | None = None, to_version: int | None = None, *, squash: bool = False
     ) -> Plan:
-        """The files to fetch, in order, to go from ``from_version`` (None: nothing held) to ``to_version`` (None: latest).
+        """The files to fetch, in order, to go from ``from_version`` (None: nothing held) to ``to_version`` (None:
+        latest).
 
         ``squash=True`` says the caller applies ``squash`` steps (one patch from an older
         version, :attr:`PlanStep.base_version`): the route may then use the run's squashes.

@@ -30,7 +30,8 @@ bearer = HTTPBearer(auto_error=False, description="Token with scope read, publis
 
 @dataclass
 class BulletinState:
-    """What the routes share: settings, store, ledger, long-poll watcher, auth, metrics, the upload folder and the fleet's records."""
+    """What the routes share: settings, store, ledger, long-poll watcher, auth, metrics,
+    the upload folder and the fleet's records."""
 
     settings: BulletinSettings
     store: Store

@@ -144,7 +144,8 @@ class UnavailableError(BulletinError):
 
 
 class RequestTimeoutError(BulletinError):
-    """A request body arrived too slowly (idle longer than ``upload_idle_timeout_s``, or under ``upload_min_bytes_per_s``); nothing was stored. Send it again."""
+    """A request body arrived too slowly (idle longer than ``upload_idle_timeout_s``,
+    or under ``upload_min_bytes_per_s``); nothing was stored. Send it again."""
 
     type = "RequestTimeout"
     status = 408

@@ -114,7 +114,8 @@ class FleetStore:
         return record
 
     def records(self, run: str) -> dict[str, Record]:
-        """Every replica record of ``run`` not yet forgotten: replica id -> record (one listing, plus a read of each record that changed).
+        """Every replica record of ``run`` not yet forgotten: replica id -> record (one listing,
+        plus a read of each record that changed).
 
         Raises:
             UnavailableError: the store could not be read.
@@ -139,7 +140,8 @@ class FleetStore:
 
 
 def fleet_view(run: str, records: dict[str, Record], latest: int | None, now: float | None = None) -> FleetView:
-    """The :class:`FleetView` of ``records`` at ``now`` (default: the current time): liveness from each lease, lag behind ``latest``."""
+    """The :class:`FleetView` of ``records`` at ``now`` (default: the current time): liveness from each lease,
+    lag behind ``latest``."""
     now = time.time() if now is None else now
     replicas = []
     for replica_id in sorted(records):

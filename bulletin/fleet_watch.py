@@ -120,7 +120,8 @@ class FleetWatcher:
 
     @contextlib.asynccontextmanager
     async def admission(self, run: str, replica_id: str, max_live: int) -> AsyncIterator[None]:
-        """Hold a place for ``replica_id``'s report among ``run``'s at most ``max_live`` live replicas while it is written.
+        """Hold a place for ``replica_id``'s report among ``run``'s at most ``max_live`` live replicas while it is
+        written.
 
         A replica live in this process's snapshot is always let in (a renewal); a new one (or
         one whose lease ran out) is counted against the live replicas of a snapshot at most

@@ -16,9 +16,9 @@ blobs, then waits while gc holds a lock on any of them, then verifies and commit
 the intent; gc takes a blob's lock (create-only), then reads intents and versions and deletes
 the blob only if neither names it (:mod:`.retention`). Either gc took the lock first (the
 publish waits, then finds the blob present or gone) or the intent was written before gc read
-intents. A lock older than :data:`GC_LOCK_STALE_S` is a crashed gc's and is ignored. ``latest`` is derived: it is advanced by
-compare-and-swap after the commit, and every reader probes past it for committed versions (and
-repairs it), so a crash between the two loses nothing.
+intents. A lock older than :data:`GC_LOCK_STALE_S` is a crashed gc's and is ignored. ``latest``
+is derived: it is advanced by compare-and-swap after the commit, and every reader probes past it
+for committed versions (and repairs it), so a crash between the two loses nothing.
 """
 
 from __future__ import annotations
@@ -102,7 +102,8 @@ def version_of_key(key: str) -> int | None:
 
 
 class Committed(NamedTuple):
-    """A committed version: its manifest, what the bulletin adds, the manifest's canonical bytes, and the etag of the stored object."""
+    """A committed version: its manifest, what the bulletin adds, the manifest's canonical bytes,
+    and the etag of the stored object."""
 
     manifest: VersionManifest
     info: VersionInfo
@@ -368,7 +369,8 @@ class Ledger:
             return previous.info, False  # the latest version holds this step with these bits: a no-op (steps.py)
         if previous is not None and not manifest.snapshot and previous.manifest.layout() != manifest.layout():
             raise InvalidRequestError(
-                f"version {version} of run {run!r} changes the tensor set (names, dtypes or shapes) of version {version - 1}: a delta cannot express that; publish it as an anchor (snapshot=true)",
+                f"version {version} of run {run!r} changes the tensor set (names, dtypes or shapes) "
+                f"of version {version - 1}: a delta cannot express that; publish it as an anchor (snapshot=true)",
                 run_id=run,
                 version=version,
             )
@@ -398,7 +400,8 @@ class Ledger:
             time.sleep(poll_s)
 
     def _verify_files(self, run: str, manifest: VersionManifest) -> None:
-        """Check every distinct referenced blob once: stored, with the stated size, and sound (see :func:`blob_is_sound`)."""
+        """Check every distinct referenced blob once: stored, with the stated size,
+        and sound (see :func:`blob_is_sound`)."""
         version, seen_paths, checked = manifest.version, set(), set()
         for f in manifest.files:
             if f.path in seen_paths:
@@ -415,7 +418,8 @@ class Ledger:
             stat = self.stat_blob(run, f.sha256)
             if stat is None:
                 raise BlobMissingError(
-                    f"version {version} of run {run!r} references {f.path!r} (sha256 {f.sha256}) which was never uploaded: PUT it to /v1/runs/{run}/blobs/{f.sha256} first",
+                    f"version {version} of run {run!r} references {f.path!r} (sha256 {f.sha256}) "
+                    f"which was never uploaded: PUT it to /v1/runs/{run}/blobs/{f.sha256} first",
                     run_id=run,
                     version=version,
                     path=f.path,
@@ -423,7 +427,8 @@ class Ledger:
                 )
             if stat.size_bytes != f.size_bytes:
                 raise BlobMismatchError(
-                    f"version {version} of run {run!r}: {f.path!r} (sha256 {f.sha256}) is stored with {stat.size_bytes} bytes, the manifest says {f.size_bytes}",
+                    f"version {version} of run {run!r}: {f.path!r} (sha256 {f.sha256}) "
+                    f"is stored with {stat.size_bytes} bytes, the manifest says {f.size_bytes}",
                     run_id=run,
                     version=version,
                     path=f.path,
@@ -431,7 +436,10 @@ class Ledger:
                 )
             if not blob_is_sound(self.store, run, f.sha256, stat):
                 raise BlobMismatchError(
-                    f"version {version} of run {run!r}: the stored copy of {f.path!r} does not hold the bytes of sha256 {f.sha256} (recorded digest {stat.sha256 or 'none, and its bytes differ'}): upload it again (PUT /v1/runs/{run}/blobs/{f.sha256} replaces a copy that fails its check), then publish",
+                    f"version {version} of run {run!r}: the stored copy of {f.path!r} does not hold the bytes of "
+                    f"sha256 {f.sha256} (recorded digest {stat.sha256 or 'none, and its bytes differ'}): "
+                    f"upload it again (PUT /v1/runs/{run}/blobs/{f.sha256} replaces a copy that fails its check), "
+                    "then publish",
                     run_id=run,
                     version=version,
                     path=f.path,
@@ -474,7 +482,8 @@ class Ledger:
             return None
         if found.info.manifest_sha256 != digest:
             raise VersionConflictError(
-                f"version {version} of run {run!r} is already published with different content (sha256 {found.info.manifest_sha256}); versions are immutable: publish the next version",
+                f"version {version} of run {run!r} is already published with different content (sha256 "
+                f"{found.info.manifest_sha256}); versions are immutable: publish the next version",
                 run_id=run,
                 version=version,
                 manifest_sha256=found.info.manifest_sha256,

@@ -93,7 +93,8 @@ class Watcher:
         self._task: asyncio.Task[None] | None = None
 
     def register(self, run: str, waiter: DirectWaiter) -> None:
-        """Have the watcher send ``waiter``'s answer when a version of ``run`` newer than its ``after`` is noted (see :meth:`unregister`)."""
+        """Have the watcher send ``waiter``'s answer when a version of ``run`` newer than its ``after`` is noted (see
+        :meth:`unregister`)."""
         self._direct.setdefault(run, set()).add(waiter)
 
     def unregister(self, run: str, waiter: DirectWaiter) -> None:
@@ -134,7 +135,8 @@ class Watcher:
             loop = asyncio.get_running_loop()
             for w in ready:
                 w.claimed, w.sent = True, loop.create_future()
-            COLLECTOR.acquire()  # no full collection over every connection's objects before the last answer (gc_hold.py)
+            # no full collection over every connection's objects before the last answer (gc_hold.py)
+            COLLECTOR.acquire()
             task = asyncio.create_task(self._fan_out(answer, ready))
             self._fan_outs.add(task)
             task.add_done_callback(self._fan_out_done)
@@ -143,7 +145,8 @@ class Watcher:
             event.set()
 
     def answer(self, run: str) -> SharedAnswer:
-        """The answer (JSON body of the latest known version of ``run``) to send (call after :meth:`wait` returned it)."""
+        """The answer (JSON body of the latest known version of ``run``) to send (call after :meth:`wait` returned
+        it)."""
         return self._answers[run]
 
     async def _refresh(self, run: str) -> None:

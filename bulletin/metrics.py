@@ -63,7 +63,8 @@ class BulletinMetrics:
         r = self.registry
         self.publishes = Counter(
             "stitch_bulletin_publishes",
-            f"Publish requests by outcome (created, noop, rejected); run={OTHER!r}: rejected for a run with no version.",
+            "Publish requests by outcome (created, noop, rejected); "
+            f"run={OTHER!r}: rejected for a run with no version.",
             ["run", "outcome"],
             registry=r,
         )

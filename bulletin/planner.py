@@ -141,7 +141,8 @@ def make_plan(
                 best[v] = (bytes_, rank, back, step)
     if to_version not in best:
         raise NotFoundError(
-            f"no way from version {from_version} to {to_version} of run {run_id!r}: intermediate versions were removed by retention and no anchor <= {to_version} is stored",
+            f"no way from version {from_version} to {to_version} of run {run_id!r}: "
+            f"intermediate versions were removed by retention and no anchor <= {to_version} is stored",
             run_id=run_id,
             version=to_version,
         )

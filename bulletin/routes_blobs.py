@@ -30,7 +30,8 @@ _RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
 
 def _too_large(run: str, sha256: str, size: int, limit: int) -> PayloadTooLargeError:
     return PayloadTooLargeError(
-        f"blob {sha256} of run {run!r} is {size} bytes, over the {limit}-byte limit (max_blob_bytes); split snapshots into smaller shards",
+        f"blob {sha256} of run {run!r} is {size} bytes, over the {limit}-byte limit (max_blob_bytes); "
+        "split snapshots into smaller shards",
         run_id=run,
         sha256=sha256,
     )
@@ -42,7 +43,8 @@ def _sound(stat: ObjectStat | None, sha256: str) -> bool:
 
 
 async def _paced(request: Request, settings: BulletinSettings, what: str) -> AsyncIterator[bytes]:
-    """The request body's chunks; raises :class:`RequestTimeoutError` when it idles or trickles (see the ``upload_*`` settings)."""
+    """The request body's chunks; raises :class:`RequestTimeoutError` when it idles or trickles (see the ``upload_*``
+    settings)."""
     started, received = time.monotonic(), 0
     chunks = request.stream().__aiter__()
     while True:
@@ -53,13 +55,15 @@ async def _paced(request: Request, settings: BulletinSettings, what: str) -> Asy
             return
         except TimeoutError:
             raise RequestTimeoutError(
-                f"{what}: nothing received for {settings.upload_idle_timeout_s} s (upload_idle_timeout_s) after {received} bytes; send it again"
+                f"{what}: nothing received for {settings.upload_idle_timeout_s} s (upload_idle_timeout_s) "
+                f"after {received} bytes; send it again"
             ) from None
         received += len(chunk)
         elapsed = time.monotonic() - started
         if elapsed > settings.upload_rate_grace_s and received < settings.upload_min_bytes_per_s * elapsed:
             raise RequestTimeoutError(
-                f"{what}: {received} bytes in {elapsed:.1f} s is under the {settings.upload_min_bytes_per_s:.0f} bytes/s minimum (upload_min_bytes_per_s); send it again faster"
+                f"{what}: {received} bytes in {elapsed:.1f} s is under the {settings.upload_min_bytes_per_s:.0f} "
+                "bytes/s minimum (upload_min_bytes_per_s); send it again faster"
             )
         yield chunk
 
@@ -73,10 +77,12 @@ async def _paced(request: Request, settings: BulletinSettings, what: str) -> Asy
 async def put_blob(
     run: str, sha256: str, request: Request, state: Publish, size_bytes: SizeQuery = None
 ) -> JSONResponse:
-    """Upload a blob (raw body, streamed). Its sha256 and size are verified while receiving; nothing is stored on mismatch.
+    """Upload a blob (raw body, streamed). Its sha256 and size are verified while receiving;
+    nothing is stored on mismatch.
 
     A stored copy that is missing or fails its check (no record of this sha256, or its bytes
-    read back hash to something else) is replaced; a sound one answers 200 "already stored". A body that idles or trickles is answered 408.
+    read back hash to something else) is replaced; a sound one answers 200 "already stored". A body that idles or
+    trickles is answered 408.
     """
     key = blob_key(run, sha256)
     if size_bytes is not None and size_bytes > state.settings.max_blob_bytes:
@@ -99,7 +105,8 @@ async def put_blob(
             )
         if digest.sha256 != sha256:
             raise BlobMismatchError(
-                f"blob of run {run!r}: received bytes hash to {digest.sha256}, not {sha256}; the upload was corrupted or mislabeled",
+                f"blob of run {run!r}: received bytes hash to {digest.sha256}, not {sha256}; "
+                "the upload was corrupted or mislabeled",
                 run_id=run,
                 sha256=sha256,
             )
@@ -163,7 +170,8 @@ def head_blob(run: str, sha256: str, request: Request, state: Read) -> Response:
     stat = state.store.stat(blob_key(run, sha256))
     if stat is not None and not _sound(stat, sha256):
         raise NotFoundError(
-            f"run {run!r} has a copy of blob {sha256} that fails its check (recorded digest {stat.sha256 or 'none'}): upload it again",
+            f"run {run!r} has a copy of blob {sha256} that fails its check (recorded digest "
+            f"{stat.sha256 or 'none'}): upload it again",
             run_id=run,
             sha256=sha256,
         )

@@ -62,7 +62,8 @@ async def report(run: str, replica_id: str, request: Request, state: Replica) ->
 
 @router.get("/runs/{run}/replicas", response_model=FleetView)
 async def replicas(run: str, state: Read) -> FleetView:
-    """Every replica of the run (live, or expired less than ``replica_forget_s`` ago) with its last report, sorted by id."""
+    """Every replica of the run (live, or expired less than ``replica_forget_s`` ago) with its last report,
+    sorted by id."""
     run_key(run)
     return await state.fleet.view(run)
 
@@ -82,7 +83,8 @@ async def fleet(
         float, Query(ge=0, description="long-poll up to this many seconds for the requirement (capped by max_wait_s)")
     ] = 0.0,
 ) -> FleetCount:
-    """How many live replicas are at >= ``version``; with a requirement and ``wait_s``, answers once it is met (``met``) or after ``wait_s``.
+    """How many live replicas are at >= ``version``; with a requirement and ``wait_s``,
+    answers once it is met (``met``) or after ``wait_s``.
 
     The answer names the live replicas below ``version`` (``laggards``: state and last error)
     and those whose lease expired.

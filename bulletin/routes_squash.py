@@ -43,7 +43,8 @@ async def put(run: str, base: int, target: int, request: Request, state: Publish
         raise InvalidRequestError(f"invalid squash record: {problems}", run_id=run) from None
     if (squash.base_version, squash.target_version) != (base, target):
         raise InvalidRequestError(
-            f"the record is the squash {squash.base_version} -> {squash.target_version}, the URL says {base} -> {target}",
+            f"the record is the squash {squash.base_version} -> {squash.target_version}, "
+            f"the URL says {base} -> {target}",
             run_id=run,
         )
     created = await to_thread.run_sync(put_squash, state.ledger, run, squash)

@@ -33,7 +33,8 @@ def _parse(body: bytes, run: str, max_files: int) -> VersionManifest:
         raise InvalidRequestError(exc.message, run_id=run) from None
     if len(manifest.files) > max_files:
         raise InvalidRequestError(
-            f"manifest for run {run!r} lists {len(manifest.files)} files, over the {max_files}-file limit (max_files_per_version): use larger shards",
+            f"manifest for run {run!r} lists {len(manifest.files)} files, over the {max_files}-file limit "
+            "(max_files_per_version): use larger shards",
             run_id=run,
         )
     return manifest

@@ -33,7 +33,8 @@ MiB = 1 << 20
 
 
 class TokenGrant(BaseModel):
-    """What one bearer token may do: ``scopes`` among ``read``/``publish``/``replica``/``metrics``; ``runs`` (None: all runs).
+    """What one bearer token may do: ``scopes`` among ``read``/``publish``/``replica``/``metrics``; ``runs`` (None:
+    all runs).
 
     ``metrics`` (``GET /metrics``: every run's ids, versions and sizes) is for the monitoring
     side and is implied by no other scope.
@@ -65,17 +66,20 @@ class BulletinSettings(BaseSettings, S3Settings):
     max_manifest_bytes: int = Field(
         32 * MiB,
         gt=0,
-        description="Largest manifest accepted by POST .../versions, and squash record by PUT .../squashes, bytes (default 32 MiB).",
+        description="Largest manifest accepted by POST .../versions, and squash record by PUT .../squashes, "
+        "bytes (default 32 MiB).",
     )
     max_report_bytes: int = Field(
         64 * 1024,
         gt=0,
-        description="Largest replica report accepted by PUT .../replicas/{replica_id}, bytes (default 64 KiB; a report is about 1 KiB).",
+        description="Largest replica report accepted by PUT .../replicas/{replica_id}, bytes (default 64 KiB; "
+        "a report is about 1 KiB).",
     )
     max_login_bytes: int = Field(
         4096,
         gt=0,
-        description="Largest status-page login form accepted by POST /status/login, bytes (default 4 KiB); refused before the token is looked at.",
+        description="Largest status-page login form accepted by POST /status/login, bytes (default 4 KiB); "
+        "refused before the token is looked at.",
     )
     max_wait_s: float = Field(300.0, ge=0, description="Upper bound on a long-poll's wait_s, seconds.")
     poll_interval_s: float = Field(
@@ -92,7 +96,8 @@ class BulletinSettings(BaseSettings, S3Settings):
     upload_min_bytes_per_s: float = Field(
         16 * 1024,
         ge=0,
-        description="A blob upload averaging less than this, once upload_rate_grace_s has passed, is answered 408 and dropped, bytes per second (0: no minimum).",
+        description="A blob upload averaging less than this, once upload_rate_grace_s has passed, "
+        "is answered 408 and dropped, bytes per second (0: no minimum).",
     )
     upload_rate_grace_s: float = Field(
         10.0, ge=0, description="Seconds an upload may take before upload_min_bytes_per_s applies."
@@ -104,7 +109,8 @@ class BulletinSettings(BaseSettings, S3Settings):
     max_files_per_version: int = Field(
         10_000,
         gt=0,
-        description="Most files (patches, snapshot shards, assets) one manifest may list; tensors per version are not capped.",
+        description="Most files (patches, snapshot shards, assets) one manifest may list; "
+        "tensors per version are not capped.",
     )
 
     presign: bool = Field(False, description="S3 only: hand out presigned URLs so blobs bypass the bulletin.")
@@ -127,7 +133,8 @@ class BulletinSettings(BaseSettings, S3Settings):
     replica_lease_s: float = Field(
         30.0,
         gt=0,
-        description="Fleet: a replica counts as live this long after its last report, seconds (it renews every third of it).",
+        description="Fleet: a replica counts as live this long after its last report, "
+        "seconds (it renews every third of it).",
     )
     replica_forget_s: float = Field(
         3600.0,
@@ -137,19 +144,23 @@ class BulletinSettings(BaseSettings, S3Settings):
     max_live_replicas: int = Field(
         1000,
         gt=0,
-        description="Fleet: the most replicas of one run whose lease is live at once (default 1,000); a new replica's report past it is answered 422 TooManyReplicas, a live replica's renewal never is.",
+        description="Fleet: the most replicas of one run whose lease is live at once (default 1,000); "
+        "a new replica's report past it is answered 422 TooManyReplicas, "
+        "a live replica's renewal never is.",
     )
     fleet_poll_interval_s: float = Field(
         1.0,
         gt=0,
-        description="Fleet: the longest a process answers fleet queries from its last read of the replica records, seconds (also how often fleet long-polls re-read them).",
+        description="Fleet: the longest a process answers fleet queries from its last read of the replica records, "
+        "seconds (also how often fleet long-polls re-read them).",
     )
 
     log_level: str = Field("info", description="uvicorn log level.")
     workers: int = Field(
         1,
         ge=1,
-        description="Bulletin processes serving the one port (uvicorn's workers; default 1), each its own long-polls: docs/bulletin.md, Long-polls.",
+        description="Bulletin processes serving the one port (uvicorn's workers; default 1), "
+        "each its own long-polls: docs/bulletin.md, Long-polls.",
     )
 
 

@@ -138,13 +138,15 @@ def _check_files(ledger: Ledger, squash: SquashManifest) -> None:
         stat = ledger.stat_blob(run, f.sha256)
         if stat is None:
             raise BlobMissingError(
-                f"squash {squash.base_version} -> {squash.target_version} of run {run!r} references {f.path!r} (sha256 {f.sha256}), never uploaded: PUT it first",
+                f"squash {squash.base_version} -> {squash.target_version} of run {run!r} references {f.path!r} "
+                f"(sha256 {f.sha256}), never uploaded: PUT it first",
                 run_id=run,
                 sha256=f.sha256,
             )
         if stat.size_bytes != f.size_bytes or not blob_is_sound(ledger.store, run, f.sha256, stat):
             raise BlobMismatchError(
-                f"squash {squash.base_version} -> {squash.target_version} of run {run!r}: the stored {f.path!r} is not {f.size_bytes} bytes of sha256 {f.sha256}: upload it again",
+                f"squash {squash.base_version} -> {squash.target_version} of run {run!r}: "
+                f"the stored {f.path!r} is not {f.size_bytes} bytes of sha256 {f.sha256}: upload it again",
                 run_id=run,
                 sha256=f.sha256,
             )
@@ -188,7 +190,8 @@ def put_squash(ledger: Ledger, run: str, squash: SquashManifest) -> bool:
         info = ledger.committed(run, version).info
         if info.manifest_sha256 != digest:
             raise InvalidRequestError(
-                f"squash {squash.base_version} -> {squash.target_version} of run {run!r} names manifest {digest} for version {version}, which is {info.manifest_sha256}",
+                f"squash {squash.base_version} -> {squash.target_version} of run {run!r} names manifest {digest} "
+                f"for version {version}, which is {info.manifest_sha256}",
                 run_id=run,
                 version=version,
             )
@@ -203,7 +206,8 @@ def put_squash(ledger: Ledger, run: str, squash: SquashManifest) -> bool:
         if _same_stored(ledger, key, body, squash):
             return False
         raise VersionConflictError(
-            f"squash {squash.base_version} -> {squash.target_version} of run {run!r} was stored meanwhile with other content",
+            f"squash {squash.base_version} -> {squash.target_version} of run {run!r} was stored meanwhile with "
+            "other content",
             run_id=run,
         )
     finally:
@@ -219,7 +223,9 @@ def _same_stored(ledger: Ledger, key: str, body: bytes, squash: SquashManifest) 
     if record is not None and canonical_json(record) == body:
         return True
     raise VersionConflictError(
-        f"squash {squash.base_version} -> {squash.target_version} of run {squash.run_id!r} is stored with other content: drop it first (DELETE /v1/runs/{squash.run_id}/squashes/{squash.base_version}/{squash.target_version})",
+        f"squash {squash.base_version} -> {squash.target_version} of run {squash.run_id!r} is stored with "
+        "other content: drop it first "
+        f"(DELETE /v1/runs/{squash.run_id}/squashes/{squash.base_version}/{squash.target_version})",
         run_id=squash.run_id,
     )
 
@@ -261,7 +267,8 @@ def _named_blobs(key: str, data: bytes) -> set[str]:
 
 
 def prune_squashes(ledger: Ledger, run: str, kept: set[int], dry_run: bool = False) -> list[tuple[int, int]]:
-    """Drop the squash records of ``run`` whose base or target version is not in ``kept``; the (base, target) spans dropped."""
+    """Drop the squash records of ``run`` whose base or target version is not in ``kept``; the (base, target)
+    spans dropped."""
     dropped = []
     for o in ledger.store.list(squashes_key(run)):
         span = span_of_key(o.key)

@@ -136,7 +136,8 @@ def show(
         sys.stdout.write(canonical_json(m).decode() + "\n")
         return
     typer.echo(
-        f"run {m.run_id} version {m.version} base {m.base_version} snapshot={m.snapshot} encoding={m.encoding} tensors={len(m.tensors)} changed={m.stats.changed_elements}/{m.stats.total_elements}"
+        f"run {m.run_id} version {m.version} base {m.base_version} snapshot={m.snapshot} encoding={m.encoding} "
+        f"tensors={len(m.tensors)} changed={m.stats.changed_elements}/{m.stats.total_elements}"
     )
     _table("files", ["path", "role", "bytes", "sha256"], [[f.path, f.role, f.size_bytes, f.sha256] for f in m.files])
 

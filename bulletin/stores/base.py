@@ -110,7 +110,8 @@ class Store(Protocol):
     #: A folder on the store's own filesystem to receive uploads in, so :meth:`put_file`
     #: links instead of copying; ``None`` for a remote store.
     upload_dir: Path | None
-    #: Part size the store uploads large files in (hash parts with :class:`StreamDigest` of it), bytes; ``None``: whole files.
+    #: Part size the store uploads large files in (hash parts with :class:`StreamDigest` of it), bytes;
+    #: ``None``: whole files.
     part_bytes: int | None
 
     def stat(self, key: str) -> ObjectStat | None:
@@ -163,7 +164,8 @@ class Store(Protocol):
         """
 
     def remove_temporaries(self, prefix: str, older_than_s: float) -> int:
-        """Remove what interrupted writes left under the folder ``prefix`` (temp files, unfinished uploads) older than ``older_than_s`` seconds; returns how many."""
+        """Remove what interrupted writes left under the folder ``prefix`` (temp files, unfinished uploads)
+        older than ``older_than_s`` seconds; returns how many."""
 
     def check(self) -> None:
         """Raise :class:`UnavailableError` when the store cannot be reached (readiness probe)."""

@@ -73,7 +73,8 @@ class S3Settings(BaseModel):
 
 
 def _sign_presigned_payload(request: Any, signature_version: str, **_: Any) -> None:
-    """botocore's ``before-sign`` hook: a presigned PUT carrying a SHA-256 checksum signs that digest as its payload hash.
+    """botocore's ``before-sign`` hook: a presigned PUT carrying a SHA-256 checksum signs that digest as its payload
+    hash.
 
     SigV4 presigned URLs normally sign ``UNSIGNED-PAYLOAD``; with ``x-amz-content-sha256: <hex>``
     signed instead, every S3 server refuses other bytes (``XAmzContentSHA256Mismatch``), also
@@ -241,11 +242,13 @@ class S3Store:
                 self._put_parts(key, path, digest.parts(), meta)
 
     def _acknowledged(self, key: str, answer: dict[str, Any], sent: str) -> None:
-        """Raise :class:`UnavailableError` when the checksum S3 acknowledged is not the one sent (stores that acknowledge none pass)."""
+        """Raise :class:`UnavailableError` when the checksum S3 acknowledged is not the one sent (stores that
+        acknowledge none pass)."""
         acknowledged = answer.get("ChecksumSHA256")
         if acknowledged and acknowledged != sent:
             raise UnavailableError(
-                f"S3 acknowledged {key!r} in {self.url} with checksum {acknowledged}, not the {sent} sent: the upload is not trusted; retry it",
+                f"S3 acknowledged {key!r} in {self.url} with checksum {acknowledged}, not the {sent} sent: "
+                "the upload is not trusted; retry it",
                 key=key,
             )
 
@@ -369,6 +372,7 @@ class S3Store:
                 self._client.head_bucket(Bucket=self.bucket)
         except NotFoundError:
             raise UnavailableError(
-                f"bucket {self.bucket!r} of {self.url} does not exist: create it, or fix the store URL (STITCH_BULLETIN_STORE)",
+                f"bucket {self.bucket!r} of {self.url} does not exist: create it, "
+                "or fix the store URL (STITCH_BULLETIN_STORE)",
                 key="",
             ) from None
