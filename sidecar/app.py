@@ -220,7 +220,7 @@ def create_app(
         return SidecarStatus(
             run_id=settings.run, applied_version=gate.applied, target_version=gate.target, lag_versions=lag, state=reconciler.state,
             healthy=reconciler.unhealthy_reason is None and gate.applied is not None, unhealthy_reason=reconciler.unhealthy_reason,
-            last_error=reconciler.last_error, last_sync=reconciler.last_sync, requests_in_flight=gate.in_flight, requests_waiting=gate.waiting,
+            last_error=reconciler.last_error and reconciler.last_error.body(), last_sync=reconciler.last_sync, requests_in_flight=gate.in_flight, requests_waiting=gate.waiting,
             committing=gate.committing, time=time.time(), refused=reconciler.refused, pause_seconds_by_route=dict(reconciler.pause_by_route),
         )  # fmt: skip
 

@@ -40,6 +40,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
 from typing import Any, ParamSpec, TypeVar
 
 from stitchboard.bulletin.client import BulletinClient
@@ -72,6 +73,25 @@ P = ParamSpec("P")
 T = TypeVar("T")
 
 
+@dataclass(frozen=True)
+class ErrorRecord:
+    """The sidecar's last failure (the status's ``last_error``, the fleet report's).
+
+    Attributes:
+        type: the error's wire type (``StagingError``, ``EngineChanged``...; else its class name).
+        message: what was being done, and what the error said.
+        at: when, Unix seconds.
+    """
+
+    type: str
+    message: str
+    at: float
+
+    def body(self) -> dict[str, Any]:
+        """As the status's JSON object: ``{"type", "message", "at"}``."""
+        return asdict(self)
+
+
 class ClaimKeeper(abc.ABC):
     """Boot and the claim's watch, for one run and one engine (base of the reconciler).
 
@@ -101,7 +121,7 @@ class ClaimKeeper(abc.ABC):
         self.metrics = metrics
         self.fetcher = fetcher
         self._state: SidecarState = "starting"
-        self.last_error: dict[str, Any] | None = None
+        self.last_error: ErrorRecord | None = None
         self.unhealthy_reason: str | None = None
         self.last_sync: SyncReport | None = None
         self.refused: Refusal | None = None  # the last plan that could not be staged, until one is applied
@@ -171,7 +191,7 @@ class ClaimKeeper(abc.ABC):
 
     def _error(self, exc: BaseException, during: str) -> None:
         kind = exc.type if isinstance(exc, StitchError) else type(exc).__name__
-        self.last_error = {"type": kind, "message": f"{during}: {exc}", "at": time.time()}
+        self.last_error = ErrorRecord(kind, f"{during}: {exc}", time.time())
         log.warning("%s failed: %s: %s", during, kind, exc)
         if isinstance(exc, LeaseNotHeldError):  # the engine (or the adapter) refused for want of the lease
             self._lease_lost(self.lease.lost(exc))
@@ -206,7 +226,7 @@ class ClaimKeeper(abc.ABC):
     def _drop_claim(self, reason: str) -> None:
         # Stop admitting and stamping at once, and have the main loop boot again.
         log.warning("dropping the claim on version %s: %s; booting again", self.gate.applied, reason)
-        self.last_error = {"type": EngineChangedError.type, "message": reason, "at": time.time()}
+        self.last_error = ErrorRecord(EngineChangedError.type, reason, time.time())
         self.metrics.claims_dropped.inc()
         self._set_applied(None)
         self._set_state("waiting_for_engine", "the claim was dropped")

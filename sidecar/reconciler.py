@@ -52,7 +52,7 @@ from stitchboard.proto.schema import VersionManifest
 from stitchboard.proto.sidecar_wire import COMMIT_STATES, Refusal, RouteKind, SyncReport
 
 from .claim import ClaimKeeper
-from .engines.base import CountsOutputs, PausesKeepingCache
+from .engines.base import CountsOutputs, PausesKeepingCache, StageStep
 from .errors import (
     ApplyRefusedError,
     EngineChangedError,
@@ -425,20 +425,20 @@ class Reconciler(ClaimKeeper):
         start = time.perf_counter()
         applied = self.gate.applied
         assert applied is not None  # both routes staged while serving start from a verified version (_route_of)
-        steps: list[tuple[list[str], int, int]]
+        steps: list[StageStep]
         if route == "staged_anchor":
             want = staged.steps[-1].manifest.checksums()
             held = await self._engine_io(self.engine.checksums, sorted(want))
             path, _ = await self._io(build_rebase, staged, held, self.fetcher.folder_of(staged.to_version, "rebase"))
             if path is None:
                 return None, time.perf_counter() - start
-            steps = [([str(path)], applied, staged.to_version)]
+            steps = [StageStep([str(path)], applied, staged.to_version)]
         else:
             # Empty deltas between them change no bit: each delta runs from the previous one's version.
             deltas = [s for s in staged.steps if not s.empty]
             ends = [applied, *(s.version for s in deltas[:-1])]  # the delta route starts at the applied version
             steps = [
-                ([str(p) for p in s.paths], ends[i], s.version if i < len(deltas) - 1 else staged.to_version)
+                StageStep([str(p) for p in s.paths], ends[i], s.version if i < len(deltas) - 1 else staged.to_version)
                 for i, s in enumerate(deltas)
             ]
         await self._engine_io(self.engine.stage_patches, steps)

@@ -67,7 +67,7 @@ class SidecarSource:
             at = sync.finished_at if sync is not None and sync.to_version == gate.applied else time.time()
             self.history.append((gate.applied, round(at, 3)))
         error = r.last_error
-        if error is not None and self.history and float(error["at"]) <= self.history[-1][1]:
+        if error is not None and self.history and error.at <= self.history[-1][1]:
             error = None  # older than the version now held: it no longer says why the replica lags
         lag = None if gate.target is None else gate.target - (gate.applied if gate.applied is not None else -1)
         return ReplicaReport(
@@ -90,9 +90,7 @@ class SidecarSource:
             ),
             last_error=None
             if error is None
-            else ErrorNote(
-                type=str(error["type"]), message=str(error["message"])[:1000], at=round(float(error["at"]), 3)
-            ),
+            else ErrorNote(type=error.type, message=error.message[:1000], at=round(error.at, 3)),
             history=list(self.history),
             started_at=round(self.started_at, 3),
         )

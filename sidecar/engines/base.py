@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 
 from ..errors import LeaseNotHeldError
 
@@ -123,6 +123,21 @@ class EngineState:
     instance: str
 
 
+class StageStep(NamedTuple):
+    """One step of :meth:`EngineAdapter.stage_patches`: patch files that bring the engine from
+    ``from_version`` to ``to_version``. A tuple, so an adapter may take plain ``(paths, from, to)``
+    tuples and the engines' wire (a JSON list) is unchanged.
+
+    Attributes:
+        paths: the step's hand-off patch files (a squash or a rebase: one or several).
+        from_version: the version the files apply to; to_version: the version they bring.
+    """
+
+    paths: Sequence[str]
+    from_version: int
+    to_version: int
+
+
 class EngineAdapter(Protocol):
     """What the sidecar calls on an engine. Every method blocks; errors are ``SidecarError``s.
 
@@ -171,8 +186,8 @@ class EngineAdapter(Protocol):
     def apply_patch(self, handoff_path: str | Sequence[str], from_version: int, to_version: int) -> dict[str, Any]:
         """Apply the hand-off patch file(s) of one version in place; returns the apply report."""
 
-    def stage_patches(self, steps: Sequence[tuple[Sequence[str], int, int]]) -> dict[str, Any]:
-        """Validate and prepare ``(paths, from_version, to_version)`` steps while the engine serves
+    def stage_patches(self, steps: Sequence[StageStep]) -> dict[str, Any]:
+        """Validate and prepare :class:`StageStep` ``(paths, from_version, to_version)`` steps while the engine serves
         (nothing written); returns the staging report. :meth:`commit_staged` writes them."""
 
     def commit_staged(self, to_version: int) -> dict[str, Any]:
