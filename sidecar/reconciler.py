@@ -1,9 +1,13 @@
 """The reconciler: keeps the engine at the run's latest version, bit-exact, one commit at a time.
 
 One asyncio task in the sidecar's event loop (sidecar process); blocking calls (bulletin,
-engine, fetching) run in a small thread pool of its own so the proxy keeps serving. The loop:
+engine, fetching) run in thread pools of its own (:mod:`.pools`) so the proxy keeps serving. What
+the engine holds and the watch that keeps that true are the claim's (:class:`~.claim.Claim`,
+``self.claim``); state and errors go to :class:`~.loop_status.LoopStatus`; refused plans to
+:class:`~.refusals.RefusalBook`. The loop, in the order this file reads:
 
-1. **boot** (:meth:`~.claim.ClaimKeeper.boot`, with the watch that keeps the claim true).
+1. **boot**: take the engine's lease, find what the engine holds (:meth:`~.claim.Claim.find`),
+   finish a commit a dead sidecar left, or load the nearest anchor; the claim's watch runs beside.
 2. **follow**: long-poll the bulletin for a version newer than the target.
 3. **fetch** (:mod:`.fetch`): plan from the applied version (squash steps accepted: one patch
    from an older version where that is cheaper than the chain; a squash that fails a check, at
@@ -46,26 +50,33 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+from stitchboard.bulletin.client import BulletinClient
 from stitchboard.bulletin.errors import NotFoundError
-from stitchboard.proto.errors import StitchError
 from stitchboard.proto.schema import VersionManifest
-from stitchboard.proto.sidecar_wire import COMMIT_STATES, Refusal, RouteKind, SyncReport
+from stitchboard.proto.sidecar_wire import COMMIT_STATES, Refusal, RouteKind, SidecarState, SyncReport
 
-from .claim import ClaimKeeper
-from .engines.base import CountsOutputs, PausesKeepingCache, StageStep
+from .claim import Claim
+from .engines.base import CountsOutputs, EngineAdapter, PausesKeepingCache, StageStep
 from .errors import (
     ApplyRefusedError,
     EngineChangedError,
     EngineVersionMismatchError,
     LeaseNotHeldError,
+    NothingPublishedError,
     PlanRefusedError,
     StagingError,
 )
-from .fetch import FetchedPlan
+from .fetch import FetchedPlan, Fetcher
+from .gate import Gate
+from .lease_keeper import LeaseKeeper
+from .loop_status import ErrorRecord, LoopStatus
+from .metrics import SidecarMetrics
+from .pools import Pools
 from .quarantine import SquashQuarantine
 from .rebase import build_rebase
-from .refusals import RefusedTensorSet, is_permanent, tensor_set
+from .refusals import RefusalBook, is_permanent, tensor_set
 from .salt import CacheSalter
+from .settings import SidecarSettings
 from .spans import SpanLedger
 
 log = logging.getLogger("stitchboard.sidecar")
@@ -86,76 +97,104 @@ def _cancelling() -> bool:
     return task is not None and task.cancelling() > 0
 
 
-class Reconciler(ClaimKeeper):
-    """Follows one run at the bulletin and applies its versions to one engine (arguments: see
-    :class:`~.claim.ClaimKeeper`).
+class Reconciler:
+    """Follows one run at the bulletin and applies its versions to one engine.
+
+    Args:
+        settings: sidecar settings (run, waits, backoff, engine checks).
+        client: bulletin client.
+        engine: the engine adapter (blocking methods).
+        gate: the request gate of the app (updated from the event loop).
+        metrics: where figures go.
+        fetcher: fetches plans into the hand-off folder.
 
     ``spans`` (requests that want per-token version spans) and ``salter`` (the cache salt) are
     shared with the proxy: the engine's output-token counts are read at each pause for the
     former (:mod:`.spans`), and the latter says whether a commit resets the prefix cache (:mod:`.salt`).
     """
 
-    _spans: SpanLedger | None = None
-    _salter: CacheSalter | None = None
-    _pause_counts: dict[str, int] | None = None
-    _keep_cache = False  # this commit's pause kept the prefix cache (salted, nothing old in flight)
-    _refused_set: RefusedTensorSet | None = None  # the tensor set the engine last refused permanently
-    _quarantine: SquashQuarantine | None = None
+    def __init__(
+        self,
+        settings: SidecarSettings,
+        client: BulletinClient,
+        engine: EngineAdapter,
+        gate: Gate,
+        metrics: SidecarMetrics,
+        fetcher: Fetcher,
+    ) -> None:
+        self.settings = settings
+        self.run_id = settings.run
+        self.client = client
+        self.engine = engine
+        self.gate = gate
+        self.metrics = metrics
+        self.fetcher = fetcher
+        self.pools = Pools()
+        self.status = LoopStatus(gate, metrics)
+        self.claim = Claim(settings, client, engine, gate, metrics, self.pools, self.status)
+        self.refusals = RefusalBook(metrics, settings.refused_retry_s)
+        self.quarantine = SquashQuarantine(metrics.squash_quarantines)  # /health's squash_quarantine
+        self.spans = SpanLedger()  # the requests in flight that want spans (shared with the proxy)
+        self.salter = CacheSalter(settings.salt_cache, settings.engine)  # the cache salt (shared with the proxy)
+        self.last_sync: SyncReport | None = None
+        self.pause_by_route: dict[str, float] = {}  # route kind -> its last pause, seconds
+        self._failures = 0
+        self._force_anchor = False  # the next plan starts from the nearest anchor
+        self._pause_counts: dict[str, int] | None = None
+        self._keep_cache = False  # this commit's pause kept the prefix cache (salted, nothing old in flight)
+
+    # -- what the app, /health and the fleet report read -------------------------------------
 
     @property
-    def spans(self) -> SpanLedger:
-        """The requests in flight that want spans (shared with the proxy)."""
-        if self._spans is None:
-            self._spans = SpanLedger()
-        return self._spans
+    def state(self) -> SidecarState:
+        """What the sidecar is doing (:class:`~.loop_status.LoopStatus`)."""
+        return self.status.state
 
     @property
-    def salter(self) -> CacheSalter:
-        """The cache salt (shared with the proxy)."""
-        if self._salter is None:
-            self._salter = CacheSalter(self.settings.salt_cache, self.settings.engine)
-        return self._salter
+    def last_error(self) -> ErrorRecord | None:
+        """The last failure, if any."""
+        return self.status.last_error
 
     @property
-    def quarantine(self) -> SquashQuarantine:
-        """The squashes this sidecar no longer plans through (``/health``'s ``squash_quarantine``)."""
-        if self._quarantine is None:
-            self._quarantine = SquashQuarantine(self.metrics.squash_quarantines)
-        return self._quarantine
+    def unhealthy_reason(self) -> str | None:
+        """Why the last recovery left the sidecar unhealthy (None: it did not)."""
+        return self.status.unhealthy_reason
 
-    async def _read_counts(self) -> None:
-        # In the pause: the engine's output-token counts of the marked requests (None: an engine that cannot count).
-        engine = self.engine
-        try:
-            self._pause_counts = (
-                {}
-                if not self.spans.wanted()
-                else await self._engine_io(engine.output_counts)
-                if isinstance(engine, CountsOutputs)
-                else None
-            )
-        except Exception as exc:  # noqa: BLE001 - spans are lost for these requests, the commit goes on
-            log.warning(
-                "the engine could not count output tokens at the pause (the requests in flight get no spans): %r", exc
-            )
-            self._pause_counts = None
+    @property
+    def refused(self) -> Refusal | None:
+        """The last plan that could not be staged, until a version is applied."""
+        return self.refusals.refused
 
-    def _fault(self, phase: str) -> None:
-        # Crash tests: exit the process at once when the fault_phase setting names ``phase``.
-        if self.settings.fault_phase == phase:
-            log.error("stitchboard fault injection: sidecar exiting at phase %s", phase)
-            os._exit(FAULT_EXIT_CODE)
+    @property
+    def lease(self) -> LeaseKeeper:
+        """The engine's lease (the claim's)."""
+        return self.claim.lease
+
+    @property
+    def engine_busy(self) -> bool:
+        """True while boot or a commit works on the engine (they check it themselves)."""
+        return self.claim.busy
+
+    async def check_engine(self) -> str | None:
+        """:meth:`.claim.Claim.check`: None if the claim holds (or there is none), else why it was dropped."""
+        return await self.claim.check()
+
+    def close(self) -> None:
+        """Release the engine's lease (a clean stop: another sidecar may take the engine at once)
+        and the worker threads (a running blocking call finishes in the background)."""
+        self.claim.close()
+        self.pools.close()
 
     # -- main loop ---------------------------------------------------------------------------
 
     async def run(self) -> None:
         """Boot, then follow the bulletin until cancelled; boot again whenever the claim is dropped.
         Errors are recorded and retried with backoff."""
-        watch = asyncio.create_task(self._watch_engine(), name="stitch-engine-watch")
+        watch = asyncio.create_task(self.claim.watch(), name="stitch-engine-watch")
         try:
             while True:
                 await self._until_ok(self.boot, "boot", escalate=False)
-                while not self._reboot.is_set():
+                while not self.claim.dropped.is_set():
                     await self._until_ok(self.step, "sync", escalate=True)
         finally:
             watch.cancel()
@@ -176,7 +215,7 @@ class Reconciler(ClaimKeeper):
                 if _cancelling():  # cancelled, and a clean-up on the way out (the resume in a finally) failed: stop
                     self._error(exc, during)
                     raise asyncio.CancelledError(f"stopped while {during} failed: {exc}") from exc
-                if isinstance(exc, EngineChangedError) or (escalate and self._reboot.is_set()):
+                if isinstance(exc, EngineChangedError) or (escalate and self.claim.dropped.is_set()):
                     self._error(exc, during)
                     return
                 self._failures += 1
@@ -184,59 +223,127 @@ class Reconciler(ClaimKeeper):
                     self._force_anchor = True
                 self._error(exc, during)
                 if self.state not in ("unhealthy", "waiting_for_engine"):
-                    self._set_state("retrying", f"{during} failed")
+                    self.status.set_state("retrying", f"{during} failed")
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.settings.max_backoff_s)
 
+    def _error(self, exc: BaseException, during: str) -> None:
+        self.status.error(exc, during)
+        if isinstance(exc, LeaseNotHeldError):  # the engine (or the adapter) refused for want of the lease
+            self.claim.lease_lost(self.claim.lease.lost(exc))
+
+    def _set_target(self, version: int) -> None:
+        self.gate.set_target(version)
+        self.status.publish()
+
+    # -- boot --------------------------------------------------------------------------------
+
+    async def boot(self) -> None:
+        """Take the engine's lease (waiting while another sidecar holds it); learn what the engine
+        holds; finish an interrupted commit; load an anchor into a fresh engine.
+
+        Raises:
+            SidecarError, BulletinError, PatchError: on failure (the caller retries).
+        """
+        await self.claim.take()
+        target = None
+        async with self.claim.lock:
+            found = await self.claim.find(boot_version=not self._force_anchor)
+            if found.how == "interrupted":
+                await self._recover_interrupted(found.version, found.paused)
+            elif found.how == "verified":
+                self._force_anchor = False
+            elif found.how == "none":  # a fresh engine, or one that could not be verified
+                target = await self.pools.io(self.client.latest, self.run_id, -1, self.settings.poll_wait_s)
+                if target is None:
+                    raise NothingPublishedError(f"run {self.run_id!r} has no version yet and the engine holds none")
+                self._set_target(target)
+                self._force_anchor = True
+            await self.claim.lease.take()  # renewed after boot's engine calls (a checksum pass can outlast the TTL)
+        if target is not None:
+            await self.sync(target)
+
+    async def _recover_interrupted(self, version: int | None, paused: bool) -> None:
+        # A commit died: the engine is paused at a recorded ``version``, or holds no known version.
+        # The record is checked first: should the check fail (bulletin down), the engine stays
+        # as it is for the next boot attempt.
+        manifest = await self.claim.verify(version, "the paused engine records") if version is not None else None
+        self.gate.set_committing(True)
+        self._force_anchor = manifest is None  # unless verified, this engine is no longer a fresh boot checkpoint
+        try:
+            try:
+                if manifest is not None:
+                    self.claim.set_applied(manifest.version, manifest)
+                    return
+                self.claim.set_applied(None)
+                if not paused:  # no request may run on weights of no known version
+                    await self.pools.engine(self.engine.pause)
+                target = await self.pools.io(self.client.latest, self.run_id)
+                if target is None:
+                    raise NothingPublishedError(f"run {self.run_id!r} has no version to recover the engine to")
+                self._set_target(target)
+                await self._recover(target, time.perf_counter(), None)
+            finally:
+                await self.claim.resume()
+        finally:
+            self.gate.set_committing(False)
+            if self.gate.applied is not None:
+                self.status.set_state("idle", "the interrupted commit was recovered")
+            else:
+                self.status.set_state("unhealthy", "the interrupted commit could not be recovered")
+
+    # -- follow ------------------------------------------------------------------------------
+
     async def step(self) -> None:
         """Sync to the target if behind, else long-poll the bulletin once for a newer version."""
-        if self._resume_pending:
-            await self._resume()
+        if self.claim.resume_pending:
+            await self.claim.resume()
         applied, target = self.gate.applied, self.gate.target
         if target is not None and (applied is None or target > applied):
             if self._failures:  # retrying: a newer version may route around what failed
-                newer = await self._io(self.client.latest, self.run_id, target)
+                newer = await self.pools.io(self.client.latest, self.run_id, target)
                 if newer is not None and newer > target:
                     target = newer
                     self._set_target(target)
             await self.sync(target)
             return
         if applied is not None:
-            self._set_state("idle", f"at the target, version {applied}")
+            self.status.set_state("idle", f"at the target, version {applied}")
         if target is None and applied is not None:  # booted on the engine's version: learn the run's latest now
-            latest = await self._io(self.client.latest, self.run_id)
+            latest = await self.pools.io(self.client.latest, self.run_id)
             if latest is not None:
                 self._set_target(latest)
                 return
         after = max(v for v in (applied, target, -1) if v is not None)
-        latest = await self._unless_reboot(self._io(self.client.latest, self.run_id, after, self.settings.poll_wait_s))
+        latest = await self._unless_dropped(
+            self.pools.io(self.client.latest, self.run_id, after, self.settings.poll_wait_s)
+        )
         if latest is not None and latest > after:
             self._set_target(latest)
 
     async def _wait_out_refusal(self, target: int) -> bool:
         # True when the plan to ``target`` was refused and its retry time has not come: long-poll
         # the bulletin for a newer version until then (the held version serves meanwhile).
-        retry_at = self._refused_plans.get((None if self._force_anchor else self.gate.applied, target))
-        left = 0.0 if retry_at is None else retry_at - time.time()
+        left = self.refusals.wait_s(None if self._force_anchor else self.gate.applied, target)
         if left <= 0:
             return False
-        self._set_state("retrying", f"the plan to version {target} waits out its refusal")
-        latest = await self._unless_reboot(
-            self._io(self.client.latest, self.run_id, target, min(left, self.settings.poll_wait_s))
+        self.status.set_state("retrying", f"the plan to version {target} waits out its refusal")
+        latest = await self._unless_dropped(
+            self.pools.io(self.client.latest, self.run_id, target, min(left, self.settings.poll_wait_s))
         )
         if latest is not None and latest > target:
             self._set_target(latest)
         return True
 
-    async def _unless_reboot(self, call: Awaitable[T]) -> T | None:
+    async def _unless_dropped(self, call: Awaitable[T]) -> T | None:
         # Await ``call`` (a long-poll), but give up on it (None) as soon as the claim is dropped;
         # its thread finishes the wait in the background and its answer is ignored.
         task = asyncio.ensure_future(call)
-        reboot = asyncio.ensure_future(self._reboot.wait())
+        dropped = asyncio.ensure_future(self.claim.dropped.wait())
         try:
-            await asyncio.wait({task, reboot}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({task, dropped}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            reboot.cancel()
+            dropped.cancel()
         if task.done():
             return task.result()
         task.cancel()
@@ -258,10 +365,10 @@ class Reconciler(ClaimKeeper):
         if await self._wait_out_refusal(target):
             return
         seen = time.perf_counter()
-        self._set_state("staging", f"fetching the plan to version {target}")
+        self.status.set_state("staging", f"fetching the plan to version {target}")
         staged = await self._stage(target)
         while (
-            newer := await self._io(self.client.latest, self.run_id, staged.to_version)
+            newer := await self.pools.io(self.client.latest, self.run_id, staged.to_version)
         ) is not None and newer > staged.to_version:
             log.info("version %d appeared while staging %d: coalescing it into this commit", newer, staged.to_version)
             self._set_target(newer)
@@ -273,9 +380,9 @@ class Reconciler(ClaimKeeper):
         await self._refuse_known_tensor_set(start, target)
         base = await self._base_manifest(start)
         while True:  # each failing squash is quarantined and the plan asked again: ends with the chain
-            plan = await self._io(self.quarantine.plan, self.client, self.run_id, start, target)
+            plan = await self.pools.io(self.quarantine.plan, self.client, self.run_id, start, target)
             try:
-                staged = await self._io(self.fetcher.fetch, plan, base)
+                staged = await self.pools.io(self.fetcher.fetch, plan, base)
                 break
             except StagingError as exc:
                 if not self.quarantine.blame_fetch(plan, exc):
@@ -287,10 +394,10 @@ class Reconciler(ClaimKeeper):
     async def _refuse_known_tensor_set(self, start: int | None, target: int) -> None:
         # A version with the tensor set the engine refused permanently is refused here, before any
         # download and without an engine call (the engine would refuse it the same way).
-        known = self._refused_set
+        known = self.refusals.tensor_set
         if known is None:
             return
-        manifest = await self._io(self.client.manifest, self.run_id, target)
+        manifest = await self.pools.io(self.client.manifest, self.run_id, target)
         if tensor_set(manifest) == known.tensors:
             route: RouteKind = "anchor" if start is None else "delta"
             why = f"{known.cause}: {known.message} (the engine refused this tensor set at version {known.version})"
@@ -300,12 +407,13 @@ class Reconciler(ClaimKeeper):
         # The applied version's manifest (checks the first delta's base checksums); None if gone.
         if version is None:
             return None
-        if self._manifest is None or self._manifest.version != version:
-            try:
-                self._manifest = await self._io(self.client.manifest, self.run_id, version)
-            except NotFoundError:
-                return None
-        return self._manifest
+        known = self.claim.manifest
+        if known is not None and known.version == version:
+            return known
+        try:
+            return await self.pools.io(self.client.manifest, self.run_id, version)
+        except NotFoundError:
+            return None
 
     async def commit(self, staged: FetchedPlan, seen: float) -> None:
         """Apply a staged plan to the engine; see the module docstring for the sequence.
@@ -314,13 +422,13 @@ class Reconciler(ClaimKeeper):
             EngineChangedError: the engine is not what the sidecar verified (nothing written).
             SidecarError and engine errors: the apply and the anchor recovery both failed.
         """
-        async with self._engine_lock:
+        async with self.claim.lock:
             await self._commit(staged, seen)
 
     async def _commit(self, staged: FetchedPlan, seen: float) -> None:
-        await self._require_claim(f"committing versions {staged.from_version}->{staged.to_version}")
+        await self.claim.require(f"committing versions {staged.from_version}->{staged.to_version}")
         if staged.steps and all(s.empty for s in staged.steps) and staged.from_version == self.gate.applied:
-            await self._engine_io(self.engine.set_version, staged.to_version, staged.from_version)
+            await self.pools.engine(self.engine.set_version, staged.to_version, staged.from_version)
             self._finish(staged, seen, 0.0, 0.0, flipped=True, route="flip")
             return
         route, held = self._route_of(staged), self.gate.applied
@@ -336,7 +444,7 @@ class Reconciler(ClaimKeeper):
                 ) from exc
             raise self._refuse(staged.from_version, staged.to_version, route, exc, target) from exc
         if prepared is None:  # an anchor route that changes no bit of what the engine holds
-            await self._engine_io(
+            await self.pools.engine(
                 self.engine.set_version,
                 staged.to_version,
                 staged.from_version if route == "delta" else self.gate.applied,
@@ -344,8 +452,8 @@ class Reconciler(ClaimKeeper):
             self._finish(staged, seen, 0.0, 0.0, flipped=True, route="flip")
             return
         if prepared:  # time passed while the engine staged: look again
-            await self._require_claim(f"pausing the engine for versions {staged.from_version}->{staged.to_version}")
-        self._set_state("committing", f"pausing the engine for version {staged.to_version}")
+            await self.claim.require(f"pausing the engine for versions {staged.from_version}->{staged.to_version}")
+        self.status.set_state("committing", f"pausing the engine for version {staged.to_version}")
         self.gate.set_committing(True)
         paused_at = None
         try:
@@ -354,7 +462,7 @@ class Reconciler(ClaimKeeper):
             pause = engine.pause
             if isinstance(engine, PausesKeepingCache) and not self.salter.needs_reset(self.gate.in_flight):
                 self._keep_cache, pause = True, engine.pause_keeping_cache
-            await self._engine_io(pause)
+            await self.pools.engine(pause)
             paused_at = time.perf_counter()
             self._fault("paused")
             await self._read_counts()
@@ -364,12 +472,12 @@ class Reconciler(ClaimKeeper):
                 if isinstance(exc, LeaseNotHeldError):  # the engine is another sidecar's now: it recovers it
                     raise
                 refused = isinstance(exc, ApplyRefusedError) and (prepared or is_permanent(exc))
-                if refused and await self._still_holds(held):  # refused before the write: the held version serves on
+                if refused and await self.claim.holds(held):  # refused before the write: the held version serves on
                     raise self._refuse(staged.from_version, staged.to_version, route, exc, target) from exc
                 self.quarantine.blame_engine(staged, exc, "apply")  # the recovery plans no squash; later plans avoid it
                 self._error(exc, f"applying versions {staged.from_version}->{staged.to_version}")
                 self.metrics.commits.labels("failed").inc()
-                self._set_applied(None)
+                self.claim.set_applied(None)
                 route = "recovery"
                 await self._recover(staged.to_version, seen, paused_at)
                 return
@@ -384,22 +492,13 @@ class Reconciler(ClaimKeeper):
             )
         finally:
             try:
-                await self._resume()
+                await self.claim.resume()
             finally:
                 if paused_at is not None:
                     self.metrics.pause_seconds.labels(route).observe(time.perf_counter() - paused_at)
                 self.gate.set_committing(False)
             if self.state == "resuming":
-                self._set_state("idle", "the engine resumed")
-
-    async def _still_holds(self, version: int | None) -> bool:
-        # Whether the engine (the instance this boot found) still records ``version`` (None: the
-        # unverified weights it booted with, untouched), idle.
-        try:
-            state = await self._engine_io(self.engine.state)
-        except Exception:  # noqa: BLE001 - an engine that cannot say backs no claim
-            return False
-        return state.instance == self._instance and state.version == version and state.phase in ("idle", "paused")
+                self.status.set_state("idle", "the engine resumed")
 
     def _route_of(self, staged: FetchedPlan) -> RouteKind:
         # How the plan reaches the engine: staged while serving (a delta plan from the applied
@@ -421,15 +520,17 @@ class Reconciler(ClaimKeeper):
         """
         if route == "anchor":
             return False, 0.0
-        self._set_state("staging", f"the engine stages the plan to version {staged.to_version}")
+        self.status.set_state("staging", f"the engine stages the plan to version {staged.to_version}")
         start = time.perf_counter()
         applied = self.gate.applied
         assert applied is not None  # both routes staged while serving start from a verified version (_route_of)
         steps: list[StageStep]
         if route == "staged_anchor":
             want = staged.steps[-1].manifest.checksums()
-            held = await self._engine_io(self.engine.checksums, sorted(want))
-            path, _ = await self._io(build_rebase, staged, held, self.fetcher.folder_of(staged.to_version, "rebase"))
+            held = await self.pools.engine(self.engine.checksums, sorted(want))
+            path, _ = await self.pools.io(
+                build_rebase, staged, held, self.fetcher.folder_of(staged.to_version, "rebase")
+            )
             if path is None:
                 return None, time.perf_counter() - start
             steps = [StageStep([str(path)], applied, staged.to_version)]
@@ -441,7 +542,7 @@ class Reconciler(ClaimKeeper):
                 StageStep([str(p) for p in s.paths], ends[i], s.version if i < len(deltas) - 1 else staged.to_version)
                 for i, s in enumerate(deltas)
             ]
-        await self._engine_io(self.engine.stage_patches, steps)
+        await self.pools.engine(self.engine.stage_patches, steps)
         seconds = time.perf_counter() - start
         self.metrics.engine_stage_seconds.observe(seconds)
         return True, seconds
@@ -449,62 +550,60 @@ class Reconciler(ClaimKeeper):
     def _refuse(
         self, start: int | None, end: int, route: RouteKind, exc: Exception, target: VersionManifest | None
     ) -> PlanRefusedError:
-        # Record a plan that could not be staged (nothing written) and when to try it again: after
-        # refused_retry_s (transient), or never (permanent: a version with another tensor set).
-        kind = exc.type if isinstance(exc, StitchError) else type(exc).__name__
-        permanent = is_permanent(exc)
-        if permanent and target is not None and isinstance(exc, StitchError):
-            self._refused_set = RefusedTensorSet(end, tensor_set(target), str(exc.details.get("cause", kind)), str(exc))
-        now, held = time.time(), self.gate.applied
-        same = self.refused is not None and self.refused.to_version == end
-        attempts = self.refused.attempts + 1 if same and self.refused is not None else 1
-        retry_at = None if permanent else now + self.settings.refused_retry_s
-        self.refused = Refusal(
-            from_version=start, to_version=end, route=route, held_version=held, type=kind, message=str(exc),
-            attempts=attempts, at=now, retry_at=retry_at, permanent=permanent,
-        )  # fmt: skip
-        self._refused_plans[(start, end)] = float("inf") if retry_at is None else retry_at
-        self.metrics.refusals.labels(route).inc()
-        self.metrics.refused_version.set(end)
-        self._set_state("retrying", f"versions {start}->{end} refused")
-        retry = (
-            "it is not tried again: the engine has no place for this tensor set; a version with another tensor "
-            "set is awaited (was the run published for this model?)"
-            if permanent
-            else f"this plan is tried again in {self.settings.refused_retry_s:g} s (sooner if a newer version is published)"
-        )
-        return PlanRefusedError(
-            f"versions {start}->{end} ({route} route) could not be staged, nothing written: {kind}: {exc}; "
-            f"version {held} keeps serving; {retry}",
-            from_version=start, to_version=end, route=route, held=held, cause=kind, permanent=permanent,
-        )  # fmt: skip
+        # Record a plan that could not be staged (nothing written; :class:`~.refusals.RefusalBook`).
+        error = self.refusals.record(start, end, route, exc, target, self.gate.applied)
+        self.status.set_state("retrying", f"versions {start}->{end} refused")
+        return error
+
+    async def _read_counts(self) -> None:
+        # In the pause: the engine's output-token counts of the marked requests (None: an engine that cannot count).
+        engine = self.engine
+        try:
+            self._pause_counts = (
+                {}
+                if not self.spans.wanted()
+                else await self.pools.engine(engine.output_counts)
+                if isinstance(engine, CountsOutputs)
+                else None
+            )
+        except Exception as exc:  # noqa: BLE001 - spans are lost for these requests, the commit goes on
+            log.warning(
+                "the engine could not count output tokens at the pause (the requests in flight get no spans): %r", exc
+            )
+            self._pause_counts = None
+
+    def _fault(self, phase: str) -> None:
+        # Crash tests: exit the process at once when the fault_phase setting names ``phase``.
+        if self.settings.fault_phase == phase:
+            log.error("stitchboard fault injection: sidecar exiting at phase %s", phase)
+            os._exit(FAULT_EXIT_CODE)
 
     async def _apply(self, staged: FetchedPlan, prepared: bool = False) -> float:
         # Inside the pause: every step (or the engine's staged update), then verify, clear the
         # prefix cache. Returns apply seconds.
         start = time.perf_counter()
         if prepared:
-            await self._engine_io(self.engine.commit_staged, staged.to_version)
+            await self.pools.engine(self.engine.commit_staged, staged.to_version)
         else:
             for step in staged.steps:
                 if step.kind == "snapshot":
-                    await self._engine_io(
+                    await self.pools.engine(
                         self.engine.load_snapshot, [str(p) for p in step.paths], step.version, step.manifest.checksums()
                     )
                 elif step.empty:
-                    await self._engine_io(self.engine.set_version, step.version, step.base_version)
+                    await self.pools.engine(self.engine.set_version, step.version, step.base_version)
                 else:  # a delta, or a squash from its base
                     assert step.base_version is not None  # a delta or squash step names its base (FetchedStep)
-                    await self._engine_io(
+                    await self.pools.engine(
                         self.engine.apply_patch, [str(p) for p in step.paths], step.base_version, step.version
                     )
-        held = (await self._engine_io(self.engine.state)).version
+        held = (await self.pools.engine(self.engine.state)).version
         if held != staged.to_version:
             raise EngineVersionMismatchError(
                 f"after applying, the engine records version {held}, expected {staged.to_version}"
             )
         if self.gate.applied is None or not self._keep_cache:
-            await self._engine_io(self.engine.reset_prefix_cache)
+            await self.pools.engine(self.engine.reset_prefix_cache)
             self.salter.was_reset()
         seconds = time.perf_counter() - start
         self.metrics.apply_seconds.observe(seconds)
@@ -521,17 +620,15 @@ class Reconciler(ClaimKeeper):
         route: RouteKind,
         engine_stage_s: float = 0.0,
     ) -> None:
-        self._set_applied(staged.to_version, staged.steps[-1].manifest if staged.steps else self._manifest)
-        self.unhealthy_reason = None
+        self.claim.set_applied(staged.to_version, staged.steps[-1].manifest if staged.steps else self.claim.manifest)
+        self.status.unhealthy_reason = None
         self._force_anchor = False
-        self.refused = None
-        self._refused_plans.clear()
-        self.metrics.refused_version.set(-1)
+        self.refusals.clear()
         if not flipped:
             self.pause_by_route[route] = pause_s
             self.spans.commit(staged.to_version, self._pause_counts)
         self._pause_counts, self._keep_cache = None, False
-        self._publish()
+        self.status.publish()
         total = time.perf_counter() - seen
         self.last_sync = SyncReport(
             from_version=staged.from_version, to_version=staged.to_version, bytes_fetched=staged.bytes_fetched, stage_seconds=staged.seconds, engine_stage_seconds=engine_stage_s,
@@ -541,9 +638,9 @@ class Reconciler(ClaimKeeper):
         self.metrics.sync_seconds.observe(total)
         self.fetcher.discard()
         if flipped:
-            self._set_state("idle", f"flipped to version {staged.to_version}")
+            self.status.set_state("idle", f"flipped to version {staged.to_version}")
         else:  # idle once the engine is resumed
-            self._set_state("resuming", f"version {staged.to_version} applied")
+            self.status.set_state("resuming", f"version {staged.to_version} applied")
         log.info(
             "engine at version %d (from %s, %d bytes, %.3f s)",
             staged.to_version,
@@ -554,23 +651,22 @@ class Reconciler(ClaimKeeper):
 
     async def _recover(self, target: int, seen: float, paused_at: float | None) -> None:
         # The engine is paused and holds no verified version: load the nearest anchor, then deltas.
-        self._set_state("recovering", f"loading the nearest anchor, then the deltas to version {target}")
+        self.status.set_state("recovering", f"loading the nearest anchor, then the deltas to version {target}")
         staged_target: VersionManifest | None = None
         try:
-            plan = await self._io(self.client.plan, self.run_id, None, target)
-            staged = await self._io(self.fetcher.fetch, plan, None)
+            plan = await self.pools.io(self.client.plan, self.run_id, None, target)
+            staged = await self.pools.io(self.fetcher.fetch, plan, None)
             staged_target = staged.steps[-1].manifest if staged.steps else None
             self.metrics.bytes_fetched.inc(staged.bytes_fetched)
             apply_s = await self._apply(staged)
         except Exception as exc:
-            if is_permanent(exc) and staged_target is not None and isinstance(exc, StitchError):
-                cause = str(exc.details.get("cause", exc.type))  # later versions of this tensor set: not tried
-                self._refused_set = RefusedTensorSet(target, tensor_set(staged_target), cause, str(exc))
-            self.unhealthy_reason = f"recovery from the anchor to version {target} failed: {type(exc).__name__}: {exc}"
-            self._set_state("unhealthy", self.unhealthy_reason)
+            self.refusals.failed_recovery(target, staged_target, exc)  # later versions of a refused set: not tried
+            reason = f"recovery from the anchor to version {target} failed: {type(exc).__name__}: {exc}"
+            self.status.unhealthy_reason = reason
+            self.status.set_state("unhealthy", reason)
             self._force_anchor = True
             self.metrics.recoveries.labels("failed").inc()
-            self._publish()
+            self.status.publish()
             raise
         self.metrics.recoveries.labels("ok").inc()
         self._finish(
