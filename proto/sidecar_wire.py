@@ -166,3 +166,89 @@ class SidecarStatus(_Model):
     time: float
     refused: Refusal | None = None
     pause_seconds_by_route: dict[str, float] = {}
+
+
+#: ``GET /health``'s ``status``: ``ok`` (200) or why not (503).
+HealthStatus = Literal[
+    "ok", "standby", "unhealthy", "starting", "recovering", "engine_slow", "engine_changed", "engine_unhealthy"
+]
+
+
+class LeaseView(_Model):
+    """The engine's lease as ``/health`` shows it.
+
+    Attributes:
+        owner: this sidecar's lease owner id.
+        held: whether this sidecar holds the lease.
+        holder: the owner the engine names (None while unknown).
+        holder_expires_in_s: seconds until that lease lapses unless renewed (None while unknown).
+    """
+
+    owner: str
+    held: bool
+    holder: str | None
+    holder_expires_in_s: float | None
+
+
+class Health(_Model):
+    """``GET /health`` (200 with ``status: ok``, else 503 with the ``reason``).
+
+    Attributes:
+        applied_version: the verified version applied (None: none, or the engine changed).
+        state: see :data:`SidecarState`.
+        lease: the engine's lease.
+        refused: the last refused plan (absent: none).
+        squash_quarantine: the quarantined squash ranges, oldest first (absent: none).
+        status: ``ok`` or why not.
+        reason: why not (absent with ``ok``).
+    """
+
+    applied_version: int | None
+    state: SidecarState
+    lease: LeaseView
+    refused: Refusal | None = None
+    squash_quarantine: list[dict[str, Any]] | None = None
+    status: HealthStatus
+    reason: str | None = None
+
+    def wire(self) -> dict[str, Any]:
+        """The JSON body: the fields in order, the optional ones (``refused``, ``squash_quarantine``,
+        ``reason``) left out when None."""
+        body = self.model_dump(mode="json")
+        return {k: v for k, v in body.items() if v is not None or k not in ("refused", "squash_quarantine", "reason")}
+
+
+#: Body field and header asking for per-token version spans; the answer's field holding them.
+SPANS_WANT_FIELD = "return_weight_versions"
+SPANS_WANT_HEADER = "x-stitch-return-weight-versions"
+SPANS_FIELD = "weight_versions"
+#: Body field and header asking for routing replay, the first position asked for, and the answer's fields.
+ROUTING_WANT_FIELD = "return_routed_experts"
+ROUTING_WANT_HEADER = "x-stitch-return-routed-experts"
+ROUTING_START_LEN_FIELD = "routed_experts_start_len"
+ROUTING_VERSIONS_FIELD = "routed_experts_weight_versions"
+ROUTING_ERROR_FIELD = "routed_experts_error"
+
+
+class VersionSpan(_Model):
+    """One span of ``weight_versions`` (output tokens) or ``routed_experts_weight_versions`` (rows):
+    ``[start, end)`` made by weight version ``version``."""
+
+    version: int
+    start: int
+    end: int
+
+
+class RoutingReplay(_Model):
+    """The routing fields of an answer that asked for ``return_routed_experts`` (top-level; a
+    stream: in its stamp event), next to ``sglext.routed_experts`` (base64 int32 rows).
+
+    Attributes:
+        routed_experts_start_len: the first position whose row is given.
+        routed_experts_weight_versions: the rows' versions (None: unknown, see the error).
+        routed_experts_error: why the rows or their versions are missing (absent: none missing).
+    """
+
+    routed_experts_start_len: int
+    routed_experts_weight_versions: list[VersionSpan] | None
+    routed_experts_error: str | None = None

@@ -23,18 +23,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from stitchboard.bulletin.body_caps import ANY_METHOD, BodyBudget, BodyCaps, Cap, Refusal
 from stitchboard.bulletin.client import BulletinClient
-from stitchboard.proto.sidecar_wire import SHOULD_RETRY_HEADER, SidecarStatus
+from stitchboard.proto.sidecar_wire import SHOULD_RETRY_HEADER
 
 from . import admin_prime_rl
 from .engines import create_adapter
@@ -43,6 +41,7 @@ from .errors import BodyBudgetError, BodyTooLargeError, RouteForbiddenError, Sid
 from .fetch import Fetcher
 from .gate import Gate
 from .metrics import SidecarMetrics
+from .ops_routes import add_ops_routes
 from .proxy import Proxy
 from .reconciler import Reconciler
 from .report import Reporter
@@ -153,86 +152,7 @@ def create_app(
             BodyTooLargeError(refusal.message, limit_bytes=refusal.cap.limit_bytes, setting=refusal.cap.setting)
         )
 
-    @app.get("/health", tags=["ops"])
-    async def health(request: Request) -> JSONResponse:
-        """200 when this sidecar holds the engine's lease, a verified version is applied, the
-        engine is still the instance at that version (checked now, unless a commit or a check is
-        under way), is not slow to answer a check, answers its health check, and syncing is
-        healthy; else 503 with the reason."""
-        reconciler: Reconciler = request.app.state.reconciler
-        applied = request.app.state.gate.applied
-        body: dict[str, Any] = {"applied_version": applied, "state": reconciler.state, "lease": reconciler.lease.body()}
-        if reconciler.refused is not None:
-            body["refused"] = reconciler.refused.model_dump()
-        if not reconciler.lease.held and reconciler.lease.holder is not None:  # another sidecar holds the engine
-            return _unhealthy({**body, "status": "standby", "reason": reconciler.lease.reason()})
-        if quarantined := reconciler.quarantine.body():
-            body["squash_quarantine"] = quarantined
-        if reconciler.unhealthy_reason:
-            return _unhealthy({**body, "status": "unhealthy", "reason": reconciler.unhealthy_reason})
-        if applied is None:
-            return _unhealthy(
-                {
-                    **body,
-                    "status": "recovering" if reconciler.state == "recovering" else "starting",
-                    "reason": "no verified weight version applied",
-                }
-            )
-        if request.app.state.gate.stalled:
-            return _unhealthy(
-                {
-                    **body,
-                    "status": "engine_slow",
-                    "reason": f"the engine has not answered a state check in {settings.engine_call_timeout_s:g} s: new requests are held until it does",
-                }
-            )
-        if not reconciler.engine_busy:  # the engine is still the instance, at the version, verified?
-            dropped = await reconciler.check_engine()
-            if dropped is not None:
-                return _unhealthy(
-                    {
-                        **body,
-                        "applied_version": None,
-                        "state": reconciler.state,
-                        "status": "engine_changed",
-                        "reason": dropped,
-                    }
-                )
-        try:
-            ok = await asyncio.wait_for(asyncio.to_thread(engine.health), settings.engine_call_timeout_s)
-            reason = "the engine's health check failed"
-        except Exception as exc:  # noqa: BLE001 - any failure means the engine is not healthy
-            ok, reason = False, f"{type(exc).__name__}: {exc}"
-        if not ok:
-            return _unhealthy({**body, "status": "engine_unhealthy", "reason": reason})
-        return JSONResponse({**body, "status": "ok"})
-
-    def _unhealthy(body: dict[str, Any]) -> JSONResponse:
-        return JSONResponse(body, status_code=503, headers={"Retry-After": str(settings.retry_after_s)})
-
-    @app.get("/v1/stitch/status", tags=["ops"])
-    async def status(request: Request) -> SidecarStatus:
-        """Applied and target version, lag, state, last error, the last sync's bytes and seconds, and
-        the requests in flight and held (waiting for their version)."""
-        reconciler: Reconciler = request.app.state.reconciler
-        gate: Gate = request.app.state.gate
-        lag = None if gate.target is None else gate.target - (gate.applied if gate.applied is not None else -1)
-        return SidecarStatus(
-            run_id=settings.run, applied_version=gate.applied, target_version=gate.target, lag_versions=lag, state=reconciler.state,
-            healthy=reconciler.unhealthy_reason is None and gate.applied is not None, unhealthy_reason=reconciler.unhealthy_reason,
-            last_error=reconciler.last_error and reconciler.last_error.body(), last_sync=reconciler.last_sync, requests_in_flight=gate.in_flight, requests_waiting=gate.waiting,
-            committing=gate.committing, time=time.time(), refused=reconciler.refused, pause_seconds_by_route=dict(reconciler.pause_by_route),
-        )  # fmt: skip
-
-    @app.get("/metrics", tags=["ops"])
-    def metrics_endpoint() -> Response:
-        """The sidecar's Prometheus metrics."""
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/engine/metrics", tags=["ops"])
-    async def engine_metrics(request: Request) -> Response:
-        """The engine's own ``/metrics``, passed through."""
-        return await request.app.state.proxy.forward_plain(request, "/metrics")
+    add_ops_routes(app, settings, engine, metrics)  # /health, /v1/stitch/status, /metrics, /engine/metrics
 
     admin_caps = admin_prime_rl.register(app, settings, client)  # STITCH_SIDECAR_ADMIN_API; before the catch-all
 

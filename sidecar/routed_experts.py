@@ -37,16 +37,17 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from stitchboard.proto.sidecar_wire import ROUTING_ERROR_FIELD as ERROR_FIELD  # the wire's names (RoutingReplay)
+from stitchboard.proto.sidecar_wire import ROUTING_START_LEN_FIELD as START_LEN_FIELD
+from stitchboard.proto.sidecar_wire import ROUTING_VERSIONS_FIELD as VERSIONS_FIELD
+from stitchboard.proto.sidecar_wire import ROUTING_WANT_FIELD as WANT_FIELD
+from stitchboard.proto.sidecar_wire import ROUTING_WANT_HEADER as WANT_HEADER
+
 from .engines.contract import new_routing_mark
 from .errors import RoutedExpertsRefusedError
 
 log = logging.getLogger("stitchboard.sidecar.routed_experts")
 
-WANT_FIELD = "return_routed_experts"
-START_LEN_FIELD = "routed_experts_start_len"
-WANT_HEADER = "x-stitch-return-routed-experts"
-VERSIONS_FIELD = "routed_experts_weight_versions"
-ERROR_FIELD = "routed_experts_error"
 ROUTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 _FLAGS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 

@@ -44,14 +44,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from stitchboard.proto.sidecar_wire import SPANS_FIELD  # the wire's names (VersionSpan)
+from stitchboard.proto.sidecar_wire import SPANS_WANT_FIELD as WANT_FIELD
+from stitchboard.proto.sidecar_wire import SPANS_WANT_HEADER as WANT_HEADER
+
 from .answer_versions import parse_version
 from .engines.contract import MARK_PARAM, new_mark
 from .errors import InvalidVersionConstraintError
 from .stamps import SseStamper
 
-WANT_FIELD = "return_weight_versions"
-WANT_HEADER = "x-stitch-return-weight-versions"
-SPANS_FIELD = "weight_versions"
 #: SGLang routes whose streams are counted (the engine's own spans are not in their chunks).
 COUNTED_SGLANG_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 _TRUE = {"1", "true", "yes", "on"}
