@@ -7,16 +7,16 @@ reads; ``kind`` is ``delta``, ``squash`` or ``snapshot``, so a step's folder hol
 and size. A file staged earlier (a coalesced re-plan, or a restart) is re-hashed and reused.
 
 Each step is then checked against its manifest before anything reaches the engine
-(DESIGN.md invariant 5):
+(DESIGN.md invariant 5), by the files' sha256 (at download), their indexes and their lineage;
+the sidecar never decodes a payload (DESIGN.md, "Decoded once, where it is written"): the
+engine process decodes and validates every patch in full before its first write
+(:mod:`.engines.vllm.update`, :mod:`.engines.sglang.inplace`), and refuses a malformed one:
 
-* delta: every patch file parses (container, index, payload size) and, for ``xor`` and
-  ``overwrite``, every tensor's positions decode; the patch's encoding, tensor names, dtypes
-  and shapes agree with the manifest, its target checksums are the manifest's, its base
+* delta: every patch file's container, index and payload size are checked, reading no payload
+  (:func:`~stitchboard.proto.decode.read_patch_index`); the patch's encoding, tensor names,
+  dtypes and shapes agree with the manifest, its target checksums are the manifest's, its base
   checksums are the previous version's (when that manifest is known), and tensors it does not
-  touch keep the previous version's checksums. A ``cond`` stream codes positions and values
-  on the base's bits, which the sidecar does not hold: its value decode is skipped here and
-  done by the engine against its own base, where a stream that does not decode to the target
-  checksum is refused before the first write (:mod:`.engines.vllm.update`);
+  touch keep the previous version's checksums;
 * squash (one patch from an older version ``base`` straight to ``version``): the same checks as
   a delta by the patch indexes, against the manifests of ``base`` (fetched when the plan does
   not hold it: a squash is always checked against its base) and ``version``
@@ -25,7 +25,8 @@ Each step is then checked against its manifest before anything reaches the engin
   corrupted in the store; its blob is gone; its index disagrees) raises a :class:`StagingError`
   naming it (details ``squash_base``, ``squash_target``): the reconciler sets it aside
   (:mod:`.quarantine`) and plans without it;
-* snapshot: the shards hold exactly the manifest's tensors (dtype, shape) with its checksums.
+* snapshot: the shards hold exactly the manifest's tensors, dtypes and shapes (their headers);
+  the engine checks each tensor's checksum against the manifest before its first write.
 """
 
 from __future__ import annotations
@@ -41,9 +42,8 @@ from typing import Literal
 from stitchboard.bulletin.client import BulletinClient
 from stitchboard.bulletin.errors import BlobMismatchError, NotFoundError
 from stitchboard.proto.checkpoint import load_checkpoint
-from stitchboard.proto.codec import checksum
-from stitchboard.proto.decode import read_patch
-from stitchboard.proto.errors import PatchError, SchemaError, StitchError
+from stitchboard.proto.decode import PatchIndex, read_patch_index
+from stitchboard.proto.errors import PatchError, PatchFormatError, SchemaError, StitchError
 from stitchboard.proto.schema import XXH3_128, FileRef, Plan, PlanStep, VersionManifest
 from stitchboard.proto.squash_schema import check_patch_lineage
 
@@ -108,6 +108,25 @@ def squash_failed(step: PlanStep, exc: Exception) -> StagingError:
     )
 
 
+def patch_index(path: Path) -> PatchIndex:
+    """A patch file's container, index and payload size, checked without reading its payload.
+
+    Raises:
+        PatchFormatError: as :func:`~stitchboard.proto.decode.read_patch_index`, or the file
+            shrank while being read.
+    """
+    with path.open("rb") as f:
+
+        def read(offset: int, length: int) -> bytes:
+            f.seek(offset)
+            data = f.read(length)
+            if len(data) != length:
+                raise PatchFormatError(f"{path}: {length} bytes at {offset} wanted, {len(data)} read (file changed?)")
+            return data
+
+        return read_patch_index(read, path.stat().st_size, what=str(path))
+
+
 def _sha256_of(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -166,7 +185,7 @@ class Fetcher:
 
         Raises:
             BulletinError: a manifest or file cannot be fetched (``BlobMismatchError``: wrong bytes).
-            PatchFormatError: a patch does not parse or decode.
+            PatchFormatError: a patch's container or index is malformed (its payload is the engine's to decode).
             StagingError: a file disagrees with its manifest; a squash step's file is corrupt, gone
                 or disagrees with its versions (details ``squash_base``, ``squash_target``).
         """
@@ -208,9 +227,9 @@ class Fetcher:
             )
         for name, t in tensors.items():
             spec = want[name]
-            if t.dtype != spec.dtype or list(t.shape) != spec.shape or checksum(t) != spec.checksums[XXH3_128]:
+            if t.dtype != spec.dtype or list(t.shape) != spec.shape:  # its checksum: the engine, before writing
                 raise StagingError(
-                    f"snapshot of version {manifest.version}: tensor {name!r} differs from the manifest (dtype, shape or checksum)"
+                    f"snapshot of version {manifest.version}: tensor {name!r} differs from the manifest (dtype or shape)"
                 )
 
     def _check_delta(self, manifest: VersionManifest, paths: list[Path], previous: VersionManifest | None) -> None:
@@ -225,7 +244,7 @@ class Fetcher:
             )
         touched: set[str] = set()
         for path in paths:
-            patch = read_patch(path.read_bytes(), what=str(path))
+            patch = patch_index(path)
             if patch.encoding != manifest.encoding:
                 raise StagingError(
                     f"{path}: encoding {patch.encoding!r}, the manifest of version {v} says {manifest.encoding!r}"
@@ -243,8 +262,6 @@ class Fetcher:
                 if before is not None and entry.base.get(XXH3_128) != before[name].checksums[XXH3_128]:
                     raise StagingError(f"{path}: tensor {name!r} base checksum is not version {v - 1}'s")
                 touched.add(name)
-            if patch.encoding != "cond":  # cond decodes only against the base: the engine does it (module doc)
-                patch.deltas()  # decode every tensor's positions now, while the engine serves
         if before is not None:
             moved = sorted(
                 n for n in want if n not in touched and want[n].checksums[XXH3_128] != before[n].checksums[XXH3_128]
@@ -265,10 +282,7 @@ class Fetcher:
         indexes = []
         try:
             for path in paths:
-                patch = read_patch(path.read_bytes(), what=str(path))
-                indexes.append((str(path), patch.entries))
-                if patch.encoding != "cond":  # cond decodes only against the base: the engine does it (module doc)
-                    patch.deltas()
+                indexes.append((str(path), patch_index(path).entries))
             check_patch_lineage(indexes, base, manifest)
         except (PatchError, SchemaError) as exc:
             raise squash_failed(step, exc) from None
