@@ -92,5 +92,6 @@ def pull(
         raise _fail(exc) from exc
     m = rebuilt.manifest
     typer.echo(
-        f"version {m.version} of run {run}: {len(m.tensors)} tensors, {len(rebuilt.assets)} asset files, verified -> {output}"
+        f"version {m.version} of run {run}: {len(m.tensors)} tensors, {len(rebuilt.assets)} asset files, "
+        f"verified -> {output}"
     )

@@ -72,7 +72,8 @@ def wait_for_fleet(
             )
             head = what or f"waiting for {wanted} of run {run!r} at version >= {version}"
             raise FleetTimeoutError(
-                f"{head}: only {count.at_or_above} of {count.live} live replicas got there within {timeout_s:g} s; lagging: {describe_laggards(count)}",
+                f"{head}: only {count.at_or_above} of {count.live} live replicas got there within {timeout_s:g} s; "
+                f"lagging: {describe_laggards(count)}",
                 run_id=run,
                 version=version,
                 needed=count.needed,
@@ -116,7 +117,10 @@ class FleetPacing:
         if need < 0:
             return None
         start = time.perf_counter()
-        what = f"publishing version {version} of run {run!r} with max_lag={self.max_lag} waits for replicas at version >= {need}"
+        what = (
+            f"publishing version {version} of run {run!r} with max_lag={self.max_lag} waits for replicas at "
+            f"version >= {need}"
+        )
         count = wait_for_fleet(
             client,
             run,

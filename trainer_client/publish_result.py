@@ -53,7 +53,8 @@ class PublishResult:
 def log_result(run: str, r: PublishResult) -> None:
     """Log one publish at INFO: changed %, bytes, seconds per stage."""
     log.info(
-        "run %s: published version %d%s: %.3f %% changed (%d of %d elements, %d tensors), patch %d bytes (%.3f %% of the %d-byte view)%s, "
+        "run %s: published version %d%s: %.3f %% changed (%d of %d elements, %d tensors), "
+        "patch %d bytes (%.3f %% of the %d-byte view)%s, "
         "uploaded %d bytes; cast %.2f s, diff+encode %.2f s, write %.2f s, upload %.2f s, commit %.2f s",
         run,
         r.version,

@@ -170,7 +170,8 @@ class PublisherCore(ABC):
     # -- resume ------------------------------------------------------------------------------
 
     def _start(self, mode: str, assets: AssetsArg) -> tuple[PublishedVersion | None, list[FileRef], dict[str, bytes]]:
-        """Read the given assets (on rank 0, which uploads them) and resume the run: (last version, asset refs, asset bytes)."""
+        """Read the given assets (on rank 0, which uploads them) and resume the run:
+        (last version, asset refs, asset bytes)."""
         given = load_assets(assets) if assets is not None and self.rank == 0 else None
         given = None if given is None else [self.served.asset(a) for a in given]  # config.json's quantization_config
         published, refs = resume_publisher(self.client, self.run, mode, given, workdir=self.workdir)
@@ -298,7 +299,9 @@ class PublisherCore(ABC):
         self, version: int, *, min_replicas: int | None = None, fraction: float | None = None, timeout_s: float = 300.0
     ) -> FleetCount:
         """Block until enough live replicas serve ``version`` or later (see :func:`.fleet.wait_for_fleet`; neither
-        ``min_replicas`` nor ``fraction``: every live replica). Raises :class:`FleetTimeoutError` naming the laggards."""
+        ``min_replicas`` nor ``fraction``: every live replica).
+
+        Raises :class:`FleetTimeoutError` naming the laggards."""
         return wait_for_fleet(
             self.client, self.run, version, min_replicas=min_replicas, fraction=fraction, timeout_s=timeout_s
         )
@@ -380,7 +383,8 @@ class PublisherCore(ABC):
         index: tuple[FileRef, bytes] | None,
         snapshot: bool,
     ) -> tuple[float, RankPart]:
-        """Write this rank's patch and shards, upload them (rank 0: the index and assets too); (write seconds, record)."""
+        """Write this rank's patch and shards, upload them (rank 0: the index and assets too);
+        (write seconds, record)."""
         t0 = time.perf_counter()
         items: list[tuple[FileRef, bytes | Path]] = []
         if part.patch is not None:

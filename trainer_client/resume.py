@@ -1,8 +1,8 @@
 """Rebuilding a published version from the bulletin alone: plan -> anchor + deltas -> verify.
 
 Used by a restarted publisher (:func:`resume_publisher`, to continue a run from its last
-published view) and by ``stitchboard pull`` (to materialize any version as a plain checkpoint). The result is checked against the target manifest's checksums, tensor by
-tensor, before it is returned.
+published view) and by ``stitchboard pull`` (to materialize any version as a plain checkpoint).
+The result is checked against the target manifest's checksums, tensor by tensor, before it is returned.
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ def verify_view(manifest: VersionManifest, view: dict[str, RawTensor]) -> dict[s
             bad.append(name)
     if missing or extra or bad:
         raise ResumeError(
-            f"version {manifest.version} of run {manifest.run_id!r} rebuilt from the bulletin does not match its manifest: missing {missing[:3]}, extra {extra[:3]}, different {bad[:3]}",
+            f"version {manifest.version} of run {manifest.run_id!r} rebuilt from the bulletin does not match its "
+            f"manifest: missing {missing[:3]}, extra {extra[:3]}, different {bad[:3]}",
             tensors=missing + extra + bad,
         )
     return sums
@@ -126,7 +127,8 @@ def verify_pulled(rebuilt: RebuiltVersion, out: Path) -> None:
     ]
     if bad:
         raise ResumeError(
-            f"version {rebuilt.manifest.version} of run {rebuilt.manifest.run_id!r}: asset files written to {out} differ from the manifest: {bad[:3]}",
+            f"version {rebuilt.manifest.version} of run {rebuilt.manifest.run_id!r}: "
+            f"asset files written to {out} differ from the manifest: {bad[:3]}",
             files=bad,
         )
 
@@ -153,7 +155,8 @@ def pull_version(
     shadows = [ref.path for ref in rebuilt.assets if is_checkpoint_file(ref.path)]
     if shadows:
         raise ResumeError(
-            f"version {rebuilt.manifest.version} of run {run!r} lists assets named like checkpoint files {shadows[:3]}; they would replace the weights: publish a new run with renamed assets",
+            f"version {rebuilt.manifest.version} of run {run!r} lists assets named like checkpoint files "
+            f"{shadows[:3]}; they would replace the weights: publish a new run with renamed assets",
             files=shadows,
         )
     out.mkdir(parents=True, exist_ok=True)

@@ -191,7 +191,8 @@ class ShardedPublisher(PublisherCore):
         failed = [r for r, (error, _) in enumerate(gathered) if error is not None]
         if failed:
             raise PublishError(
-                f"{what} of run {self.run!r} failed on rank(s) {failed}: {gathered[failed[0]][0]}; nothing was committed, publish again once it is fixed",
+                f"{what} of run {self.run!r} failed on rank(s) {failed}: {gathered[failed[0]][0]}; "
+                "nothing was committed, publish again once it is fixed",
                 ranks=failed,
             ) from cause
         return kept, [s for _, s in gathered]

@@ -50,8 +50,9 @@ log = logging.getLogger("stitchboard.trainer_client")
 #: Squash depths a publisher emits unless told otherwise: none. Measured on real SmolLM2 steps
 #: (``tests/benchmarks/bench_squash.py``, docs/benchmarks.md), depths (4, 8) add ~11x the delta's own encode
 #: time to every publish (the reverse record, then two encodes of 2-5x the changed elements and
-#: the check of each, :func:`check_squash`; ~4.7x without the checks), which grows with the model and, through ``max_pending``, can stall a trainer; they pay off only
-#: for replicas that fall behind (restarts, long stalls). Turn them on per run where that happens.
+#: the check of each, :func:`check_squash`; ~4.7x without the checks), which grows with the model and,
+#: through ``max_pending``, can stall a trainer; they pay off only for replicas that fall behind
+#: (restarts, long stalls). Turn them on per run where that happens.
 DEFAULT_SQUASH_DEPTHS: tuple[int, ...] = ()
 #: The depths to turn on (and what ``stitchboard squash rebuild`` makes by default): a replica k
 #: behind then fetches at most 3 deltas and one squash, or 4 deltas (k < 4).
@@ -387,8 +388,9 @@ class Squasher:
             return None
         _, base_digest = self.views.base_of(base)
         squash = SquashManifest(
-            run_id=self.run, base_version=base, target_version=target, encoding=self.encoding, base_manifest_sha256=base_digest,
-            target_manifest_sha256=self.views.latest_digest, files=refs, size_bytes=total, changed_elements=changed,
+            run_id=self.run, base_version=base, target_version=target, encoding=self.encoding,
+            base_manifest_sha256=base_digest, target_manifest_sha256=self.views.latest_digest, files=refs,
+            size_bytes=total, changed_elements=changed,
         )  # fmt: skip
         try:
             on_committer(lambda: self.client.put_squash(squash))

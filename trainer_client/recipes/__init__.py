@@ -63,7 +63,8 @@ def check_served_options(
     fp8 = [d for d in casts if d.is_floating_point and d.itemsize == 1]
     if fp8:
         raise ValueError(
-            f"dtypes/default_dtype cast to {fp8[0]}: a raw fp8 cast has no scales and is not a format an engine loads; publish served='fp8' (per-channel scales) or 'fp8-block'"
+            f"dtypes/default_dtype cast to {fp8[0]}: a raw fp8 cast has no scales and is not a format an engine "
+            "loads; publish served='fp8' (per-channel scales) or 'fp8-block'"
         )
     if recipe.name != "bf16" and (dtypes or default_dtype != torch.bfloat16):
         raise ValueError(f"served={recipe.name!r} quantizes the bf16 cast: leave dtypes and default_dtype unset")

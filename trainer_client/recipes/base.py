@@ -125,13 +125,15 @@ class ServedRecipe(ABC):
             config = json.loads(data)
         except ValueError as exc:
             raise ServedViewError(
-                f"config.json is not JSON ({exc}); the {self.name!r} view needs a config it can add quantization_config to"
+                f"config.json is not JSON ({exc}); the {self.name!r} view needs a config it can add "
+                "quantization_config to"
             ) from None
         if not isinstance(config, dict):
             raise ServedViewError("config.json is not a JSON object")
         if config.get("quantization_config") not in (None, qc):
             raise ServedViewError(
-                f"config.json already has a quantization_config; the {self.name!r} recipe starts from an unquantized model's config"
+                f"config.json already has a quantization_config; the {self.name!r} recipe starts from an "
+                "unquantized model's config"
             )
         config["quantization_config"] = qc
         return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()

@@ -101,7 +101,8 @@ class Nvfp4Recipe(ServedRecipe):
     suffixes = (".weight_packed", ".weight_scale", ".weight_global_scale")
 
     def quantize(self, name: str, t: RawTensor, view: Mapping[str, RawTensor]) -> dict[str, RawTensor]:
-        """``X.weight_packed`` (U8 [N, K/2]), ``X.weight_scale`` (F8_E4M3 [N, K/16]), ``X.weight_global_scale`` (F32 [1]).
+        """``X.weight_packed`` (U8 [N, K/2]), ``X.weight_scale`` (F8_E4M3 [N, K/16]),
+        ``X.weight_global_scale`` (F32 [1]).
 
         Raises:
             ServedViewError: K is not a multiple of 16.

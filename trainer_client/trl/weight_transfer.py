@@ -248,4 +248,7 @@ def _why_not_published(exc: BulletinError, run: str, url: str) -> str:
         advice = "Give the WeightTransfer a token with the publish scope for this run"
     else:
         advice = "The bulletin's reason above says what to change"
-    return f"the bulletin refused the version of run {run!r} ({exc.status} {exc.type}: {exc}); no version was committed. {advice}"
+    return (
+        f"the bulletin refused the version of run {run!r} ({exc.status} {exc.type}: {exc}); "
+        f"no version was committed. {advice}"
+    )
