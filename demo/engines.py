@@ -104,7 +104,8 @@ def start_rollout(
     url = f"http://127.0.0.1:{port}"
     argv = [
         *stitchboard_cli(), "sidecar", "run", "--bulletin", bulletin_url, "--run", run, "--engine", kind,
-        "--engine-url", engine_url, "--port", str(port), "--boot-version", str(boot_version), "--handoff-dir", str(handoff_dir),
+        "--engine-url", engine_url, "--port", str(port), "--boot-version", str(boot_version),
+        "--handoff-dir", str(handoff_dir),
     ]  # fmt: skip
     sidecar = procs.start(f"sidecar-{index}", argv, f"{url}/health")
     return Rollout(engine, sidecar, url)

@@ -22,7 +22,8 @@ CHECK = "the bulletin's fleet view shows every engine at the last version"
 def check_fleet(
     publisher: PublisherCore, bulletin: str, version: int, engines: int, screenshot: Path, timeout_s: float = 60.0
 ) -> list[str]:
-    """Wait until ``engines`` replicas report ``version`` and the status page shows them; the problems found (empty: passed).
+    """Wait until ``engines`` replicas report ``version`` and the status page shows them;
+    the problems found (empty: passed).
 
     Raises:
         DemoError: no browser to read the page with (names what is missing).
@@ -38,6 +39,7 @@ def check_fleet(
         shown = read_status_page(page, bulletin, publisher.run, None, screenshot)
     if shown.latest_version != str(version) or shown.live_replicas != engines or shown.at_latest != engines:
         problems.append(
-            f"status page shows latest version {shown.latest_version}, {shown.live_replicas} live replicas, {shown.at_latest} at it; expected {version}, {engines}, {engines}"
+            f"status page shows latest version {shown.latest_version}, {shown.live_replicas} live replicas, "
+            f"{shown.at_latest} at it; expected {version}, {engines}, {engines}"
         )
     return problems

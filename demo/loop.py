@@ -177,7 +177,8 @@ def run_demo(
             fleet_problems = check_fleet(publisher, bulletin_url, version, cfg.engines, workdir / "status.png")
             on_event(
                 "; ".join(fleet_problems)
-                or f"fleet view: {cfg.engines} replica(s) at version {version}; status page saved as {workdir / 'status.png'}"
+                or f"fleet view: {cfg.engines} replica(s) at version {version}; "
+                f"status page saved as {workdir / 'status.png'}"
             )
         for r in rollouts:  # free the cores for the fresh engine
             procs.stop(r.sidecar)
@@ -198,7 +199,8 @@ def run_demo(
             result.checks[ROUTING_CHECK] = bool(result.rows) and not problems
             if problems:
                 result.reasons.append(
-                    f"{len(problems)} of {sum(r.completions for r in result.rows)} sampled answers lacked their routing, e.g. {problems[0]}"
+                    f"{len(problems)} of {sum(r.completions for r in result.rows)} sampled answers lacked their "
+                    f"routing, e.g. {problems[0]}"
                 )
         result.reasons += fleet_problems
         _check(result, before, after, reference, applied)
@@ -286,6 +288,7 @@ def _check(
             for p, (x, y) in enumerate(zip(a, reference, strict=False)):
                 if x != y:
                     result.reasons.append(
-                        f"engine {i}, oracle prompt {p}: {x['tokens']} {x['token_logprobs']} != fresh {y['tokens']} {y['token_logprobs']}"
+                        f"engine {i}, oracle prompt {p}: {x['tokens']} {x['token_logprobs']} != fresh "
+                        f"{y['tokens']} {y['token_logprobs']}"
                     )
                     break

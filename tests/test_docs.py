@@ -96,7 +96,8 @@ def test_the_docs_site_builds_strict(tmp_path):
     )  # --strict: a page left out of nav fails
     build(config)
     assert (tmp_path / "site" / "reference" / "settings" / "index.html").exists()
-    # A pipe escaped inside a code span of a table row shows its backslash on the site (GitHub hides it): write it otherwise.
+    # A pipe escaped inside a code span of a table row shows its backslash on the site (GitHub hides it):
+    # write it otherwise.
     escaped = [
         f"{page.relative_to(tmp_path / 'site')}: {code}"
         for page in (tmp_path / "site").rglob("*.html")
@@ -147,5 +148,8 @@ def test_every_path_a_page_names_exists(page):
 
 
 def test_the_path_check_finds_a_missing_file_and_test():
-    text = "`tests/test_docs.py::test_the_docs_site_builds_strict` `tests/nowhere.py` `tests/test_docs.py::test_gone` `sidecar/engines/<kind>/`"
+    text = (
+        "`tests/test_docs.py::test_the_docs_site_builds_strict` `tests/nowhere.py` "
+        "`tests/test_docs.py::test_gone` `sidecar/engines/<kind>/`"
+    )
     assert missing_paths(text) == ["tests/nowhere.py", "tests/test_docs.py::test_gone"]

@@ -1,4 +1,5 @@
-"""Environment variables per role: legacy names still read with a warning, new names win, the settings page's table is complete."""
+"""Environment variables per role: legacy names still read with a warning, new names win,
+the settings page's table is complete."""
 
 from __future__ import annotations
 
@@ -63,7 +64,10 @@ def test_bulletin_warns_at_start_up_about_variables_it_ignores(monkeypatch, tmp_
     ignored = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ignoring ")]
     assert ignored == [
         "ignoring STITCH_BULLETIN_STOER: no bulletin setting has this name",
-        "ignoring STITCH_BULLETIN_URL: it is the legacy name of a client's STITCH_CLIENT_BULLETIN, not a bulletin setting",
+        (
+            "ignoring STITCH_BULLETIN_URL: it is the legacy name of a client's STITCH_CLIENT_BULLETIN, "
+            "not a bulletin setting"
+        ),
     ]
 
 

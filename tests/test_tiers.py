@@ -61,7 +61,8 @@ def test_the_suites_tests_get_their_tiers_from_their_fixtures(tmp_path: Path, mo
     (tmp_path / "tier_dump.py").write_text(
         "import json, os\n"
         "def pytest_collection_finish(session):\n"
-        "    tiers = {i.nodeid: sorted({m.name for m in i.iter_markers()} & {'engine', 'heavy', 'slow'}) for i in session.items}\n"
+        "    tiers = {i.nodeid: sorted({m.name for m in i.iter_markers()} & {'engine', 'heavy', 'slow'}) "
+        "for i in session.items}\n"
         "    open(os.environ['TIER_DUMP'], 'w').write(json.dumps(tiers))\n"
     )  # fmt: skip
     monkeypatch.setenv("TIER_DUMP", str(tmp_path / "tiers.json"))

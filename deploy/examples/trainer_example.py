@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> None:
             optimizer.zero_grad(set_to_none=True)
             r = publisher.publish(model, step=step)
             print(
-                f"step {step}: loss {loss.item():.4f} -> version {r.version}, {r.changed_fraction:.2%} of values changed",
+                f"step {step}: loss {loss.item():.4f} -> version {r.version}, "
+                f"{r.changed_fraction:.2%} of values changed",
                 flush=True,
             )
             time.sleep(args.interval_s)

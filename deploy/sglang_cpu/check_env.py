@@ -14,10 +14,11 @@ import sys
 
 #: sglang 0.5.23 requirements deliberately not installed (see requirements-cpu.txt).
 LEFT_OUT = {
-    "anthropic", "blobfile", "build", "cuda-python", "datasets", "deepseek-recipe", "flash-attn-4", "flashinfer-python", "humming-kernels", "kernels",
-    "llguidance", "mistral-common", "modelscope", "ninja", "numba", "nvidia-cutlass-dsl", "nvidia-mathdx", "nvidia-ml-py", "nvshmem4py-cu13", "outlines",
-    "py-spy", "quack-kernels", "sgl-deep-ep", "sgl-deep-gemm", "sgl-flash-mla", "sglang-kernel", "smg-grpc-servicer", "tilelang", "timm", "tml-renderers",
-    "torch-memory-saver", "torchaudio", "torchcodec",
+    "anthropic", "blobfile", "build", "cuda-python", "datasets", "deepseek-recipe", "flash-attn-4",
+    "flashinfer-python", "humming-kernels", "kernels", "llguidance", "mistral-common", "modelscope", "ninja", "numba",
+    "nvidia-cutlass-dsl", "nvidia-mathdx", "nvidia-ml-py", "nvshmem4py-cu13", "outlines", "py-spy", "quack-kernels",
+    "sgl-deep-ep", "sgl-deep-gemm", "sgl-flash-mla", "sglang-kernel", "smg-grpc-servicer", "tilelang", "timm",
+    "tml-renderers", "torch-memory-saver", "torchaudio", "torchcodec",
 }  # fmt: skip
 
 
@@ -45,7 +46,8 @@ def main() -> int:
         print(p, file=sys.stderr)
     if not problems:
         print(
-            f"SGLang environment ok: torch {torch.__version__}, sglang {sglang.__version__}; pip check lists only the {len(LEFT_OUT)} requirements left out on purpose"
+            f"SGLang environment ok: torch {torch.__version__}, sglang {sglang.__version__}; "
+            f"pip check lists only the {len(LEFT_OUT)} requirements left out on purpose"
         )
     return 1 if problems else 0
 

@@ -25,7 +25,10 @@ import sysconfig
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-GATE_CHECK = "from sglang.srt.utils.common import cpu_has_amx_support, is_amx_tile_supported; print(int(is_amx_tile_supported), int(cpu_has_amx_support()))"
+GATE_CHECK = (
+    "from sglang.srt.utils.common import cpu_has_amx_support, is_amx_tile_supported; "
+    "print(int(is_amx_tile_supported), int(cpu_has_amx_support()))"
+)
 
 
 def _cpu_reports_amx() -> bool:
@@ -54,13 +57,15 @@ def main() -> int:
     if answer.returncode != 0 or flags[-1:] != ["0"]:
         shutil.rmtree(target, ignore_errors=True)
         print(
-            f"with the stand-in installed SGLang's AMX gate is not closed ({answer.stdout.strip()} {answer.stderr[-500:]}): removed it",
+            f"with the stand-in installed SGLang's AMX gate is not closed ({answer.stdout.strip()} "
+            f"{answer.stderr[-500:]}): removed it",
             file=sys.stderr,
         )
         return 1
     amx = _cpu_reports_amx()
     print(
-        f"sgl_kernel stand-in installed at {target} (CPU reports AMX: {amx}; torch AMX tile support: {flags[0] == '1'}; SGLang's AMX gate: closed)"
+        f"sgl_kernel stand-in installed at {target} (CPU reports AMX: {amx}; torch AMX tile support: "
+        f"{flags[0] == '1'}; SGLang's AMX gate: closed)"
     )
     return 0
 

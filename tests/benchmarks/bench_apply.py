@@ -155,10 +155,12 @@ def main() -> int:
             )
             rows.append(row)
             print(
-                f"step {step}: {diff.changed_elements / diff.total_elements:.2%} changed, patch {len(diff.patch) / 1e6:.2f} MB: "
+                f"step {step}: {diff.changed_elements / diff.total_elements:.2%} changed, "
+                f"patch {len(diff.patch) / 1e6:.2f} MB: "
                 f"staged while serving {row['stage_s'] * 1e3:.0f} ms, then paused {row['staged'][1] * 1e3:.0f} ms "
                 f"({_calls(*row['staged'])}) | "
-                f"one call in the pause {row['one_call'][1] * 1e3:.0f} ms | snapshot {row['snapshot'][0]['bytes'] / 1e6:.1f} MB paused "
+                f"one call in the pause {row['one_call'][1] * 1e3:.0f} ms | snapshot "
+                f"{row['snapshot'][0]['bytes'] / 1e6:.1f} MB paused "
                 f"{row['snapshot'][1] * 1e3:.0f} ms | ratio {row['staged'][1] / row['snapshot'][1]:.2f}"
             )
             view = nxt
@@ -177,13 +179,15 @@ def main() -> int:
             reps = [r[label][0] for r in rows]
             parts = ", ".join(f"{k[:-2]} {med([x[k] for x in reps]):.0f}" for k in keys)
             print(
-                f"{label:8s}: paused {med([r[label][1] for r in rows]):.0f} ms median = rpc {med([x['rpc_s'] for x in reps]):.0f} ms "
+                f"{label:8s}: paused {med([r[label][1] for r in rows]):.0f} ms median = rpc "
+                f"{med([x['rpc_s'] for x in reps]):.0f} ms "
                 f"({parts}) + prefix-cache reset {med([r[label][2] for r in rows]):.0f} ms + pause/resume calls"
             )
         ratio = statistics.median(r["staged"][1] for r in rows) / statistics.median(r["snapshot"][1] for r in rows)
         one_call = statistics.median(r["one_call"][1] for r in rows) / statistics.median(r["snapshot"][1] for r in rows)
         print(
-            f"patch / snapshot pause: {ratio:.2f}x staged (target <= 0.5x); {one_call:.2f}x when staged inside the pause"
+            f"patch / snapshot pause: {ratio:.2f}x staged (target <= 0.5x); "
+            f"{one_call:.2f}x when staged inside the pause"
         )
         pauses = [r["staged"][1] for r in rows]
         p50, p95 = statistics.median(pauses), _p95(pauses)

@@ -70,7 +70,8 @@ def start_bulletin(
     workers: int = 1,
     poll_interval_s: float | None = None,
 ) -> subprocess.Popen:
-    """``stitchboard bulletin serve --http HTTP --workers WORKERS`` on ``port`` over ``store`` as a subprocess, once healthy."""
+    """``stitchboard bulletin serve --http HTTP --workers WORKERS`` on ``port`` over ``store`` as a subprocess,
+    once healthy."""
     env = {**os.environ, "STITCH_BULLETIN_STORE": store, "STITCH_BULLETIN_LOG_LEVEL": log_level}
     if poll_interval_s is not None:
         env["STITCH_BULLETIN_POLL_INTERVAL_S"] = str(poll_interval_s)
@@ -348,7 +349,8 @@ def _pct(xs: list[float], q: float) -> float:
 
 @dataclass
 class Summary:
-    """A configuration's figures at one client count: p50, p99 over all rounds, the worst round's p99 (ms), target met."""
+    """A configuration's figures at one client count: p50, p99 over all rounds, the worst round's p99 (ms),
+    target met."""
 
     name: str
     p50_ms: float
@@ -375,7 +377,8 @@ def _report(fleet: list[Served], clients: int, poll_interval_s: float) -> list[S
         for i, r in enumerate(served.rounds, 1):
             xs = r.latencies_s
             print(
-                f"  {served.config.name:13} round {i}: p50 {_pct(xs, 0.5):7.1f}  p99 {_pct(xs, 0.99):7.1f}  max {xs[-1] * 1000:7.1f}"
+                f"  {served.config.name:13} round {i}: p50 {_pct(xs, 0.5):7.1f}  p99 {_pct(xs, 0.99):7.1f}  max "
+                f"{xs[-1] * 1000:7.1f}"
                 f"  (publish round trip {r.publish_s * 1000:6.1f}; server CPU {r.server_cpu_s * 1000:6.1f}, clients' "
                 f"{r.client_cpu_s * 1000:6.1f}; load {r.load_before:.1f} -> {r.load_after:.1f})"
             )

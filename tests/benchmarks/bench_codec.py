@@ -233,9 +233,12 @@ def main() -> None:
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     worst = max(r["cond"] for r in rows)
     console.print(
-        f"served view {full_bytes / 1e6:.1f} MB bf16; medians over {len(rows)} steps (bytes per changed element): cond {med['cond']:.3f} (target <= 0.75; "
-        f"worst step {worst:.3f}, target <= 0.9), xor {med['xor']:.3f}, overwrite {med['overwrite']:.3f}, idx+val {med['iv']:.3f}, xor+zstd {med['xz']:.3f}; "
-        f"cond encode {med['cond enc']:.1f}x / decode {med['cond dec']:.1f}x one copy (targets 10x, 12x), xor {med['xor enc']:.1f}x / {med['xor dec']:.1f}x"
+        f"served view {full_bytes / 1e6:.1f} MB bf16; medians over {len(rows)} steps (bytes per changed element): "
+        f"cond {med['cond']:.3f} (target <= 0.75; "
+        f"worst step {worst:.3f}, target <= 0.9), xor {med['xor']:.3f}, overwrite {med['overwrite']:.3f}, "
+        f"idx+val {med['iv']:.3f}, xor+zstd {med['xz']:.3f}; "
+        f"cond encode {med['cond enc']:.1f}x / decode {med['cond dec']:.1f}x one copy (targets 10x, 12x), "
+        f"xor {med['xor enc']:.1f}x / {med['xor dec']:.1f}x"
     )
     held = held_out(trainer, prev, console)
     if contexts:

@@ -140,7 +140,8 @@ class SimulatedReplica:
         applied = latest if since > 0.5 + self.offset else latest - 1
         state = "idle" if applied == latest else ("staging" if since > 0.2 else "idle")
         return ReplicaReport(
-            replica_id=self.replica_id, engine="vllm", applied_version=max(applied, 0), target_version=latest if since > 0.2 else latest - 1,
+            replica_id=self.replica_id, engine="vllm", applied_version=max(applied, 0),
+            target_version=latest if since > 0.2 else latest - 1,
             state=state, lag_versions=0, healthy=True, started_at=self.started_at,
         )  # fmt: skip
 
@@ -241,7 +242,8 @@ def _serve_counting(settings_json: str, port: int, conn: Connection) -> None:
 
 
 def store_rate(kind: str, replicas: int, seconds: float, version_every_s: float) -> tuple[dict[str, int], float, int]:
-    """Store calls by method, seconds measured, and reports sent, with ``replicas`` simulated replicas over a ``kind`` ("file", "s3") store.
+    """Store calls by method, seconds measured, and reports sent, with ``replicas`` simulated replicas over a ``kind``
+    ("file", "s3") store.
 
     The bulletin runs in a child process (its store counts the calls); the replicas in this one.
     """
@@ -296,13 +298,16 @@ def main() -> None:
         f"fleet benchmark: {args.sidecars} sidecars over fake engines, 1 bulletin process, local-folder store, loopback"
     )
     print(
-        f"  publish -> {args.sidecars} of {args.sidecars} replicas current (fleet long-poll answered), {len(latencies)} versions: p50 {_pct(latencies, 0.5):.0f} ms, p99 {_pct(latencies, 0.99):.0f} ms, mean {statistics.mean(latencies) * 1000:.0f} ms"
+        f"  publish -> {args.sidecars} of {args.sidecars} replicas current (fleet long-poll answered), "
+        f"{len(latencies)} versions: p50 {_pct(latencies, 0.5):.0f} ms, p99 {_pct(latencies, 0.99):.0f} ms, "
+        f"mean {statistics.mean(latencies) * 1000:.0f} ms"
     )
     counts, elapsed, sent = store_rate(args.store, args.replicas, args.seconds, args.version_every_s)
     total = sum(counts.values())
     by_op = ", ".join(f"{op} {n / elapsed:.1f}/s" for op, n in sorted(counts.items(), key=lambda kv: -kv[1]))
     print(
-        f"  {args.replicas} simulated replicas over a {args.store} store (lease 30 s, renewed every 10 s; a version every {args.version_every_s:g} s; 1 trainer long-polling the fleet), {elapsed:.0f} s:"
+        f"  {args.replicas} simulated replicas over a {args.store} store (lease 30 s, renewed every 10 s; "
+        f"a version every {args.version_every_s:g} s; 1 trainer long-polling the fleet), {elapsed:.0f} s:"
     )
     print(f"    reports accepted {sent / elapsed:.1f}/s; store requests {total / elapsed:.1f}/s ({by_op})")
 

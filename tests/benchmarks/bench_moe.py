@@ -10,7 +10,8 @@ Per preset (:mod:`stitchboard.demo.moe_models`, built on first use), one run:
    bf16 served view's elements whose bits changed, per tensor class (**experts**: the per-expert
    ``gate/up/down_proj`` or ``w1/w2/w3``; **router**: ``mlp.gate`` / ``block_sparse_moe.gate``;
    **attention**: ``self_attn.*``; **embedding**: ``embed_tokens`` (only the rows of tokens in
-   the batch get a gradient); **lm_head** (untied); **other**: the norms), the ``cond`` patch's bytes (the publisher's default encoding) and the
+   the batch get a gradient); **lm_head** (untied); **other**: the norms),
+   the ``cond`` patch's bytes (the publisher's default encoding) and the
    full checkpoint's bytes over them.
 2. Unless ``--no-engine``: one vLLM server (TP = 1, stitchboard's worker extension) on the
    preset takes version 0 as a snapshot, then each step's patch as the sidecar applies it:
@@ -202,7 +203,8 @@ def main() -> None:
                 patches.append(Path(tmp) / f"v{step}.patch")
                 patches[-1].write_bytes(patch)
                 console.print(
-                    f"{preset} step {step}: trained in {train_s:.2f} s, {fig.total_pct:.3f} % changed, patch {fig.patch_bytes:,} B"
+                    f"{preset} step {step}: trained in {train_s:.2f} s, {fig.total_pct:.3f} % changed, "
+                    f"patch {fig.patch_bytes:,} B"
                 )
             snapshot = None
             if not args.no_engine:
@@ -211,16 +213,20 @@ def main() -> None:
         full = figures[0].full_bytes
         console.print(
             f"{preset}: full view {full:,} B, {sum(v[1] for v in figures[0].changed.values()):,} elements; "
-            f"patch median {int(statistics.median(f.patch_bytes for f in figures)):,} B (full / patch {full / statistics.median(f.patch_bytes for f in figures):.1f}); "
+            f"patch median {int(statistics.median(f.patch_bytes for f in figures)):,} B (full / patch "
+            f"{full / statistics.median(f.patch_bytes for f in figures):.1f}); "
             f"experts changed median {statistics.median(f.pct('experts') for f in figures):.3f} %"
         )
         if snapshot is not None:
             boot_s, snapshot_s, report = snapshot
             pause = statistics.median(f.pause_s for f in figures if f.pause_s is not None)
             console.print(
-                f"{preset}: engine pause per patch p50 {1000 * pause:.1f} ms (max {1000 * max(f.pause_s or 0.0 for f in figures):.1f}); "
-                f"full snapshot load of the last version {1000 * snapshot_s:.1f} ms (read {1000 * report.get('read_s', 0):.1f}, write {1000 * report.get('write_s', 0):.1f}, "
-                f"repack {1000 * report.get('repack_s', 0):.1f}, verify {1000 * report.get('verify_s', 0):.1f}; version 0's at boot {1000 * boot_s:.1f}); "
+                f"{preset}: engine pause per patch p50 {1000 * pause:.1f} ms (max "
+                f"{1000 * max(f.pause_s or 0.0 for f in figures):.1f}); "
+                f"full snapshot load of the last version {1000 * snapshot_s:.1f} ms (read "
+                f"{1000 * report.get('read_s', 0):.1f}, write {1000 * report.get('write_s', 0):.1f}, "
+                f"repack {1000 * report.get('repack_s', 0):.1f}, verify {1000 * report.get('verify_s', 0):.1f}; "
+                f"version 0's at boot {1000 * boot_s:.1f}); "
                 f"patch pause / snapshot pause {pause / snapshot_s:.2f}"
             )
 

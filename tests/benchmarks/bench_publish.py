@@ -97,19 +97,24 @@ def main() -> None:
     if deltas:
         console.print(
             f"deltas: median patch {statistics.median(r.encoded_bytes for r in deltas):,.0f} bytes "
-            f"({100 * statistics.median(r.encoded_bytes / r.view_bytes for r in deltas):.3f} % of the {results[0].view_bytes:,}-byte view); "
-            f"median diff+encode {statistics.median(r.diff_s for r in deltas):.3f} s, upload {statistics.median(r.upload_s for r in deltas):.3f} s, "
-            f"commit {statistics.median(r.commit_s for r in deltas):.3f} s, cast (on the training thread) {statistics.median(r.cast_s for r in deltas):.3f} s"
+            f"({100 * statistics.median(r.encoded_bytes / r.view_bytes for r in deltas):.3f} % of the "
+            f"{results[0].view_bytes:,}-byte view); "
+            f"median diff+encode {statistics.median(r.diff_s for r in deltas):.3f} s, "
+            f"upload {statistics.median(r.upload_s for r in deltas):.3f} s, "
+            f"commit {statistics.median(r.commit_s for r in deltas):.3f} s, cast (on the training thread) "
+            f"{statistics.median(r.cast_s for r in deltas):.3f} s"
         )
     mean_off, mean_on = statistics.mean(off), statistics.mean(on)
     console.print(
         f"step time without publishing: mean {mean_off:.3f} s, median {statistics.median(off):.3f} s ({len(off)} steps)"
     )
     console.print(
-        f"step time with publish_async: mean {mean_on:.3f} s, median {statistics.median(on):.3f} s ({len(on)} steps); final flush {tail:.3f} s"
+        f"step time with publish_async: mean {mean_on:.3f} s, median {statistics.median(on):.3f} s ({len(on)} "
+        f"steps); final flush {tail:.3f} s"
     )
     console.print(
-        f"ratio with/without publishing: means {mean_on / mean_off:.3f}, medians {statistics.median(on) / statistics.median(off):.3f} "
+        f"ratio with/without publishing: means {mean_on / mean_off:.3f}, "
+        f"medians {statistics.median(on) / statistics.median(off):.3f} "
         f"(target <= 1.1); means counting the final flush {(sum(on) + tail) / len(on) / mean_off:.3f}"
     )
 

@@ -1,4 +1,5 @@
-"""Benchmark: prefix-cache hit rate and commit pause with the cache reset at every commit vs salted by version (prints figures).
+"""Benchmark: prefix-cache hit rate and commit pause with the cache reset at every commit vs salted by version (prints
+figures).
 
 One real engine (``--engine vllm``: vLLM on the CPU with the stitchboard worker extension;
 ``--engine sglang``: SGLang on the CPU, TP = 1, stitchboard's loader) serves SmolLM2-135M behind
@@ -117,7 +118,7 @@ def run_mode(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--engine", choices=("vllm", "sglang"), default="vllm", help="the engine behind the sidecar")
     parser.add_argument("--versions", type=int, default=4, help="commits per mode")
     parser.add_argument("--requests", type=int, default=6, help="requests per version")
@@ -143,16 +144,19 @@ def main() -> None:
                 run.close()
             engine.stop()
     print(
-        f"{args.engine}: {args.versions} commits per mode, {args.requests} requests per version sharing a {args.prefix}-sentence prefix, commits while idle"
+        f"{args.engine}: {args.versions} commits per mode, {args.requests} requests per version sharing a "
+        f"{args.prefix}-sentence prefix, commits while idle"
     )
     print(f"{'mode':6} {'hit rate':>9} {'hit tokens':>11} {'queried':>8} {'pause p50':>10} {'pause mean':>11}")
     for mode, r in results.items():
         print(
-            f"{mode:6} {r['hit_rate']:9.3f} {r['hits']:11.0f} {r['queries']:8.0f} {r['pause_p50_s'] * 1e3:8.1f}ms {r['pause_mean_s'] * 1e3:9.1f}ms"
+            f"{mode:6} {r['hit_rate']:9.3f} {r['hits']:11.0f} {r['queries']:8.0f} {r['pause_p50_s'] * 1e3:8.1f}ms "
+            f"{r['pause_mean_s'] * 1e3:9.1f}ms"
         )
     reset, salt = results["reset"], results["salt"]
     print(
-        f"salt/reset: hit rate {salt['hit_rate'] / reset['hit_rate'] if reset['hit_rate'] else float('nan'):.3f}, pause p50 {salt['pause_p50_s'] / reset['pause_p50_s']:.3f}"
+        f"salt/reset: hit rate {salt['hit_rate'] / reset['hit_rate'] if reset['hit_rate'] else float('nan'):.3f}, "
+        f"pause p50 {salt['pause_p50_s'] / reset['pause_p50_s']:.3f}"
     )
 
 

@@ -9,7 +9,8 @@ One run measures, on one SGLang server (TP = 1, stitchboard's loader) with SmolL
    the sidecar reporting the version applied; p50 and max; the sidecar's pause per commit.
 2. ``ROUNDS`` more real steps' patches, each staged while serving (the loader's stager) and
    committed by the adapter as the sidecar does (pause, the stager's write and flush, the version
-   set, state, the flush call when still needed, continue: each call timed), against ``/update_weights_from_disk`` of the same
+   set, state, the flush call when still needed, continue: each call timed),
+   against ``/update_weights_from_disk`` of the same
    version's full checkpoint (SGLang's own reload) and a snapshot load through the loader, in the
    same run; medians printed.
 Targets on CPU (issue 12): pause <= 0.5 x the full reload; publish -> applied p50 <= 1.5 s.
@@ -151,7 +152,9 @@ def main() -> int:
             from_commit.append(t2 - t1)
             pauses.append(status["last_sync"]["pause_seconds"])
         print(
-            f"publish -> applied over {STEPS} real steps: p50 {statistics.median(from_start):.3f} s from publish() start (max {max(from_start):.3f}), p50 {statistics.median(from_commit):.3f} s from the commit (max {max(from_commit):.3f}); sidecar pause p50 {statistics.median(pauses):.3f} s (max {max(pauses):.3f})"
+            f"publish -> applied over {STEPS} real steps: p50 {statistics.median(from_start):.3f} s from publish() "
+            f"start (max {max(from_start):.3f}), p50 {statistics.median(from_commit):.3f} s from the commit (max "
+            f"{max(from_commit):.3f}); sidecar pause p50 {statistics.median(pauses):.3f} s (max {max(pauses):.3f})"
         )
         sidecar.stop()
 
@@ -162,23 +165,33 @@ def main() -> int:
         median = {k: statistics.median(r[k] for r in rounds) for k in rounds[0] if isinstance(rounds[0][k], float)}
         last = rounds[-1]
         print(
-            f"one real step's patch ({last['changed']:,} changed elements, {last['bytes']:,} bytes, cond), medians of {ROUNDS} steps: "
-            f"staged while serving {median['stage_s']:.3f} s (in the engine's stager: {', '.join(f'{k} {median[k]:.3f}' for k in STAGE_KEYS)}; staged while serving: {all(r['in_engine'] for r in rounds)})"
+            f"one real step's patch ({last['changed']:,} changed elements, {last['bytes']:,} bytes, cond), "
+            f"medians of {ROUNDS} steps: "
+            f"staged while serving {median['stage_s']:.3f} s (in the engine's stager: "
+            f"{', '.join(f'{k} {median[k]:.3f}' for k in STAGE_KEYS)}; staged while serving: "
+            f"{all(r['in_engine'] for r in rounds)})"
         )
         print(
-            f"engine pause {median['pause_s']:.3f} s: pause call {median['pause_call_s']:.4f}, commit {median['commit_s']:.4f} "
-            f"(the stager's call {median['stager_s']:.4f}: scheduler held {median['park_s']:.4f}, write, each chunk read back at once, {median['write_s']:.4f}, "
-            f"cache flushed {median['stager_flush_s']:.4f}; version set {median['label_s']:.4f}), state {median['state_s']:.4f}, flush call {median['flush_s']:.4f}, continue {median['resume_s']:.4f}; "
+            f"engine pause {median['pause_s']:.3f} s: pause call {median['pause_call_s']:.4f}, "
+            f"commit {median['commit_s']:.4f} "
+            f"(the stager's call {median['stager_s']:.4f}: scheduler held {median['park_s']:.4f}, write, "
+            f"each chunk read back at once, {median['write_s']:.4f}, "
+            f"cache flushed {median['stager_flush_s']:.4f}; version set {median['label_s']:.4f}), "
+            f"state {median['state_s']:.4f}, flush call {median['flush_s']:.4f}, "
+            f"continue {median['resume_s']:.4f}; "
             f"written and flushed by the stager in every round: {all(r['committed'] and r['flushed'] for r in rounds)}"
         )
         reloads = [x for r in rounds for x in r["reloads"]]
         pauses_ = [r["pause_s"] for r in rounds]
         print(
-            f"SGLang /update_weights_from_disk of the full checkpoint ({len(reloads)} calls): median {statistics.median(reloads):.3f} s, min {min(reloads):.3f}, max {max(reloads):.3f}; "
-            f"engine pause ({ROUNDS} steps): median {median['pause_s']:.3f} s, min {min(pauses_):.3f}, max {max(pauses_):.3f}; snapshot load through the loader: {median['snapshot_s']:.3f} s"
+            f"SGLang /update_weights_from_disk of the full checkpoint ({len(reloads)} calls): "
+            f"median {statistics.median(reloads):.3f} s, min {min(reloads):.3f}, max {max(reloads):.3f}; "
+            f"engine pause ({ROUNDS} steps): median {median['pause_s']:.3f} s, min {min(pauses_):.3f}, "
+            f"max {max(pauses_):.3f}; snapshot load through the loader: {median['snapshot_s']:.3f} s"
         )
         print(
-            f"pause / full reload: {median['pause_s'] / statistics.median(reloads):.2f} (medians; fastest pause / fastest reload {min(pauses_) / min(reloads):.2f}; target <= 0.5); "
+            f"pause / full reload: {median['pause_s'] / statistics.median(reloads):.2f} (medians; "
+            f"fastest pause / fastest reload {min(pauses_) / min(reloads):.2f}; target <= 0.5); "
             f"publish -> applied p50 {statistics.median(from_start):.3f} s (target <= 1.5 s)"
         )
         calls = engine.stub_calls()

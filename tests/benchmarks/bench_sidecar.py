@@ -152,7 +152,8 @@ def main() -> None:
     view_mb = sum(t.nbytes for t in view.values()) / 1e6
     kind = f"vLLM at {args.engine_url}" if args.engine_url else "fake engine"
     print(
-        f"sidecar publish -> applied over loopback, {kind}, {args.steps} steps, view {view_mb:.1f} MB, {args.fraction:.1%} changed per step"
+        f"sidecar publish -> applied over loopback, {kind}, {args.steps} steps, view {view_mb:.1f} MB, "
+        f"{args.fraction:.1%} changed per step"
     )
     print(f"  patch size per step: median {statistics.median(sizes) / 1024:.1f} KiB")
     print(f"  publish call (manifest commit; files uploaded before) (ms p50, p90, max): {ms(published)}")
@@ -161,7 +162,8 @@ def main() -> None:
     print(
         f"  per sync (ms p50): fetch {1000 * statistics.median(s.stage_seconds for s in syncs):.1f}, "
         f"engine staging while serving {1000 * statistics.median(s.engine_stage_seconds for s in syncs):.1f}, "
-        f"pause {1000 * statistics.median(s.pause_seconds for s in syncs):.1f}, apply {1000 * statistics.median(s.apply_seconds for s in syncs):.1f}, "
+        f"pause {1000 * statistics.median(s.pause_seconds for s in syncs):.1f}, "
+        f"apply {1000 * statistics.median(s.apply_seconds for s in syncs):.1f}, "
         f"seen -> applied {1000 * statistics.median(s.total_seconds for s in syncs):.1f}"
     )
 

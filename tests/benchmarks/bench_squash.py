@@ -131,7 +131,8 @@ def main() -> None:
     console.print(
         f"cond squash/chain bytes: {', '.join(f'k={k} {r:.2f}' for k, r in zip(spans, ratios['cond'], strict=True))}; "
         f"per published version: delta encode {delta_s:.2f} s (median), reverse record {record:.2f} s; "
-        f"suggested depths {SUGGESTED_SQUASH_DEPTHS} (off by default): about {extra:.2f} s more per version ({extra / delta_s:.1f}x the delta's encode"
+        f"suggested depths {SUGGESTED_SQUASH_DEPTHS} (off by default): about {extra:.2f} s more per version "
+        f"({extra / delta_s:.1f}x the delta's encode"
         + (
             ""
             if len(shown) == len(SUGGESTED_SQUASH_DEPTHS)

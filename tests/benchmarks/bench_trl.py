@@ -73,7 +73,8 @@ def main() -> int:
     args = parser.parse_args()
     if not vllm_importable() or importlib.util.find_spec("trl") is None:
         print(
-            "bench_trl: vLLM or TRL is not importable in this interpreter; run it with .venv/bin/python after `make venv`"
+            "bench_trl: vLLM or TRL is not importable in this interpreter; "
+            "run it with .venv/bin/python after `make venv`"
         )
         return 0
     import torch
@@ -189,7 +190,8 @@ def main() -> int:
                 row = rows[-1]
                 print(
                     f"step {step}: step {row['step_s']:.2f} s (rollout {row['rollout_s']:.2f} s) | publish: blocking "
-                    f"{row['block_s']:.3f} s, background {row['bg_s']:.2f} s | publish -> applied {row['applied_s']:.2f} s | "
+                    f"{row['block_s']:.3f} s, background {row['bg_s']:.2f} s | publish -> applied "
+                    f"{row['applied_s']:.2f} s | "
                     f"patch {row['patch'] / 1e6:.2f} MB vs full bf16 {row['full'] / 1e6:.1f} MB "
                     f"({row['changed']:.2%} changed)"
                 )
@@ -221,7 +223,8 @@ def main() -> int:
             f"{statistics.median(r['bg_s'] for r in rows):.2f} s, full reload {reload_s:.2f} s"
         )
         print(
-            f"trl: steps={len(rows)} publish_block_s={block:.3f} applied_p50_s={applied:.3f} bytes_ratio_vs_full={ratio:.4f}"
+            f"trl: steps={len(rows)} publish_block_s={block:.3f} applied_p50_s={applied:.3f} "
+            f"bytes_ratio_vs_full={ratio:.4f}"
         )
         return 0
     finally:

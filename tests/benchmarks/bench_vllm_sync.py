@@ -215,7 +215,8 @@ def main() -> int:
             f"{rate:.1f} tokens/s; {streams.errors} failed requests {streams.last_error}"
         )
         last = (
-            f"vllm_sync: idle_p50_s={statistics.median(idle['from_start']):.3f} idle_p95_s={_p95(idle['from_start']):.3f} "
+            f"vllm_sync: idle_p50_s={statistics.median(idle['from_start']):.3f} "
+            f"idle_p95_s={_p95(idle['from_start']):.3f} "
             f"streams{args.streams}_p50_s={statistics.median(loaded['from_start']):.3f} "
             f"bytes_per_step={int(statistics.median(idle['bytes'] + loaded['bytes']))}"
         )

@@ -72,7 +72,8 @@ class ProcessServer:
                 pass
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(
-                    f"bulletin subprocess did not start: {self.proc.stderr.read().decode()[-2000:] if self.proc.stderr else ''}"
+                    "bulletin subprocess did not start: "
+                    f"{self.proc.stderr.read().decode()[-2000:] if self.proc.stderr else ''}"
                 )
             time.sleep(0.05)
 

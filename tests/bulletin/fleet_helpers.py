@@ -46,7 +46,8 @@ class FleetSidecar:
 def start_sidecar(
     bulletin: str, run: str, replica_id: str, engine: FakeEngine, handoff: Path, token: str | None = None, **overrides
 ) -> FleetSidecar:
-    """Serve a sidecar of ``run`` reporting as ``replica_id`` to ``bulletin`` (and the engine's HTTP API, unless it is served)."""
+    """Serve a sidecar of ``run`` reporting as ``replica_id`` to ``bulletin`` (and the engine's HTTP API,
+    unless it is served)."""
     owned = []
     if not engine.url:
         server = AppServer(engine.app())

@@ -105,7 +105,8 @@ def test_versions_cli(server, client, run):
 
 
 def test_client_clis_read_the_client_variables_and_their_legacy_names(secured):
-    """--bulletin/--token come from STITCH_CLIENT_*; the legacy STITCH_BULLETIN_URL/STITCH_TOKEN still work, with a warning; new names and flags win."""
+    """--bulletin/--token come from STITCH_CLIENT_*; the legacy STITCH_BULLETIN_URL/STITCH_TOKEN still work,
+    with a warning; new names and flags win."""
     with secured.client("pub") as pub:
         upload_version(pub, "env-run", 0, snapshot_bytes=10)
     cli = CliRunner()
@@ -195,5 +196,8 @@ def test_client_and_versions_cli_do_not_import_fastapi():
     import subprocess
     import sys
 
-    code = "import sys, stitchboard.bulletin.client, stitchboard.bulletin.versions_cli; bad = {'fastapi', 'starlette', 'uvicorn', 'boto3'} & set(sys.modules); assert not bad, bad"
+    code = (
+        "import sys, stitchboard.bulletin.client, stitchboard.bulletin.versions_cli; "
+        "bad = {'fastapi', 'starlette', 'uvicorn', 'boto3'} & set(sys.modules); assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

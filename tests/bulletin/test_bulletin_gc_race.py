@@ -28,7 +28,8 @@ LATER_S, GRACE_S = 120.0, 60.0
 
 
 class HookStore:
-    """A store that runs ``hook`` once, after (or before) the first call of ``method`` whose key or prefix contains ``where``."""
+    """A store that runs ``hook`` once, after (or before) the first call of ``method`` whose key or prefix contains
+    ``where``."""
 
     def __init__(
         self, inner: Store, method: str, where: str, hook: Callable[[], None], *, before: bool = False

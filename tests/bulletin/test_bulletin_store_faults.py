@@ -1,4 +1,5 @@
-"""Faults between the bulletin and its store: corrupted bodies, refused digests, stored copies that fail their check, presigned uploads.
+"""Faults between the bulletin and its store: corrupted bodies, refused digests, stored copies that fail their check,
+presigned uploads.
 
 The proxy (:class:`tests.support.fault_proxy.FaultProxy`) sits between the bulletin and moto's
 S3 server and answers ``BadDigest`` as S3 does when a body does not match its checksum.

@@ -160,8 +160,10 @@ def _put(url: str, run: str, replica_id: str, body: str | bytes, token: str = "r
         ("history", "[[1, 1700000000], [2, 5e9]]"),  # the year 2128
         ("started_at", "-1"),
         ("started_at", "NaN"),
-        ("last_sync", '{"to_version": 1, "bytes_fetched": 1, "total_seconds": Infinity, "pause_seconds": 0.1, "route": "delta", "finished_at": 1700000000}'),
-        ("last_sync", '{"to_version": 1, "bytes_fetched": 1, "total_seconds": 1.0, "pause_seconds": 0.1, "route": "delta", "finished_at": 1e300}'),
+        ("last_sync", ('{"to_version": 1, "bytes_fetched": 1, "total_seconds": Infinity, "pause_seconds": 0.1, '
+                       '"route": "delta", "finished_at": 1700000000}')),
+        ("last_sync", ('{"to_version": 1, "bytes_fetched": 1, "total_seconds": 1.0, "pause_seconds": 0.1, '
+                       '"route": "delta", "finished_at": 1e300}')),
         ("last_error", '{"type": "X", "message": "m", "at": -Infinity}'),
     ],
 )  # fmt: skip

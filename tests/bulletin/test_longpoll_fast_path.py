@@ -115,6 +115,7 @@ def test_waiters_answered_by_the_fan_out(served, monkeypatch):
     assert (
         'stitch_bulletin_request_seconds_count{method="GET",route="/v1/runs/{run}/versions/latest",status="200"} 30.0'
         in metrics
-        and 'stitch_bulletin_request_seconds_count{method="GET",route="/v1/runs/{run}/versions/latest",status="499"} 1.0'
+        and 'stitch_bulletin_request_seconds_count{method="GET",route="/v1/runs/{run}/versions/latest",status="499"} '
+        "1.0"
         in metrics
     )

@@ -22,7 +22,8 @@ def ref(name: str, size: int, role: str = "patch") -> FileRef:
 
 
 def run_of(delta_bytes: list[int], anchors: dict[int, int]) -> dict[int, VersionManifest]:
-    """Versions 0..len(delta_bytes): version v > 0 has a delta of delta_bytes[v - 1]; anchors: version -> snapshot bytes."""
+    """Versions 0..len(delta_bytes): version v > 0 has a delta of delta_bytes[v - 1]; anchors:
+    version -> snapshot bytes."""
     out = {0: make_manifest(RUN, 0, [ref("snap-0", anchors.get(0, 10_000), "snapshot")])}
     for v, size in enumerate(delta_bytes, start=1):
         files = [ref(f"patch-{v}", size)] + ([ref(f"snap-{v}", anchors[v], "snapshot")] if v in anchors else [])
@@ -33,7 +34,8 @@ def run_of(delta_bytes: list[int], anchors: dict[int, int]) -> dict[int, Version
 def squash(manifests: dict[int, VersionManifest], base: int, target: int, size: int) -> SquashManifest:
     digest = {v: hashlib.sha256(canonical_json(m)).hexdigest() for v, m in manifests.items()}
     return SquashManifest(
-        run_id=RUN, base_version=base, target_version=target, encoding="cond", base_manifest_sha256=digest[base], target_manifest_sha256=digest[target],
+        run_id=RUN, base_version=base, target_version=target, encoding="cond", base_manifest_sha256=digest[base],
+        target_manifest_sha256=digest[target],
         files=[ref(f"squash-{base}-{target}", size)], size_bytes=size, changed_elements=1,
     )  # fmt: skip
 

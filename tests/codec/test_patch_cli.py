@@ -127,7 +127,10 @@ def test_a_command_loads_only_its_own_group() -> None:
 
     from stitchboard.proto.cli import build_app
 
-    probe = "import sys; from stitchboard.proto.cli import build_app; build_app('patch'); print(sorted(m for m in ('torch', 'fastapi', 'matplotlib') if m in sys.modules))"
+    probe = (
+        "import sys; from stitchboard.proto.cli import build_app; build_app('patch'); "
+        "print(sorted(m for m in ('torch', 'fastapi', 'matplotlib') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "[]", out.stdout
     alone = build_app("publish")

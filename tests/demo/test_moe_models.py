@@ -18,8 +18,12 @@ from stitchboard.trainer_client.served_view import served_view
 from tests.support.training import CpuTrainer
 
 EXPERT_NAMES = {
-    "qwen3_moe": ("model.layers.1.mlp.experts.7.gate_proj.weight", "model.layers.1.mlp.experts.7.up_proj.weight", "model.layers.1.mlp.experts.7.down_proj.weight", "model.layers.0.mlp.gate.weight"),
-    "mixtral": ("model.layers.1.block_sparse_moe.experts.3.w1.weight", "model.layers.1.block_sparse_moe.experts.3.w3.weight", "model.layers.1.block_sparse_moe.experts.3.w2.weight", "model.layers.0.block_sparse_moe.gate.weight"),
+    "qwen3_moe": ("model.layers.1.mlp.experts.7.gate_proj.weight", "model.layers.1.mlp.experts.7.up_proj.weight",
+                  "model.layers.1.mlp.experts.7.down_proj.weight", "model.layers.0.mlp.gate.weight"),
+    "mixtral": ("model.layers.1.block_sparse_moe.experts.3.w1.weight",
+                "model.layers.1.block_sparse_moe.experts.3.w3.weight",
+                "model.layers.1.block_sparse_moe.experts.3.w2.weight",
+                "model.layers.0.block_sparse_moe.gate.weight"),
 }  # fmt: skip
 
 

@@ -25,7 +25,10 @@ def test_free_port_is_bindable_and_below_the_kernels_ephemeral_range():
 
 def test_a_process_that_could_not_bind_fails_before_its_timeout(tmp_path: Path):
     # uvicorn's message when its port is taken; the process itself lingers (as SGLang's does).
-    script = "import sys, time; print('ERROR:    [Errno 98] error while attempting to bind on address', flush=True); time.sleep(60)"
+    script = (
+        "import sys, time; print('ERROR:    [Errno 98] error while attempting to bind on address', "
+        "flush=True); time.sleep(60)"
+    )
     proc = ManagedProcess("lingerer", [sys.executable, "-c", script], tmp_path / "p.log", "http://127.0.0.1:9/health")
     try:
         with pytest.raises(DemoError, match="could not bind its port"):
@@ -37,7 +40,10 @@ def test_a_process_that_could_not_bind_fails_before_its_timeout(tmp_path: Path):
 def test_a_niced_process_and_every_thread_it_starts_run_at_that_niceness(tmp_path: Path):
     # The child starts a thread after it began: the niceness is set before its command runs, so
     # the thread inherits it; where the kernel groups sessions, the session's autogroup gets it too.
-    script = "import os, threading, time; threading.Thread(target=time.sleep, args=(60,), daemon=True).start(); print('up', flush=True); time.sleep(60)"
+    script = (
+        "import os, threading, time; threading.Thread(target=time.sleep, args=(60,), "
+        "daemon=True).start(); print('up', flush=True); time.sleep(60)"
+    )
     proc = ManagedProcess(
         "niced", [sys.executable, "-c", script], tmp_path / "p.log", "http://127.0.0.1:9/health", nice=7
     )

@@ -35,7 +35,8 @@ _NO_BODY_STATUS = {204, 304}
 
 @dataclass
 class Rule:
-    """One fault: ``action`` for requests matching ``method`` (None: any) and the regex ``path`` (searched), ``times`` times (None: always)."""
+    """One fault: ``action`` for requests matching ``method`` (None: any) and the regex ``path`` (searched),
+    ``times`` times (None: always)."""
 
     action: str
     path: str = ""
@@ -62,7 +63,9 @@ def _flip(body: bytes) -> bytes:
 
 
 def _error_answer(status: int, code: str, message: str) -> bytes:
-    body = f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code><Message>{message}</Message></Error>'.encode()
+    body = (
+        f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code><Message>{message}</Message></Error>'
+    ).encode()
     head = f"HTTP/1.1 {status} {code}\r\nContent-Type: application/xml\r\nContent-Length: {len(body)}\r\n\r\n".encode()
     return head + body
 

@@ -15,7 +15,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def repo_on_pythonpath(env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """A copy of ``env`` (default: ``os.environ``) whose ``PYTHONPATH`` starts with :data:`REPO`, keeping what it held."""
+    """A copy of ``env`` (default: ``os.environ``) whose ``PYTHONPATH`` starts with :data:`REPO`,
+    keeping what it held."""
     out = dict(os.environ if env is None else env)
     out["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), out.get("PYTHONPATH")]))
     return out

@@ -159,7 +159,8 @@ class RadosGW:
 
 
 def start_radosgw(root: Path | None = None, timeout_s: float = START_TIMEOUT_S) -> RadosGW:
-    """Start a one-node cluster and radosgw in ``root`` (a new temp folder when None); stop it with :meth:`RadosGW.stop`.
+    """Start a one-node cluster and radosgw in ``root`` (a new temp folder when None);
+    stop it with :meth:`RadosGW.stop`.
 
     Raises:
         FileNotFoundError: a program of :data:`BINARIES` is not installed (see :data:`INSTALL_HINT`).

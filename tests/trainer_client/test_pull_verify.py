@@ -24,7 +24,8 @@ VIEW = {"model.w": RawTensor("BF16", (8,), np.arange(8, dtype=np.uint16))}
 
 
 def _commit_v0(bulletin, store_root, run, tmp_path, asset_path: str) -> None:
-    """Commit version 0 with one asset through the ledger, past the publish route's checks (as a version committed before them)."""
+    """Commit version 0 with one asset through the ledger, past the publish route's checks (as a version committed
+    before them)."""
     save_checkpoint(tmp_path / "ckpt", VIEW)
     shard, asset = (tmp_path / "ckpt" / "model.safetensors").read_bytes(), json.dumps({"model_type": "toy"}).encode()
     files = []

@@ -1,4 +1,5 @@
-"""Sharded publish with 2 processes on the CPU (gloo, FSDP2): disjoint parts, one manifest per version, one squash record per span."""
+"""Sharded publish with 2 processes on the CPU (gloo, FSDP2): disjoint parts, one manifest per version,
+one squash record per span."""
 
 from __future__ import annotations
 

@@ -48,7 +48,8 @@ def test_every_version_rebuilt_from_the_bulletin_is_bit_exact(trained, bulletin,
         for r in results:
             per = f"{r.encoded_bytes / r.changed_elements:.2f}" if r.changed_elements else "-"
             print(
-                f"{r.version:7d}  {'yes' if r.snapshot else 'no':6s}  {r.changed_elements:>11,} of {r.total_elements:,}  {100 * r.changed_fraction:8.3f}  {r.encoded_bytes:>12,}  {per:>12}"
+                f"{r.version:7d}  {'yes' if r.snapshot else 'no':6s}  {r.changed_elements:>11,} of "
+                f"{r.total_elements:,}  {100 * r.changed_fraction:8.3f}  {r.encoded_bytes:>12,}  {per:>12}"
             )
     for r in results[1:]:
         assert 0.001 < r.changed_fraction < 0.05  # a real step moves ~0.5-1.5 % of the bf16 elements

@@ -33,7 +33,10 @@ from tests.support.app_server import AppServer
 
 CHARS = "abcdefghijklmnopqrstuvwxyz ?.:"
 VOCAB = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{c: i + 3 for i, c in enumerate(CHARS)}}
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}.{% endfor %}{% if add_generation_prompt %}a:{% endif %}"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}.{% endfor %}"
+    "{% if add_generation_prompt %}a:{% endif %}"
+)
 PROMPTS = ["abc", "hello", "why ?", "xyz"]
 
 
@@ -162,7 +165,8 @@ class TokenEngine(FakeEngine):
 def serve_sidecar(
     bulletin: str, run: str, engine: FakeEngine, workdir: Path, **overrides: Any
 ) -> tuple[AppServer, AppServer, BulletinClient]:
-    """Serve ``engine``'s HTTP API and a real sidecar in front of it on loopback: (sidecar, engine server, its client)."""
+    """Serve ``engine``'s HTTP API and a real sidecar in front of it on loopback: (sidecar, engine server,
+    its client)."""
     engine_server = AppServer(engine.app())
     engine.url = engine_server.url
     settings = SidecarSettings(

@@ -78,7 +78,8 @@ def bf16_state(model: torch.nn.Module, *, with_head: bool = False) -> dict[str, 
 
 
 def write_prime_rl(root: Path, step: int, state: dict[str, torch.Tensor], max_shard_bytes: int | None = None) -> Path:
-    """prime-rl's filesystem broadcast of ``state`` for ``step`` under ``root`` (its ``broadcasts``), ``STABLE`` last."""
+    """prime-rl's filesystem broadcast of ``state`` for ``step`` under ``root`` (its ``broadcasts``),
+    ``STABLE`` last."""
     folder = root / f"step_{step}"
     write_shards(folder, state, max_shard_bytes)
     (folder / "STABLE").touch()

@@ -29,7 +29,8 @@ def _stub(name: str) -> Any:
             with open(path, "a", encoding="utf-8") as f:
                 f.write(f"{time.time():.3f} pid={os.getpid()} sgl_kernel.{name} called with {len(args)} args\n")
         raise NotImplementedError(
-            f"sgl_kernel.{name}: this is stitchboard's stand-in (deploy/sglang_cpu); the real sgl_kernel is not installed on this host"
+            f"sgl_kernel.{name}: this is stitchboard's stand-in (deploy/sglang_cpu); "
+            "the real sgl_kernel is not installed on this host"
         )
 
     call.__name__ = call.__qualname__ = name
