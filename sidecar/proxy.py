@@ -6,9 +6,12 @@
   ``weight_version_start`` / ``weight_version_end`` fields and ``X-Stitch-Version-Start`` /
   ``X-Stitch-Version-End`` headers; streamed (SSE) answers get the start header and the stamps
   at their end. Events are forwarded as soon as they are complete: nothing else is buffered.
-* Where the engine's answers name its own weight version (the kind's ``reports_versions``: SGLang), each answer is checked
-  against what the sidecar held while the request ran before it is sent
-  (:mod:`.answer_versions`); a mismatch is answered 503 ``AnswerVersionMismatch`` instead.
+* What else a model request gets is a list of request features (:mod:`.features`), whose
+  hooks are called in the list's order: where the engine's answers name its own weight version
+  (the kind's ``reports_versions``: SGLang), each answer is checked against what the sidecar
+  held while the request ran before it is sent (:mod:`.answer_versions`; a mismatch is answered
+  503 ``AnswerVersionMismatch`` instead); per-token version spans (:mod:`.spans`); routing
+  replay (:mod:`.routed_experts`); the cache salt (:mod:`.salt`).
 * Read routes (models, tokenizer, model info) are forwarded as they are; every other path is
   refused (the app answers 403 :class:`~.errors.RouteForbiddenError`); the engine's
   ``/metrics`` is served under ``/engine/metrics`` by the app.
@@ -42,15 +45,16 @@ from starlette.types import Receive, Scope, Send
 
 from stitchboard.proto.sidecar_wire import END_HEADER, START_HEADER
 
-from .answer_versions import AnswerVersionCheck, reported_versions
-from .engines.registry import EngineRows, lookup
+from .answer_versions import AnswerVersionCheck
+from .engines.registry import lookup
 from .errors import AnswerVersionMismatchError, EngineUnavailableError
+from .features import ModelRequest, RequestUse, request_features
 from .gate import BODY_FIELD, Gate, parse_constraint
 from .metrics import SidecarMetrics
-from .routed_experts import RoutedExperts, RoutingSource, wants_routing
+from .routed_experts import RoutingSource
 from .salt import CacheSalter
 from .settings import SidecarSettings
-from .spans import DROP, EDITED, WANT_FIELD, SpanLedger, Spans, SpanStamper, wants_spans
+from .spans import WANT_FIELD, SpanLedger
 from .stamps import SseStamper, event_data, stamp_answer
 
 T = TypeVar("T")
@@ -124,17 +128,12 @@ async def _until_disconnect(receive: Receive) -> None:
 
 @dataclass(frozen=True)
 class _Admitted:
-    """One admitted model request, as its answer needs it: the start stamp, the claims it was
-    admitted with, ``release`` (ends the admission once; returns the end stamp), and what the
-    answer is decorated with (each None when the request did not ask): per-token version spans,
-    routing replay from the engine's workers (vLLM), routing replay from the engine's own rows (SGLang)."""
+    """One admitted model request, as its answer needs it: the start stamp, ``release`` (ends the
+    admission once; returns the end stamp), and the parts of the request features it uses."""
 
     start: int
-    claims: int
     release: Callable[[], int | None]
-    spans: Spans | None
-    routed: RoutedExperts | None
-    sg_routed: EngineRows | None
+    uses: list[RequestUse]
 
 
 class Proxy:
@@ -146,6 +145,9 @@ class Proxy:
         metrics: held/rejected/in-flight figures.
         check_engine: the claim's engine check (returns why the claim was dropped, or None);
             answers of engines that report their own weight version are checked with it.
+        spans: the span ledger shared with the reconciler (default: a new one).
+        salter: the cache salter shared with the reconciler (default: one for the settings).
+        routing: the routing the engine's workers capture (an adapter that ``ReplaysRouting``), or None.
     """
 
     def __init__(
@@ -158,9 +160,6 @@ class Proxy:
         salter: CacheSalter | None = None,
         routing: RoutingSource | None = None,
     ) -> None:
-        self.routing = (
-            routing  # the engine's routed experts (vLLM; :mod:`.routed_experts`); None: the kind's own rows, if any
-        )
         self.settings = settings
         self.kind = lookup(settings.engine)  # the engine kind's descriptor (:mod:`.engines.registry`)
         self.spans = spans or SpanLedger()  # shared with the reconciler (per-token version spans, :mod:`.spans`)
@@ -168,11 +167,13 @@ class Proxy:
         self.gate = gate
         self.metrics = metrics
         self.routes = self.kind.routes
-        self.versions = (
+        versions = (
             AnswerVersionCheck(gate, check_engine, settings.engine_call_timeout_s)
             if self.kind.reports_versions and check_engine is not None
             else None
         )
+        #: The request features, in the order their hooks are called (:mod:`.features`).
+        self.features = request_features(self.kind, self.spans, self.salter, routing, versions)
         timeout = httpx.Timeout(settings.engine_timeout_s, connect=settings.engine_call_timeout_s, pool=None)
         self.http = httpx.AsyncClient(
             base_url=settings.engine_url.rstrip("/"),
@@ -248,12 +249,14 @@ class Proxy:
 
     async def forward_model(self, request: Request, path: str, body: bytes) -> Response:
         """Gate, forward and stamp a request whose answer depends on the weights (``path`` on the
-        engine, ``body`` the request's, within its cap).
+        engine, ``body`` the request's, within its cap); the request features (:mod:`.features`)
+        take their part in it, in their list's order.
 
         Raises:
             InvalidVersionConstraintError: bad ``X-Stitch-*`` header or ``weight_version`` field (400).
             WeightVersionError: the constraint is not met within the wait, or has passed (409).
             NotReadyError, EngineUnavailableError: no verified version / engine down (503).
+            RoutedExpertsRefusedError: a malformed routing replay ask (400), or no MoE model (422).
         """
         payload: Any = None
         if body and is_json_body(request.headers.get("content-type")):
@@ -263,13 +266,9 @@ class Proxy:
                 payload = None  # the engine answers the malformed body itself
         had_field = isinstance(payload, dict) and (BODY_FIELD in payload or WANT_FIELD in payload)
         constraint = parse_constraint(request.headers, payload)
-        want = wants_spans(request.headers, payload)
-        start_len = wants_routing(request.headers, payload, path) if self.routing is not None else None
-        if self.routing is not None and start_len is not None:
-            await self.routing.require_moe()
-        engine_rows = self.kind.engine_rows if self.routing is None else None
-        sg_start = wants_routing(request.headers, payload, path) if engine_rows is not None else None
-        want = want or sg_start is not None  # the engine's own rows are tagged from the output tokens' spans
+        client_id = request.headers.get("x-request-id")
+        asked = ModelRequest(path, request.headers, payload, client_id, changed=had_field)
+        uses = [use for feature in self.features if (use := await feature.open(asked)) is not None]
         wait_s = min(
             constraint.wait_s if constraint.wait_s is not None else self.settings.request_wait_s,
             self.settings.max_request_wait_s,
@@ -281,21 +280,10 @@ class Proxy:
         self.metrics.in_flight.set(self.gate.in_flight)
         if held:
             self.metrics.requests_held.inc()
-        routed = (
-            RoutedExperts(self.routing, start_len, payload, request.headers.get("x-request-id"))
-            if self.routing is not None and start_len is not None
-            else None
-        )
-        sg_routed = engine_rows(sg_start, payload) if engine_rows is not None and sg_start is not None else None
-        client_id = routed.request_id if routed is not None else request.headers.get("x-request-id")
-        spans = Spans(self.spans, self.kind.reports_versions, start, path, payload, client_id) if want else None
-        if (
-            self.salter.salt(path, payload, start)
-            or had_field
-            or routed is not None
-            or sg_routed is not None
-            or (spans is not None and spans.changed_body)
-        ):
+        for use in uses:
+            use.admitted(asked, start, claims)
+        uses = [use for use in uses if use.active]
+        if asked.changed:
             body = json.dumps(payload).encode()
         released = False
 
@@ -304,18 +292,16 @@ class Proxy:
             if released:
                 return self.gate.applied
             released = True
-            if spans is not None:
-                spans.forget()
+            for use in uses:
+                use.on_release()
             end = self.gate.release()
             self.metrics.in_flight.set(self.gate.in_flight)
             return end
 
         try:
             upstream = self._upstream_request(request, path, body)
-            if spans is not None and spans.request_id is not None:
-                upstream.headers["x-request-id"] = spans.request_id
-            elif routed is not None:
-                upstream.headers["x-request-id"] = routed.request_id
+            if asked.request_id is not None and asked.request_id != client_id:
+                upstream.headers["x-request-id"] = asked.request_id
             response = await self._unless_gone(request, self._open(upstream))
         except ClientGone:
             release()
@@ -325,7 +311,7 @@ class Proxy:
             raise
         headers = self._headers(response)
         headers[START_HEADER] = _stamp(start)
-        admitted = _Admitted(start, claims, release, spans, routed, sg_routed)
+        admitted = _Admitted(start, release, uses)
         if response.is_stream_consumed:
             try:
                 return await self._plain_answer(response, headers, admitted)
@@ -342,14 +328,9 @@ class Proxy:
                 answer = json.loads(content)
             except ValueError:
                 answer = None
-        if self.versions is not None and response.is_success:
-            await self.versions.verify(reported_versions(answer), admitted.start, self.versions.now(), admitted.claims)
-        if admitted.spans is not None and response.is_success:
-            admitted.spans.attach(answer)
-        if admitted.routed is not None and response.is_success:
-            await admitted.routed.attach(answer)
-        if admitted.sg_routed is not None and response.is_success:
-            admitted.sg_routed.attach(answer)
+        if response.is_success:
+            for use in admitted.uses:
+                await use.on_answer(answer)
         end = admitted.release()
         headers[END_HEADER] = _stamp(end)
         if stamp_answer(answer, admitted.start, end):
@@ -359,75 +340,44 @@ class Proxy:
     def _streamed_answer(
         self, response: httpx.Response, headers: dict[str, str], path: str, admitted: _Admitted
     ) -> Response:
-        start, claims, release, spans, routed, sg_routed = (
-            admitted.start,
-            admitted.claims,
-            admitted.release,
-            admitted.spans,
-            admitted.routed,
-            admitted.sg_routed,
-        )
+        start, release, uses = admitted.start, admitted.release, admitted.uses
         final = _finished_output if path in self.kind.final_in_place else None
 
-        def streamed_spans() -> tuple[list[dict[str, int]] | None, dict[int, list[dict[str, int]]] | None]:
-            if spans is None:
-                return None, None
-            top, per_choice = spans.streamed(self.gate.applied)
-            if sg_routed is not None:
-                stamper.extra = sg_routed.fields(top)
-            return top, per_choice
+        def applied() -> int | None:
+            return self.gate.applied
 
-        stamper = (
-            SseStamper(start, lambda: self.gate.applied, final)
-            if spans is None
-            else SpanStamper(start, lambda: self.gate.applied, final, streamed_spans)
-        )
-        check = self.versions
-        vouched = check is None  # a reported version was checked, or no check applies
+        def on_spans(spans: list[dict[str, int]] | None) -> None:
+            for use in uses:
+                use.on_spans(spans, stamper)
 
-        async def verified(event: bytes) -> bytes:
-            # The bytes to send for ``event``, once the versions it reports (or the engine, at the end) check out.
-            nonlocal vouched
-            data, decoded = event_data(event), None
-            if check is not None and data is not None:
-                if data == b"[DONE]":
-                    if not vouched:
-                        await check.verify(None, start, check.now(), claims)
-                else:
-                    decoded = _json_or_none(data)
-                    if (reported := reported_versions(decoded)) is not None:
-                        vouched = True
-                        await check.verify(reported, start, check.now(), claims)
-            keep = True  # False: the usage chunk only the sidecar asked for (for the routing's length)
-            if routed is not None and data not in (None, b"[DONE]"):
-                decoded = decoded if decoded is not None else _json_or_none(data)
-                keep = routed.see_event(decoded)
-            elif routed is not None and data == b"[DONE]" and not stamper.stamped:
-                stamper.extra = await routed.fields()
-            if spans is not None and data not in (None, b"[DONE]"):
-                decoded = decoded if decoded is not None else _json_or_none(data)
-                if sg_routed is not None:
-                    sg_routed.see_event(decoded)
-                seen = spans.see_event(decoded)
-                if seen == DROP:
-                    return b""  # the usage chunk the sidecar asked for (the client did not)
-                if seen == EDITED:
-                    event = b"data: " + json.dumps(decoded, separators=(",", ":")).encode() + b"\n\n"
-            return stamper.emit(event, decoded) if keep else b""
+        stamper = next(
+            (s for use in uses if (s := use.stamper(start, applied, final, on_spans)) is not None), None
+        ) or SseStamper(start, applied, final)
+
+        async def passed(event: bytes) -> bytes:
+            # The bytes to send for ``event``, once every feature has read it (and any check passed).
+            data = event_data(event)
+            if data is None or not uses:
+                return stamper.emit(event)
+            decoded = None if data == b"[DONE]" else _json_or_none(data)
+            verdicts = [await use.on_event(data, decoded, stamper) for use in uses]
+            if "drop" in verdicts:
+                return b""  # the usage chunk only the sidecar asked for (the client did not)
+            if "edited" in verdicts:
+                event = b"data: " + json.dumps(decoded, separators=(",", ":")).encode() + b"\n\n"
+            return stamper.emit(event, decoded)
 
         async def events() -> AsyncIterator[bytes]:
             out: list[bytes] = []
             try:
                 async for chunk in response.aiter_raw():
                     for event in stamper.split(chunk):
-                        out.append(await verified(event))
+                        out.append(await passed(event))
                     if out:
                         yield b"".join(out)
                         out = []
-                if check is not None and not vouched and not stamper.stamped:  # ended without [DONE]
-                    await check.verify(None, start, check.now(), claims)
-                if routed is not None and not stamper.stamped:
-                    stamper.extra = await routed.fields()
+                for use in uses:
+                    await use.at_end(stamper)
             except httpx.TransportError as exc:  # the engine broke off: the stamp, an error event, no [DONE]
                 log.warning("the engine broke off a streamed answer: %r", exc)
                 message = f"the engine at {self.settings.engine_url} broke off the stream ({type(exc).__name__}): the answer is incomplete; retry the request"

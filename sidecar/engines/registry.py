@@ -59,6 +59,9 @@ class EngineKind:
             :class:`EngineRows` (changes the decoded request body in place).
         final_in_place: model paths whose streams mark each output's final chunk: the stamps go
             into that chunk (:mod:`..stamps`) instead of an event of their own.
+
+    Raises:
+        ValueError: ``routing="engine"`` without an ``engine_rows`` factory, or one given with another mode.
     """
 
     name: str
@@ -70,6 +73,12 @@ class EngineKind:
     routing: Literal["worker", "engine", "none"] = "none"
     engine_rows: Callable[[int, dict[str, Any]], EngineRows] | None = None
     final_in_place: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        if (self.routing == "engine") != (self.engine_rows is not None):
+            raise ValueError(
+                f"engine kind {self.name!r}: routing='engine' needs an engine_rows factory, and only it takes one"
+            )
 
 
 def register(kind: EngineKind) -> None:
