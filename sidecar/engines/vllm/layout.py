@@ -24,46 +24,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import numpy as np
 import torch
 
 from ...errors import UnmappedTensorError
+from ..write_core import BITS, DTYPE_NAMES, TpSlice
 from .formats import refuse_unservable
 
-#: torch dtype -> safetensors dtype name (the codec's names, see proto/dtypes.py).
-TORCH_DTYPE_NAMES: dict[torch.dtype, str] = {
-    torch.bfloat16: "BF16",
-    torch.float16: "F16",
-    torch.float32: "F32",
-    torch.float64: "F64",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-    torch.uint8: "U8",
-    torch.int8: "I8",
-    torch.int16: "I16",
-    torch.int32: "I32",
-    torch.int64: "I64",
-    torch.bool: "BOOL",
-}
-#: element size in bytes -> torch integer dtype used to address raw bits.
-BITS_TORCH: dict[int, torch.dtype] = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+#: torch dtype -> safetensors dtype name; element size -> raw-bits integer dtype (:mod:`..write_core`).
+TORCH_DTYPE_NAMES, BITS_TORCH = DTYPE_NAMES, BITS
 
 
 @dataclass(frozen=True)
-class Placement:
-    """One checkpoint tensor inside this rank's runtime parameter.
+class Placement(TpSlice):
+    """One checkpoint tensor inside this rank's runtime parameter: a :class:`TpSlice` (name,
+    runtime name, dtype, checkpoint shape, split dim, spans, rank, ``row_offset``: the fused
+    shard's offset, ``k`` rows start after ``q`` rows in ``qkv_proj``) plus vLLM's transport.
 
     Attributes:
-        name: checkpoint name.
-        runtime_name: vLLM parameter name (e.g. ``model.layers.0.self_attn.qkv_proj.weight``).
-        dtype: safetensors dtype name of the runtime parameter.
-        shape: the full checkpoint shape this layout implies (1-D or 2-D).
-        split_dim: 0 (rows) or 1 (columns): the dimension TP ranks split; a tensor every rank
-            holds whole has ``split_dim`` 0 and every span ``(0, shape[0])``.
-        spans: per TP rank, ``(start, length)`` along ``split_dim`` in checkpoint coordinates.
-        tp_rank: this rank.
-        row_offset: first row of this rank's block inside the runtime parameter (the fused
-            shard's offset: ``k`` rows start after ``q`` rows in ``qkv_proj``).
         param: the runtime parameter (written in place; never reassigned).
         packed_by: modules holding a packed copy of ``param`` for their GEMM (vLLM CPU backend:
             ``cpu_linear``; the tied ``lm_head`` included); re-packed after a write.
@@ -72,22 +49,9 @@ class Placement:
             tensor of the checkpoint's rows.
     """
 
-    name: str
-    runtime_name: str
-    dtype: str
-    shape: tuple[int, ...]
-    split_dim: int
-    spans: tuple[tuple[int, int], ...]
-    tp_rank: int
-    row_offset: int
     param: torch.nn.Parameter = field(repr=False)
     packed_by: tuple[torch.nn.Module, ...] = field(repr=False)
     transposed: bool = False
-
-    @property
-    def local_span(self) -> tuple[int, int]:
-        """This rank's ``(start, length)`` along ``split_dim``."""
-        return self.spans[self.tp_rank]
 
     @property
     def block_shape(self) -> tuple[int, ...]:
@@ -116,26 +80,6 @@ class Placement:
     def write_block(self, values: torch.Tensor) -> None:
         """Overwrite the whole block with ``values`` (``block_shape``, same element size)."""
         self.block().view(values.dtype).copy_(values)
-
-    def local_indices(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Select the positions this rank holds and map them into its block.
-
-        Args:
-            positions: int64 [k], strictly increasing flat indices in checkpoint coordinates.
-
-        Returns:
-            ``(selected, block_index)``: int64 indices into ``positions`` of the elements this
-            rank holds, and their flat indices into :meth:`block_bits` (both [k_local]).
-        """
-        start, length = self.local_span
-        cols = self.shape[1] if len(self.shape) == 2 else 1
-        if self.split_dim == 0:
-            lo, hi = np.searchsorted(positions, [start * cols, (start + length) * cols])
-            selected = np.arange(lo, hi, dtype=np.int64)
-            return selected, positions[lo:hi] - start * cols
-        col = positions % cols
-        selected = np.flatnonzero((col >= start) & (col < start + length))
-        return selected, (positions[selected] // cols) * length + (col[selected] - start)
 
 
 def _span_tiles(spans: tuple[tuple[int, int], ...]) -> int:

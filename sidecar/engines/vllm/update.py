@@ -53,16 +53,12 @@ from stitchboard.proto.codec import PatchEntry
 from stitchboard.proto.container import RawTensor
 from stitchboard.proto.decode import Patch, TensorDelta
 from stitchboard.proto.dtypes import bits_type
-from stitchboard.proto.errors import (
-    BaseMismatchError,
-    PatchFormatError,
-    TargetMismatchError,
-)
+from stitchboard.proto.errors import BaseMismatchError, PatchFormatError, TargetMismatchError
 from stitchboard.proto.schema import XXH3_128
 
-from ...errors import ApplyFailedError
+from ..write_core import PhaseHook, write_verified
 from .layout import BITS_TORCH, Placement
-from .weights import PhaseHook, WeightIO, placements_for, read_patches
+from .weights import WeightIO, placements_for, read_patches
 
 log = logging.getLogger("stitchboard.sidecar.engines.vllm.update")
 
@@ -234,7 +230,7 @@ def stage_patches(io: WeightIO, steps: Sequence[Step]) -> StagedPatch:
                     delta = step_delta.on(base)
                     timing["decode_s"] += time.perf_counter() - t
                     t = time.perf_counter()
-                    selected, index = p.local_indices(delta.positions)
+                    selected, index = p.select(delta.positions)
                     _apply_step(view, delta, index, selected)
                     touched.append(index)
                     timing["build_s"] += time.perf_counter() - t
@@ -285,7 +281,8 @@ def _write(staged: StagedPatch, hook: PhaseHook) -> None:
 
 
 def commit_staged(io: WeightIO, staged: StagedPatch, hook: PhaseHook) -> dict:
-    """Write a staged update into the live parameters, install its GEMM copies, verify; or restore.
+    """Write a staged update into the live parameters, install its GEMM copies, verify; or restore
+    (:func:`.write_core.write_verified`).
 
     Args:
         io: the rank's weight reader/writer (the one that staged it).
@@ -294,8 +291,8 @@ def commit_staged(io: WeightIO, staged: StagedPatch, hook: PhaseHook) -> dict:
             ``written-unverified`` (fault injection).
 
     Returns:
-        ``staged.report`` plus seconds ``write_s``, ``swap_s`` (installing GEMM copies) and
-        ``verify_s``.
+        ``staged.report`` plus seconds ``write_s``, ``swap_s`` (installing GEMM copies, part of
+        ``write_s``) and ``verify_s``.
 
     Raises:
         ApplyFailedError: the target checksum did not match, another TP rank failed to write,
@@ -303,40 +300,26 @@ def commit_staged(io: WeightIO, staged: StagedPatch, hook: PhaseHook) -> dict:
             back (``restored`` True), or restoring failed too (``restored`` False: the engine
             holds no verified version).
     """
-    hook("staged")
-    timing: dict[str, float] = {}
     old_packs = [(module, module.cpu_linear) for module, _ in staged.packs]
-    try:
-        t = time.perf_counter()
-        io.agreed(lambda: _write(staged, hook), "writing the update")
-        timing["write_s"] = time.perf_counter() - t
+    swap: dict[str, float] = {}
+
+    def write(hook: PhaseHook) -> None:
+        _write(staged, hook)
         t = time.perf_counter()
         for module, linear in staged.packs:
             module.cpu_linear = linear
-        timing["swap_s"] = time.perf_counter() - t
-        hook("written-unverified")
-        t = time.perf_counter()
-        for w in staged.writes:
-            if io.checksum(w.placement) != w.target:
-                raise TargetMismatchError(
-                    f"tensor {w.placement.name!r} does not match its target checksum after the write",
-                    name=w.placement.name,
-                )
-        timing["verify_s"] = time.perf_counter() - t
-    except Exception as exc:
-        restored = True
-        try:
-            for w in reversed(staged.writes):
-                w.placement.write_bits(w.index, w.old)
-            for module, linear in old_packs:
-                module.cpu_linear = linear
-        except Exception:
-            restored = False
-            log.exception("restoring the old bits failed: the engine holds no verified version")
-        raise ApplyFailedError.after_write(
-            f"writing versions {staged.from_version}->{staged.to_version}", exc, restored=restored
-        ) from exc
-    return {**staged.report, **timing}
+        swap["swap_s"] = time.perf_counter() - t
+
+    def undo() -> None:
+        for w in reversed(staged.writes):
+            w.placement.write_bits(w.index, w.old)
+        for module, linear in old_packs:
+            module.cpu_linear = linear
+
+    targets = ((w.placement.name, lambda w=w: io.checksum(w.placement), w.target) for w in staged.writes)
+    what = f"writing versions {staged.from_version}->{staged.to_version}"
+    timing = write_verified(what, write, targets, hook, io.agreed, undo)
+    return {**staged.report, **timing, **swap}
 
 
 def apply_patch_files(io: WeightIO, paths: Sequence[str], from_version: int, to_version: int, hook: PhaseHook) -> dict:

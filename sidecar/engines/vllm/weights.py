@@ -37,13 +37,10 @@ from stitchboard.proto.errors import (
     TensorSetMismatchError,
 )
 
-from ...errors import ApplyFailedError, TpRankError
+from ..write_core import PhaseHook, agreed, write_verified
 from .layout import Placement, RuntimeLayout
 
 T = TypeVar("T")
-
-#: Called at named points of an apply (fault injection); gets the phase name.
-PhaseHook = Callable[[str], None]
 
 
 def _repack(placements: Sequence[Placement]) -> int:
@@ -56,63 +53,6 @@ def _repack(placements: Sequence[Placement]) -> int:
     for mod in modules.values():
         utils.dispatch_cpu_unquantized_gemm(mod, remove_weight=False)
     return len(modules)
-
-
-def _block_bytes(block: torch.Tensor) -> np.ndarray:
-    """A block as a uint8 numpy array (a view on CPU, a host copy on GPU)."""
-    return block.contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
-
-
-def _gathered_tensor_bytes(p: Placement, block: torch.Tensor, group: object) -> np.ndarray:
-    """The full checkpoint tensor's raw bytes, reassembled from every TP rank's ``block``."""
-    split = p.split_dim
-    longest = max(length for _, length in p.spans)
-    mine = block.contiguous().view(torch.uint8)  # [rows, cols * itemsize] or [rows * itemsize]
-    mine = mine.reshape(p.block_shape[0], -1).cpu()
-    pad_shape = list(mine.shape)
-    pad_shape[split] = longest * (1 if split == 0 else p.param.element_size())
-    padded = torch.zeros(pad_shape, dtype=torch.uint8)
-    padded.narrow(split, 0, mine.shape[split]).copy_(mine)
-    parts = [torch.empty_like(padded) for _ in p.spans]
-    torch.distributed.all_gather(parts, padded, group=group)
-    unit = 1 if split == 0 else p.param.element_size()
-    seen: dict[int, torch.Tensor] = {}
-    for (start, length), part in zip(p.spans, parts, strict=False):
-        seen.setdefault(start, part.narrow(split, 0, length * unit))
-    full = torch.cat([seen[s] for s in sorted(seen)], dim=split)
-    return full.contiguous().reshape(-1).numpy()
-
-
-def agreed(group: object | None, step: Callable[[], T], what: str) -> T:
-    """Run ``step`` (rank-local work: reading files, mapping names, writing, a lease check) and
-    tell every TP rank of ``group`` whether any rank failed it, before anyone's next collective;
-    returns its result.
-
-    Without this the other ranks would wait in a gather for a rank that gave up, until the
-    group's timeout (10 min); with it every rank refuses, or restores, at once. With no group
-    (TP = 1) it just runs ``step``.
-
-    Raises:
-        what ``step`` raised, on its rank; :class:`TpRankError` on every other rank when any failed.
-    """
-    error: Exception | None = None
-    result = None
-    try:
-        result = step()
-    except Exception as exc:  # noqa: BLE001 - every rank's failure is shared with the others
-        error = exc
-    failed: dict[int, str] = {}
-    if group is not None:
-        mine = None if error is None else f"{type(error).__name__}: {error}"
-        everyone: list[str | None] = [None] * torch.distributed.get_world_size(group)
-        torch.distributed.all_gather_object(everyone, mine, group=group)
-        failed = {rank: message for rank, message in enumerate(everyone) if message is not None}
-    if error is not None:
-        raise error
-    if failed:
-        rank, message = next(iter(failed.items()))
-        raise TpRankError(f"{what}: TP rank {rank} failed ({message}); this rank did not", failed=failed)
-    return result  # type: ignore[return-value]
 
 
 class WeightIO:
@@ -137,7 +77,7 @@ class WeightIO:
             block: this rank's block of a copy (``p.block(copy)``) to hash instead of the
                 engine's; with TP > 1 every rank must pass its block of the same copy.
         """
-        return xxhash.xxh3_128_hexdigest(self.tensor_bytes(p, block))
+        return p.checksum(p.block() if block is None else block, self.tp_group)
 
     def tensor_bytes(self, p: Placement, block: torch.Tensor | None = None) -> np.ndarray:
         """The full checkpoint tensor's raw little-endian bytes (uint8, flat) as the engine holds it.
@@ -149,11 +89,10 @@ class WeightIO:
         Args:
             p, block: as :meth:`checksum`.
         """
-        block = p.block() if block is None else block
-        return _gathered_tensor_bytes(p, block, self.tp_group) if self.tp_group is not None else _block_bytes(block)
+        return p.gather_whole(p.block() if block is None else block, self.tp_group)
 
     def agreed(self, step: Callable[[], T], what: str) -> T:
-        """:func:`agreed` over this rank's stitchboard TP group."""
+        """:func:`.write_core.agreed` over this rank's stitchboard TP group."""
         return agreed(self.tp_group, step, what)
 
     def checksums(self, names: Sequence[str]) -> dict[str, str]:
@@ -246,7 +185,7 @@ def load_snapshot_files(io: WeightIO, paths: Sequence[str], checksums: dict[str,
 
     Returns:
         Report: ``bytes``, ``tensors``, ``repacked_modules``, seconds ``read_s`` (mapping and
-        hashing the files), ``write_s``, ``repack_s``, ``verify_s``.
+        hashing the files), ``write_s`` (writing and re-packing), ``repack_s`` (of it), ``verify_s``.
 
     Raises:
         PatchFormatError, TensorSetMismatchError (names differ from ``checksums``, a runtime
@@ -259,22 +198,21 @@ def load_snapshot_files(io: WeightIO, paths: Sequence[str], checksums: dict[str,
     t0 = time.perf_counter()
     tensors, places, size = io.agreed(lambda: _read_snapshot(io, paths, checksums), "reading the snapshot")
     t_read = time.perf_counter()
-    hook("staged")
-    timing: dict[str, float] = {}
-    try:
-        io.agreed(lambda: _write_snapshot(io, tensors, places), "writing the snapshot")
-        timing["write_s"] = time.perf_counter() - t_read
+    repacked: dict[str, float] = {}
+
+    def write(_: PhaseHook) -> None:  # no half-written point: the old bits are not kept
+        _write_snapshot(io, tensors, places)
         t = time.perf_counter()
-        repacked = io.agreed(lambda: io.repack_all(list(places.values())), "re-packing GEMM copies")
-        timing["repack_s"] = time.perf_counter() - t
-        hook("written-unverified")
-        t = time.perf_counter()
-        for name, p in places.items():
-            if io.checksum(p) != checksums[name]:
-                raise TargetMismatchError(
-                    f"tensor {name!r} does not match the manifest checksum after loading", name=name
-                )
-        timing["verify_s"] = time.perf_counter() - t
-    except Exception as exc:
-        raise ApplyFailedError.after_write("loading the snapshot", exc, restored=False) from exc
-    return {"bytes": size, "tensors": len(places), "repacked_modules": repacked, "read_s": t_read - t0, **timing}
+        repacked["modules"] = io.repack_all(list(places.values()))
+        repacked["repack_s"] = time.perf_counter() - t
+
+    targets = ((n, lambda p=p: io.checksum(p), checksums[n]) for n, p in places.items())
+    timing = write_verified("loading the snapshot", write, targets, hook, io.agreed, undo=None)
+    return {
+        "bytes": size,
+        "tensors": len(places),
+        "repacked_modules": int(repacked["modules"]),
+        "read_s": t_read - t0,
+        "repack_s": repacked["repack_s"],
+        **timing,
+    }

@@ -80,12 +80,13 @@ from stitchboard.proto.errors import StitchError
 from ...errors import ApplyFailedError, EngineStateError, TpRankError
 from ..contract import FAULT_ENV, FAULT_EXIT_CODE, FAULT_VERSION_ENV
 from ..lease import Lease, parse_owner, parse_ttl
+from ..write_core import agreed
 from . import routing
 from .experts import ExpertLayout
 from .layout import RuntimeLayout
 from .token_counts import output_counts, track_finished
 from .update import StagingJob, apply_patch_files, commit_staged, parse_steps
-from .weights import WeightIO, agreed, load_snapshot_files
+from .weights import WeightIO, load_snapshot_files
 
 log = logging.getLogger("stitchboard.sidecar.engines.vllm.worker")
 
@@ -185,7 +186,7 @@ class StitchWorkerExtension:
         return self._stitch_lease_record
 
     def _stitch_agreed(self, step: Any, what: str) -> Any:
-        """:func:`.weights.agreed` over vLLM's own TP CPU group: RPCs run in the worker's main
+        """:func:`..write_core.agreed` over vLLM's own TP CPU group: RPCs run in the worker's main
         thread, where no staging collective of stitchboard's group can be under way."""
         from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group
 

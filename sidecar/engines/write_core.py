@@ -1,0 +1,246 @@
+"""The in-engine write core: one checkpoint tensor's TP slice over raw bits, and the bit-exact,
+all-or-nothing write. Runs inside the engine's processes (vLLM workers, SGLang schedulers).
+
+Engine-neutral: every engine keeps only its layout (checkpoint name -> :class:`TpSlice` subclass
+holding its runtime parameter) and its transport (how bits reach that parameter). What both
+engines share lives here:
+
+* :class:`TpSlice`: where one rank's block of a checkpoint tensor lies (spans per TP rank along
+  the split dimension), which patch positions it holds (:meth:`TpSlice.select`), its block of a
+  whole tensor (:meth:`TpSlice.local_block`), and the whole tensor reassembled from every rank's
+  block (:meth:`TpSlice.gather_whole`, an all-gather over the TP group's gloo group) to checksum;
+* :func:`agreed`: a rank-local step whose failure every rank learns before its next collective;
+* :func:`write_verified`: write -> fault hook -> verify -> undo -> ``ApplyFailedError``.
+
+Tensors may live on a GPU: every host copy is explicit (``.cpu()`` before ``.numpy()``) and
+documented where it is made.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TypeVar, cast
+
+import numpy as np
+import torch
+import xxhash
+
+from stitchboard.proto.errors import TargetMismatchError
+
+from ..errors import ApplyFailedError, TpRankError
+
+log = logging.getLogger("stitchboard.sidecar.engines.write_core")
+
+T = TypeVar("T")
+#: torch dtype -> safetensors dtype name (the codec's names, see proto/dtypes.py).
+DTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float32: "F32",
+    torch.float64: "F64",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.uint8: "U8",
+    torch.int8: "I8",
+    torch.int16: "I16",
+    torch.int32: "I32",
+    torch.int64: "I64",
+    torch.bool: "BOOL",
+}
+#: element size in bytes -> torch integer dtype used to address raw bits.
+BITS: dict[int, torch.dtype] = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+#: Called at named points of an apply (fault injection): ``staged``, ``half-written``, ``written-unverified``.
+PhaseHook = Callable[[str], None]
+#: ``agreed(step, what)`` over one rank's TP group (:func:`agreed` bound to the group).
+Agreed = Callable[[Callable[[], T], str], T]
+
+
+@dataclass(frozen=True)
+class TpSlice:
+    """One checkpoint tensor as one TP rank holds it: the geometry every engine's slot shares.
+
+    Attributes:
+        name: checkpoint name; runtime_name: the engine's parameter name.
+        dtype: safetensors dtype name of the runtime parameter.
+        shape: the full checkpoint shape (1-D or 2-D).
+        split_dim: 0 (rows) or 1 (columns): the dimension TP ranks split; a tensor every rank
+            holds whole has ``split_dim`` 0 and every span ``(0, shape[0])``.
+        spans: per TP rank, ``(start, length)`` along ``split_dim`` in checkpoint coordinates
+            (length 0: the rank holds only padding of this tensor).
+        tp_rank: this rank.
+        row_offset: first row of this rank's block inside the runtime parameter.
+    """
+
+    name: str
+    runtime_name: str
+    dtype: str
+    shape: tuple[int, ...]
+    split_dim: int
+    spans: tuple[tuple[int, int], ...]
+    tp_rank: int
+    row_offset: int
+
+    @property
+    def local_span(self) -> tuple[int, int]:
+        """This rank's ``(start, length)`` along ``split_dim``."""
+        return self.spans[self.tp_rank]
+
+    @property
+    def whole(self) -> bool:
+        """Whether every rank holds the whole tensor."""
+        return all(span == (0, self.shape[self.split_dim]) for span in self.spans)
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        """The checkpoint shape as ``(rows, cols)`` (a 1-D tensor is one column)."""
+        return (self.shape[0], self.shape[1]) if len(self.shape) == 2 else (self.shape[0], 1)
+
+    def select(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The positions this rank holds, mapped into its block.
+
+        Args:
+            positions: int64 [k], strictly increasing flat indices in checkpoint coordinates.
+
+        Returns:
+            ``(selected, block_index)``: int64 indices into ``positions`` of the elements this
+            rank holds, and their flat row-major indices into this rank's block (both [k_local];
+            padding is never among them).
+        """
+        start, length = self.local_span
+        cols = self.grid[1]
+        if self.split_dim == 0:
+            lo, hi = np.searchsorted(positions, [start * cols, (start + length) * cols])
+            return np.arange(lo, hi, dtype=np.int64), positions[lo:hi] - start * cols
+        col = positions % cols
+        selected = np.flatnonzero((col >= start) & (col < start + length))
+        return selected, (positions[selected] // cols) * length + (col[selected] - start)
+
+    def local_block(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's block (``[rows, cols]``, contiguous) of a whole tensor ``full`` (any shape
+        holding ``shape``'s elements; any dtype); on ``full``'s device."""
+        start, length = self.local_span
+        return full.reshape(self.grid).narrow(self.split_dim, start, length).contiguous()
+
+    def gather_whole(self, block: torch.Tensor, group: object | None) -> np.ndarray:
+        """The whole checkpoint tensor's raw little-endian bytes (uint8, flat, host memory).
+
+        Args:
+            block: this rank's block (rows first: ``[rows]`` or ``[rows, cols]``, any dtype); on
+                a GPU it is copied to the host.
+            group: the TP group's gloo group; with a group every rank must call this for the
+                same tensor, passing its block of the same copy (collective; the blocks are
+                gathered as bytes, gloo has no 16-bit integers; padding is never included).
+                None: this rank's block is the whole tensor (a view on CPU).
+        """
+        rows = block if block.ndim == 2 else block.unsqueeze(1)
+        mine = rows.contiguous().view(torch.uint8).cpu()  # [rows, cols * itemsize]; a host copy on a GPU
+        if group is None:
+            return mine.reshape(-1).numpy()
+        split, unit = self.split_dim, 1 if self.split_dim == 0 else block.element_size()
+        shape = list(mine.shape)
+        shape[split] = max(length for _, length in self.spans) * unit
+        padded = torch.zeros(shape, dtype=torch.uint8)
+        padded.narrow(split, 0, mine.shape[split]).copy_(mine)
+        parts = [torch.empty_like(padded) for _ in self.spans]
+        torch.distributed.all_gather(parts, padded, group=group)
+        seen: dict[int, torch.Tensor] = {}
+        for (start, length), part in zip(self.spans, parts, strict=True):
+            if length:
+                seen.setdefault(start, part.narrow(split, 0, length * unit))
+        return torch.cat([seen[s] for s in sorted(seen)], dim=split).contiguous().reshape(-1).numpy()
+
+    def checksum(self, block: torch.Tensor, group: object | None) -> str:
+        """xxh3-128 hex digest of the whole tensor (:meth:`gather_whole`'s bytes; collective with a group)."""
+        return xxhash.xxh3_128_hexdigest(self.gather_whole(block, group).data)
+
+
+def agreed(group: object | None, step: Callable[[], T], what: str) -> T:
+    """Run rank-local ``step`` (reading files, mapping names, writing, a lease check) and tell
+    every TP rank of ``group`` whether any rank failed it, before anyone's next collective.
+
+    Without this the other ranks would wait in a gather for a rank that gave up, until the
+    group's timeout; with it every rank refuses, or restores, at once. No group (TP = 1): runs
+    ``step``.
+
+    Raises:
+        what ``step`` raised, on its rank; :class:`TpRankError` on every other rank when any failed.
+    """
+    error: Exception | None = None
+    result = None
+    try:
+        result = step()
+    except Exception as exc:  # noqa: BLE001 - every rank's failure is shared with the others
+        error = exc
+    failed: dict[int, str] = {}
+    if group is not None:
+        mine = None if error is None else f"{type(error).__name__}: {error}"
+        everyone: list[str | None] = [None] * torch.distributed.get_world_size(
+            cast("torch.distributed.ProcessGroup", group)
+        )
+        torch.distributed.all_gather_object(everyone, mine, group=group)
+        failed = {rank: message for rank, message in enumerate(everyone) if message is not None}
+    if error is not None:
+        raise error
+    if failed:
+        rank, message = next(iter(failed.items()))
+        raise TpRankError(f"{what}: TP rank {rank} failed ({message}); this rank did not", failed=failed)
+    return result  # type: ignore[return-value]
+
+
+def write_verified(
+    what: str,
+    write: Callable[[PhaseHook], None],
+    targets: Iterable[tuple[str, Callable[[], str], str]],
+    hook: PhaseHook,
+    agreed: Agreed,
+    undo: Callable[[], None] | None,
+) -> dict[str, float]:
+    """Write, verify every target checksum on the live weights, or undo: the engine ends holding
+    either all the new bits, verified, or (``undo`` given) all the old ones.
+
+    Args:
+        what: the update, for messages (``writing versions 3->4``, ``loading the snapshot``).
+        write: writes every new bit on this rank; calls its hook with ``half-written`` halfway.
+            Run under ``agreed`` (every rank learns whether any rank's write failed).
+        targets: per written tensor ``(name, checksum of the live tensor now, target xxh3-128)``;
+            each checksum may be collective (every rank checks the same names in order).
+        hook: called with ``staged`` (nothing written yet), ``half-written`` (through
+            ``write``) and ``written-unverified`` (fault injection).
+        agreed: :func:`agreed` over this rank's TP group.
+        undo: writes every old bit back; None when the old bits are gone (a snapshot load).
+
+    Returns:
+        Seconds ``write_s`` and ``verify_s``.
+
+    Raises:
+        ApplyFailedError: a target checksum did not match, a rank failed to write, or any error
+            while writing (``cause``); ``restored``: whether ``undo`` put the old bits back
+            (False without ``undo``, or when undoing failed too: no verified version held).
+    """
+    hook("staged")
+    timing: dict[str, float] = {}
+    try:
+        t = time.perf_counter()
+        agreed(lambda: write(hook), f"{what}: writing")
+        timing["write_s"] = time.perf_counter() - t
+        hook("written-unverified")
+        t = time.perf_counter()
+        for name, live, target in targets:
+            if live() != target:
+                raise TargetMismatchError(
+                    f"tensor {name!r} does not match its target checksum after the write", name=name
+                )
+        timing["verify_s"] = time.perf_counter() - t
+    except Exception as exc:
+        restored = undo is not None
+        if undo is not None:
+            try:
+                undo()
+            except Exception:
+                restored = False
+                log.exception("restoring the old bits failed: the engine holds no verified version")
+        raise ApplyFailedError.after_write(what, exc, restored=restored) from exc
+    return timing
