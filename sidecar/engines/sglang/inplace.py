@@ -34,13 +34,11 @@ from stitchboard.proto.decode import Patch, read_patch
 from stitchboard.proto.dtypes import bits_type
 from stitchboard.proto.errors import BaseMismatchError, PatchFormatError, TargetMismatchError, TensorSetMismatchError
 
-from ...errors import ApplyFailedError, TpRankError
+from ..write_core import PhaseHook, agreed, write_verified
 from .layout import SglangLayout
 from .slot import Slot
 
 T = TypeVar("T")
-#: Called at named points of an apply (fault injection): ``staged``, ``half-written``, ``written-unverified``.
-PhaseHook = Callable[[str], None]
 XXH3 = "xxh3_128"
 
 
@@ -52,79 +50,26 @@ class Ranks:
         self.group = group
 
     def agreed(self, step: Callable[[], T], what: str) -> T:
-        """Run rank-local ``step`` and share with every rank whether any rank failed it.
-
-        Raises:
-            what ``step`` raised, on its rank; :class:`TpRankError` on the others.
-        """
-        error: Exception | None = None
-        result = None
-        try:
-            result = step()
-        except Exception as exc:  # noqa: BLE001 - every rank's failure is shared with the others
-            error = exc
-        failed: dict[int, str] = {}
-        if self.group is not None:
-            everyone: list[str | None] = [None] * self.layout.tp_size
-            torch.distributed.all_gather_object(
-                everyone, None if error is None else f"{type(error).__name__}: {error}", group=self.group
-            )
-            failed = {r: m for r, m in enumerate(everyone) if m is not None}
-        if error is not None:
-            raise error
-        if failed:
-            rank, message = next(iter(failed.items()))
-            raise TpRankError(f"{what}: TP rank {rank} failed ({message}); this rank did not", failed=failed)
-        return result  # type: ignore[return-value]
+        """:func:`.write_core.agreed` over this rank's TP group."""
+        return agreed(self.group, step, what)
 
     def whole(self, slot: Slot, block: torch.Tensor) -> np.ndarray:
         """The whole checkpoint tensor's raw bits (numpy, flat, the slot's integer type) from every
         rank's ``block`` ([rows, cols] bits of the same copy; collective at TP > 1 unless whole)."""
-        if self.group is None or slot.whole:
-            return block.contiguous().reshape(-1).numpy()
-        split, longest = slot.split_dim, max(length for _, length in slot.spans)
-        unit = 1 if split == 0 else block.element_size()  # gathered as bytes (gloo has no 16-bit integers)
-        mine = block.contiguous().view(torch.uint8)
-        shape = list(mine.shape)
-        shape[split] = longest * unit
-        padded = torch.zeros(shape, dtype=torch.uint8)
-        padded.narrow(split, 0, mine.shape[split]).copy_(mine)
-        parts = [torch.empty_like(padded) for _ in slot.spans]
-        torch.distributed.all_gather(parts, padded, group=self.group)
-        seen: dict[int, torch.Tensor] = {}
-        for (start, length), part in zip(slot.spans, parts, strict=True):
-            if length:
-                seen.setdefault(start, part.narrow(split, 0, length * unit))
-        return torch.cat([seen[s] for s in sorted(seen)], dim=split).contiguous().reshape(-1).view(block.dtype).numpy()
+        group = None if slot.whole else self.group
+        return slot.gather_whole(block, group).view(f"<i{block.element_size()}")
 
     def checksum(self, slot: Slot) -> str:
         """xxh3-128 of the whole checkpoint tensor as the engine holds it now."""
-        return xxhash.xxh3_128_hexdigest(self.whole(slot, slot.bits()).view(np.uint8).data)
-
-
-def _local(slot: Slot, full: np.ndarray) -> np.ndarray:
-    """This rank's block (flat, row-major) of a whole tensor's bits."""
-    rows = slot.shape[0]
-    cols = slot.shape[1] if len(slot.shape) == 2 else 1
-    start, length = slot.spans[slot.tp_rank]
-    grid = full.reshape(rows, cols)
-    return (grid[start : start + length] if slot.split_dim == 0 else grid[:, start : start + length]).reshape(-1)
+        return slot.checksum(slot.bits(), None if slot.whole else self.group)
 
 
 def _block_index(slot: Slot, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The checkpoint flat ``positions`` (int64, increasing) this rank holds: themselves, and their
     flat indices into :meth:`Slot.flat_bits` (int64; padding is never among them)."""
-    cols = slot.shape[1] if len(slot.shape) == 2 else 1
-    start, length = slot.spans[slot.tp_rank]
-    row, col = np.divmod(positions, cols)
-    along = row if slot.split_dim == 0 else col
-    keep = (along >= start) & (along < start + length)
-    row, col = row[keep], col[keep]
-    if slot.split_dim == 0:
-        row = row - start
-    else:
-        col = col - start
-    return positions[keep], slot.flat_index(row, col)
+    selected, index = slot.select(positions)
+    rows, cols = np.divmod(index, slot.block_shape[1])
+    return positions[selected], slot.flat_index(rows, cols)
 
 
 def read_files(paths: Sequence[str], digests: Sequence[str]) -> tuple[list[bytes], int]:
@@ -318,38 +263,20 @@ def commit(ranks: Ranks, writes: list[_Write], hook: PhaseHook, what: str, verif
         ApplyFailedError: a target did not match or writing failed (``restored``: whether the old
             bits are back).
     """
-    hook("staged")
-    timing: dict[str, float] = {}
-    try:
-        t = time.perf_counter()
+    scatter = _scatter_read_back if verify == "written" else _scatter
 
-        scatter = _scatter_read_back if verify == "written" else _scatter
+    def write(hook: PhaseHook) -> None:
+        half = len(writes) // 2 + 1
+        _on_two_threads(writes[:half], scatter)
+        hook("half-written")
+        _on_two_threads(writes[half:], scatter)
 
-        def write() -> None:
-            half = len(writes) // 2 + 1
-            _on_two_threads(writes[:half], scatter)
-            hook("half-written")
-            _on_two_threads(writes[half:], scatter)
+    def undo() -> None:
+        for w in reversed(writes):
+            w.slot.scatter(w.index, w.old)
 
-        ranks.agreed(write, "writing the update")
-        timing["write_s"] = time.perf_counter() - t
-        hook("written-unverified")
-        t = time.perf_counter()
-        for w in writes if verify == "full" else ():
-            if ranks.checksum(w.slot) != w.target:
-                raise TargetMismatchError(
-                    f"tensor {w.slot.name!r} does not match its target checksum after the write", name=w.slot.name
-                )
-        timing["verify_s"] = time.perf_counter() - t
-    except Exception as exc:
-        restored = True
-        try:
-            for w in reversed(writes):
-                w.slot.scatter(w.index, w.old)
-        except Exception:  # noqa: BLE001 - reported as restored=False
-            restored = False
-        raise ApplyFailedError.after_write(what, exc, restored=restored) from exc
-    return timing
+    targets = [(w.slot.name, lambda w=w: ranks.checksum(w.slot), w.target) for w in writes if verify == "full"]
+    return write_verified(what, write, targets, hook, ranks.agreed, undo)
 
 
 def load_snapshot(
@@ -395,24 +322,12 @@ def load_snapshot(
 
     tensors, slots, size = ranks.agreed(read, "reading the snapshot")
     t_read = time.perf_counter()
-    hook("staged")
-    timing: dict[str, float] = {}
-    try:
 
-        def write() -> None:
-            for n, slot in slots.items():
-                full = tensors[n].bits.view(bits_type(slot.dtype))
-                block = torch.from_numpy(_local(slot, np.ascontiguousarray(full)).copy()).view(slot.bits().dtype)
-                slot.bits().copy_(block.reshape(slot.block_shape))
-
-        ranks.agreed(write, "writing the snapshot")
-        timing["write_s"] = time.perf_counter() - t_read
-        hook("written-unverified")
-        t = time.perf_counter()
+    def write(_: PhaseHook) -> None:  # no half-written point: the old bits are not kept
         for n, slot in slots.items():
-            if ranks.checksum(slot) != checksums[n]:
-                raise TargetMismatchError(f"tensor {n!r} does not match the manifest checksum after loading", name=n)
-        timing["verify_s"] = time.perf_counter() - t
-    except Exception as exc:
-        raise ApplyFailedError.after_write("loading the snapshot", exc, restored=False) from exc
+            full = torch.from_numpy(tensors[n].bits.view(bits_type(slot.dtype)).copy())  # the file's bits are read-only
+            slot.bits().copy_(slot.local_block(full).view(slot.bits().dtype))
+
+    targets = [(n, lambda slot=slot: ranks.checksum(slot), checksums[n]) for n, slot in slots.items()]
+    timing = write_verified("loading the snapshot", write, targets, hook, ranks.agreed, undo=None)
     return {"bytes": size, "tensors": len(slots), "read_s": t_read - t0, **timing}

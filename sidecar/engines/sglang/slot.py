@@ -1,5 +1,6 @@
-"""One checkpoint tensor inside one SGLang TP rank's runtime parameter (:class:`Slot`), and the
-dtype tables that address its raw bits. Runs in SGLang's scheduler processes.
+"""One checkpoint tensor inside one SGLang TP rank's runtime parameter (:class:`Slot`: the write
+core's :class:`~..write_core.TpSlice` plus SGLang's transport), and the dtypes it addresses. Runs
+in SGLang's scheduler processes.
 
 :mod:`.layout` (dense tensors) and :mod:`.experts` (fused MoE experts) both build slots; this module
 is what they share, so neither imports the other at run time.
@@ -13,54 +14,34 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-#: torch dtype -> safetensors dtype name (the codec's names, see proto/dtypes.py).
+from ..write_core import BITS, TpSlice
+from ..write_core import DTYPE_NAMES as DTYPE_NAMES_ALL
+
+#: torch dtype -> safetensors dtype name of the dtypes SGLang's slots address (floating point).
 DTYPE_NAMES: dict[torch.dtype, str] = {
-    torch.bfloat16: "BF16",
-    torch.float16: "F16",
-    torch.float32: "F32",
-    torch.float64: "F64",
+    t: DTYPE_NAMES_ALL[t] for t in (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 }
-#: element size in bytes -> torch integer dtype used to address raw bits.
-BITS: dict[int, torch.dtype] = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 @dataclass(frozen=True)
-class Slot:
-    """One checkpoint tensor inside this rank's runtime parameter.
+class Slot(TpSlice):
+    """One checkpoint tensor inside this rank's runtime parameter: a :class:`TpSlice` (name,
+    runtime name, dtype, checkpoint shape, split dim, spans, rank, ``row_offset``) plus SGLang's
+    transport.
 
     Attributes:
-        name: checkpoint name; runtime_name: SGLang's parameter name.
-        dtype: safetensors dtype name; shape: the checkpoint shape (1-D or 2-D).
-        split_dim: 0 (rows) or 1 (columns) that the ranks split; a tensor every rank holds
-            whole has split_dim 0 and every span ``(0, shape[0])``.
-        spans: per TP rank, ``(start, length)`` along ``split_dim`` in checkpoint coordinates
-            (length 0: the rank holds only padding of this tensor).
-        tp_rank: this rank.
-        row_offset, col_offset: where this rank's block starts inside the runtime parameter.
+        col_offset: where this rank's block starts among the runtime parameter's columns.
         param: the runtime parameter (written in place; never reassigned).
     """
 
-    name: str
-    runtime_name: str
-    dtype: str
-    shape: tuple[int, ...]
-    split_dim: int
-    spans: tuple[tuple[int, int], ...]
-    tp_rank: int
-    row_offset: int
     col_offset: int
     param: torch.nn.Parameter = field(repr=False)
 
     @property
-    def whole(self) -> bool:
-        """Whether every rank holds the whole tensor (no gather needed to hash it)."""
-        return all(span == (0, self.shape[self.split_dim]) for span in self.spans)
-
-    @property
     def block_shape(self) -> tuple[int, int]:
         """This rank's block as [rows, cols] (a 1-D tensor is one column)."""
-        rows, cols = (self.shape[0], self.shape[1]) if len(self.shape) == 2 else (self.shape[0], 1)
-        length = self.spans[self.tp_rank][1]
+        rows, cols = self.grid
+        length = self.local_span[1]
         return (length, cols) if self.split_dim == 0 else (rows, length)
 
     def flat_bits(self) -> torch.Tensor:
