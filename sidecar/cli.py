@@ -18,6 +18,7 @@ import uvicorn
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
+from .engines.registry import lookup
 from .settings import SidecarSettings
 
 app = typer.Typer(no_args_is_help=True)
@@ -33,11 +34,32 @@ def sidecar() -> None:
 
 def _settings(**overrides: Any) -> SidecarSettings:
     try:
-        return SidecarSettings(**overrides)
+        settings = SidecarSettings(**overrides)
+        lookup(
+            settings.engine
+        )  # an unknown kind (from STITCH_SIDECAR_ENGINE) is refused here, not at the first request
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         typer.echo(f"invalid sidecar settings: {problems} (options or STITCH_SIDECAR_* env vars)", err=True)
         raise typer.Exit(2) from None
+    except ValueError as exc:
+        typer.echo(f"invalid sidecar settings: engine: {exc} (options or STITCH_SIDECAR_* env vars)", err=True)
+        raise typer.Exit(2) from None
+    return settings
+
+
+def _engine_kind(value: str | None) -> str | None:
+    """``--engine``'s check: a kind built in or registered (:func:`~.engines.registry.lookup`), else a usage error."""
+    if value is not None:
+        try:
+            lookup(value)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from None
+    return value
+
+
+#: Options checked as they are parsed, beyond their field's type.
+OPTION_CHECKS = {"engine": _engine_kind}
 
 
 def option_parameter(name: str, field: FieldInfo) -> inspect.Parameter:
@@ -52,7 +74,7 @@ def option_parameter(name: str, field: FieldInfo) -> inspect.Parameter:
     env = SidecarSettings.model_config.get("env_prefix", "") + name.upper()
     default = None if field.is_required() else field.get_default(call_default_factory=True)
     description = (field.description or "").removesuffix(".")
-    option = typer.Option(default, *decls, help=f"{description} (env {env}).")
+    option = typer.Option(default, *decls, help=f"{description} (env {env}).", callback=OPTION_CHECKS.get(name))
     annotation = field.annotation if default is not None else Optional[field.annotation]  # noqa: UP045
     return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=annotation)
 

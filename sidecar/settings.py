@@ -228,15 +228,6 @@ class SidecarSettings(BaseSettings):
             )
         return self
 
-    @field_validator("engine")
-    @classmethod
-    def _known_engine(cls, value: str) -> str:
-        # Refuse an unknown kind at start (its descriptor says how the sidecar treats the engine).
-        from .engines.registry import lookup
-
-        lookup(value)
-        return value
-
     @field_validator("replica_id")
     @classmethod
     def _valid_replica_id(cls, value: str | None) -> str | None:
