@@ -128,6 +128,30 @@ def lease_grant(answers: Sequence[RankAnswer], owner: str, sent_at: float) -> Le
     return LeaseGrant(owner, sent_at + min(lease.expires_in_s for lease in leases if lease is not None))
 
 
+def granted_lease(answers: Sequence[RankAnswer], owner: str, sent_at: float, method: str, path: str) -> LeaseGrant:
+    """:func:`lease_grant` of a take every rank answered without an error.
+
+    Raises:
+        EngineRequestError: some rank names another holder (or none) although no rank refused:
+            the engine's lease code disagrees with itself; ``path`` is the transport the answers came by.
+    """
+    grant = lease_grant(answers, owner, sent_at)
+    if grant is None:
+        raise EngineRequestError(
+            f"{method}: the ranks granted the lease but name other holders: {[a.lease for a in answers]}", path=path
+        )
+    return grant
+
+
+def snapshot_checksums(paths: Sequence[str]) -> dict[str, str]:
+    """Tensor name -> xxh3-128 checksum (:func:`stitchboard.proto.codec.checksum`) of every tensor in the
+    snapshot shards ``paths`` (safetensors files), for a load whose manifest checksums were not given."""
+    from stitchboard.proto.codec import checksum
+    from stitchboard.proto.container import read_safetensors
+
+    return {name: checksum(t) for path in paths for name, t in read_safetensors(path)[1].items()}
+
+
 def lease_refusal(answers: Sequence[RankAnswer]) -> LeaseNotHeldError | None:
     """The first rank's ``LeaseNotHeld`` refusal among ``answers`` (None: no rank refused so)."""
     for answer in answers:

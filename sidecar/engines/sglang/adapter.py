@@ -67,7 +67,16 @@ from stitchboard.proto.decode import read_patch
 
 from ...errors import ApplyFailedError, EngineRequestError, EngineStateError, EngineUnavailableError, LeaseNotHeldError
 from ..base import EngineState, LeaseGrant, LeaseGuard
-from ..rpc import RankAnswer, combine, lease_grant, lease_refusal, parse_answers, raise_if_failed
+from ..rpc import (
+    RankAnswer,
+    combine,
+    granted_lease,
+    lease_grant,
+    lease_refusal,
+    parse_answers,
+    raise_if_failed,
+    snapshot_checksums,
+)
 from .loader import LOADER_PATH, REQUEST_NAME, process_start
 from .stager import ask, control_address
 
@@ -385,12 +394,7 @@ class SglangEngine:
         except LeaseNotHeldError:
             self._lease.refused(owner)
             raise
-        grant = lease_grant(answers, owner, sent)
-        if grant is None:
-            raise EngineRequestError(
-                f"the loader granted the lease but names other holders: {[a.lease for a in answers]}",
-                path="control_socket",
-            )
+        grant = granted_lease(answers, owner, sent, "lease", "control_socket")
         self._lease.taken(grant, ttl_s)
         return grant
 
@@ -662,10 +666,7 @@ class SglangEngine:
             ApplyRefusedError: refused before any write; ApplyFailedError (``restored`` False).
         """
         if checksums is None:
-            from stitchboard.proto.codec import checksum
-            from stitchboard.proto.container import read_safetensors
-
-            checksums = {name: checksum(t) for path in paths for name, t in read_safetensors(path)[1].items()}
+            checksums = snapshot_checksums(paths)
         self._lease.ensure("loading a snapshot", self.take_lease)
         t = time.perf_counter()
         args = {

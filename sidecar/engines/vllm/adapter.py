@@ -28,14 +28,16 @@ import httpx
 
 from ...errors import EngineRequestError, EngineUnavailableError, LeaseNotHeldError
 from ..base import EngineState, LeaseGrant, LeaseGuard
-from ..rpc import RankAnswer, combine, lease_grant, lease_refusal, parse_answers, raise_if_failed
-
-
-def _snapshot_checksums(paths: Sequence[str]) -> dict[str, str]:
-    from stitchboard.proto.codec import checksum
-    from stitchboard.proto.container import read_safetensors
-
-    return {name: checksum(t) for path in paths for name, t in read_safetensors(path)[1].items()}
+from ..rpc import (
+    RankAnswer,
+    combine,
+    granted_lease,
+    lease_grant,
+    lease_refusal,
+    parse_answers,
+    raise_if_failed,
+    snapshot_checksums,
+)
 
 
 class VllmEngine:
@@ -147,12 +149,7 @@ class VllmEngine:
             self._lease.refused(owner)
             raise refusal
         raise_if_failed("stitch_lease", answers)
-        grant = lease_grant(answers, owner, sent)
-        if grant is None:
-            raise EngineRequestError(
-                f"stitch_lease: the ranks granted the lease but name other holders: {[a.lease for a in answers]}",
-                path="/collective_rpc",
-            )
+        grant = granted_lease(answers, owner, sent, "stitch_lease", "/collective_rpc")
         self._lease.taken(grant, ttl_s)
         return grant
 
@@ -302,7 +299,7 @@ class VllmEngine:
             ApplyRefusedError: refused before any write; ApplyFailedError (``restored`` False):
             failed after writing, the engine holds no version; EngineUnavailableError...
         """
-        sums = dict(checksums) if checksums is not None else _snapshot_checksums(paths)
+        sums = dict(checksums) if checksums is not None else snapshot_checksums(paths)
         t = time.perf_counter()
         results = self._owned(
             "stitch_load_snapshot", {"paths": list(paths), "version": version, "checksums": sums}, self.apply_timeout_s
