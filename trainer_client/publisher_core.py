@@ -164,7 +164,11 @@ class PublisherCore(ABC):
         self.pacing = pacing  # publish waits for the fleet (trainer_client/fleet.py)
         self._lock = threading.Lock()
         self._pending: _Pending | None = None
-        self._published, self._assets, self._asset_data = self._start(resume, assets)
+        try:
+            self._published, self._assets, self._asset_data = self._start(resume, assets)
+        except BaseException:  # refused at the start (changed assets, bulletin down): no client or thread left open
+            PublisherCore.close(self)  # this class's part only: a subclass undoes its own (ShardedPublisher: its group)
+            raise
         self._squasher = Squasher(self.client, self.run, self.rank, squash_depths, encoding)
 
     # -- resume ------------------------------------------------------------------------------

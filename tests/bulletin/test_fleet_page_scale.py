@@ -106,6 +106,7 @@ def test_page_work_grows_linearly_with_replicas():
     assert large <= 15 * small
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the absurd times it feeds matplotlib
 def test_a_plot_that_fails_is_a_note_and_the_page_is_served():
     view, versions = synthetic_fleet(3)
     bad = ReplicaReport.model_construct(  # what validation would refuse: only a record older than it

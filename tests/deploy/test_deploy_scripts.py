@@ -60,7 +60,7 @@ def bulletin(tmp_path):
         yield url
     finally:
         proc.terminate()
-        proc.wait(10)
+        proc.communicate(timeout=10)  # waits and closes the stderr pipe
 
 
 def _publish(url: str, folder: Path, run: str) -> int:

@@ -145,7 +145,14 @@ class FaultProxy:
         asyncio.set_event_loop(self._loop)
         self._server = self._loop.run_until_complete(asyncio.start_server(self._connection, sock=sock))
         started.set()
-        self._loop.run_forever()
+        try:
+            self._loop.run_forever()
+        finally:  # stopped: end the open connections (their writers close) and close the loop
+            tasks = asyncio.all_tasks(self._loop)
+            for task in tasks:
+                task.cancel()
+            self._loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+            self._loop.close()
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         upstream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None

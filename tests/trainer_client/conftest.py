@@ -26,6 +26,14 @@ def bulletin(bulletin_store: Path) -> Iterator[ThreadServer]:
     server.stop()
 
 
+@pytest.fixture(autouse=True)
+def _close_bulletin_clients(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After a test that used the session bulletin, close the clients it made with ``bulletin.client()``."""
+    yield
+    if "bulletin" in request.fixturenames:
+        request.getfixturevalue("bulletin").close_clients()
+
+
 @pytest.fixture
 def run() -> str:
     """A fresh run id."""

@@ -64,6 +64,9 @@ class FlakyTransport(httpx.BaseTransport):
             raise httpx.ReadError("connection reset (test)", request=request)
         return response
 
+    def close(self) -> None:  # httpx.Client.close closes its transport: pass it on to the real one's sockets
+        self.inner.close()
+
 
 def commits(request: httpx.Request) -> bool:
     return request.method == "POST" and request.url.path.endswith("/versions")

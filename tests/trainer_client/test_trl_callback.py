@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 from transformers import TrainerCallback
 
-from stitchboard.bulletin.client import BulletinClient
 from stitchboard.bulletin.errors import UnavailableError
 from stitchboard.proto.container import RawTensor
 from stitchboard.trainer_client.errors import ResumeError
@@ -148,7 +147,7 @@ class CutCommit(TrainerCallback):
 def test_skip_takes_a_lost_commit_off_the_skipped_steps(bulletin, run, tmp_path: Path) -> None:
     proxy = FaultProxy(bulletin.url)
     client = bulletin.client()
-    publisher = Publisher(proxy.url, run, client=BulletinClient(proxy.url, retries=1, backoff_s=0.01))
+    publisher = Publisher(proxy.url, run, retries=1, backoff_s=0.01)
     callback = PublishCallback(publisher, on_fault="skip", background=False)
     try:
         grpo_trainer(tmp_path, steps=3, callbacks=[CutCommit(proxy, 2), callback]).train()
@@ -178,7 +177,7 @@ class OutageAtEnd(TrainerCallback):
 def test_skip_publishes_the_final_weights_again_at_the_train_end(bulletin, run, tmp_path: Path) -> None:
     proxy = FaultProxy(bulletin.url)
     client = bulletin.client()
-    publisher = Publisher(proxy.url, run, client=BulletinClient(proxy.url, retries=1, backoff_s=0.01))
+    publisher = Publisher(proxy.url, run, retries=1, backoff_s=0.01)
     callback = PublishCallback(publisher, on_fault="skip", background=False)
     snapshots = Snapshots()
     try:
@@ -194,7 +193,7 @@ def test_skip_publishes_the_final_weights_again_at_the_train_end(bulletin, run, 
 def _outage_run(bulletin, run, tmp_path: Path, on_fault: str, heal_after_s: float | None, **kwargs: Any):
     proxy = FaultProxy(bulletin.url)
     client = bulletin.client()
-    publisher = Publisher(proxy.url, run, client=BulletinClient(proxy.url, retries=1, backoff_s=0.01), encoding="xor")
+    publisher = Publisher(proxy.url, run, retries=1, backoff_s=0.01, encoding="xor")
     callback = PublishCallback(publisher, on_fault=on_fault, retry_interval_s=0.2, **kwargs)
     snapshots = Snapshots()
     trainer = grpo_trainer(tmp_path, steps=4, callbacks=[Outage(proxy, callback, 2, heal_after_s), callback, snapshots])

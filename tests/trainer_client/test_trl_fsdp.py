@@ -18,15 +18,17 @@ def test_rank0_publishes_the_gathered_full_weights(bulletin, run, tmp_path: Path
     pytest.importorskip("trl")
     env = {**repo_on_pythonpath(), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
     logs = [tmp_path / f"rank{r}.log" for r in range(2)]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(tmp_path / "rendezvous"), bulletin.url, run],
-            env={**env, "RANK": str(r)},
-            stdout=subprocess.DEVNULL,
-            stderr=logs[r].open("wb"),
-        )
-        for r in range(2)
-    ]
+    procs = []
+    for r in range(2):
+        with logs[r].open("wb") as log:  # the rank writes to its own copy of the descriptor: ours closes at once
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(WORKER), str(tmp_path / "rendezvous"), bulletin.url, run],
+                    env={**env, "RANK": str(r)},
+                    stdout=subprocess.DEVNULL,
+                    stderr=log,
+                )
+            )
     try:
         codes = [p.wait(timeout=180) for p in procs]
     finally:

@@ -20,7 +20,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from transformers import TrainerCallback
 
-from stitchboard.bulletin.client import BulletinClient
 from stitchboard.demo.processes import free_socket
 from stitchboard.trainer_client.errors import RolloutError, RolloutVersionError
 from stitchboard.trainer_client.publisher import Publisher
@@ -210,7 +209,7 @@ def test_under_block_a_failed_publish_is_redone_before_the_rollout_waits_for_it(
 ) -> None:
     sidecars.start()
     proxy = FaultProxy(bulletin.url)
-    publisher = Publisher(proxy.url, run, client=BulletinClient(proxy.url, retries=1, backoff_s=0.01))
+    publisher = Publisher(proxy.url, run, retries=1, backoff_s=0.01)
     callback = PublishCallback(publisher, on_fault="block", retry_interval_s=0.2)
     rollout = SidecarRollout(sidecars.urls, callback=callback, wait_s=20)
     seen = Seen()
@@ -233,7 +232,7 @@ def test_under_block_a_failed_publish_is_redone_before_the_rollout_waits_for_it(
 def test_under_skip_a_rollout_without_its_version_says_why(bulletin, run, sidecars: Sidecars, tmp_path: Path) -> None:
     sidecars.start()
     proxy = FaultProxy(bulletin.url)
-    publisher = Publisher(proxy.url, run, client=BulletinClient(proxy.url, retries=1, backoff_s=0.01))
+    publisher = Publisher(proxy.url, run, retries=1, backoff_s=0.01)
     callback = PublishCallback(publisher, on_fault="skip")
     rollout = SidecarRollout(sidecars.urls, callback=callback, wait_s=1)
     outage = OutageAt(proxy, callback, 2, heal_after_s=60)
@@ -253,7 +252,7 @@ def test_under_skip_a_rollout_without_its_version_says_why(bulletin, run, sideca
 
 def test_under_block_the_rollout_waits_no_longer_than_wait_s(bulletin, run, tmp_path: Path) -> None:
     proxy = FaultProxy(bulletin.url)
-    publisher = Publisher(proxy.url, run, client=BulletinClient(proxy.url, retries=1, backoff_s=0.01))
+    publisher = Publisher(proxy.url, run, retries=1, backoff_s=0.01)
     callback = PublishCallback(publisher, on_fault="block", block_timeout_s=120, retry_interval_s=0.2)
     trainer = grpo_trainer(tmp_path)
     rollout = SidecarRollout(["http://127.0.0.1:9"], callback=callback, wait_s=1)
