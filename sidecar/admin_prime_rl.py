@@ -120,7 +120,8 @@ def _weight_dir_of(body: bytes) -> Any:
         data = None
     if not isinstance(data, dict) or "weight_dir" not in data:
         raise InvalidAdminRequestError(
-            f"the body of POST /update_weights must be a JSON object with weight_dir, got {body[:80]!r}; expected {_EXPECTED}",
+            f"the body of POST /update_weights must be a JSON object with weight_dir, got {body[:80]!r}; expected "
+            f"{_EXPECTED}",
             field="body",
             value=body[:80].decode("utf-8", "replace"),
         )

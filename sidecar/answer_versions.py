@@ -135,7 +135,8 @@ class AnswerVersionCheck:
             if version is None or version < start or applied is None or version > applied:
                 reason = await self._engine.after(self.now())
                 raise AnswerVersionMismatchError(
-                    f"the engine answered under weight version {label!r}, but the sidecar held versions {start}..{applied} while the request ran"
+                    f"the engine answered under weight version {label!r}, but the sidecar held versions "
+                    f"{start}..{applied} while the request ran"
                     + (f"; {reason}" if reason else "")
                     + ": the answer is withheld; retry the request",
                     reported_version=str(label),

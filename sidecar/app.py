@@ -171,7 +171,8 @@ def create_app(
         if kind == "read":
             return await proxy.forward_plain(request, route, await request.body())
         raise RouteForbiddenError(
-            f"{request.method} {route} is not forwarded: the sidecar serves inference and read-only routes; engine control (pause, weight updates, sleep...) is the sidecar's alone",
+            f"{request.method} {route} is not forwarded: the sidecar serves inference and read-only routes; engine "
+            "control (pause, weight updates, sleep...) is the sidecar's alone",
             method=request.method,
             path=route,
         )

@@ -160,7 +160,10 @@ class Claim:
     def _broken(self, state: EngineState) -> str | None:
         # Why ``state`` does not back the applied version, or None when it does.
         if state.instance != self._instance:
-            return f"the engine restarted (instance {self._instance} -> {state.instance}): the weights verified on it are gone"
+            return (
+                f"the engine restarted (instance {self._instance} -> {state.instance}): the weights verified on "
+                "it are gone"
+            )
         if self.gate.applied is None:
             return None
         if state.version != self.gate.applied:
@@ -204,7 +207,8 @@ class Claim:
                     state = await asyncio.wait_for(asyncio.shield(call), call_s)
                 except TimeoutError:
                     log.warning(
-                        "the engine has not answered its state call in %g s: new requests are held until it does (at most %g s)",
+                        "the engine has not answered its state call in %g s: new requests are held until it does (at "
+                        "most %g s)",
                         call_s,
                         stall_s,
                     )

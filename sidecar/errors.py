@@ -11,14 +11,19 @@ error body (``{"type": ..., "message": ..., <details>}``, see
     ├── InvalidVersionConstraintError 400  malformed X-Stitch-* header or weight_version field
     ├── RouteForbiddenError           403  engine control / dev route: only the sidecar changes weights
     ├── InvalidPathError              400  a path with dot segments ('.', '..', also percent-encoded)
-    ├── BodyTooLargeError             413  a request body over the max_body_bytes setting (or any to a route without one)
-    ├── BodyBudgetError               503  no room for a body within body_budget_wait_s (bodies in flight hold body_budget_bytes)
+    ├── BodyTooLargeError             413  a request body over the max_body_bytes setting (or any to a route without
+    │                                      one)
+    ├── BodyBudgetError               503  no room for a body within body_budget_wait_s (bodies in flight hold
+    │                                      body_budget_bytes)
     ├── RoutedExpertsRefusedError     400  return_routed_experts malformed, or not served for this model/route
     ├── NotReadyError                 503  no verified version applied (starting, recovering, unhealthy)
     │   (prime-rl's admin API, STITCH_SIDECAR_ADMIN_API=prime-rl, sidecar/admin_prime_rl.py:)
-    ├── InvalidAdminRequestError      422  an admin request the sidecar cannot act on (weight_dir not .../step_N, a pause mode)
-    ├── StepNotAppliedError           503  the version of the asked step was not published and applied within admin_update_wait_s
-    ├── StepRefusedError              409  the engine refused the version of the asked step for good (a tensor set it has no place for)
+    ├── InvalidAdminRequestError      422  an admin request the sidecar cannot act on (weight_dir not .../step_N, a
+    │                                      pause mode)
+    ├── StepNotAppliedError           503  the version of the asked step was not published and applied within
+    │                                      admin_update_wait_s
+    ├── StepRefusedError              409  the engine refused the version of the asked step for good (a tensor set it
+    │                                      has no place for)
     ├── AdapterRunsUnsupportedError   501  LoRA adapter routes: adapter runs are not supported yet (issue #31)
     ├── EngineUnavailableError        503  the engine does not answer
     ├── AnswerVersionMismatchError    503  an engine answer names weights the sidecar did not hold (not delivered)
@@ -26,13 +31,15 @@ error body (``{"type": ..., "message": ..., <details>}``, see
     ├── NothingPublishedError         ---  the run has no version yet (the sidecar waits)
     ├── EngineVersionMismatchError    ---  after a commit the engine records another version than applied
     ├── EngineChangedError            ---  the engine restarted or its record changed under the sidecar (it boots again)
-    │   └── LeaseNotHeldError         ---  the caller does not hold the engine's lease (another sidecar does, or it lapsed)
+    │   └── LeaseNotHeldError         ---  the caller does not hold the engine's lease (another sidecar does, or it
+    │                                      lapsed)
     ├── PlanRefusedError              ---  the engine refused a plan before any write (the held version keeps serving)
     │   (engine adapter and vLLM worker extension:)
     ├── EngineRequestError            ---  the engine answered a control call with an unexpected status/body
     ├── EngineStateError              ---  the engine's recorded version/phase forbids the call (nothing written)
     ├── UnmappedTensorError           ---  a checkpoint name has no runtime place in the engine (nothing written)
-    ├── TpRankError                   ---  another TP rank failed a step this rank passed (all refuse or restore together)
+    ├── TpRankError                   ---  another TP rank failed a step this rank passed (all refuse or restore
+    │                                      together)
     ├── ApplyRefusedError             ---  apply/snapshot refused before the first write (details: cause)
     └── ApplyFailedError              ---  writing began, then failed (details: cause, restored)
 """
@@ -87,7 +94,8 @@ class RouteForbiddenError(SidecarError):
 
 
 class InvalidPathError(SidecarError):
-    """The request path has dot segments (``.``, ``..``, percent-encoded or not): refused, never normalised into another route."""
+    """The request path has dot segments (``.``, ``..``, percent-encoded or not): refused, never normalised into another
+    route."""
 
     type = "InvalidPath"
     status = 400

@@ -2,7 +2,8 @@
 decode them; the engine is untouched. (Staging *inside* the engine is :mod:`.engines.vllm.update`.)
 
 Files land at ``<folder>/<run>/v<version>-<kind>/<path>`` (a memory-backed folder the engine
-reads; ``kind`` is ``delta``, ``squash`` or ``snapshot``, so a step's folder holds its files only). Downloads run concurrently (``concurrency`` at once) through
+reads; ``kind`` is ``delta``, ``squash`` or ``snapshot``, so a step's folder holds its files only). Downloads run
+concurrently (``concurrency`` at once) through
 :meth:`BulletinClient.download_blob`, which retries, resumes partial files and verifies sha256
 and size. A file staged earlier (a coalesced re-plan, or a restart) is re-hashed and reused.
 
@@ -223,13 +224,15 @@ class Fetcher:
         want = manifest.tensor_map()
         if set(tensors) != set(want):
             raise StagingError(
-                f"snapshot of version {manifest.version}: tensors differ from the manifest (missing {sorted(set(want) - set(tensors))[:3]}, extra {sorted(set(tensors) - set(want))[:3]})"
+                f"snapshot of version {manifest.version}: tensors differ from the manifest (missing "
+                f"{sorted(set(want) - set(tensors))[:3]}, extra {sorted(set(tensors) - set(want))[:3]})"
             )
         for name, t in tensors.items():
             spec = want[name]
             if t.dtype != spec.dtype or list(t.shape) != spec.shape:  # its checksum: the engine, before writing
                 raise StagingError(
-                    f"snapshot of version {manifest.version}: tensor {name!r} differs from the manifest (dtype or shape)"
+                    f"snapshot of version {manifest.version}: tensor {name!r} differs from the manifest (dtype or "
+                    "shape)"
                 )
 
     def _check_delta(self, manifest: VersionManifest, paths: list[Path], previous: VersionManifest | None) -> None:

@@ -226,7 +226,8 @@ class Gate:
                         return Admission(self.applied, held, self.claims)
                     if verdict == "passed":
                         raise WeightVersionPassedError(
-                            f"exact version {constraint.exact_version} has passed: the engine holds version {self.applied}",
+                            f"exact version {constraint.exact_version} has passed: the engine holds version "
+                            f"{self.applied}",
                             applied_version=self.applied,
                             target_version=self.target,
                             **constraint.details(),
@@ -263,7 +264,8 @@ class Gate:
             )
         if constrained and verdict == "wait":
             return WeightVersionNotReadyError(
-                f"weight version not ready after {wait_s:g} s: applied {self.applied}, target {self.target}, wanted {constraint.details()}",
+                f"weight version not ready after {wait_s:g} s: applied {self.applied}, target {self.target}, wanted "
+                f"{constraint.details()}",
                 applied_version=self.applied,
                 target_version=self.target,
                 **constraint.details(),

@@ -149,7 +149,8 @@ class LeaseKeeper:
                 if busy() or self.left_s() > 0:
                     continue
                 return self._lose(
-                    f"the engine did not answer the renewal before the lease lapsed ({self.settings.lease_ttl_s:g} s TTL)"
+                    f"the engine did not answer the renewal before the lease lapsed ({self.settings.lease_ttl_s:g} s "
+                    "TTL)"
                 )
             except Exception as exc:  # noqa: BLE001 - an engine that cannot renew backs no claim once the lease lapsed
                 if busy() or self.left_s() > 0:

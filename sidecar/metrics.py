@@ -54,7 +54,8 @@ class SidecarMetrics:
         )
         self.claims_dropped = Counter(
             "stitch_sidecar_claims_dropped",
-            "Times the applied version was withdrawn because the engine restarted, changed its record or stopped answering.",
+            "Times the applied version was withdrawn because the engine restarted, changed its record or stopped "
+            "answering.",
             registry=r,
         )
         self.recoveries = Counter(
@@ -112,12 +113,14 @@ class SidecarMetrics:
         )
         self.lease = Info(
             "stitch_sidecar_lease",
-            "The engine's lease: this sidecar's owner id (owner) and the owner the engine last named as its holder (holder; '' when none).",
+            "The engine's lease: this sidecar's owner id (owner) and the owner the engine last named as its holder "
+            "(holder; '' when none).",
             registry=r,
         )
         self.leases_lost = Counter(
             "stitch_sidecar_leases_lost",
-            "Times this sidecar lost the engine's lease (another sidecar took it, or it lapsed unrenewed) and stopped claiming a version.",
+            "Times this sidecar lost the engine's lease (another sidecar took it, or it lapsed unrenewed) and stopped "
+            "claiming a version.",
             registry=r,
         )
         self.requests_held = Counter(
@@ -125,7 +128,8 @@ class SidecarMetrics:
         )
         self.request_body_bytes = Counter(
             "stitch_sidecar_request_body_bytes",
-            "Request body bytes read, by route template (the proxied routes are '/{path:path}'); reading stops at max_body_bytes.",
+            "Request body bytes read, by route template (the proxied routes are '/{path:path}'); reading stops at "
+            "max_body_bytes.",
             ["route"],
             registry=r,
         )

@@ -57,7 +57,8 @@ def add_ops_routes(app: FastAPI, settings: SidecarSettings, engine: EngineAdapte
         if gate.stalled:
             return answer(
                 "engine_slow",
-                f"the engine has not answered a state check in {settings.engine_call_timeout_s:g} s: new requests are held until it does",
+                f"the engine has not answered a state check in {settings.engine_call_timeout_s:g} s: new requests are "
+                "held until it does",
             )
         if not reconciler.engine_busy:  # the engine is still the instance, at the version, verified?
             dropped = await reconciler.check_engine()
@@ -80,10 +81,14 @@ def add_ops_routes(app: FastAPI, settings: SidecarSettings, engine: EngineAdapte
         gate: Gate = request.app.state.gate
         lag = None if gate.target is None else gate.target - (gate.applied if gate.applied is not None else -1)
         return SidecarStatus(
-            run_id=settings.run, applied_version=gate.applied, target_version=gate.target, lag_versions=lag, state=reconciler.state,
-            healthy=reconciler.unhealthy_reason is None and gate.applied is not None, unhealthy_reason=reconciler.unhealthy_reason,
-            last_error=reconciler.last_error and reconciler.last_error.body(), last_sync=reconciler.last_sync, requests_in_flight=gate.in_flight, requests_waiting=gate.waiting,
-            committing=gate.committing, time=time.time(), refused=reconciler.refused, pause_seconds_by_route=dict(reconciler.pause_by_route),
+            run_id=settings.run, applied_version=gate.applied, target_version=gate.target, lag_versions=lag,
+            state=reconciler.state,
+            healthy=reconciler.unhealthy_reason is None and gate.applied is not None,
+            unhealthy_reason=reconciler.unhealthy_reason,
+            last_error=reconciler.last_error and reconciler.last_error.body(), last_sync=reconciler.last_sync,
+            requests_in_flight=gate.in_flight, requests_waiting=gate.waiting,
+            committing=gate.committing, time=time.time(), refused=reconciler.refused,
+            pause_seconds_by_route=dict(reconciler.pause_by_route),
         )  # fmt: skip
 
     @app.get("/metrics", tags=["ops"])

@@ -380,7 +380,10 @@ class Proxy:
                     await use.at_end(stamper)
             except httpx.TransportError as exc:  # the engine broke off: the stamp, an error event, no [DONE]
                 log.warning("the engine broke off a streamed answer: %r", exc)
-                message = f"the engine at {self.settings.engine_url} broke off the stream ({type(exc).__name__}): the answer is incomplete; retry the request"
+                message = (
+                    f"the engine at {self.settings.engine_url} broke off the stream ({type(exc).__name__}): "
+                    "the answer is incomplete; retry the request"
+                )
                 yield stamper.error(message, EngineUnavailableError.type, EngineUnavailableError.status)
                 return
             except AnswerVersionMismatchError as exc:  # the events before the mismatch went out; then the error

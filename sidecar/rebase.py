@@ -63,12 +63,14 @@ def build_rebase(staged: FetchedPlan, held: Mapping[str, str], out: Path) -> tup
     want = staged.steps[-1].manifest.checksums()
     if set(view) != set(want):
         raise StagingError(
-            f"the anchor route to version {staged.to_version} builds tensors {sorted(set(view) ^ set(want))[:3]} that differ from its manifest's"
+            f"the anchor route to version {staged.to_version} builds tensors {sorted(set(view) ^ set(want))[:3]} that "
+            "differ from its manifest's"
         )
     wrong = [n for n in sorted(want) if checksum(view[n]) != want[n]]
     if wrong:
         raise StagingError(
-            f"the anchor route to version {staged.to_version} builds {len(wrong)} tensors with other checksums than its manifest's (first: {wrong[0]!r})"
+            f"the anchor route to version {staged.to_version} builds {len(wrong)} tensors with other checksums than "
+            f"its manifest's (first: {wrong[0]!r})"
         )
     differ = [n for n in sorted(want) if held.get(n) != want[n]]
     if not differ:

@@ -631,8 +631,10 @@ class Reconciler:
         self.status.publish()
         total = time.perf_counter() - seen
         self.last_sync = SyncReport(
-            from_version=staged.from_version, to_version=staged.to_version, bytes_fetched=staged.bytes_fetched, stage_seconds=staged.seconds, engine_stage_seconds=engine_stage_s,
-            pause_seconds=pause_s, apply_seconds=apply_s, total_seconds=total, anchor=staged.from_version is None, finished_at=time.time(), route=route,
+            from_version=staged.from_version, to_version=staged.to_version, bytes_fetched=staged.bytes_fetched,
+            stage_seconds=staged.seconds, engine_stage_seconds=engine_stage_s,
+            pause_seconds=pause_s, apply_seconds=apply_s, total_seconds=total, anchor=staged.from_version is None,
+            finished_at=time.time(), route=route,
         )  # fmt: skip
         self.metrics.commits.labels("flipped" if flipped else "applied").inc()
         self.metrics.sync_seconds.observe(total)

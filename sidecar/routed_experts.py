@@ -162,7 +162,8 @@ def routed_fields(
     rows = base64.b64decode(routing["rows"])
     if first > start_len or first + len(rows) // row_bytes < end:
         fields[ERROR_FIELD] = (
-            f"the engine routed positions {first}..{first + len(rows) // row_bytes - 1} in this request, not all of {start_len}..{end - 1}"
+            f"the engine routed positions {first}..{first + len(rows) // row_bytes - 1} in this request, not all of "
+            f"{start_len}..{end - 1}"
         )
         return fields
     fields["sglext"]["routed_experts"] = base64.b64encode(

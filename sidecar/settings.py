@@ -50,7 +50,8 @@ class SidecarSettings(BaseSettings):
     )
     engine: str = Field(
         "vllm",
-        description="Engine kind behind the sidecar: vllm or sglang (or a kind registered with stitchboard.sidecar.engines.register).",
+        description="Engine kind behind the sidecar: vllm or sglang (or a kind registered with "
+        "stitchboard.sidecar.engines.register).",
     )
     engine_url: str = Field("http://127.0.0.1:8001", description="Base URL of the engine's HTTP server (same host).")
     host: str = Field("127.0.0.1", description="Address the sidecar listens on.")
@@ -87,11 +88,13 @@ class SidecarSettings(BaseSettings):
     refused_retry_s: float = Field(
         30.0,
         ge=0,
-        description="Wait before the same plan (from, to version) is tried again after the engine refused it, seconds; a newer version ends the wait.",
+        description="Wait before the same plan (from, to version) is tried again after the engine refused it, "
+        "seconds; a newer version ends the wait.",
     )
     stage_anchor_routes: bool = Field(
         True,
-        description="Stage anchor routes on an engine that holds a verified version while it serves: the target is built in the sidecar and only the tensors that differ are written in the pause.",
+        description="Stage anchor routes on an engine that holds a verified version while it serves: the target is "
+        "built in the sidecar and only the tensors that differ are written in the pause.",
     )
 
     request_wait_s: float = Field(
@@ -104,42 +107,47 @@ class SidecarSettings(BaseSettings):
     engine_call_timeout_s: float = Field(
         10.0,
         gt=0,
-        description="Timeout of a control call to the engine (health, state, pause, resume, prefix-cache reset), seconds.",
+        description="Timeout of a control call to the engine (health, state, pause, resume, prefix-cache reset), "
+        "seconds.",
     )
     engine_stall_timeout_s: float = Field(
         120.0,
         gt=0,
         description=(
-            "How long the engine may take to answer a state check it has not refused before the claim is dropped, seconds (at least engine_call_timeout_s). "
-            "Past engine_call_timeout_s new requests are held: a long step or a first-use kernel compile holds the engine's control calls, while a restarted or killed engine refuses them at once."
+            "How long the engine may take to answer a state check it has not refused before the claim is dropped, "
+            "seconds (at least engine_call_timeout_s). "
+            "Past engine_call_timeout_s new requests are held: a long step or a first-use kernel compile holds the "
+            "engine's control calls, while a restarted or killed engine refuses them at once."
         ),
     )
     engine_apply_timeout_s: float = Field(
         900.0,
         gt=0,
-        description="Timeout of an engine call that reads or writes weights (stage, commit, apply, snapshot load, checksums), seconds.",
+        description="Timeout of an engine call that reads or writes weights (stage, commit, apply, snapshot load, "
+        "checksums), seconds.",
     )
     engine_check_interval_s: float = Field(
         1.0,
         gt=0,
-        description="How often the sidecar checks that the engine is still the instance, at the version, it verified (also at every /health and before every commit), seconds.",
+        description="How often the sidecar checks that the engine is still the instance, at the version, it verified "
+        "(also at every /health and before every commit), seconds.",
     )
     lease_ttl_s: float = Field(
         5.0,
         gt=0,
         le=3600,
         description=(
-            "How long the engine's lease lasts unless renewed, seconds (default 5): how long a replacement sidecar waits "
-            "after the holder stopped renewing (killed, frozen or cut off) before it takes the engine over; a clean stop "
-            "releases the lease at once. Keep it above the engine's slowest answer to a control call."
+            "How long the engine's lease lasts unless renewed, seconds (default 5): how long a replacement sidecar "
+            "waits after the holder stopped renewing (killed, frozen or cut off) before it takes the engine over; a "
+            "clean stop releases the lease at once. Keep it above the engine's slowest answer to a control call."
         ),
     )
     lease_renew_interval_s: float = Field(
         1.0,
         gt=0,
         description=(
-            "How often the sidecar renews the engine's lease, and tries again to take it while another sidecar holds it, "
-            "seconds (default 1; at most half of lease_ttl_s)."
+            "How often the sidecar renews the engine's lease, and tries again to take it while another sidecar holds "
+            "it, seconds (default 1; at most half of lease_ttl_s)."
         ),
     )
     retry_after_s: int = Field(
@@ -147,33 +155,37 @@ class SidecarSettings(BaseSettings):
     )
     salt_cache: bool = Field(
         False,
-        description="Salt each request's prefix-cache key by the version it is admitted under (cache_salt, vLLM and SGLang) instead of resetting the cache at every commit (sidecar/salt.py).",
+        description="Salt each request's prefix-cache key by the version it is admitted under (cache_salt, vLLM and "
+        "SGLang) instead of resetting the cache at every commit (sidecar/salt.py).",
     )
     max_body_bytes: int = Field(
         64 * 1024 * 1024,
         ge=1,
-        description="Largest request body the proxy reads, bytes (default 64 MiB); larger ones get 413, reading stops at the cap.",
+        description="Largest request body the proxy reads, bytes (default 64 MiB); larger ones get 413, reading stops "
+        "at the cap.",
     )
     body_budget_bytes: int = Field(
         256 * 1024 * 1024,
         ge=1,
         description=(
-            "Most bytes of request bodies the proxy holds at once across all requests in flight, bytes (default 256 MiB; "
-            "at least max_body_bytes): a declared body takes its length before it is read, a chunked one as it arrives, "
-            "each until its answer ends. The process holds up to about twice this while the bodies are joined and parsed."
+            "Most bytes of request bodies the proxy holds at once across all requests in flight, bytes (default 256 "
+            "MiB; at least max_body_bytes): a declared body takes its length before it is read, a chunked one as it "
+            "arrives, each until its answer ends. The process holds up to about twice this while the bodies are joined "
+            "and parsed."
         ),
     )
     body_budget_wait_s: float = Field(
         5.0,
         ge=0,
-        description="How long a request body waits for room in body_budget_bytes before it is answered 503 BodyBudgetExhausted, seconds (default 5).",
+        description="How long a request body waits for room in body_budget_bytes before it is answered 503 "
+        "BodyBudgetExhausted, seconds (default 5).",
     )
 
     admin_api: Literal["off", "prime-rl"] = Field(
         "off",
         description=(
-            "Engine-control routes the sidecar serves itself for an RL framework's orchestrator: off (every control route "
-            "answers 403 RouteForbidden) or prime-rl (its /pause, /resume, /update_weights and LoRA routes; "
+            "Engine-control routes the sidecar serves itself for an RL framework's orchestrator: off (every control "
+            "route answers 403 RouteForbidden) or prime-rl (its /pause, /resume, /update_weights and LoRA routes; "
             "docs/integrations/prime-rl.md). None of them calls the engine's own control routes."
         ),
     )
@@ -182,22 +194,26 @@ class SidecarSettings(BaseSettings):
         gt=0,
         description=(
             "prime-rl admin API: how long one POST /update_weights waits for its step's version to be published and "
-            "applied, seconds (default 600, below prime-rl's 720 s per attempt); then 503 StepNotApplied, which prime-rl retries."
+            "applied, seconds (default 600, below prime-rl's 720 s per attempt); then 503 StepNotApplied, which "
+            "prime-rl retries."
         ),
     )
 
     replica_id: str | None = Field(
         None,
-        description="Stable id of this replica in the bulletin's fleet view (1-128 of [A-Za-z0-9._-]); None: '<host name>-<port>'.",
+        description="Stable id of this replica in the bulletin's fleet view (1-128 of [A-Za-z0-9._-]); None: '<host "
+        "name>-<port>'.",
     )
     report: bool = Field(
         True,
-        description="Report this replica to the bulletin's fleet view (needs a token with the replica scope once the bulletin has tokens).",
+        description="Report this replica to the bulletin's fleet view (needs a token with the replica scope once the "
+        "bulletin has tokens).",
     )
     report_min_interval_s: float = Field(
         1.0,
         gt=0,
-        description="Fleet reports: the least time between two reports that do not change the applied version, seconds.",
+        description="Fleet reports: the least time between two reports that do not change the applied version, "
+        "seconds.",
     )
     report_max_backoff_s: float = Field(
         60.0, gt=0, description="Fleet reports: the longest wait after failed reports, seconds."
@@ -206,7 +222,8 @@ class SidecarSettings(BaseSettings):
     log_level: str = Field("info", description="Log level of the sidecar and uvicorn.")
     fault_phase: Literal["paused"] | None = Field(
         None,
-        description="Crash tests only: exit the process (status 86) at this phase of a commit; 'paused': right after pausing the engine. None: never.",
+        description="Crash tests only: exit the process (status 86) at this phase of a commit; 'paused': right after "
+        "pausing the engine. None: never.",
     )
 
     @model_validator(mode="after")
@@ -223,8 +240,8 @@ class SidecarSettings(BaseSettings):
     def _budget_holds_a_body(self) -> SidecarSettings:
         if self.body_budget_bytes < self.max_body_bytes:
             raise ValueError(
-                f"body_budget_bytes ({self.body_budget_bytes}) must be at least max_body_bytes ({self.max_body_bytes}): "
-                "a body at the cap could never be read"
+                f"body_budget_bytes ({self.body_budget_bytes}) must be at least max_body_bytes "
+                f"({self.max_body_bytes}): a body at the cap could never be read"
             )
         return self
 

@@ -258,7 +258,8 @@ class Spans:
             item[SPANS_FIELD] = engine_spans(info, completion_tokens(item))
 
     def _strip(self, obj: dict[str, Any]) -> bool:
-        # Remove the token ids only the sidecar asked for (the answer's and its choices'); returns whether any were there.
+        # Remove the token ids only the sidecar asked for (the answer's and its choices'); returns whether any were
+        # there.
         found = False
         for item in [obj, *(c for c in obj.get("choices") or [] if isinstance(c, dict))]:
             for key in _IDS:

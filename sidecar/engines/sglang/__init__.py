@@ -26,7 +26,8 @@ if TYPE_CHECKING:
 
 #: SGLang's model routes (gated and stamped).
 MODEL_PATHS = (
-    "/generate", "/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/encode", "/classify", "/v1/classify", "/v1/score", "/v1/rerank",
+    "/generate", "/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/encode", "/classify", "/v1/classify",
+    "/v1/score", "/v1/rerank",
     "/v1/responses", "/invocations", "/v1/messages",
 )  # fmt: skip
 ROUTES = RouteTable(

@@ -26,7 +26,8 @@ to a record file under ``record_dir``, parsed like the vLLM worker's (:mod:`..rp
   is written, the scheduler thread held in its paused loop meanwhile: :mod:`.paused_hold`) and
   records, and ``/update_weight_version`` (``abort_all_requests`` false, never
   its default) sets the version: no write session, whose begin, call and end cost ~30 ms of
-  the pause. A plan made stale by another write is staged again by an update call. At TP > 1 (or with no stager) the files are checked here (sha256, patch format)
+  the pause. A plan made stale by another write is staged again by an update call. At TP > 1 (or with no stager) the
+  files are checked here (sha256, patch format)
   and the engine decodes, checks, writes and verifies them inside the pause.
 * Instance: each rank's loader draws an id when its process first imports it; records carry the
   process id and start time, so a record whose process is gone (the server restarted) is
@@ -240,7 +241,8 @@ class SglangEngine:
                 record = None
             if not isinstance(record, dict) or record.get("request") != req_id:
                 raise EngineRequestError(
-                    f"rank {rank} wrote no answer to request {req_id} in {path} (is the stitchboard loader registered with --custom-weight-loader {LOADER_PATH}?)",
+                    f"rank {rank} wrote no answer to request {req_id} in {path} (is the stitchboard loader registered "
+                    f"with --custom-weight-loader {LOADER_PATH}?)",
                     path="/update_weights_from_tensor",
                 )
             records.append(record.get("answer"))
@@ -284,7 +286,8 @@ class SglangEngine:
                     self._lease.note(lease_grant(answers, req["owner"], sent))
                 if instance is not None and combine(answers).instance != instance:
                     raise EngineStateError(
-                        f"the engine restarted (instance {instance} -> {combine(answers).instance}): nothing is recorded on it",
+                        f"the engine restarted (instance {instance} -> {combine(answers).instance}): nothing is "
+                        "recorded on it",
                         held=None,
                         phase="idle",
                     )
@@ -457,7 +460,8 @@ class SglangEngine:
 
     def output_counts(self) -> dict[str, int]:
         """Output tokens so far of the streamed requests the sidecar marked (``rid`` or
-        ``custom_params`` holding ``stitch-<32 hex>``), by output key (:mod:`.token_counts`); rank 0's. Call it while paused.
+        ``custom_params`` holding ``stitch-<32 hex>``), by output key (:mod:`.token_counts`); rank 0's. Call it while
+        paused.
 
         Raises:
             EngineUnavailableError, EngineRequestError: the engine does not answer or cannot count.
@@ -591,7 +595,8 @@ class SglangEngine:
         except (OSError, ValueError) as exc:
             self._unverified()  # the bits may be anything between the two versions
             raise EngineUnavailableError(
-                f"the engine's stager at {address!r} broke off writing versions {start}->{end} ({type(exc).__name__}: {exc}): the engine may hold part of them",
+                f"the engine's stager at {address!r} broke off writing versions {start}->{end} ({type(exc).__name__}: "
+                f"{exc}): the engine may hold part of them",
                 path="stage_socket",
             ) from exc
         answers = parse_answers("stitchboard stager", [answer])
@@ -689,7 +694,8 @@ class SglangEngine:
         state = self.state()
         if state.phase not in ("idle", "paused") or state.version != base:
             raise EngineStateError(
-                f"the engine records version {state.version} (phase {state.phase}), not {base}: version {version} is not recorded",
+                f"the engine records version {state.version} (phase {state.phase}), not {base}: version {version} is "
+                "not recorded",
                 held=state.version,
                 phase=state.phase,
             )

@@ -95,7 +95,8 @@ def expert_slot(model: torch.nn.Module, tp_rank: int, tp_size: int, name: str) -
         or w13.dtype not in DTYPE_NAMES
     ):
         raise UnmappedTensorError(
-            f"tensor {name!r}: {prefix}.experts holds w13 {w13.dtype}{list(w13.shape)} and w2 {w2.dtype}{list(w2.shape)}, not [E, 2P, H] / [E, H, P] with "
+            f"tensor {name!r}: {prefix}.experts holds w13 {w13.dtype}{list(w13.shape)} and w2 "
+            f"{w2.dtype}{list(w2.shape)}, not [E, 2P, H] / [E, H, P] with "
             f"E = {experts}, P = {width} (the checkpoint layout this map addresses)",
             name=name,
         )
@@ -107,7 +108,8 @@ def expert_slot(model: torch.nn.Module, tp_rank: int, tp_size: int, name: str) -
     tp_size, tp_rank = int(layer.moe_tp_size), int(layer.moe_tp_rank)
     if (tp_size, tp_rank) != (model_tp_size, model_tp_rank):
         raise UnmappedTensorError(
-            f"tensor {name!r}: {prefix}.experts splits over {tp_size} ranks (this is rank {tp_rank}), the model over {model_tp_size}",
+            f"tensor {name!r}: {prefix}.experts splits over {tp_size} ranks (this is rank {tp_rank}), the model over "
+            f"{model_tp_size}",
             name=name,
         )
     real = _real_width(model, name, width * tp_size)
@@ -145,7 +147,10 @@ def _refuse_other_layouts(name: str, layer: Any) -> None:
     elif getattr(method, "w13_swiglu_interleaved", False):
         what = "holds gate and up rows interleaved (SGLANG_OPT_FUSE_SWIGLU_INTERLEAVED)"
     elif int(getattr(layer, "moe_ep_size", 1)) != 1 or int(layer.num_local_experts) != int(layer.num_experts):
-        what = f"holds {layer.num_local_experts} of {layer.num_experts} experts (expert parallelism over {getattr(layer, 'moe_ep_size', '?')} ranks, or fused shared experts)"
+        what = (
+            f"holds {layer.num_local_experts} of {layer.num_experts} experts (expert parallelism over "
+            f"{getattr(layer, 'moe_ep_size', '?')} ranks, or fused shared experts)"
+        )
     if what is not None:
         raise UnmappedTensorError(
             f"tensor {name!r}: its expert layer {what}; only the unpacked checkpoint layout is addressed in place",
@@ -162,7 +167,8 @@ def _real_width(model: torch.nn.Module, name: str, padded: int) -> int:
             if 0 < real <= padded:
                 return real
     raise UnmappedTensorError(
-        f"tensor {name!r}: no config field {WIDTH_FIELDS} holds the expert layer's padded width {padded}; the checkpoint width is unknown",
+        f"tensor {name!r}: no config field {WIDTH_FIELDS} holds the expert layer's padded width {padded}; the "
+        "checkpoint width is unknown",
         name=name,
     )
 
@@ -177,6 +183,7 @@ def _check_padding(slot: ExpertSlot, width: int) -> None:
     padding = flat.narrow(slot.split_dim, length, width - length)
     if padding.numel() and bool(padding.any()):
         raise UnmappedTensorError(
-            f"tensor {slot.name!r}: the padding of {slot.runtime_name} past its {length} real {'columns' if slot.split_dim else 'rows'} is not zero: the derived map does not fit",
+            f"tensor {slot.name!r}: the padding of {slot.runtime_name} past its {length} real "
+            f"{'columns' if slot.split_dim else 'rows'} is not zero: the derived map does not fit",
             name=slot.name,
         )

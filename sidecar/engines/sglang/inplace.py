@@ -85,7 +85,8 @@ def read_files(paths: Sequence[str], digests: Sequence[str]) -> tuple[list[bytes
             data = f.read()
         if hashlib.sha256(data).hexdigest() != digest:
             raise PatchFormatError(
-                f"{os.path.basename(path)}: its sha256 is not the one the sidecar handed over (changed after the hand-off?)"
+                f"{os.path.basename(path)}: its sha256 is not the one the sidecar handed over (changed after the "
+                "hand-off?)"
             )
         out.append(data)
     return out, sum(len(d) for d in out)
@@ -304,13 +305,15 @@ def load_snapshot(
             tensors.update(part)
         if set(tensors) != set(checksums):
             raise TensorSetMismatchError(
-                f"snapshot tensors differ from the manifest: missing {sorted(set(checksums) - set(tensors))[:3]}, extra {sorted(set(tensors) - set(checksums))[:3]}"
+                f"snapshot tensors differ from the manifest: missing {sorted(set(checksums) - set(tensors))[:3]}, "
+                f"extra {sorted(set(tensors) - set(checksums))[:3]}"
             )
         slots = {n: ranks.layout.place(n) for n in sorted(tensors)}
         for n, t in tensors.items():
             if (t.dtype, tuple(t.shape)) != (slots[n].dtype, slots[n].shape):
                 raise TensorSetMismatchError(
-                    f"snapshot tensor {n!r} is {t.dtype}{list(t.shape)}, the engine holds {slots[n].dtype}{list(slots[n].shape)}",
+                    f"snapshot tensor {n!r} is {t.dtype}{list(t.shape)}, the engine holds "
+                    f"{slots[n].dtype}{list(slots[n].shape)}",
                     name=n,
                 )
             if checksum(t) != checksums[n]:

@@ -56,7 +56,8 @@ def sglang_command(
             leaves device, scheduling and KV cache size to SGLang (a CUDA host).
     """
     cmd = [
-        python or sglang_python(), "-m", "sglang.launch_server", "--model-path", str(Path(model_dir)), "--host", "127.0.0.1", "--port", str(port),
+        python or sglang_python(), "-m", "sglang.launch_server", "--model-path", str(Path(model_dir)), "--host",
+        "127.0.0.1", "--port", str(port),
         "--dtype", "bfloat16", "--tp", str(tp),
     ]  # fmt: skip
     if cpu_host() if cpu is None else cpu:

@@ -125,7 +125,8 @@ class SglangLayout:
             )
         if param.ndim not in (1, 2) or param.dtype not in DTYPE_NAMES:
             raise UnmappedTensorError(
-                f"tensor {name!r}: runtime parameter {runtime!r} is {param.dtype}{list(param.shape)}, not addressed in place",
+                f"tensor {name!r}: runtime parameter {runtime!r} is {param.dtype}{list(param.shape)}, not addressed "
+                "in place",
                 name=name,
             )
         is_weight = runtime.endswith("weight")
@@ -146,7 +147,8 @@ class SglangLayout:
             spans = self._rows(sizes[shard], mod.output_sizes[shard])
         elif shard is not None:
             raise UnmappedTensorError(
-                f"tensor {name!r}: the loader puts it in shard {shard!r} of {runtime!r}, which is not addressed in place",
+                f"tensor {name!r}: the loader puts it in shard {shard!r} of {runtime!r}, which is not addressed in "
+                "place",
                 name=name,
             )
         elif isinstance(mod, ColumnParallelLinear) and not isinstance(mod, ReplicatedLinear):

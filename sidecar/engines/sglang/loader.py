@@ -95,7 +95,8 @@ LOADER_PATH = "stitchboard.sidecar.engines.sglang.loader.load"
 INSTANCE_ID = uuid.uuid4().hex
 track_finished()  # the final counts of finished marked requests (:mod:`.token_counts`)
 number_samples()  # the choice of each output of a request with several outputs (:mod:`.token_counts`)
-keep_first_routing()  # a request retracted at a commit answers the routing its tokens were sampled from (:mod:`.routing`)
+# a request retracted at a commit answers the routing its tokens were sampled from (:mod:`.routing`)
+keep_first_routing()
 paused_hold.install()  # the stager's write holds the paused scheduler loop (:mod:`.paused_hold`)
 #: How long the stager's commit waits for the scheduler thread to reach its paused loop, seconds
 #: (it finishes the forward pass it runs first); past it the update call applies the plan (an

@@ -106,5 +106,6 @@ class SglangRoutedExperts:
             answer["sglext"] = {**(sglext if isinstance(sglext, dict) else {}), "routed_experts": None}
             answer.setdefault(
                 ERROR_FIELD,
-                "the engine returned no routed_experts (was it started without stitchboard's loader, or before the sidecar's first call?)",
+                "the engine returned no routed_experts (was it started without stitchboard's loader, or before the "
+                "sidecar's first call?)",
             )

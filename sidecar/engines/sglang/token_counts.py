@@ -165,7 +165,8 @@ def _scheduler() -> Any:
     scheduler = find_scheduler()
     if scheduler is None:
         raise RuntimeError(
-            "no SGLang Scheduler on the call stack of the loader (is it called from an update call on the scheduler's thread?)"
+            "no SGLang Scheduler on the call stack of the loader (is it called from an update call on the scheduler's "
+            "thread?)"
         )
     return scheduler
 

@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 
 #: vLLM's model routes (gated and stamped).
 MODEL_PATHS = (
-    "/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses", "/invocations", "/pooling", "/classify", "/score", "/v1/score",
+    "/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses", "/invocations", "/pooling",
+    "/classify", "/score", "/v1/score",
     "/rerank", "/v1/rerank", "/v2/rerank", "/v1/audio/transcriptions", "/v1/audio/translations",
 )  # fmt: skip
 ROUTES = RouteTable(

@@ -193,7 +193,8 @@ class VllmEngine:
 
     def pause_keeping_cache(self) -> None:
         """``POST /pause?mode=keep&clear_cache=false``: as :meth:`pause`, but the prefix cache is kept
-        (a plain pause resets it, running requests preempted); for the version-salted cache (:mod:`stitchboard.sidecar.salt`)."""
+        (a plain pause resets it, running requests preempted); for the version-salted cache
+        (:mod:`stitchboard.sidecar.salt`)."""
         self._control("/pause", {"mode": "keep", "clear_cache": "false"})
 
     def resume(self) -> None:

@@ -50,8 +50,9 @@ CPU_PREPACKED = (
 )
 #: Why other backends are refused (the message of every refused expert tensor).
 WHY_REFUSED = (
-    "only vLLM's CPU prepacked experts are mapped (their packing is derived from cpu_prepack_moe_weight and checked on the live weights); "
-    "other MoE backends hold their own layouts (FlashInfer CUTLASS/TRT-LLM keep w13 as w31 or permuted, so writes in checkpoint layout give silent garbage) and were never run here"
+    "only vLLM's CPU prepacked experts are mapped (their packing is derived from cpu_prepack_moe_weight and checked on "
+    "the live weights); other MoE backends hold their own layouts (FlashInfer CUTLASS/TRT-LLM keep w13 as w31 or "
+    "permuted, so writes in checkpoint layout give silent garbage) and were never run here"
 )
 
 
@@ -172,7 +173,8 @@ class ExpertLayout:
             cfg = module.moe_config
             par = cfg.moe_parallel_config
             info = _ExpertModule(
-                module, prefix, int(module.hidden_size), int(module.intermediate_size_per_partition), int(module.w2_weight.shape[-1]),
+                module, prefix, int(module.hidden_size), int(module.intermediate_size_per_partition),
+                int(module.w2_weight.shape[-1]),
                 int(par.tp_rank) if par.tp_size > 1 else 0, int(par.tp_size),
             )  # fmt: skip
             base = module.layer_name.removesuffix("experts")
@@ -197,7 +199,8 @@ class ExpertLayout:
         par = info.module.moe_config.moe_parallel_config
         if par.ep_size > 1:
             raise UnmappedTensorError(
-                f"tensor {name!r}: expert parallelism (ep_size {par.ep_size}) is not mapped in place; start vLLM without --enable-expert-parallel",
+                f"tensor {name!r}: expert parallelism (ep_size {par.ep_size}) is not mapped in place; start vLLM "
+                "without --enable-expert-parallel",
                 name=name,
             )
         local = info.local_expert(expert)
@@ -220,7 +223,8 @@ class ExpertLayout:
         flat = local * rows * cols + perm[block.reshape(-1)]
         spans = tuple(((r if info.tp_size > 1 else 0) * info.width, info.width) for r in range(info.tp_size))
         return ExpertPlacement(
-            name=name, runtime_name=f"{info.prefix}.{attr}", dtype=TORCH_DTYPE_NAMES[param.dtype], shape=shape, split_dim=split,
+            name=name, runtime_name=f"{info.prefix}.{attr}", dtype=TORCH_DTYPE_NAMES[param.dtype], shape=shape,
+            split_dim=split,
             spans=spans, tp_rank=self.tp_rank, row_offset=0, param=param, packed_by=(), flat=flat,
         )  # fmt: skip
 
@@ -234,7 +238,8 @@ class ExpertLayout:
         perm = _derive_perm(pack, rows, cols)
         if perm is None:
             raise UnmappedTensorError(
-                f"tensor {name!r}: the packing of {backend} is not a permutation of one expert's elements; not written in place",
+                f"tensor {name!r}: the packing of {backend} is not a permutation of one expert's elements; not "
+                "written in place",
                 name=name,
             )
         bits = param.reshape(experts, -1).view(BITS_TORCH[param.element_size()])
@@ -248,7 +253,8 @@ class ExpertLayout:
         repacked = pack(unpacked.view(param.dtype)).reshape(experts, -1).view(bits.dtype)
         if bool(unpacked[:, pad].any()) or not torch.equal(repacked, bits):
             raise UnmappedTensorError(
-                f"tensor {name!r}: the map derived from {backend} does not reproduce the live {attr} of {info.prefix}; not written in place",
+                f"tensor {name!r}: the map derived from {backend} does not reproduce the live {attr} of "
+                f"{info.prefix}; not written in place",
                 name=name,
             )
         info.perms[attr] = perm

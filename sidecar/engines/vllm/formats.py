@@ -30,7 +30,10 @@ UNSERVABLE_SUFFIXES = {
 }
 #: Why each unmapped recipe is not served here.
 WHY = {
-    "fp8-block": "vLLM's CPU block-FP8 kernel needs AMX and holds the weights repacked for it, a layout this adapter does not map",
+    "fp8-block": (
+        "vLLM's CPU block-FP8 kernel needs AMX and holds the weights repacked for it, a layout this adapter "
+        "does not map"
+    ),
     "nvfp4": "NVFP4 has no CPU kernel in vLLM (it needs a Blackwell GPU)",
 }
 
@@ -44,6 +47,7 @@ def refuse_unservable(name: str) -> None:
     for suffix, recipe in UNSERVABLE_SUFFIXES.items():
         if name.endswith(suffix):
             raise UnmappedTensorError(
-                f"tensor {name!r} belongs to a {recipe!r} served view, which the vLLM adapter does not serve ({WHY[recipe]}); publish served='fp8' or 'bf16' for vLLM here",
+                f"tensor {name!r} belongs to a {recipe!r} served view, which the vLLM adapter does not serve "
+                f"({WHY[recipe]}); publish served='fp8' or 'bf16' for vLLM here",
                 name=name,
             )

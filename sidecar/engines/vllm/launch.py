@@ -75,7 +75,8 @@ def vllm_command(
         python: interpreter with vLLM installed (default: this one).
     """
     cmd = [
-        python or sys.executable, "-m", FP8_SERVER_MODULE if is_fp8_channel_checkpoint(model_dir) else VLLM_SERVER_MODULE,
+        python or sys.executable, "-m",
+        FP8_SERVER_MODULE if is_fp8_channel_checkpoint(model_dir) else VLLM_SERVER_MODULE,
         "--model", str(Path(model_dir)), "--host", "127.0.0.1", "--port", str(port),
         "--dtype", "bfloat16", "--max-model-len", str(max_model_len), "--enforce-eager", "--seed", "0",
     ]  # fmt: skip

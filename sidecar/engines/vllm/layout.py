@@ -193,7 +193,8 @@ class RuntimeLayout:
         fused = isinstance(mod, (QKVParallelLinear, MergedColumnParallelLinear))
         if shard is not None and not (fused and (shard in ("q", "k", "v") or type(shard) is int)):
             raise UnmappedTensorError(
-                f"tensor {name!r}: the loader puts it in shard {shard!r} of {runtime!r}, which is not addressed in place",
+                f"tensor {name!r}: the loader puts it in shard {shard!r} of {runtime!r}, which is not addressed in "
+                "place",
                 name=name,
             )
         if fused and shard is None and self.tp_size > 1:
@@ -207,7 +208,8 @@ class RuntimeLayout:
             )
         if param.ndim not in (1, 2) or param.numel() == 0:
             raise UnmappedTensorError(
-                f"tensor {name!r}: runtime parameter {runtime!r} has shape {list(param.shape)}; an emptied CPU linear weight means the stitchboard worker extension was not imported before the model loaded",
+                f"tensor {name!r}: runtime parameter {runtime!r} has shape {list(param.shape)}; an emptied CPU linear "
+                "weight means the stitchboard worker extension was not imported before the model loaded",
                 name=name,
             )
         transposed = param.ndim == 2 and not param.is_contiguous() and param.t().is_contiguous()

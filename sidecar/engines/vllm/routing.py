@@ -101,7 +101,10 @@ class _Capture:
         if ids.ndim != 2 or ids.shape[0] < self.total or ids.shape[1] != self.top_k:
             # e.g. sequence- or data-parallel MoE layers see other rows: never guess, never fail the forward pass
             for _, _, _, entry in self.rows:
-                entry.error = f"layer {layer_id} routed {tuple(ids.shape)} ids for a step of {self.total} token rows, top-{self.top_k}"
+                entry.error = (
+                    f"layer {layer_id} routed {tuple(ids.shape)} ids for a step of {self.total} token "
+                    f"rows, top-{self.top_k}"
+                )
             self.rows = []
             return
         for offset, n, buffer, _ in self.rows:

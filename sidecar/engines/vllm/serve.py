@@ -33,7 +33,8 @@ from .launch import FP8_FLAG_LINE, VLLM_SERVER_MODULE
 
 torch.backends.mkldnn.enabled = False  # type: ignore[assignment]  # torch types the flag as its descriptor
 print(
-    f"{FP8_FLAG_LINE} in {multiprocessing.current_process().name} pid {os.getpid()} (FP8 per-channel GEMM: torch._scaled_mm without oneDNN)",
+    f"{FP8_FLAG_LINE} in {multiprocessing.current_process().name} pid {os.getpid()} (FP8 per-channel GEMM: "
+    "torch._scaled_mm without oneDNN)",
     file=sys.stderr,
     flush=True,
 )

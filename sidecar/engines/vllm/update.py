@@ -238,7 +238,8 @@ def stage_patches(io: WeightIO, steps: Sequence[Step]) -> StagedPatch:
                     continue
                 else:
                     raise BaseMismatchError(
-                        f"tensor {n!r} is not the base of step {steps[step][1]}->{steps[step][2]} (xxh3 {have} != {entry.base[XXH3_128]})",
+                        f"tensor {n!r} is not the base of step {steps[step][1]}->{steps[step][2]} (xxh3 {have} != "
+                        f"{entry.base[XXH3_128]})",
                         name=n,
                     )
             target = [d[n] for d in chain if n in d][-1].entry.target[XXH3_128]

@@ -132,7 +132,8 @@ def read_patches(paths: Sequence[str]) -> tuple[list[Patch], int]:
         patch = read_patch(data, what=os.path.basename(path))
         if names & set(patch.entries):
             raise PatchFormatError(
-                f"{path}: touches tensors another file of the same version touches: {sorted(names & set(patch.entries))[:3]}"
+                f"{path}: touches tensors another file of the same version touches: "
+                f"{sorted(names & set(patch.entries))[:3]}"
             )
         names |= set(patch.entries)
         patches.append(patch)
@@ -154,7 +155,8 @@ def _read_snapshot(
         size += os.path.getsize(path)
     if set(tensors) != set(checksums):
         raise TensorSetMismatchError(
-            f"snapshot tensors differ from the manifest: missing {sorted(set(checksums) - set(tensors))[:3]}, extra {sorted(set(tensors) - set(checksums))[:3]}"
+            f"snapshot tensors differ from the manifest: missing {sorted(set(checksums) - set(tensors))[:3]}, extra "
+            f"{sorted(set(tensors) - set(checksums))[:3]}"
         )
     places = placements_for(io, {n: (t.dtype, t.shape) for n, t in tensors.items()})
     uncovered = set(io.layout.runtime_params()) - {p.runtime_name for p in places.values()}

@@ -29,7 +29,8 @@ JSON dict: ``{"ok": true, "state": {...}, ...}`` or ``{"ok": false, "error": {"t
 * ``stitch_load_snapshot('{"paths": [...], "version": V, "checksums": {name: xxh3}}')``.
 * ``stitch_checksums('{"names": [...]}')``: ``checksums`` {name: xxh3-128 hex} as held now.
 * ``stitch_output_counts("{}")``: ``report`` ``{"output_tokens": {key: count}}``, the output
-  tokens so far of each output of the sidecar's marked requests (key ``<mark>:<prompt>:<choice>``; read at a pause: :mod:`.token_counts`).
+  tokens so far of each output of the sidecar's marked requests (key ``<mark>:<prompt>:<choice>``; read at a pause:
+  :mod:`.token_counts`).
 * ``stitch_routed_experts('{"marks": [...]}')``: ``report``: the experts the marked requests'
   tokens were routed to during generation, handed over once (:mod:`.routing`).
 
