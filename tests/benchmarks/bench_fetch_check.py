@@ -60,8 +60,8 @@ def main() -> None:
             before = _median_ms(lambda path=path: _decoded(path), args.repeat)
             after = _median_ms(lambda path=path: patch_index(path), args.repeat)
             print(
-                f"{encoding}: {len(diff.patch) / 1e6:.2f} MB, {100 * diff.changed_elements / diff.total_elements:.2f} % "
-                f"of elements changed; fetch check before {before:.1f} ms, after {after:.2f} ms"
+                f"{encoding}: {len(diff.patch) / 1e6:.2f} MB, {100 * diff.changed_elements / diff.total_elements:.2f} "
+                f"% of elements changed; fetch check before {before:.1f} ms, after {after:.2f} ms"
             )
     tensors = load_checkpoint(checkpoint)
     before = _median_ms(lambda: [checksum(t) for t in load_checkpoint(checkpoint).values()], args.repeat)

@@ -146,7 +146,8 @@ class LongRequests:
         while time.monotonic() < deadline:
             if not self.alive():
                 raise AssertionError(
-                    f"a request ended before both were generating: {self.failures or 'no error so far'}; {len(self.events)} events streamed; sidecar status {last}"
+                    f"a request ended before both were generating: {self.failures or 'no error so far'}; "
+                    f"{len(self.events)} events streamed; sidecar status {last}"
                 )
             try:
                 last = status()
@@ -156,7 +157,8 @@ class LongRequests:
                 return
             time.sleep(0.05)
         raise AssertionError(
-            f"the requests were not both generating after {timeout_s} s: {len(self.events)} events streamed; sidecar status {last}"
+            f"the requests were not both generating after {timeout_s} s: {len(self.events)} events streamed; sidecar "
+            f"status {last}"
         )
 
     def join(self, timeout_s: float = 600.0) -> None:

@@ -91,7 +91,8 @@ class Sidecar:
 
 @pytest.fixture
 def sc_start(sc_bulletin: AppServer, sc_publisher: Publisher, tmp_path: Path) -> Iterator[Callable[..., Sidecar]]:
-    """Factory: ``sc_start(engine, client=None, **settings)`` serves a sidecar (and the engine's HTTP API) on loopback."""
+    """Factory: ``sc_start(engine, client=None, **settings)`` serves a sidecar (and the engine's HTTP API) on
+    loopback."""
     started: list[tuple[Sidecar | None, AppServer]] = []
     clients: list[BulletinClient] = []
 

@@ -281,7 +281,8 @@ class FakeEngine:
                 self.refuse_commit -= 1
                 self.staged = None
                 raise ApplyRefusedError(
-                    "stitch_commit_staged refused, nothing written: EngineStateError: the staged update was dropped (test)",
+                    "stitch_commit_staged refused, nothing written: EngineStateError: the staged update was dropped "
+                    "(test)",
                     cause="EngineStateError",
                     held=self.version,
                 )
@@ -409,7 +410,7 @@ class FakeEngine:
                                 raise ConnectionAbortedError("the fake engine is killed mid-stream (test)")
                             text = await engine._token(i)
                             choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
-                            yield f"data: {json.dumps({'id': rid, 'object': obj + '.chunk' if chat else obj, 'created': 1, 'model': 'fake', 'choices': [choice]})}\n\n"
+                            yield f"data: {json.dumps({'id': rid, 'object': obj + '.chunk' if chat else obj, 'created': 1, 'model': 'fake', 'choices': [choice]})}\n\n"  # noqa: E501
                         yield "data: [DONE]\n\n"
                         engine.completed += 1
                     except asyncio.CancelledError:

@@ -22,12 +22,18 @@ from tests.sidecar.fake_engine import FakeEngine
 
 #: SGLang's write and admin routes (0.5.23 http_server.py): the sidecar forwards none of them.
 SGLANG_CONTROL_ROUTES = [
-    "/update_weights_from_disk", "/update_weights_from_tensor", "/update_weights_from_distributed", "/update_weights_from_ipc",
-    "/begin_weight_update", "/end_weight_update", "/pause_generation", "/continue_generation", "/flush_cache", "/update_weight_version",
-    "/release_memory_occupation", "/resume_memory_occupation", "/init_weights_update_group", "/destroy_weights_update_group", "/abort_request",
-    "/get_weights_by_name", "/weights_checker", "/set_internal_state", "/load_lora_adapter", "/unload_lora_adapter", "/open_session",
-    "/close_session", "/configure_logging", "/start_profile", "/stop_profile", "/freeze_gc", "/slow_down", "/scale_elastic_ep",
-    "/init_weights_send_group_for_remote_instance", "/send_weights_to_remote_instance", "/server_info", "/get_server_info", "/health_generate",
+    "/update_weights_from_disk", "/update_weights_from_tensor", "/update_weights_from_distributed",
+    "/update_weights_from_ipc",
+    "/begin_weight_update", "/end_weight_update", "/pause_generation", "/continue_generation", "/flush_cache",
+    "/update_weight_version",
+    "/release_memory_occupation", "/resume_memory_occupation", "/init_weights_update_group",
+    "/destroy_weights_update_group", "/abort_request",
+    "/get_weights_by_name", "/weights_checker", "/set_internal_state", "/load_lora_adapter", "/unload_lora_adapter",
+    "/open_session",
+    "/close_session", "/configure_logging", "/start_profile", "/stop_profile", "/freeze_gc", "/slow_down",
+    "/scale_elastic_ep",
+    "/init_weights_send_group_for_remote_instance", "/send_weights_to_remote_instance", "/server_info",
+    "/get_server_info", "/health_generate",
 ]  # fmt: skip
 
 
@@ -98,7 +104,7 @@ class FakeSglang(FakeEngine):
                     for i in range(n):
                         text += await engine._token(i)
                         labels.append(engine.label())
-                        yield f"data: {json.dumps({'text': text, 'output_ids': list(range(i + 1)), 'meta_info': engine._meta('r0', labels, i == n - 1)})}\n\n"
+                        yield f"data: {json.dumps({'text': text, 'output_ids': list(range(i + 1)), 'meta_info': engine._meta('r0', labels, i == n - 1)})}\n\n"  # noqa: E501
                     yield "data: [DONE]\n\n"
                     engine.completed += 1
 
@@ -129,7 +135,7 @@ class FakeSglang(FakeEngine):
                 async def events():
                     for i in range(n):
                         text = await engine._token(i)
-                        yield f"data: {json.dumps({'id': rid, 'object': 'text_completion', 'created': 1, 'model': 'fake', 'choices': [{'index': 0, 'text': text}]})}\n\n"
+                        yield f"data: {json.dumps({'id': rid, 'object': 'text_completion', 'created': 1, 'model': 'fake', 'choices': [{'index': 0, 'text': text}]})}\n\n"  # noqa: E501
                     yield "data: [DONE]\n\n"
                     engine.completed += 1
 

@@ -228,7 +228,8 @@ def complete(
 
 
 def routed_rows(answer: dict) -> np.ndarray:
-    """The routing a sidecar returned with ``answer`` (``sglext.routed_experts``): int32 [positions, 2 layers, top-2]."""
+    """The routing a sidecar returned with ``answer`` (``sglext.routed_experts``): int32 [positions, 2 layers,
+    top-2]."""
     routed = answer["sglext"]["routed_experts"]
     assert routed is not None, answer.get("routed_experts_error")
     return np.frombuffer(base64.b64decode(routed), dtype=np.int32).reshape(-1, 2, 2)  # the presets: 2 layers, top-2

@@ -96,7 +96,8 @@ def test_the_sidecar_sends_the_fields_to_sglang_and_tags_the_answer(sc_publisher
     answer = sidecar.http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, WANT_FIELD: True}).json()
     sent = answer["echo_body"]
     assert sent[WANT_FIELD] is True and sent["cache_salt"].startswith("stitch-routing-"), sent
-    # the fake reports no usage (a real SGLang does: test_sglang_moe.py), so neither spans nor the rows' versions can be had
+    # the fake reports no usage (a real SGLang does: test_sglang_moe.py), so neither spans nor the rows' versions can
+    # be had
     assert "weight_versions" in answer
     assert answer[VERSIONS_FIELD] is None and answer[ERROR_FIELD] == "the engine did not report the answer's length"
     refused = sidecar.http.post("/v1/completions", json={"prompt": "x", "n": 2, WANT_FIELD: True})

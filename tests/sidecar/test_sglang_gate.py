@@ -123,7 +123,8 @@ def _in_thread(fn):
 
 
 def _stream(http: httpx.Client, text: str, tokens: int) -> tuple[threading.Thread, list[str], dict]:
-    """A greedy ``/generate`` stream in a thread: the thread, the events' payloads as they come, and its headers (once sent)."""
+    """A greedy ``/generate`` stream in a thread: the thread, the events' payloads as they come, and its headers (once
+    sent)."""
     events: list[str] = []
     out: dict = {}
 

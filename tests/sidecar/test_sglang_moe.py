@@ -128,7 +128,8 @@ def generate(
     its routing (its own cache salt); streamed into ``events`` when given. Returns the last answer."""
     body = {
         "input_ids": prompt_ids, "sampling_params": {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True},
-        "return_routed_experts": True, "routed_experts_start_len": start_len, "cache_salt": uuid.uuid4().hex, "stream": events is not None,
+        "return_routed_experts": True, "routed_experts_start_len": start_len, "cache_salt": uuid.uuid4().hex,
+        "stream": events is not None,
     }  # fmt: skip
     if events is None:
         r = httpx.post(f"{url}/generate", json=body, timeout=600)
@@ -302,7 +303,8 @@ def check_moe_oracle(preset: str, tp: int, folder: Path) -> None:
                     f"the patched engine routes differently from a fresh SGLang at version {single} (TP = {tp})"
                 )
             print(
-                f"routing: {changed:.0%} of the positions routed differently after the routers changed; equal to the fresh engine's; requests {ROUTING_S[0]:.1f} s"
+                f"routing: {changed:.0%} of the positions routed differently after the routers changed; equal to the "
+                f"fresh engine's; requests {ROUTING_S[0]:.1f} s"
             )
         finally:
             fresh.stop()

@@ -217,7 +217,8 @@ def test_sglang_spans_of_requests_crossing_a_commit(stack):
         "token b, the first after the commit, is not the new version's greedy continuation"
     )
     print(
-        f"boundaries: SGLang's own: /generate stream {b_stream}, plain {b_plain}; counted: OpenAI stream {b_openai} of {TOKENS}"
+        f"boundaries: SGLang's own: /generate stream {b_stream}, plain {b_plain}; counted: OpenAI stream {b_openai} "
+        f"of {TOKENS}"
     )
 
 
@@ -344,7 +345,8 @@ def test_sglang_openai_stream_with_two_outputs_per_prompt_splits_each_choice_at_
         ids = tokens(index)
         b = _check(spans[index], ids, old, 0, 1)
         assert ids[b] != old[b], (
-            f"choice {index}: split at {b}, but the old version's greedy tokens go on after it (the engine counted more)"
+            f"choice {index}: split at {b}, but the old version's greedy tokens go on after it (the engine counted "
+            "more)"
         )
         prompt_ids = next(c["prompt_token_ids"] for c in choices(index) if c.get("prompt_token_ids"))
         after = http.post(
@@ -356,5 +358,6 @@ def test_sglang_openai_stream_with_two_outputs_per_prompt_splits_each_choice_at_
         )
         bounds.append(b)
     print(
-        f"2 prompts x n = 2 OpenAI stream: boundaries of the crossing choices {bounds} of {TOKENS}; the others stopped at 2 tokens"
+        f"2 prompts x n = 2 OpenAI stream: boundaries of the crossing choices {bounds} of {TOKENS}; the others "
+        "stopped at 2 tokens"
     )

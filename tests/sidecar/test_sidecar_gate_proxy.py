@@ -251,8 +251,8 @@ def test_client_disconnect_aborts_the_upstream_request(at_v0):
         ("127.0.0.1", httpx.URL(at_v0.url).port)
     ) as sock:  # a plain request whose client leaves once the engine works on it
         sock.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: sidecar\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
-            % (len(body), body)
+            b"POST /v1/completions HTTP/1.1\r\nHost: sidecar\r\nContent-Type: application/json\r\nContent-Length: "
+            b"%d\r\n\r\n%s" % (len(body), body)
         )
         wait_for(lambda: engine.started == 2, what="the plain request started at the engine")
     wait_for(lambda: engine.aborted == 2, what="the plain request aborted at the engine")

@@ -192,7 +192,8 @@ def test_after_refused_staging_the_anchor_route_is_staged_and_the_pause_writes_w
     anchor_pause = status["pause_seconds_by_route"]["anchor"]
     assert anchor_pause > 0.4 and staged_pause < anchor_pause / 3, (staged_pause, anchor_pause)
     print(
-        f"pause of the anchor route, fake engine at 50 ms per tensor written: staged {staged_pause:.3f} s (1 tensor), in the pause {anchor_pause:.3f} s (8 tensors + 1 delta)"
+        f"pause of the anchor route, fake engine at 50 ms per tensor written: staged {staged_pause:.3f} s (1 tensor), "
+        f"in the pause {anchor_pause:.3f} s (8 tensors + 1 delta)"
     )
 
 

@@ -71,7 +71,8 @@ def put_wrong_squash(client: BulletinClient, run: str, views, base: int, target:
     client.put_blob(run, sha, data)
     record = SquashManifest(
         run_id=run, base_version=base, target_version=target, encoding="cond",
-        base_manifest_sha256=manifest_sha256(client.manifest(run, base)), target_manifest_sha256=manifest_sha256(client.manifest(run, target)),
+        base_manifest_sha256=manifest_sha256(client.manifest(run, base)),
+        target_manifest_sha256=manifest_sha256(client.manifest(run, target)),
         files=[FileRef(path=f"squash-v{base}-v{target}.safetensors", sha256=sha, size_bytes=len(data), role="patch")],
         size_bytes=len(data), changed_elements=1,
     )  # fmt: skip

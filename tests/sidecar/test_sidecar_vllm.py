@@ -247,8 +247,10 @@ def test_control_routes_are_forbidden_through_the_proxy(vllm_run_engine, vllm_ru
     rpc = {"method": "stitch_set_version", "args": [json.dumps({"version": v + 7})]}
     routes = [
         ("POST", "/pause", {"mode": "abort"}, None), ("POST", "/resume", None, None), ("GET", "/is_paused", None, None),
-        ("POST", "/collective_rpc", None, rpc), ("POST", "/reset_prefix_cache", None, None), ("POST", "/sleep", None, None),
-        ("POST", "/wake_up", None, None), ("POST", "/update_weights", None, {}), ("POST", "/start_weight_update", None, {}),
+        ("POST", "/collective_rpc", None, rpc), ("POST", "/reset_prefix_cache", None, None),
+        ("POST", "/sleep", None, None),
+        ("POST", "/wake_up", None, None), ("POST", "/update_weights", None, {}),
+        ("POST", "/start_weight_update", None, {}),
         ("POST", "/abort_requests", None, {}), ("POST", "/update_weight_version", None, {}),
     ]  # fmt: skip
     engine_routes = httpx.get(f"{vllm_run_engine.url}/openapi.json", timeout=30).json()["paths"]

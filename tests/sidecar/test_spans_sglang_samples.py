@@ -1,5 +1,6 @@
 """SGLang OpenAI streams with several outputs, without an engine: the sidecar's mark in
-``custom_params`` and the scheduler-side numbering of the outputs (:mod:`stitchboard.sidecar.engines.sglang.token_counts`).
+``custom_params`` and the scheduler-side numbering of the outputs
+(:mod:`stitchboard.sidecar.engines.sglang.token_counts`).
 
 The scheduler-side objects are stand-ins with the attributes SGLang 0.5.23's
 ``TokenizedGenerateReqInput`` (``stream``, ``sampling_params.custom_params``, ``sampling_params.n``)

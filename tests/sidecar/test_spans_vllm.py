@@ -111,11 +111,13 @@ def _check_crossing(spans: list[dict], ids: list[int], v: int, ranks: list[int],
     assert 0 < b < len(ids), spans
     early = [i for i in range(b) if ranks[i] <= vocab // 2]
     assert not early, (
-        f"tokens {early[:10]} before the boundary {b} rank high under version {v + 1}: they were not made by version {v}"
+        f"tokens {early[:10]} before the boundary {b} rank high under version {v + 1}: they were not made by version "
+        f"{v}"
     )
     late = [i for i in range(b, len(ids)) if ranks[i] > 5]
     assert not late, (
-        f"tokens {late[:10]} from the boundary {b} on are not among version {v + 1}'s 5 likeliest: they were not made by it"
+        f"tokens {late[:10]} from the boundary {b} on are not among version {v + 1}'s 5 likeliest: they were not made "
+        "by it"
     )
     return b
 
@@ -178,7 +180,8 @@ def test_spans_of_requests_crossing_a_commit_split_at_the_engines_count(vllm_run
     assert not requests.failures, requests.failures
     if not crossed:
         pytest.fail(
-            f"the requests ended before version {v + 1} was applied ({len(requests.events)} events): the commit did not overlap them"
+            f"the requests ended before version {v + 1} was applied ({len(requests.events)} events): the commit did "
+            "not overlap them"
         )
 
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]

@@ -84,8 +84,10 @@ def fp8_run(smollm2_dir: Path, tmp_path_factory) -> Iterator[Fp8Run]:
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=tokenizer.vocab_size, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        tie_word_embeddings=True, max_position_embeddings=1024, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        vocab_size=tokenizer.vocab_size, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2,
+        tie_word_embeddings=True, max_position_embeddings=1024, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
     )  # fmt: skip
     model = LlamaForCausalLM(config)
     config.save_pretrained(model_dir)

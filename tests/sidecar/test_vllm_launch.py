@@ -52,7 +52,10 @@ def test_missing_or_broken_config_is_not_fp8(tmp_path: Path):
 
 
 def test_importing_the_server_module_turns_onednn_off():
-    code = f"import torch; assert torch.backends.mkldnn.enabled; import {FP8_SERVER_MODULE}; print(torch.backends.mkldnn.enabled)"
+    code = (
+        f"import torch; assert torch.backends.mkldnn.enabled; import {FP8_SERVER_MODULE}; "
+        "print(torch.backends.mkldnn.enabled)"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert done.stdout.strip() == "False"
     assert f"{FP8_FLAG_LINE} in MainProcess" in done.stderr

@@ -68,5 +68,6 @@ def test_a_staged_anchor_route_commits_bit_exact(vllm_adapter, vllm_views, vllm_
     finally:
         vllm_adapter.resume()
     print(
-        f"anchor route 0 -> 2 on vLLM: pause {staged_pause:.3f} s staged ({listed} of {len(target)} tensors), {time.perf_counter() - paused:.3f} s loading the snapshot in the pause"
+        f"anchor route 0 -> 2 on vLLM: pause {staged_pause:.3f} s staged ({listed} of {len(target)} tensors), "
+        f"{time.perf_counter() - paused:.3f} s loading the snapshot in the pause"
     )

@@ -271,7 +271,8 @@ def _cross_a_commit(routing: Routing, tokens: int) -> tuple[int, dict, RoutedReq
     requests.join()
     assert not requests.failures, requests.failures
     print(
-        f"version {v + 1} applied {applied:.2f} s after its commit was released; requests done {time.monotonic() - released:.2f} s after"
+        f"version {v + 1} applied {applied:.2f} s after its commit was released; requests done "
+        f"{time.monotonic() - released:.2f} s after"
     )
     if [s["version"] for s in requests.events[-1]["weight_versions"]] == [v]:
         return None
@@ -300,7 +301,8 @@ def test_requests_crossing_a_commit_carry_each_rows_version(routing: Routing):
         print(f"try {attempt + 1}: the stream ended before the commit was applied")
     else:
         pytest.fail(
-            f"in {CROSSING_TRIES} tries the stream ended before the commit reached the engine: the sidecar's sync is slower than a {CROSSING_TOKENS}-token stream"
+            f"in {CROSSING_TRIES} tries the stream ended before the commit reached the engine: the sidecar's sync is "
+            f"slower than a {CROSSING_TOKENS}-token stream"
         )
     v, before, requests = crossed
     old_ids, old_rows, n_prompt = (

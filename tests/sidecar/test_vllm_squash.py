@@ -29,7 +29,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def vllm_run(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmRun]:
-    """This module's run (overrides the shared fixture): the same, with a publisher that stores squashes 0 -> 3, 1 -> 4, ..."""
+    """This module's run (overrides the shared fixture): the same, with a publisher that stores squashes 0 -> 3, 1 -> 4,
+    ..."""
     require_vllm()
     folder = tmp_path_factory.mktemp("vllm-squash-run")
     run = VllmRun(smollm2_dir, folder)

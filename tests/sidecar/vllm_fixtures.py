@@ -251,8 +251,10 @@ class SidecarProcess:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         settings = {
-            "BULLETIN": run.bulletin.url, "RUN": run.run, "ENGINE_URL": engine_url, "PORT": str(port), "HANDOFF_DIR": str(folder / "handoff"),
-            "POLL_WAIT_S": "5", "RETRY_BACKOFF_S": "0.2", "MAX_BACKOFF_S": "1", "BULLETIN_RETRIES": "1", "LOG_LEVEL": "info",
+            "BULLETIN": run.bulletin.url, "RUN": run.run, "ENGINE_URL": engine_url, "PORT": str(port),
+            "HANDOFF_DIR": str(folder / "handoff"),
+            "POLL_WAIT_S": "5", "RETRY_BACKOFF_S": "0.2", "MAX_BACKOFF_S": "1", "BULLETIN_RETRIES": "1",
+            "LOG_LEVEL": "info",
         }  # fmt: skip
         full_env = {**{f"STITCH_SIDECAR_{k}": v for k, v in settings.items()}, **env}
         self.proc = ManagedProcess(
@@ -291,7 +293,8 @@ class SidecarProcess:
         return seen
 
     def wait_status(self, predicate: Callable[[dict], bool], what: str, timeout_s: float = 300.0) -> dict:
-        """Poll the status until ``predicate(status)``; returns it. Fails after ``timeout_s`` or if the process exits."""
+        """Poll the status until ``predicate(status)``; returns it. Fails after ``timeout_s`` or if the process
+        exits."""
         deadline = time.monotonic() + timeout_s
         status: dict = {}
         while time.monotonic() < deadline:
