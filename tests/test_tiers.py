@@ -63,7 +63,8 @@ def test_the_suites_tests_get_their_tiers_from_their_fixtures(tmp_path: Path, mo
         "def pytest_collection_finish(session):\n"
         "    tiers = {i.nodeid: sorted({m.name for m in i.iter_markers()} & {'engine', 'heavy', 'slow'}) "
         "for i in session.items}\n"
-        "    open(os.environ['TIER_DUMP'], 'w').write(json.dumps(tiers))\n"
+        "    with open(os.environ['TIER_DUMP'], 'w') as f:\n"
+        "        f.write(json.dumps(tiers))\n"
     )  # fmt: skip
     monkeypatch.setenv("TIER_DUMP", str(tmp_path / "tiers.json"))
     modules = ["test_vllm_rebase", "test_vllm_moe", "test_vllm_routing", "test_sglang_gate", "test_vllm_fp8"]
