@@ -17,7 +17,6 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO
 
 from ..errors import NotFoundError, UnavailableError
 from .base import CHUNK_BYTES, ObjectStat, StreamDigest, check_key
@@ -148,14 +147,18 @@ class FileStore:
         self._fsync_dir(dest.parent)
 
     def iter_range(self, key: str, start: int, end: int) -> Iterator[bytes]:
-        try:
-            f = open(self._path(key), "rb")  # noqa: SIM115 - closed by the generator
-        except FileNotFoundError:
-            raise NotFoundError(f"no object {key!r} in {self.url}", key=key) from None
-        return self._chunks(f, start, end)
+        path = self._path(key)
+        if not path.is_file():
+            raise NotFoundError(f"no object {key!r} in {self.url}", key=key)
+        # The file opens at the first chunk, inside the generator: a response dropped before its body
+        # started (the client went away) holds no open file.
+        return self._chunks(key, path, start, end)
 
-    @staticmethod
-    def _chunks(f: BinaryIO, start: int, end: int) -> Iterator[bytes]:
+    def _chunks(self, key: str, path: Path, start: int, end: int) -> Iterator[bytes]:
+        try:
+            f = open(path, "rb")  # noqa: SIM115 - closed by the with below
+        except FileNotFoundError:  # removed since iter_range looked (content-addressed: gc after its grace)
+            raise NotFoundError(f"no object {key!r} in {self.url}", key=key) from None
         with f:
             f.seek(start)
             left = end - start + 1
