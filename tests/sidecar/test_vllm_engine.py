@@ -309,6 +309,7 @@ def test_fault_injection_kills_the_engine_mid_apply(phase, smollm2_dir, vllm_vie
     from tests.support.vllm_server import VllmServer
 
     server = VllmServer(smollm2_dir, vllm_workdir / f"fault-{phase}.log", env={FAULT_ENV: phase})
+    engine: VllmEngine | None = None
     try:
         server.wait_ready()
         engine = VllmEngine(server.url, timeout_s=30)
@@ -321,6 +322,8 @@ def test_fault_injection_kills_the_engine_mid_apply(phase, smollm2_dir, vllm_vie
         assert f"exiting at phase {phase}" in server.log_tail(200_000)
         assert not engine.health()
     finally:
+        if engine is not None:
+            engine.close()  # its HTTP connections to the engine
         server.stop()
 
 
@@ -338,6 +341,7 @@ def test_tensor_parallel_3_patch_is_bit_exact_with_a_fresh_tp3_engine(smollm2_di
     save_checkpoint(folder, vllm_views[1])
     copy_model_files(smollm2_dir, folder)
     server = VllmServer(smollm2_dir, vllm_workdir / "tp3.log", tp=3)
+    engine: VllmEngine | None = None
     try:
         server.wait_ready()
         engine = VllmEngine(server.url, timeout_s=60)
@@ -357,6 +361,8 @@ def test_tensor_parallel_3_patch_is_bit_exact_with_a_fresh_tp3_engine(smollm2_di
         assert engine.checksums(sorted(vllm_views[1])) == view_sums(vllm_views[1])
         patched = server.greedy()
     finally:
+        if engine is not None:
+            engine.close()  # its HTTP connections to the engine
         server.stop()
     fresh = VllmServer(folder, vllm_workdir / "tp3-fresh.log", extension=False, tp=3)
     try:
