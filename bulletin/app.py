@@ -33,6 +33,7 @@ from stitchboard.proto.env import RENAMED_ENV
 
 from .auth import Authorizer
 from .body_caps import BodyCaps, Cap, Refusal
+from .cache_headers import DefaultNoStore
 from .deps import BulletinState
 from .errors import BulletinError, PayloadTooLargeError
 from .fleet import FleetStore
@@ -228,5 +229,6 @@ def create_app(settings: BulletinSettings | None = None, store: Store | None = N
         caps=body_caps(settings),
         refuse=partial(_refuse_body, metrics),
         body_bytes=metrics.request_body_bytes,
-    )  # outermost: a body over its cap is refused before anything else runs (body_caps.py)
+    )  # a body over its cap is refused before anything else runs (body_caps.py)
+    app.add_middleware(DefaultNoStore)  # outermost: every answer without a policy says no-store (cache_headers.py)
     return app

@@ -25,6 +25,7 @@ from starlette.types import Receive, Scope, Send
 
 from stitchboard.proto.schema import VersionInfo, canonical_json
 
+from .cache_headers import NO_STORE
 from .gc_hold import COLLECTOR
 from .hangup import Hangup
 from .ledger import Ledger
@@ -40,7 +41,7 @@ class SharedAnswer(Response):
     same answer for a request's whole-answer send (``http_protocol.send_whole``)."""
 
     def __init__(self, body: bytes) -> None:
-        super().__init__(body, media_type="application/json")
+        super().__init__(body, media_type="application/json", headers={"cache-control": NO_STORE})
         self.whole = WholeAnswer(self.status_code, self.raw_headers, body)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

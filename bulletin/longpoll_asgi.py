@@ -24,6 +24,7 @@ from urllib.parse import parse_qsl
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from .cache_headers import NO_STORE
 from .deps import BulletinState
 from .errors import BulletinError
 from .hangup import Hangup
@@ -35,7 +36,7 @@ log = logging.getLogger("stitchboard.bulletin")
 #: The route's path template (as the app's route declares it).
 LATEST_ROUTE = "/v1/runs/{run}/versions/latest"
 _PATH = re.compile(r"^/v1/runs/([^/]+)/versions/latest$")
-_NO_CONTENT = Response(status_code=204)
+_NO_CONTENT = Response(status_code=204, headers={"cache-control": NO_STORE})
 #: The status recorded for a long-poll whose client hung up (nothing is sent).
 CLIENT_GONE = 499
 

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, RedirectResponse, Response, Streamin
 
 from stitchboard.proto.answers import BlobStored, UploadUrl
 
+from .cache_headers import immutable
 from .deps import BulletinState, Publish, Read
 from .errors import BlobMismatchError, NotFoundError, PayloadTooLargeError, RequestTimeoutError
 from .ledger import blob_key, stored_digest
@@ -154,6 +155,8 @@ def _parse_range(header: str | None, size: int) -> tuple[int, int] | None:
 @router.get("/runs/{run}/blobs/{sha256}", responses={206: {}, 304: {}, 307: {}, 404: {}, 416: {}})
 def get_blob(run: str, sha256: str, request: Request, state: Read) -> Response:
     """Download a blob. Supports one ``Range`` (206), ``If-None-Match`` (304); ``ETag`` is the quoted sha256.
+    A blob never changes: 200, 206 and 304 say ``Cache-Control: max-age=31536000, immutable`` (``public`` on an
+    open bulletin; :mod:`.cache_headers`); errors and the 307 say ``no-store``.
 
     With S3 and ``presign`` on, answers 307 to a presigned URL. Downloaders must verify the sha256.
     """
@@ -186,7 +189,7 @@ def _serve_blob(run: str, sha256: str, request: Request, state: BulletinState) -
             f"run {run!r} has no blob {sha256} (never uploaded, or removed by retention)", run_id=run, sha256=sha256
         )
     etag = f'"{sha256}"'
-    headers = {"etag": etag, "accept-ranges": "bytes"}
+    headers = {"etag": etag, "accept-ranges": "bytes", "cache-control": immutable(state.auth.open)}
     if state.settings.presign and request.method == "GET":
         url = state.store.presign(key, "GET", state.settings.presign_expires_s)
         if url:
@@ -196,7 +199,7 @@ def _serve_blob(run: str, sha256: str, request: Request, state: BulletinState) -
     size = stat.size_bytes
     rng = _parse_range(request.headers.get("range"), size)
     if rng is not None and (rng[0] >= size or rng[0] > rng[1]):
-        return Response(status_code=416, headers={**headers, "content-range": f"bytes */{size}"})
+        return Response(status_code=416, headers={"etag": etag, "content-range": f"bytes */{size}"})
     start, end = rng if rng is not None else (0, size - 1)
     headers["content-length"] = str(end - start + 1)
     status = 200

@@ -14,6 +14,7 @@ from stitchboard.proto.answers import RunList, VersionPage
 from stitchboard.proto.errors import SchemaError
 from stitchboard.proto.schema import Plan, VersionInfo, VersionManifest, check_publishable, parse_manifest
 
+from .cache_headers import immutable
 from .deps import BulletinState, Publish, Read
 from .errors import BulletinError, InvalidRequestError, NotFoundError
 from .gc_hold import COLLECTOR
@@ -110,10 +111,15 @@ async def latest(
 def manifest(run: str, version: int, state: Read) -> Response:
     """One version's manifest, byte-identical to what was published (canonical JSON).
 
-    Headers: ``ETag`` (sha256 of the manifest), ``X-Stitch-Committed-At``.
+    Headers: ``ETag`` (sha256 of the manifest), ``X-Stitch-Committed-At``, ``Cache-Control`` immutable (a
+    committed version never changes; ``public`` on an open bulletin; :mod:`.cache_headers`).
     """
     found = state.ledger.committed(run, version)
-    headers = {"etag": f'"{found.info.manifest_sha256}"', "x-stitch-committed-at": found.info.committed_at or ""}
+    headers = {
+        "etag": f'"{found.info.manifest_sha256}"',
+        "x-stitch-committed-at": found.info.committed_at or "",
+        "cache-control": immutable(state.auth.open),
+    }
     return Response(found.manifest_json, media_type="application/json", headers=headers)
 
 
