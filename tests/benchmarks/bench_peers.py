@@ -60,7 +60,7 @@ from rich.table import Table
 
 from stitchboard.demo.smollm2 import build_smollm2_checkpoint
 from stitchboard.proto.apply import apply_patch
-from stitchboard.proto.codec import checksum
+from stitchboard.proto.codec import PatchEncoding, checksum
 from stitchboard.proto.container import RawTensor
 from stitchboard.proto.decode import read_patch
 from stitchboard.proto.diff import diff_views
@@ -75,7 +75,7 @@ VERL_TOPIC = "bucket_metadata"
 #: verl's default ``rollout.checkpoint_engine.update_weights_bucket_megabytes``, in bytes.
 VERL_BUCKET_BYTES = 2048 << 20
 #: The encodings compared, in table order; the last line names three of them.
-STITCH_ENCODINGS = ("cond", "xor", "overwrite")
+STITCH_ENCODINGS: tuple[PatchEncoding, ...] = ("cond", "xor", "overwrite")
 VERL, MILES = "verl delta_sharded", "miles disk-delta"
 
 
@@ -114,11 +114,11 @@ class Result:
         return self.size_bytes / max(self.changed, 1)
 
 
-def stitch_coding(encoding: str) -> Coding:
+def stitch_coding(encoding: PatchEncoding) -> Coding:
     """stitchboard's ``encoding`` through the real codec (patch bytes; apply with checksum passes)."""
 
     def encode(base: View, target: View, sums: Mapping[str, str]) -> bytes:
-        return diff_views(base, target, encoding, base_checksums=sums).patch  # type: ignore[arg-type]
+        return diff_views(base, target, encoding, base_checksums=sums).patch
 
     def decode(view: View, patch: bytes) -> None:
         apply_patch(view, read_patch(patch))
@@ -191,7 +191,7 @@ def verl_encode(base: View, target: View, _sums: Mapping[str, str]) -> VerlFlush
         "val_dtype": "bfloat16",
         "spec": {"encoding": "indices", "params": params, "checksum": _verl_checksum(positions, values)},
     }
-    return VerlFlush(pickle.dumps(meta, pickle.HIGHEST_PROTOCOL), positions, values)
+    return VerlFlush(pickle.dumps(meta, pickle.DEFAULT_PROTOCOL), positions, values)  # pyzmq's send_pyobj
 
 
 def verl_decode(view: View, flush: VerlFlush) -> None:
