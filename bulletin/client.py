@@ -36,6 +36,19 @@ from .steps import same_step_and_bits
 
 _RETRY_STATUS = {500, 502, 503, 504}
 _CHUNK = 1 << 20
+#: The longest wait between two attempts, seconds.
+BACKOFF_CAP_S = 10.0
+
+
+def backoff_delay_s(attempt: int, base_s: float, rng: Callable[[], float] = random.random) -> float:
+    """The wait before retry ``attempt + 1``, seconds: "full jitter", uniform in [0, min(cap, base * 2**attempt)).
+
+    Every client draws its own wait over the whole window, so 1,000 replicas throttled together (S3's 503
+    SlowDown on one prefix) spread their retries over it instead of coming back in one burst; a fixed or
+    half-jittered wait keeps them in step (docs/scale.md, "Backoff"; AWS Architecture Blog, "Exponential Backoff
+    And Jitter"). ``rng`` returns a float in [0, 1) (a test passes a fixed one).
+    """
+    return float(rng() * min(BACKOFF_CAP_S, base_s * 2.0**attempt))
 
 
 def presigned_put_headers(sha256: str) -> dict[str, str]:
@@ -60,7 +73,8 @@ class BulletinClient:
         token: bearer token (scope ``read``, or ``publish`` for uploads and publishes); None for an open bulletin.
         timeout_s: connect/read/write timeout of one request, seconds (a long-poll adds its ``wait_s``).
         retries: extra attempts after a transport error or 5xx answer (0: try once).
-        backoff_s: first retry delay, seconds; doubles each attempt (capped at 10 s), with jitter.
+        backoff_s: the first retry's longest wait, seconds; doubles each attempt (capped at 10 s); each wait is
+            drawn uniformly below it (full jitter, :func:`backoff_delay_s`).
         transport: an httpx transport to use instead of the network (e.g. ``httpx.ASGITransport`` in tests).
     """
 
@@ -110,7 +124,7 @@ class BulletinClient:
                     return response
                 if response.status_code not in _RETRY_STATUS or last:
                     raise self._error(response)
-            time.sleep(min(10.0, self.backoff_s * 2**attempt) * (0.5 + random.random() / 2))
+            time.sleep(backoff_delay_s(attempt, self.backoff_s))
         raise AssertionError("unreachable")
 
     @staticmethod
@@ -241,7 +255,7 @@ class BulletinClient:
         for attempt in range(self.retries + 1):
             if self._fetch_part(run, sha256, part, may_retry=attempt < self.retries, what=what):
                 break
-            time.sleep(min(10.0, self.backoff_s * 2**attempt))
+            time.sleep(backoff_delay_s(attempt, self.backoff_s))
         digest, size = hashlib.sha256(), 0
         with open(part, "rb") as f:
             while chunk := f.read(_CHUNK):

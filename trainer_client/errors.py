@@ -138,3 +138,20 @@ class RolloutVersionError(RolloutError):
     (``wait_s``), allow more staleness, or see why the sidecar lags (``/v1/stitch/status``)."""
 
     type = "RolloutVersion"
+
+
+class StepConflictError(PublishError):
+    """A training step already has a version with other bits (verl's ``send_weights`` retried or restarted with
+    other weights for the same ``global_steps``): refused, nothing published. ``details``: ``run``, ``step``,
+    ``version`` (the step's version), ``tensors`` (up to 20 that differ). Resume from the checkpoint of that step or
+    later, or publish to a new run id."""
+
+    type = "StepConflict"
+
+
+class StepTimeoutError(TrainerError):
+    """No version of a training step was committed within a receiver's wait (verl's ``receive_weights``): the
+    trainer's publish failed or is slow. ``details``: ``run``, ``step``, ``latest_version``. Once the version exists,
+    a slow fleet raises :class:`FleetTimeoutError` instead, naming the version and the replicas."""
+
+    type = "StepTimeout"
