@@ -11,7 +11,7 @@ PY := $(VENV)/bin/python
 ENGINE ?= vllm
 STAMP := $(VENV)/.installed
 
-.PHONY: venv venv-sglang test test-fast test-engine test-heavy demo example-trl example-watch bench lint clean
+.PHONY: venv venv-sglang venv-verl test test-fast test-engine test-heavy demo example-trl example-watch bench lint clean
 
 venv: $(STAMP)
 
@@ -60,6 +60,27 @@ $(SGL_STAMP): pyproject.toml deploy/sglang_cpu/requirements-cpu.txt deploy/sglan
 	$(SGL_PY) deploy/sglang_cpu/install_stub.py
 	$(SGL_PY) deploy/sglang_cpu/check_env.py
 	touch $(SGL_STAMP)
+
+# verl's environment (the verl checkpoint-engine tests and examples/verl/ use it; docs/integrations/verl.md):
+# verl 0.9.1 needs transformers < 5.11, vLLM's environment has >= 5.16.1, so it cannot share .venv; it talks
+# to the bulletin, sidecars and vLLM over HTTP. torch first, pinned (the CPU build, as for .venv); verl with
+# uvicorn and fastapi (`import verl.checkpoint_engine` needs them; verl lists them only in an extra); then
+# stitchboard editable with only its trainer side (the `trainer` extra); `pip check` must be clean.
+VERL_VENV := .venv-verl
+VERL_PY := $(VERL_VENV)/bin/python
+VERL_STAMP := $(VERL_VENV)/.installed
+
+venv-verl: $(VERL_STAMP)
+
+$(VERL_STAMP): pyproject.toml Makefile
+	test -x $(VERL_PY) || $(PYTHON) -m venv $(VERL_VENV)
+	$(VERL_PY) -m pip install -q --upgrade pip
+	$(VERL_PY) -m pip install -q torch==2.13.0
+	$(VERL_PY) -m pip install -q verl==0.9.1 uvicorn fastapi torch==2.13.0
+	$(VERL_PY) -m pip install -q -e '.[trainer]'
+	$(VERL_PY) -m pip check
+	$(VERL_PY) -c "import torch, verl.checkpoint_engine; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	touch $(VERL_STAMP)
 
 # The tiers (marks set from each test's fixtures by tests/support/tiers.py; docs/testing.md): fast
 # (no engine: needs only .venv), engine (real vLLM / SGLang servers), heavy (the costliest oracles:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -37,8 +37,9 @@ import torch
 
 from stitchboard.proto.container import RawTensor
 
+from .errors import CheckpointNameError
 from .publisher_core import PublisherCore
-from .served_view import served_view
+from .served_view import cast_served, checkpoint_name, gather_full, served_view
 from .tied_head import fold_tied_head, ties_of_config, ties_of_module
 from .version_parts import ViewPart
 
@@ -124,6 +125,36 @@ class Publisher(PublisherCore):
         tied = self._tied if tied is None else tied
         view = self.served.apply(served_view(model_or_state_dict, self.dtypes, self.default_dtype, tied))
         return ViewPart(view, frozenset(view))
+
+    def view_of_stream(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, RawTensor]:
+        """The served view of a stream of ``(name, tensor)`` pairs, for :meth:`publish_view`: each tensor is cast
+        to its served dtype as it arrives (:meth:`publish`'s cast, names stripped of wrapper segments), the tied
+        head folded and the run's ``served`` recipe applied, as :meth:`publish` does for a model.
+
+        Memory: the new view (2 bytes per bf16 element) plus the one tensor the stream holds; the stream is
+        consumed once. A framework that streams its weights (verl's ``get_per_tensor_param``) never holds a
+        second full-precision copy.
+
+        Args:
+            named_tensors: ``(name, tensor)`` pairs, any device and dtype, each name once; a ``DTensor`` is
+                gathered (a collective: every rank of its mesh must consume the stream).
+
+        Returns:
+            Checkpoint name -> :class:`RawTensor`, names sorted.
+
+        Raises:
+            CheckpointNameError: two names map to one checkpoint name.
+            TiedWeightsError, ServedViewError: as :meth:`publish`.
+        """
+        view: dict[str, RawTensor] = {}
+        for raw_name, tensor in named_tensors:
+            name = checkpoint_name(raw_name)
+            if name in view:
+                raise CheckpointNameError(
+                    f"{raw_name!r} and another tensor both map to checkpoint name {name!r}", name=name
+                )
+            view[name] = cast_served(name, gather_full(tensor), self.dtypes, self.default_dtype)
+        return self.served.apply(fold_tied_head(view, self._tied, _same_raw_bits))
 
     def _own_view(self, view: Mapping[str, RawTensor]) -> ViewPart:
         folded = fold_tied_head(dict(view), self._tied, _same_raw_bits)
