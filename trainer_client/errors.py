@@ -155,3 +155,29 @@ class StepTimeoutError(TrainerError):
     a slow fleet raises :class:`FleetTimeoutError` instead, naming the version and the replicas."""
 
     type = "StepTimeout"
+
+
+class MilesDeltaError(CheckpointError):
+    """A Miles disk-delta version folder (``weight_vNNNNNN/``) refused before any of it was used: its index or a
+    shard file missing or malformed, a tensor the index and the shards disagree on, an encoding, compression or
+    checksum kind Miles' format does not name, or a tensor the previous view lacks. The message names the file
+    and the version; ``details``: ``folder``, ``version``, ``file``. Nothing of the version was published."""
+
+    type = "MilesDelta"
+
+
+class MilesChecksumError(MilesDeltaError):
+    """A tensor of a Miles version decoded to bytes whose checksum is not the one its shard file records (a
+    corrupted file, or a delta decoded against another base than Miles diffed it on). ``details`` add
+    ``tensor`` and ``checksum_format``. Nothing of the version was published."""
+
+    type = "MilesChecksum"
+
+
+class MilesBaseVersionError(MilesDeltaError):
+    """A Miles version's base version is not the step of the run's latest version on the bulletin (a version
+    skipped or published elsewhere), or Miles restarted its version stream (a new baseline) over a run that
+    already has later versions: publish each Miles run to its own run id. ``details`` add ``base_version`` and
+    ``latest_step``. Nothing was published."""
+
+    type = "MilesBaseVersion"

@@ -41,7 +41,7 @@ from .errors import CheckpointChangedError, CheckpointError, CheckpointGoneError
 from .publisher import Publisher
 from .publisher_core import PublisherOptions
 from .served_view import from_raw
-from .watch_layouts import Layout, checkpoints, choose_layout, read_stable
+from .watch_layouts import Layout, checkpoints, choose_layout
 
 #: Per-checkpoint failures: logged, the checkpoint skipped until its files change.
 #: A folder's files as (relative name, size in bytes, modification time in ns), sorted: equal listings, same files.
@@ -186,7 +186,7 @@ class Watcher:
             if self._failed.get(path.name) == _listing(path):
                 continue
             before = self.last_step
-            outcomes.append(self._publish(step, path))
+            outcomes.append(self._publish(step, path, layout))
             if outcomes[-1].status == "published":
                 self._pass_over(step, [(s, p) for s, p in waiting if (before is None or s > before) and s < step])
             elif outcomes[-1].status == "retry":
@@ -220,10 +220,10 @@ class Watcher:
             self._publisher = Publisher(self.client.url, self.run, **options)
         return self._publisher
 
-    def _publish(self, step: int, path: Path) -> Outcome:
+    def _publish(self, step: int, path: Path, layout: Layout) -> Outcome:
         t0 = time.perf_counter()
         try:
-            view = read_stable(path)
+            view = layout.read(path)
             read_s = time.perf_counter() - t0
             state = {name: from_raw(t) for name, t in view.items()}
             result = self._publisher_for(path).publish(state, step=step, metadata={"checkpoint": path.name})

@@ -25,6 +25,7 @@ class LayoutName(StrEnum):
     prime_rl = "prime-rl"
     nemo_rl = "nemo-rl"
     hf_trainer = "hf-trainer"
+    miles = "miles"
 
 
 def watch(
@@ -33,7 +34,11 @@ def watch(
     run: Run,
     token: Token = None,
     layout: Annotated[
-        LayoutName, typer.Option(help="prime-rl (step_N/ + STABLE), nemo-rl (version_N/), hf-trainer (checkpoint-N/)")
+        LayoutName,
+        typer.Option(
+            help="prime-rl (step_N/ + STABLE), nemo-rl (version_N/), hf-trainer (checkpoint-N/), "
+            "miles (weight_vNNNNNN/ disk-delta versions; needs --base)"
+        ),
     ] = LayoutName.auto,
     pattern: Annotated[
         str | None, typer.Option(help="custom layout: folders matching this glob (the step is the last number)")
@@ -44,6 +49,10 @@ def watch(
     settle_s: Annotated[
         float, typer.Option(min=0, help="a checkpoint is complete once its files stayed unchanged this long, seconds")
     ] = 0.0,
+    base: Annotated[
+        Path | None,
+        typer.Option(help="with --layout miles: Miles' --hf-checkpoint, the version its first delta is based on"),
+    ] = None,
     served: Annotated[str, typer.Option(help="the run's served view: bf16, fp8, fp8-block, nvfp4")] = "bf16",
     assets: Annotated[
         Path | None, typer.Option(help="config/tokenizer folder for a new run (default: the first checkpoint's)")
@@ -62,7 +71,7 @@ def watch(
 
     from .publisher_core import PublisherOptions
     from .watch import Watcher, WatchMetrics
-    from .watch_layouts import LAYOUTS, pattern_layout
+    from .watch_layouts import LAYOUTS, Layout, miles_layout, pattern_layout
 
     if pattern is not None and layout is not LayoutName.auto:
         raise typer.BadParameter("give --layout or --pattern, not both", param_hint="--pattern")
@@ -72,7 +81,16 @@ def watch(
         raise typer.BadParameter("--complete-marker goes with --pattern", param_hint="--complete-marker")
     if encoding not in ENCODINGS:
         raise typer.BadParameter(f"use one of {', '.join(ENCODINGS)}", param_hint="--encoding")
-    chosen = pattern_layout(pattern, complete_marker) if pattern else LAYOUTS.get(layout.value)
+    if (layout is LayoutName.miles) != (base is not None):
+        raise typer.BadParameter(
+            "--layout miles needs --base (Miles' --hf-checkpoint), and only it", param_hint="--base"
+        )
+    chosen: Layout | None
+    if base is not None:
+        chosen = miles_layout(base)
+        assets = base if assets is None else assets
+    else:
+        chosen = pattern_layout(pattern, complete_marker) if pattern else LAYOUTS.get(layout.value)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     metrics = WatchMetrics()
     stop_serving = metrics.serve(metrics_port) if metrics_port is not None else None

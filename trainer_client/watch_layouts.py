@@ -12,6 +12,10 @@ A layout names a framework's checkpoint folders, the step in each name, and when
 * ``hf-trainer``: ``DIR/checkpoint-N/`` (``Trainer._save_checkpoint``: the model, then optimizer,
   scheduler and RNG state, then ``trainer_state.json`` last), complete once ``trainer_state.json``
   exists and every shard the index lists is present;
+* ``miles``: ``DIR/weight_vNNNNNN/`` (DIR is Miles' ``--update-weight-disk-dir``), disk-delta versions, each
+  complete once ``model.safetensors.index.json`` (written last, by rank 0) and every shard it lists exist;
+  each is decoded on the version before it (:mod:`.miles_delta`), version 0 being Miles'
+  ``--hf-checkpoint`` (:func:`miles_layout`);
 * a custom one: ``--pattern GLOB`` (the step is the last number in the name), complete once
   ``--complete-marker FILE`` exists in it, or once its files stay unchanged ``--settle-s`` seconds.
 
@@ -26,6 +30,7 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
@@ -41,6 +46,9 @@ from .errors import (
     CheckpointRefusedError,
     WatchLayoutError,
 )
+from .miles_delta import FOLDER as MILES_FOLDER
+from .miles_delta import INDEX_NAME as MILES_INDEX
+from .miles_delta import MilesView
 
 _LAST_NUMBER = re.compile(r"(\d+)\D*$")
 #: A pickle an HF checkpoint folder always holds beside the weights (the TrainingArguments), not weights.
@@ -58,6 +66,7 @@ class Layout:
             folder's name appearing says it: an atomic rename, or ``settle_s``).
         index_complete: also wait until every shard the folder's index lists is present.
         example: a folder name of the layout, for messages (``step_N``).
+        reader: reads a complete folder's view (None: :func:`read_stable`, a full checkpoint).
     """
 
     name: str
@@ -65,6 +74,11 @@ class Layout:
     marker: str | None = None
     index_complete: bool = False
     example: str = ""
+    reader: Callable[[Path], dict[str, RawTensor]] | None = None
+
+    def read(self, folder: Path) -> dict[str, RawTensor]:
+        """The view of a complete folder: its ``reader``'s, else :func:`read_stable`'s (errors: theirs)."""
+        return self.reader(folder) if self.reader is not None else read_stable(folder)
 
     def step_of(self, name: str) -> int | None:
         """The step of a folder named ``name``; None when the name is not one of this layout's."""
@@ -103,6 +117,18 @@ LAYOUTS: dict[str, Layout] = {
 def pattern_layout(glob: str, marker: str | None) -> Layout:
     """A custom layout: folders matching ``glob`` (fnmatch), the step the last number in the name."""
     return Layout("pattern", re.compile(fnmatch.translate(glob)), marker=marker, example=glob)
+
+
+def miles_layout(base: Path) -> Layout:
+    """Miles' disk-delta folders (``weight_vNNNNNN/``), decoded from ``base`` (Miles' ``--hf-checkpoint``) on.
+
+    The layout keeps the last decoded view (one per watcher): each folder is decoded on the one before it,
+    replayed from ``base`` when the watcher starts after a version (:class:`~.miles_delta.MilesView`).
+    """
+    view = MilesView(lambda: read_stable(base))
+    return Layout(
+        "miles", MILES_FOLDER, marker=MILES_INDEX, index_complete=True, example="weight_vNNNNNN", reader=view.read
+    )
 
 
 def checkpoints(root: Path, layout: Layout) -> list[tuple[int, Path]]:
