@@ -45,6 +45,7 @@ from .metrics import BulletinMetrics, LatencyMiddleware
 from .page import router as page_router
 from .routes_blobs import router as blobs_router
 from .routes_fleet import router as fleet_router
+from .routes_relay import router as relay_router
 from .routes_squash import router as squash_router
 from .routes_versions import router as versions_router
 from .settings import BulletinSettings, ignored_env_names
@@ -193,6 +194,7 @@ def create_app(settings: BulletinSettings | None = None, store: Store | None = N
     app.include_router(fleet_router)
     app.include_router(page_router)
     app.include_router(squash_router)
+    app.include_router(relay_router)
 
     @app.get("/healthz", tags=["ops"])
     async def healthz() -> dict[str, str]:

@@ -21,6 +21,7 @@ from .cache_headers import immutable
 from .deps import BulletinState, Publish, Read
 from .errors import BlobMismatchError, NotFoundError, PayloadTooLargeError, RequestTimeoutError
 from .ledger import blob_key, stored_digest
+from .routes_relay import RELAY_HEADER
 from .settings import BulletinSettings
 from .stores import ObjectStat, StreamDigest
 
@@ -158,7 +159,8 @@ def get_blob(run: str, sha256: str, request: Request, state: Read) -> Response:
     A blob never changes: 200, 206 and 304 say ``Cache-Control: max-age=31536000, immutable`` (``public`` on an
     open bulletin; :mod:`.cache_headers`); errors and the 307 say ``no-store``.
 
-    With S3 and ``presign`` on, answers 307 to a presigned URL. Downloaders must verify the sha256.
+    With S3 and ``presign`` on, answers 307 to a presigned URL, except to a relay (``X-Stitch-Relay``,
+    :mod:`.routes_relay`), which gets the bytes to cache. Downloaders must verify the sha256.
     """
     return _serve_blob(run, sha256, request, state)
 
@@ -190,7 +192,7 @@ def _serve_blob(run: str, sha256: str, request: Request, state: BulletinState) -
         )
     etag = f'"{sha256}"'
     headers = {"etag": etag, "accept-ranges": "bytes", "cache-control": immutable(state.auth.open)}
-    if state.settings.presign and request.method == "GET":
+    if state.settings.presign and request.method == "GET" and RELAY_HEADER not in request.headers:
         url = state.store.presign(key, "GET", state.settings.presign_expires_s)
         if url:
             return RedirectResponse(url, status_code=307)

@@ -199,6 +199,8 @@ class Health(_Model):
         lease: the engine's lease.
         refused: the last refused plan (absent: none).
         squash_quarantine: the quarantined squash ranges, oldest first (absent: none).
+        relays: the regional blob relays in order (absent: none configured): ``url``, ``up`` (false while skipped
+            after failing), ``fetched``, ``failed`` and ``last_error`` (``sidecar/relays.py``).
         status: ``ok`` or why not.
         reason: why not (absent with ``ok``).
     """
@@ -208,14 +210,16 @@ class Health(_Model):
     lease: LeaseView
     refused: Refusal | None = None
     squash_quarantine: list[dict[str, Any]] | None = None
+    relays: list[dict[str, Any]] | None = None
     status: HealthStatus
     reason: str | None = None
 
     def wire(self) -> dict[str, Any]:
-        """The JSON body: the fields in order, the optional ones (``refused``, ``squash_quarantine``,
+        """The JSON body: the fields in order, the optional ones (``refused``, ``squash_quarantine``, ``relays``,
         ``reason``) left out when None."""
         body = self.model_dump(mode="json")
-        return {k: v for k, v in body.items() if v is not None or k not in ("refused", "squash_quarantine", "reason")}
+        optional = ("refused", "squash_quarantine", "relays", "reason")
+        return {k: v for k, v in body.items() if v is not None or k not in optional}
 
 
 #: Body field and header asking for per-token version spans; the answer's field holding them.

@@ -44,6 +44,7 @@ from .metrics import SidecarMetrics
 from .ops_routes import add_ops_routes
 from .proxy import Proxy
 from .reconciler import Reconciler
+from .relays import Relays
 from .report import Reporter
 from .routed_experts import RoutingSource
 from .routes import normalise_path
@@ -81,8 +82,23 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         gate = Gate()
+        relays = (
+            Relays(
+                settings.relays,
+                settings.token,
+                metrics,
+                timeout_s=settings.relay_timeout_s,
+                retry_s=settings.relay_retry_s,
+            )
+            if settings.relays
+            else None
+        )  # regional blob relays, asked before the bulletin (sidecar/relays.py)
         fetcher = Fetcher(
-            client, settings.run, Path(settings.handoff_dir) / f"sidecar-{settings.port}", settings.download_concurrency
+            client,
+            settings.run,
+            Path(settings.handoff_dir) / f"sidecar-{settings.port}",
+            settings.download_concurrency,
+            relays,
         )
         reconciler = Reconciler(settings, client, engine, gate, metrics, fetcher)
         routing = (
@@ -100,6 +116,7 @@ def create_app(
             routing=routing,
         )
         app.state.gate, app.state.reconciler, app.state.proxy = gate, reconciler, proxy
+        app.state.relays = relays
         task = asyncio.create_task(reconciler.run(), name="stitch-reconciler")
         reporter = (
             Reporter.for_sidecar(settings, reconciler, gate) if settings.report else None
@@ -121,6 +138,8 @@ def create_app(
             await proxy.aclose()
             reconciler.close()
             fetcher.close()
+            if relays is not None:
+                relays.close()
             for resource in owned:
                 resource.close()
 

@@ -5,7 +5,8 @@ Files land at ``<folder>/<run>/v<version>-<kind>/<path>`` (a memory-backed folde
 reads; ``kind`` is ``delta``, ``squash`` or ``snapshot``, so a step's folder holds its files only). Downloads run
 concurrently (``concurrency`` at once) through
 :meth:`BulletinClient.download_blob`, which retries, resumes partial files and verifies sha256
-and size. A file staged earlier (a coalesced re-plan, or a restart) is re-hashed and reused.
+and size; with regional relays configured each blob is asked of them first (:mod:`.relays`). A
+file staged earlier (a coalesced re-plan, or a restart) is re-hashed and reused.
 
 Each step is then checked against its manifest before anything reaches the engine
 (DESIGN.md invariant 5), by the files' sha256 (at download), their indexes and their lineage;
@@ -49,6 +50,7 @@ from stitchboard.proto.schema import XXH3_128, FileRef, Plan, PlanStep, VersionM
 from stitchboard.proto.squash_schema import check_patch_lineage
 
 from .errors import StagingError
+from .relays import Relays
 
 _CHUNK = 1 << 20
 
@@ -144,10 +146,19 @@ class Fetcher:
         run: run id.
         folder: the handoff folder (created if needed).
         concurrency: files downloaded at once.
+        relays: regional relays asked for each blob before the bulletin (None: the bulletin only).
     """
 
-    def __init__(self, client: BulletinClient, run: str, folder: str | Path, concurrency: int = 4) -> None:
+    def __init__(
+        self,
+        client: BulletinClient,
+        run: str,
+        folder: str | Path,
+        concurrency: int = 4,
+        relays: Relays | None = None,
+    ) -> None:
         self.client = client
+        self.relays = relays
         self.run = run
         self.root = Path(folder) / run
         self.root.mkdir(parents=True, exist_ok=True)
@@ -167,7 +178,10 @@ class Fetcher:
         if dest.exists() and dest.stat().st_size == ref.size_bytes and _sha256_of(dest) == ref.sha256:
             return 0
         try:
-            self.client.download_blob(self.run, ref.sha256, dest, ref.size_bytes)
+            if self.relays is not None:
+                self.relays.download(self.client, self.run, ref.sha256, dest, ref.size_bytes)
+            else:
+                self.client.download_blob(self.run, ref.sha256, dest, ref.size_bytes)
         except (BlobMismatchError, NotFoundError) as exc:  # a squash's stored copy is corrupt or gone
             if step.kind == "squash":
                 raise squash_failed(step, exc) from exc

@@ -144,6 +144,25 @@ class SidecarMetrics:
             ["reason"],
             registry=r,
         )
+        self.relay_fetches = Counter(
+            "stitch_sidecar_relay_fetches",
+            "Blob downloads tried at a relay (STITCH_SIDECAR_RELAYS), by relay base URL and outcome: ok; unavailable "
+            "(transport error or 5xx: skipped for relay_retry_s); corrupt (bytes that miss their sha256: fetched "
+            "again from the bulletin); refused (another 4xx: the bulletin was asked instead).",
+            ["relay", "outcome"],
+            registry=r,
+        )
+        self.relay_up = Gauge(
+            "stitch_sidecar_relay_up",
+            "1 while a relay is asked for blobs, 0 while it is skipped after failing (relay_retry_s).",
+            ["relay"],
+            registry=r,
+        )
+        self.relay_fallbacks = Counter(
+            "stitch_sidecar_relay_fallbacks",
+            "Blobs fetched from the bulletin itself because every relay failed or was skipped.",
+            registry=r,
+        )
         for g in (self.applied_version, self.target_version, self.refused_version):
             g.set(-1)
         for kind in ROUTE_KINDS:

@@ -76,6 +76,28 @@ class SidecarSettings(BaseSettings):
     bulletin_timeout_s: float = Field(
         30.0, gt=0, description="Timeout of one bulletin request (a long-poll adds its wait), seconds."
     )
+    relays: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Base URLs of regional blob relays (nginx from deploy/relay/, or a CDN) tried in order before the "
+            "bulletin for every blob, e.g. '[\"http://relay-eu:8780\"]' (a JSON list); empty (the default): blobs "
+            "come from the bulletin. A relay that fails (unreachable, 5xx, or bytes that miss their sha256) is "
+            "reported in /health and the metrics and the blob is fetched from the next one, then the bulletin."
+        ),
+    )
+    relay_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description=(
+            "Timeout of one relay request (to connect, and between bytes of an answer), seconds; a relay that stalls "
+            "(nginx serving a truncated cached file stops sending) is left for the next source after it."
+        ),
+    )
+    relay_retry_s: float = Field(
+        30.0,
+        gt=0,
+        description="Seconds an unreachable relay (transport error or 5xx) is skipped before it is tried again.",
+    )
     retry_backoff_s: float = Field(
         0.5, gt=0, description="First delay after a failed sync, seconds; doubles per failure up to max_backoff_s."
     )
@@ -244,6 +266,15 @@ class SidecarSettings(BaseSettings):
                 f"({self.max_body_bytes}): a body at the cap could never be read"
             )
         return self
+
+    @field_validator("relays")
+    @classmethod
+    def _relay_urls(cls, value: list[str]) -> list[str]:
+        # A relay is asked for the bulletin's own blob paths under its base URL: refuse a non-HTTP one at start.
+        for url in value:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"relay {url!r} is not an http:// or https:// base URL (STITCH_SIDECAR_RELAYS)")
+        return [url.rstrip("/") for url in value]
 
     @field_validator("replica_id")
     @classmethod
