@@ -13,6 +13,7 @@ import yaml
 from tests.deploy.deploy_helpers import (
     COMPOSE_FILE,
     ENV_EXAMPLE,
+    REPO,
     SECRET_KEYS,
     WORKER_EXTENSION,
     run_compose,
@@ -24,7 +25,9 @@ from tests.deploy.deploy_helpers import (
 def compose(tmp_path_factory) -> dict[str, Any]:
     """The resolved compose model (every profile), with .env.example + generated secrets."""
     secrets = secret_env_file(tmp_path_factory.mktemp("compose"))
-    r = run_compose(["--profile", "trainer", "config", "--format", "json"], [ENV_EXAMPLE, secrets])
+    r = run_compose(
+        ["--profile", "trainer", "--profile", "relay", "config", "--format", "json"], [ENV_EXAMPLE, secrets]
+    )
     assert r.returncode == 0, f"docker-compose config rejected docker-compose.yml:\n{r.stderr}"
     return json.loads(r.stdout)
 
@@ -34,7 +37,16 @@ def env_of(service: dict[str, Any]) -> dict[str, str]:
 
 
 def test_compose_config_is_valid(compose):
-    assert set(compose["services"]) == {"minio", "create-bucket", "bulletin", "trainer", "boot", "vllm", "sidecar"}
+    assert set(compose["services"]) == {
+        "minio",
+        "create-bucket",
+        "bulletin",
+        "trainer",
+        "relay",
+        "boot",
+        "vllm",
+        "sidecar",
+    }
 
 
 def test_compose_refuses_to_start_without_secrets():
@@ -100,6 +112,25 @@ def test_start_order_and_health_checks(compose):
     assert "/readyz" in " ".join(s["bulletin"]["healthcheck"]["test"])
     assert "/health" in " ".join(s["sidecar"]["healthcheck"]["test"])
     assert s["trainer"]["profiles"] == ["trainer"]
+    assert dep["relay"] == {"bulletin": "service_healthy"} and s["relay"]["profiles"] == ["relay"]
+    assert "/relay-health" in " ".join(s["relay"]["healthcheck"]["test"])
+
+
+def test_the_optional_relay_renders_the_shipped_template_in_front_of_the_bulletin(compose):
+    """The relay service (profile ``relay``) mounts deploy/relay's template where the nginx image renders it, sets
+    every variable the template names, points it at the bulletin's port, keeps the read-check cache on a tmpfs, and
+    the sidecar's STITCH_SIDECAR_RELAYS defaults to none."""
+    relay = compose["services"]["relay"]
+    template = REPO / "deploy" / "relay" / "relay.conf.template"
+    mount = next(v for v in relay["volumes"] if v.get("source") == str(template))
+    assert mount["target"] == "/etc/nginx/templates/relay.conf.template" and mount["read_only"]
+    env = env_of(relay)
+    assert set(re.findall(r"\$\{(STITCH_RELAY_[A-Z_]+)\}", template.read_text())) == set(env)
+    bulletin_port = env_of(compose["services"]["bulletin"])["STITCH_BULLETIN_PORT"]
+    assert env["STITCH_RELAY_ORIGIN"] == f"bulletin:{bulletin_port}"
+    assert env["STITCH_RELAY_AUTH_DIR"] in {t.split(":")[0] for t in relay["tmpfs"]}
+    assert [p["target"] for p in relay["ports"]] == [int(env["STITCH_RELAY_LISTEN"])]
+    assert env_of(compose["services"]["sidecar"])["STITCH_SIDECAR_RELAYS"] == "[]"
 
 
 def test_bulletin_runs_on_the_s3_store(compose):

@@ -54,7 +54,7 @@ IMAGES = {
 @pytest.fixture(scope="module")
 def compose(tmp_path_factory) -> dict[str, Any]:
     r = run_compose(
-        ["--profile", "trainer", "config", "--format", "json"],
+        ["--profile", "trainer", "--profile", "relay", "config", "--format", "json"],
         [ENV_EXAMPLE, secret_env_file(tmp_path_factory.mktemp("drift"))],
     )
     assert r.returncode == 0, r.stderr

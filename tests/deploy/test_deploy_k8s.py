@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import json
+import re
 
 import pytest
 import yaml
@@ -148,3 +150,43 @@ def test_references_resolve_and_secrets_are_not_stored():
         assert not [k for k in data if "TOKEN" in k or "SECRET" in k or "ACCESS_KEY" in k], (
             f"secret in ConfigMap {name}"
         )
+
+
+RELAY_DIR = K8S_DIR / "relay"
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_the_optional_relay_matches_kubernetes_schema(kv, version):
+    for doc in [d for d in yaml.safe_load_all((RELAY_DIR / "relay.yaml").read_text()) if d]:
+        kv.validate(doc, _version(kv, version), strict=True)
+
+
+def test_the_relay_component_renders_the_shipped_template_in_front_of_the_bulletin():
+    """The relay's ConfigMap is deploy/relay/relay.conf.template verbatim, mounted where the nginx image renders it;
+    its container sets every variable the template names and points at the bulletin's Service; read checks are
+    cached in memory only; the component points the rollout sidecars at the relay's Service."""
+    docs = {d["kind"]: d for d in yaml.safe_load_all((RELAY_DIR / "relay.yaml").read_text()) if d}
+    template = (K8S_DIR.parent / "relay" / "relay.conf.template").read_text()
+    assert docs["ConfigMap"]["data"]["relay.conf.template"] == template
+    spec = docs["Deployment"]["spec"]["template"]["spec"]
+    (c,) = spec["containers"]
+    env = {e["name"]: e["value"] for e in c["env"]}
+    assert set(re.findall(r"\$\{(STITCH_RELAY_[A-Z_]+)\}", template)) == set(env)
+    bulletin = k8s_object("Service", "stitchboard-bulletin")["spec"]["ports"][0]["port"]
+    assert env["STITCH_RELAY_ORIGIN"] == f"stitchboard-bulletin:{bulletin}"
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes[mounts["/etc/nginx/templates"]]["configMap"]["name"] == docs["ConfigMap"]["metadata"]["name"]
+    assert volumes[mounts[env["STITCH_RELAY_AUTH_DIR"]]]["emptyDir"]["medium"] == "Memory"
+    assert env["STITCH_RELAY_CACHE_DIR"] in mounts
+    assert c["readinessProbe"]["httpGet"]["path"] == "/relay-health"
+    service = docs["Service"]["spec"]
+    assert service["selector"] == docs["Deployment"]["spec"]["selector"]["matchLabels"]
+    assert c["ports"][0]["containerPort"] == int(env["STITCH_RELAY_LISTEN"])
+    kust = yaml.safe_load((RELAY_DIR / "kustomization.yaml").read_text())
+    assert kust["kind"] == "Component" and kust["resources"] == ["relay.yaml"]
+    (patch,) = kust["patches"]
+    assert patch["target"] == {"kind": "ConfigMap", "name": "stitchboard-rollout"}
+    (op,) = yaml.safe_load(patch["patch"])
+    assert op["path"] == "/data/STITCH_SIDECAR_RELAYS"
+    assert json.loads(op["value"]) == [f"http://{docs['Service']['metadata']['name']}:{service['ports'][0]['port']}"]
