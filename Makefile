@@ -23,6 +23,8 @@ venv: $(STAMP)
 # page tests and the demo's status.png, driven by playwright (never `playwright install`).
 # Ceph's radosgw (apt, skipped when installed; 285 MB) is the real S3 server of the tests that moto
 # cannot judge (tests/support/radosgw.py starts a one-node cluster per session; skipped without it).
+# Debian's nginx (apt, skipped when installed; 1.22 with auth_request and slice) is the regional relay of
+# tests/bulletin/test_relay*.py and bench_relay (deploy/relay/; skipped without it).
 $(STAMP): pyproject.toml Makefile proto/_bitdiff.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -34,6 +36,7 @@ $(STAMP): pyproject.toml Makefile proto/_bitdiff.c
 	$(PY) -c "import torch, vllm, transformers; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	test -x /usr/bin/chromium || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
 	test -x /usr/bin/radosgw -a -x /usr/bin/ceph-mon -a -x /usr/bin/ceph-osd || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends radosgw ceph-mon ceph-osd)
+	test -x /usr/sbin/nginx || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nginx)
 	touch $(STAMP)
 
 # SGLang's environment (the SGLang tests and `--engine sglang` use it; see deploy/sglang_cpu/):
