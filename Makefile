@@ -128,6 +128,11 @@ example-trl: venv
 example-watch: venv
 	$(PY) examples/prime-rl-watch/run_watch.py --workdir stitchboard-example-watch
 
+# Miles' disk-delta versions (a Miles-format writer, not Miles) through the post-write hook into real SGLang via a
+# sidecar (examples/miles/README.md)
+example-miles: venv venv-sglang
+	$(PY) examples/miles/run_miles.py --workdir stitchboard-example-miles
+
 bench: venv
 	$(PY) -m tests.benchmarks.bench_codec
 	for b in tests/benchmarks/bench_*.py; do m=$$(basename "$$b" .py); [ "$$m" = bench_codec ] || $(PY) -m "tests.benchmarks.$$m" || exit 1; done

@@ -31,12 +31,17 @@ from pydantic_settings import BaseSettings
 
 from stitchboard.bulletin.settings import BulletinSettings
 from stitchboard.sidecar.settings import SidecarSettings
+from stitchboard.trainer_client.miles import MilesHookSettings
 
 PAGE = Path(__file__).resolve().parent / "reference" / "settings.md"
 
 #: Table name on the page -> the settings model it is generated from. Every ``BaseSettings`` class
 #: of the packages belongs here (tests/test_docs.py checks).
-MODELS: dict[str, type[BaseSettings]] = {"bulletin": BulletinSettings, "sidecar": SidecarSettings}
+MODELS: dict[str, type[BaseSettings]] = {
+    "bulletin": BulletinSettings,
+    "sidecar": SidecarSettings,
+    "miles": MilesHookSettings,
+}
 
 _BOUNDS: tuple[tuple[type, str, str], ...] = (
     (annotated_types.Gt, "gt", ">"),
