@@ -11,7 +11,7 @@ PY := $(VENV)/bin/python
 ENGINE ?= vllm
 STAMP := $(VENV)/.installed
 
-.PHONY: venv venv-sglang venv-verl test test-fast test-engine test-heavy demo example-trl example-watch bench lint clean
+.PHONY: venv venv-sglang venv-verl example-verl test test-fast test-engine test-heavy demo example-trl example-watch bench lint clean
 
 venv: $(STAMP)
 
@@ -133,6 +133,11 @@ example-watch: venv
 # sidecar (examples/miles/README.md)
 example-miles: venv venv-sglang
 	$(PY) examples/miles/run_miles.py --workdir stitchboard-example-miles
+
+# verl's own CheckpointEngineManager (in .venv-verl, on a local CPU Ray cluster) syncs AdamW steps of SmolLM2 into real
+# vLLM through the stitchboard checkpoint engine and a sidecar (examples/verl/README.md)
+example-verl: venv venv-verl
+	$(PY) examples/verl/run_verl.py --workdir stitchboard-example-verl
 
 bench: venv
 	$(PY) -m tests.benchmarks.bench_codec
