@@ -9,6 +9,8 @@ tests/sidecar/test_verl_vllm.py.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
@@ -104,17 +106,22 @@ def test_options_come_from_the_client_environment_and_engine_kwargs_win(monkeypa
         VerlOptions(min_repicas=2)
 
 
-def test_a_receiver_returns_once_a_sidecar_applied_the_step(bulletin, run, sender, tmp_path) -> None:
+def test_a_receiver_waiting_before_the_commit_returns_once_a_sidecar_applied_the_step(
+    bulletin, run, sender, tmp_path
+) -> None:
+    """verl runs senders and receivers concurrently: the receiver starts before the run has any version."""
     trainer = ToyTrainer()
-    sender.publish(_stream(trainer.model), 0)
-    sidecar = start_sidecar(bulletin.url, run, "r1", FakeEngine(), tmp_path / "handoff")
-    try:
-        trainer.step()
-        sender.publish(_stream(trainer.model), 3)
-        count = wait_for_step(bulletin.client(), run, 3, min_replicas=1, timeout_s=60)
-        assert (count.version, count.at_or_above) == (1, 1)
-    finally:
-        sidecar.stop(engine_too=True)
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(wait_for_step, bulletin.client(), run, 3, min_replicas=1, timeout_s=120)
+        sender.publish(_stream(trainer.model), 0)
+        sidecar = start_sidecar(bulletin.url, run, "r1", FakeEngine(), tmp_path / "handoff")
+        try:
+            trainer.step()
+            sender.publish(_stream(trainer.model), 3)
+            count = waiting.result(timeout=180)
+        finally:
+            sidecar.stop(engine_too=True)
+    assert (count.version, count.at_or_above) == (1, 1)
 
 
 def test_a_receiver_times_out_naming_the_step_then_the_version_and_replicas(bulletin, run, sender, tmp_path) -> None:
