@@ -1,4 +1,5 @@
 """The verl checkpoint engine's own rules, without verl (trainer_client/verl_sync.py), over a real bulletin on loopback:
+the streamed view equal to the one publish takes (Publisher.view_of_stream),
 a step published once, the same step again a no-op with the same bits and refused with others (the latest step and
 an older one), only the committer publishing, and a receiver returning once a real sidecar (over a fake engine)
 applied the step's version, or raising a typed error naming the step, the version and the replicas seen.
@@ -14,11 +15,17 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from stitchboard.trainer_client.errors import FleetTimeoutError, StepConflictError, StepTimeoutError
+from stitchboard.trainer_client.errors import (
+    CheckpointNameError,
+    FleetTimeoutError,
+    StepConflictError,
+    StepTimeoutError,
+)
+from stitchboard.trainer_client.served_view import served_view
 from stitchboard.trainer_client.verl_sync import StepPublisher, VerlOptions, wait_for_step
 from tests.bulletin.fleet_helpers import start_sidecar
 from tests.sidecar.fake_engine import FakeEngine
-from tests.trainer_client.toy import ToyTrainer
+from tests.trainer_client.toy import ToyTrainer, assert_same_view
 
 
 def _stream(model: torch.nn.Module):
@@ -31,6 +38,15 @@ def sender(bulletin, run, tmp_path):
     publisher = StepPublisher(VerlOptions(bulletin=bulletin.url, run=run, workdir=str(tmp_path / "pub")), True)
     yield publisher
     publisher.close()
+
+
+def test_the_streamed_view_is_the_view_publish_takes(sender) -> None:
+    trainer = ToyTrainer()
+    trainer.step()
+    assert_same_view(sender.publisher.view_of_stream(_stream(trainer.model)), served_view(trainer.model))
+    weight = trainer.model.state_dict()["1.weight"]
+    with pytest.raises(CheckpointNameError, match="both map to checkpoint name '1.weight'"):
+        sender.publisher.view_of_stream([("module.1.weight", weight), ("1.weight", weight)])
 
 
 def test_each_step_is_one_version_and_a_retry_with_the_same_bits_is_a_no_op(bulletin, run, sender) -> None:
