@@ -2,7 +2,7 @@
 
 Run: ``python -m tests.benchmarks.bench_peers [--steps N]`` (from the repo root, in .venv); the
 default 6 versions of SmolLM2-135M (fp32 masters, AdamW lr 3e-6, batch 1 x 32 tokens: the trainer
-of ``bench_codec``), bf16 served view, take ~4 minutes on 2 cores.
+of ``bench_codec``), bf16 served view, take ~75 seconds on 2 cores.
 
 Per version and encoding, in one run on the same pair of served views: the bytes a version costs
 on the wire or on disk, those bytes per changed bf16 element (elements whose bits changed), and
