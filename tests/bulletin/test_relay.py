@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ TOKENS = {
     "t-other": {"scopes": ["read"], "runs": [OTHER_RUN]},
 }
 BLOB_ROUTE = "/v1/runs/{run}/blobs/{sha256}"
+READ_CHECK_ROUTE = "/v1/runs/{run}/read-check"
 
 
 @dataclass
@@ -45,16 +47,20 @@ class Setup:
     relay: Nginx
     manifest: VersionManifest  # version 0: a snapshot in several shards
 
-    def origin_blob_gets(self) -> float:
-        """GETs of blobs the bulletin has answered (any status)."""
+    def origin_gets(self, route: str = BLOB_ROUTE) -> float:
+        """GETs of ``route`` (a path template) the bulletin has answered (any status)."""
         registry = self.bulletin.app.state.bulletin.metrics.registry
         return sum(
             s.value
             for m in registry.collect()
             if m.name == "stitch_bulletin_request_seconds"
             for s in m.samples
-            if s.name.endswith("_count") and s.labels["method"] == "GET" and s.labels["route"] == BLOB_ROUTE
+            if s.name.endswith("_count") and s.labels["method"] == "GET" and s.labels["route"] == route
         )
+
+    def origin_blob_gets(self) -> float:
+        """GETs of blobs the bulletin has answered (any status)."""
+        return self.origin_gets()
 
     def blobs(self) -> dict[str, str]:
         """sha256 -> path of version 0's files."""
@@ -113,7 +119,7 @@ def test_200_concurrent_fetchers_cause_one_origin_get_per_blob(setup: Setup, tmp
     is reported."""
     fetchers, blobs = 200, setup.blobs()
     assert len(blobs) >= 4  # shards and their index
-    before = setup.origin_blob_gets()
+    before, checks_before = setup.origin_blob_gets(), setup.origin_gets(READ_CHECK_ROUTE)
     replicas = [Replica(setup, tmp_path / f"r{i}", [setup.relay.url]) for i in range(fetchers)]
     start = threading.Barrier(fetchers)
 
@@ -122,10 +128,14 @@ def test_200_concurrent_fetchers_cause_one_origin_get_per_blob(setup: Setup, tmp
         return replica.fetch()
 
     try:
+        started = time.monotonic()
         with ThreadPoolExecutor(fetchers) as pool:
             staged = list(pool.map(one, replicas))
+        elapsed_s = time.monotonic() - started
         assert sum(verified(paths, blobs) for paths in staged) == fetchers * len(blobs)
         assert setup.origin_blob_gets() - before == len(blobs)
+        # one token, one run: the bulletin's read check once per AUTH_TTL (5 s), not once per request
+        assert 1 <= setup.origin_gets(READ_CHECK_ROUTE) - checks_before <= 1 + elapsed_s // 5
         assert len(setup.relay.cached_files()) == len(blobs)
         for replica in replicas:
             assert replica.count("stitch_sidecar_relay_fetches_total", relay=setup.relay.url, outcome="ok") == len(
