@@ -73,16 +73,18 @@ def test_a_relay_gets_the_bytes_where_others_get_a_presigned_redirect(request, t
 @pytest.mark.skipif(NGINX is None, reason=NO_NGINX)
 def test_the_nginx_relay_caches_blobs_of_a_presigning_bulletin(request, tmp_path) -> None:
     """Through deploy/relay's nginx, a presigning bulletin's blob is fetched once as bytes and then served from the
-    cache (MISS, then HIT), whole and by Range; the bulletin's 307 never reaches the cache."""
+    cache (MISS, then HIT), whole and by Range; the bulletin's 307 never reaches the cache, nor its 404 for a blob
+    not uploaded yet."""
     backend = make_backend("s3", request, tmp_path, presign=True)
     server = ThreadServer(backend.settings)
     relay = None
     data = os.urandom(50_000)
     try:
         with server.client() as client, httpx.Client() as http:
-            client.put_blob("run-a", sha(data), data)
             relay = Nginx(server.url.removeprefix("http://"), tmp_path / "relay")
             url = f"{relay.url}/v1/runs/run-a/blobs/{sha(data)}"
+            assert http.get(url).status_code == 404  # not uploaded yet: a no-store answer, never cached
+            client.put_blob("run-a", sha(data), data)
             first, second = http.get(url), http.get(url)
             assert (first.status_code, first.headers["x-stitch-relay-cache"], first.content) == (200, "MISS", data)
             assert (second.status_code, second.headers["x-stitch-relay-cache"], second.content) == (200, "HIT", data)
