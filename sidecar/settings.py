@@ -86,11 +86,13 @@ class SidecarSettings(BaseSettings):
         ),
     )
     relay_timeout_s: float = Field(
-        10.0,
+        600.0,
         gt=0,
         description=(
-            "Timeout of one relay request (to connect, and between bytes of an answer), seconds; a relay that stalls "
-            "(nginx serving a truncated cached file stops sending) is left for the next source after it."
+            "Timeout of one relay request (to connect, and between bytes of an answer), seconds; keep it above the "
+            "relay's STITCH_RELAY_FETCH_TIMEOUT (600 s shipped): a coalesced miss gets no byte until the relay's "
+            "one fetch from the bulletin ends. A relay that stalls longer (nginx serving a truncated cached file "
+            "stops sending) is left for the next source."
         ),
     )
     relay_retry_s: float = Field(

@@ -87,10 +87,12 @@ def setup(tmp_path: Path) -> Iterator[Setup]:
 class Replica:
     """One sidecar's fetch side: a bulletin client, its relays and a Fetcher into its own folder."""
 
-    def __init__(self, setup: Setup, folder: Path, relays: list[str], token: str = "t-reader") -> None:
+    def __init__(
+        self, setup: Setup, folder: Path, relays: list[str], token: str = "t-reader", relay_timeout_s: float = 60
+    ) -> None:
         self.metrics = SidecarMetrics()
         self.client = BulletinClient(setup.bulletin.url, token, retries=1, backoff_s=0.01)
-        self.relays = Relays(relays, token, self.metrics, timeout_s=2, retry_s=60)
+        self.relays = Relays(relays, token, self.metrics, timeout_s=relay_timeout_s, retry_s=60)
         self.fetcher = Fetcher(self.client, RUN, folder, concurrency=2, relays=self.relays)
 
     def fetch(self) -> list[Path]:
@@ -168,7 +170,7 @@ def test_a_damaged_cached_object_is_refused_and_fetched_from_the_bulletin(
     else:
         victim.write_bytes(bytes(raw[: len(raw) - 1000]))
     before = setup.origin_blob_gets()
-    replica = Replica(setup, tmp_path / "second", [setup.relay.url])
+    replica = Replica(setup, tmp_path / "second", [setup.relay.url], relay_timeout_s=2 if damage == "truncate" else 60)
     try:
         assert verified(replica.fetch(), blobs) == len(blobs)
         # nginx serving a cut file stops sending: the replica's relay_timeout_s ends it
