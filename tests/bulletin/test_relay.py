@@ -173,31 +173,34 @@ def test_a_damaged_cached_object_is_refused_and_fetched_from_the_bulletin(
     replica = Replica(setup, tmp_path / "second", [setup.relay.url], relay_timeout_s=2 if damage == "truncate" else 60)
     try:
         assert verified(replica.fetch(), blobs) == len(blobs)
-        # nginx serving a cut file stops sending: the replica's relay_timeout_s ends it
+        # nginx serving a cut file stops sending: the replica's relay_timeout_s ends it, as an unreachable relay
         outcome = "corrupt" if damage == "corrupt" else "unavailable"
         assert replica.count("stitch_sidecar_relay_fetches_total", relay=setup.relay.url, outcome=outcome) == 1
-        assert replica.count("stitch_sidecar_relay_fetches_total", relay=setup.relay.url, outcome="ok") == (
-            len(blobs) - 1
-        )
-        assert replica.count("stitch_sidecar_relay_fallbacks_total") == 1
-        assert setup.origin_blob_gets() - before == 1
+        ok = replica.count("stitch_sidecar_relay_fetches_total", relay=setup.relay.url, outcome="ok")
+        fallbacks = replica.count("stitch_sidecar_relay_fallbacks_total")
         (health,) = replica.relays.body() or []
-        assert health["failed"] == 1 and health["fetched"] == len(blobs) - 1
-        assert health["last_error"]
+        assert health["failed"] == 1 and health["fetched"] == ok and health["last_error"]
+        assert ok + fallbacks == len(blobs) and setup.origin_blob_gets() - before == fallbacks
+        if damage == "corrupt":  # a corrupt object costs that blob only; the relay stays in use
+            assert fallbacks == 1 and health["up"] is True
+        else:  # a stalled relay is skipped for relay_retry_s: blobs not yet fetched then come from the bulletin
+            assert fallbacks >= 1 and health["up"] is False
     finally:
         replica.close()
 
 
 def test_a_relay_down_sends_every_blob_to_the_bulletin_and_says_so(setup: Setup, tmp_path: Path) -> None:
     """With the first relay down, blobs come from the next relay; with every relay down, from the bulletin; the
-    down relay is skipped after its first failure, reported ``up: false`` and counted."""
+    down relay is skipped once it failed, reported ``up: false`` and counted."""
     blobs = setup.blobs()
     setup.relay.stop()
     dead = setup.relay.url
     replica = Replica(setup, tmp_path / "down", [dead])
     try:
         assert verified(replica.fetch(), blobs) == len(blobs)
-        assert replica.count("stitch_sidecar_relay_fetches_total", relay=dead, outcome="unavailable") == 1
+        # skipped once it failed: at most the downloads already under way when it did (the Fetcher's 2 at once)
+        failures = replica.count("stitch_sidecar_relay_fetches_total", relay=dead, outcome="unavailable")
+        assert 1 <= failures <= 2 < len(blobs)
         assert replica.count("stitch_sidecar_relay_up", relay=dead) == 0
         assert replica.count("stitch_sidecar_relay_fallbacks_total") == len(blobs)
         (health,) = replica.relays.body() or []
