@@ -33,7 +33,9 @@ def simulate(
     out.mkdir(parents=True, exist_ok=True)
     results = run_all(fleet)
     plot(results, out / "replicas_at_version.png")
-    body = f"## Scenarios\n\n{table(results)}\n\n## Figures and their sources\n\n{sources(fleet)}\n"
+    first = results[0][1]
+    uploads = f"Before the commit the trainer ranks' {first.store_puts} PUTs take {first.upload_s:.2f} s (cond)."
+    body = f"## Scenarios\n\n{table(results)}\n\n{uploads}\n\n## Figures and their sources\n\n{sources(fleet)}\n"
     typer.echo(body)
     check = validate(fetchers=fetchers) if fetchers else None
     ratio = f"{check.ratio:.3f}" if check else "skipped"

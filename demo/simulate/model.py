@@ -49,10 +49,6 @@ class Scenario:
     seed: int = 0
     backoff: Callable[[int, float, Callable[[], float]], float] = backoff_delay_s
 
-    @property
-    def name(self) -> str:
-        return f"{self.encoding}, {'cache tier' if self.cache else 'origin only'}"
-
 
 @dataclass
 class StepResult:
