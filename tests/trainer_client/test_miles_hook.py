@@ -204,17 +204,17 @@ def test_a_restarted_hook_replays_the_folders_to_its_base(smollm2_dir, steps, bu
         assert_same_view(rebuild_version(client, hook_env, 2).view, _raw(steps[1]))
 
 
-def test_view_decodes_every_encoding_and_checksum_kind(smollm2_dir, steps, tmp_path):
+def test_view_decodes_the_pairs_the_hook_tests_leave_out(smollm2_dir, steps, tmp_path):
+    """(The hook tests publish xor + xxh3-128, overwrite + blake3, xor + adler32, overwrite + xxh3-128.)"""
     base = dict(read_stable(smollm2_dir))
-    for encoding in ("xor", "overwrite"):
-        for kind in ("xxh3-128", "blake3", "adler32"):
-            delta_dir = tmp_path / f"{encoding}-{kind}"
-            writer = MilesWriter(delta_dir, smollm2_dir, encoding=encoding, checksum_format=kind, ranks=3)
-            folders = [writer.write(state) for state in steps]
-            view = MilesView(lambda: base)
-            assert_same_view(view.read(folders[1]), _raw(steps[1]))  # replays version 1 first
-            assert view.version == 2
-            shutil.rmtree(delta_dir)
+    for encoding, kind in (("xor", "blake3"), ("overwrite", "adler32")):
+        delta_dir = tmp_path / f"{encoding}-{kind}"
+        writer = MilesWriter(delta_dir, smollm2_dir, encoding=encoding, checksum_format=kind, ranks=3)
+        folders = [writer.write(state) for state in steps]
+        view = MilesView(lambda: base)
+        assert_same_view(view.read(folders[1]), _raw(steps[1]))  # replays version 1 first
+        assert view.version == 2
+        shutil.rmtree(delta_dir)
 
 
 def test_watch_layout_miles_publishes_the_folders_bit_exact(smollm2_dir, steps, bulletin, run, tmp_path):
