@@ -97,8 +97,14 @@ class Fleet:
         100e9 / 8,
         "bytes/s per relay",
         "assumption",
-        "one nginx relay per region on a 100 Gbps instance, its NIC the limit (bench_relay measures coalescing, "
-        "not a cloud NIC)",
+        "one nginx relay per region on a 100 Gbps instance, its NIC the limit (bench_relay's 426 MB/s through "
+        "one relay is the 2-core test host's CPU, not a cloud NIC)",
+    )
+    relay_origin_gets_per_blob: Figure = _f(
+        1.0,
+        "origin GETs per blob per relay",
+        "measured",
+        "bench_relay: origin_gets_per_blob=1.00 with 200 fetchers at once, cold cache (docs/reference/relay.md)",
     )
     origin_Bps: Figure = _f(
         float("inf"), "bytes/s", "public", f"S3's aggregate throughput scales with parallel requests ({S3_GUIDELINES})"

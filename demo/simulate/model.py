@@ -9,7 +9,8 @@ each file (sha256); stages (decodes) while serving; pauses and writes. The store
 rate (a token bucket of one second's burst); a GET over the rate is answered 503 SlowDown and retried after the
 client's own :func:`~stitchboard.bulletin.client.backoff_delay_s`; after the client's last retry the sync fails
 and the sidecar retries it after its (unjittered, doubling) ``retry_backoff_s``, reusing the files it has.
-A relay fetches each blob from the origin once (nginx's ``proxy_cache_lock``: the other misses wait for it),
+A relay fetches each blob from the origin once (nginx's ``proxy_cache_lock``: the other misses wait for it; the
+origin GETs and bytes of a fill count ``relay_origin_gets_per_blob``, measured by bench_relay),
 then serves it over its egress link. Shared links are pipes: a transfer reserves its bytes at the link's rate
 after the transfers before it, and takes at least its size over its own stream rate.
 """
@@ -154,16 +155,19 @@ class StepModel:
         if region:
             yield self.env.timeout(self.fl.inter_region_rtt_s.value)
 
-    def store_get(self, region: int, stream_Bps: float) -> simpy.events.ProcessGenerator:
-        """One blob GET from the origin with the client's retries; returns True when the blob arrived."""
+    def store_get(self, region: int, stream_Bps: float, copies: float = 1.0) -> simpy.events.ProcessGenerator:
+        """One blob GET from the origin with the client's retries; returns True when the blob arrived.
+
+        ``copies``: the origin GETs (and bytes) it stands for: a relay's fill counts its measured coalescing.
+        """
         fl = self.fl
         retries = int(fl.client_retries.value)
         for attempt in range(retries + 1):
             if not self.sc.cache:  # a replica asks the bulletin's blob route first; a relay's fill too, below
                 yield from self.ask_bulletin(fl.bulletin_request_s.value, region)
             if self.store.take():
-                self.result.store_gets += 1
-                self.result.origin_egress_bytes += self.file_bytes
+                self.result.store_gets += round(copies)
+                self.result.origin_egress_bytes += self.file_bytes * copies
                 done = max(self.origin.reserve(self.file_bytes), self.env.now + self.file_bytes / stream_Bps)
                 yield self.env.timeout(done - self.env.now)
                 return True
@@ -176,7 +180,7 @@ class StepModel:
         """The relay's one origin fetch of a blob (retried until it arrives), then every waiting miss proceeds."""
         stream = min(self.fl.store_stream_Bps.value, self.fl.single_flow_Bps.value)
         yield from self.ask_bulletin(self.fl.bulletin_request_s.value, region)
-        while not (yield from self.store_get(region, stream)):
+        while not (yield from self.store_get(region, stream, self.fl.relay_origin_gets_per_blob.value)):
             pass
         filled.succeed()
 

@@ -46,6 +46,9 @@ def test_cache_tier_fills_each_blob_once_by_hand() -> None:
     r = StepModel(Scenario(tiny(), cache=True)).run()
     assert r.at_version_s == pytest.approx([5.0, 5.0])
     assert (r.store_gets, r.bulletin_requests, r.origin_egress_bytes) == (2, 2, 200)
+    # a relay that coalesced misses into 2 origin GETs a blob (bench_relay measures 1.00) doubles the origin's share
+    r2 = StepModel(Scenario(tiny(relay_origin_gets_per_blob=2.0), cache=True)).run()
+    assert (r2.store_gets, r2.origin_egress_bytes) == (4, 400)
 
 
 def test_apply_time_by_hand() -> None:
