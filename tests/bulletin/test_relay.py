@@ -135,9 +135,12 @@ def test_200_concurrent_fetchers_cause_one_origin_get_per_blob(setup: Setup, tmp
             staged = list(pool.map(one, replicas))
         elapsed_s = time.monotonic() - started
         assert sum(verified(paths, blobs) for paths in staged) == fetchers * len(blobs)
-        assert setup.origin_blob_gets() - before == len(blobs)
-        # one token, one run: the bulletin's read check once per AUTH_TTL (5 s), not once per request
-        assert 1 <= setup.origin_gets(READ_CHECK_ROUTE) - checks_before <= 1 + elapsed_s // 5
+        fallbacks = sum(r.count("stitch_sidecar_relay_fallbacks_total") for r in replicas)
+        assert setup.origin_blob_gets() - before == len(blobs), (setup.origin_blob_gets() - before, fallbacks)
+        # one token, one run: the bulletin's read check about once per AUTH_TTL (5 s; a few more where a check
+        # outlives nginx's 5 s cache lock), not once per request (over 1,000 with the auth cache off)
+        checks = setup.origin_gets(READ_CHECK_ROUTE) - checks_before
+        assert 1 <= checks <= 3 + elapsed_s // 5, (checks, elapsed_s)
         assert len(setup.relay.cached_files()) == len(blobs)
         for replica in replicas:
             assert replica.count("stitch_sidecar_relay_fetches_total", relay=setup.relay.url, outcome="ok") == len(
