@@ -63,6 +63,7 @@ class StepResult:
         bulletin_requests: requests the bulletin answered (polls, plans, manifests, blob routes).
         failed_syncs: syncs that failed (the client's retries spent), over all replicas.
         anchor_routes: replicas whose failed syncs reached the sidecar's anchor escalation (not modelled further).
+        store_retries_s: the instant of every retried GET (after a 503 SlowDown) asked of the store, seconds.
     """
 
     scenario: Scenario
@@ -75,6 +76,15 @@ class StepResult:
     bulletin_requests: int = 0
     failed_syncs: int = 0
     anchor_routes: int = 0
+    store_retries_s: list[float] = field(default_factory=list)
+
+    def peak_retry_rate(self, window_s: float = 0.1) -> float:
+        """The most retried GETs in any ``window_s`` window (aligned to the commit), per second: retries that come
+        back in step show here as bursts."""
+        counts: dict[int, int] = {}
+        for t in self.store_retries_s:
+            counts[int(t / window_s)] = counts.get(int(t / window_s), 0) + 1
+        return max(counts.values(), default=0) / window_s
 
     def time_to(self, fraction: float) -> float:
         """Seconds from the commit until ``fraction`` (0-1] of the replicas serve version N."""
@@ -165,6 +175,8 @@ class StepModel:
         for attempt in range(retries + 1):
             if not self.sc.cache:  # a replica asks the bulletin's blob route first; a relay's fill too, below
                 yield from self.ask_bulletin(fl.bulletin_request_s.value, region)
+            if attempt:
+                self.result.store_retries_s.append(self.env.now)
             if self.store.take():
                 self.result.store_gets += round(copies)
                 self.result.origin_egress_bytes += self.file_bytes * copies

@@ -52,14 +52,15 @@ def table(results: list[tuple[Row, StepResult]]) -> str:
     """The results as a Markdown table (times in seconds from the commit, egress in GB, requests per step)."""
     head = (
         "| scenario | t50 s | t99 s | t100 s | origin egress GB | store GETs | 503 SlowDown | bulletin requests "
-        "| failed syncs | anchor routes |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+        "| peak retries/s | failed syncs | anchor routes |\n"
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
     )
     lines = [head]
     for row, r in results:
         lines.append(
             f"| {row.label} | {r.time_to(0.5):.1f} | {r.time_to(0.99):.1f} | {r.time_to(1.0):.1f} | "
             f"{r.origin_egress_bytes / 1e9:,.1f} | {r.store_gets:,} | {r.store_slowdowns:,} | "
-            f"{r.bulletin_requests:,} | {r.failed_syncs:,} | {r.anchor_routes:,} |"
+            f"{r.bulletin_requests:,} | {r.peak_retry_rate():,.0f} | {r.failed_syncs:,} | {r.anchor_routes:,} |"
         )
     return "\n".join(lines)
 

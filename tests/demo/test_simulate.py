@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from stitchboard.demo.simulate.cli import simulate
 from stitchboard.demo.simulate.figures import Fleet
-from stitchboard.demo.simulate.model import Scenario, StepModel
+from stitchboard.demo.simulate.model import Scenario, StepModel, StepResult
 from stitchboard.demo.simulate.validate import validate
 
 INF = float("inf")
@@ -68,6 +68,12 @@ def test_throttled_store_answers_slowdown_and_every_replica_gets_there() -> None
     assert len(r.at_version_s) == 40 and r.store_gets == 40
     assert r.store_slowdowns > 30 and r.failed_syncs > 0
     assert r.time_to(1.0) >= (40 - 10) / 10.0  # no faster than the rate allows
+
+
+def test_peak_retry_rate_counts_the_densest_window() -> None:
+    r = StepResult(Scenario(tiny()), store_retries_s=[0.01, 0.02, 0.05, 0.5, 0.55])
+    assert r.peak_retry_rate(0.1) == pytest.approx(30.0)
+    assert StepResult(Scenario(tiny())).peak_retry_rate() == 0.0
 
 
 def test_command_writes_its_files_and_summary_line(tmp_path: Path) -> None:
