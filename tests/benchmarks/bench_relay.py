@@ -38,8 +38,7 @@ RUN = "bench-relay"
 BLOB_ROUTE = "/v1/runs/{run}/blobs/{sha256}"
 
 
-def origin_blob_gets(bulletin: str) -> float:
-    """GETs of the blob route the bulletin has answered (any status), from its ``/metrics``."""
+def _blob_gets_now(bulletin: str) -> float:
     text = httpx.get(f"{bulletin}/metrics", timeout=30).text
     return sum(
         s.value
@@ -48,6 +47,16 @@ def origin_blob_gets(bulletin: str) -> float:
         for s in family.samples
         if s.name.endswith("_count") and s.labels.get("method") == "GET" and s.labels.get("route") == BLOB_ROUTE
     )
+
+
+def origin_blob_gets(bulletin: str) -> float:
+    """GETs of the blob route the bulletin has answered (any status), from its ``/metrics``, once no more came for
+    0.5 s (the bulletin counts a GET after its last byte is sent: a fetcher may be done before)."""
+    while True:
+        seen = _blob_gets_now(bulletin)
+        time.sleep(0.5)
+        if _blob_gets_now(bulletin) == seen:
+            return seen
 
 
 def _fetcher(bulletin: str, relays: list[str], blobs: list[tuple[str, int]], folder: Path, start_at: float) -> int:

@@ -58,9 +58,17 @@ class Setup:
             if s.name.endswith("_count") and s.labels["method"] == "GET" and s.labels["route"] == route
         )
 
-    def origin_blob_gets(self) -> float:
-        """GETs of blobs the bulletin has answered (any status)."""
-        return self.origin_gets()
+    def origin_blob_gets(self, at_least: float = 0, timeout_s: float = 10) -> float:
+        """GETs of blobs the bulletin has answered (any status), once at least ``at_least`` are counted and no more
+        came for 0.3 s (the bulletin counts a GET after its last byte is sent, so a client may be done first)."""
+        deadline = time.monotonic() + timeout_s
+        while self.origin_gets() < at_least and time.monotonic() < deadline:
+            time.sleep(0.05)
+        while True:
+            seen = self.origin_gets()
+            time.sleep(0.3)
+            if self.origin_gets() == seen:
+                return seen
 
     def blobs(self) -> dict[str, str]:
         """sha256 -> path of version 0's files."""
@@ -136,7 +144,8 @@ def test_200_concurrent_fetchers_cause_one_origin_get_per_blob(setup: Setup, tmp
         elapsed_s = time.monotonic() - started
         assert sum(verified(paths, blobs) for paths in staged) == fetchers * len(blobs)
         fallbacks = sum(r.count("stitch_sidecar_relay_fallbacks_total") for r in replicas)
-        assert setup.origin_blob_gets() - before == len(blobs), (setup.origin_blob_gets() - before, fallbacks)
+        gets = setup.origin_blob_gets(at_least=before + len(blobs)) - before
+        assert gets == len(blobs), (gets, fallbacks)
         # one token, one run: the bulletin's read check about once per AUTH_TTL (5 s; a few more where a check
         # outlives nginx's 5 s cache lock), not once per request (over 1,000 with the auth cache off)
         checks = setup.origin_gets(READ_CHECK_ROUTE) - checks_before
@@ -172,7 +181,7 @@ def test_a_damaged_cached_object_is_refused_and_fetched_from_the_bulletin(
         victim.write_bytes(bytes(raw))
     else:
         victim.write_bytes(bytes(raw[: len(raw) - 1000]))
-    before = setup.origin_blob_gets()
+    before = setup.origin_blob_gets(at_least=len(blobs))  # the first replica's, through the relay
     replica = Replica(setup, tmp_path / "second", [setup.relay.url], relay_timeout_s=2 if damage == "truncate" else 60)
     try:
         assert verified(replica.fetch(), blobs) == len(blobs)
@@ -183,7 +192,9 @@ def test_a_damaged_cached_object_is_refused_and_fetched_from_the_bulletin(
         fallbacks = replica.count("stitch_sidecar_relay_fallbacks_total")
         (health,) = replica.relays.body() or []
         assert health["failed"] == 1 and health["fetched"] == ok and health["last_error"]
-        assert ok + fallbacks == len(blobs) and setup.origin_blob_gets() - before == fallbacks
+        assert (
+            ok + fallbacks == len(blobs) and setup.origin_blob_gets(at_least=before + fallbacks) - before == fallbacks
+        )
         if damage == "corrupt":  # a corrupt object costs that blob only; the relay stays in use
             assert fallbacks == 1 and health["up"] is True
         else:  # a stalled relay is skipped for relay_retry_s: blobs not yet fetched then come from the bulletin
