@@ -98,9 +98,9 @@ test: venv venv-sglang
 	$(PYTEST) -m "$(ENGINE_TIER)"
 	$(PYTEST) -m heavy
 
-# the fast tier over 4 pytest-xdist workers, each module on one worker (docs/testing.md: N and mode measured)
+# the fast tier over 3 pytest-xdist workers, each module on one worker (docs/testing.md: N and mode measured)
 test-fast: venv
-	$(PYTEST) -m "$(FAST_TIER)" -n 4 --dist loadscope
+	$(PYTEST) -m "$(FAST_TIER)" -n 3 --dist loadscope
 
 test-engine: venv venv-sglang
 	$(PYTEST) -m "$(ENGINE_TIER)"
