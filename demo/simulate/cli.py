@@ -44,8 +44,8 @@ def simulate(
             f"validation: {check.fetchers} fetchers x {check.blobs} blobs of {check.blob_bytes:,} B on loopback: "
             f"measured t50 {check.measured_t50_s:.3f} s, t100 {check.measured_t100_s:.3f} s; simulated t50 "
             f"{check.simulated_t50_s:.3f} s, t100 {check.simulated_t100_s:.3f} s (from the lone fetcher's "
-            f"{check.server_s_per_get * 1e3:.2f} ms of bulletin CPU and {check.client_s_per_get * 1e3:.2f} ms of "
-            "fetcher CPU per blob)"
+            f"{check.server_s_per_get * 1e3:.2f} ms of bulletin CPU, {check.client_s_per_get * 1e3:.2f} ms of "
+            f"fetcher CPU and {check.wall_s_per_get * 1e3:.2f} ms of wall time per blob)"
         )
         typer.echo(line)
         body += f"\n## Validation\n\n{line}\n"
