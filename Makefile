@@ -92,17 +92,19 @@ $(VERL_STAMP): pyproject.toml Makefile
 PYTEST := $(PY) -m pytest -q --durations=25
 FAST_TIER := not engine and not heavy
 ENGINE_TIER := engine and not heavy
+# the fast tier over 3 pytest-xdist workers, each module on one worker (docs/testing.md: N and mode measured)
+FAST_XDIST := -n 3 --dist loadscope
 
-test: venv venv-sglang
-	$(PYTEST) -m "$(FAST_TIER)"
+test: venv venv-sglang venv-verl
+	$(PYTEST) -m "$(FAST_TIER)" $(FAST_XDIST)
 	$(PYTEST) -m "$(ENGINE_TIER)"
 	$(PYTEST) -m heavy
 
-# the fast tier over 3 pytest-xdist workers, each module on one worker (docs/testing.md: N and mode measured)
 test-fast: venv
-	$(PYTEST) -m "$(FAST_TIER)" -n 3 --dist loadscope
+	$(PYTEST) -m "$(FAST_TIER)" $(FAST_XDIST)
 
-test-engine: venv venv-sglang
+# the engine tier includes verl's checkpoint-engine test (tests/sidecar/test_verl_vllm.py), run in .venv-verl
+test-engine: venv venv-sglang venv-verl
 	$(PYTEST) -m "$(ENGINE_TIER)"
 
 test-heavy: venv venv-sglang
@@ -144,4 +146,4 @@ bench: venv
 	for b in tests/benchmarks/bench_*.py; do m=$$(basename "$$b" .py); [ "$$m" = bench_codec ] || $(PY) -m "tests.benchmarks.$$m" || exit 1; done
 
 clean:
-	rm -rf $(VENV) $(SGL_VENV) build *.egg-info proto/*.so
+	rm -rf $(VENV) $(SGL_VENV) $(VERL_VENV) build *.egg-info proto/*.so
