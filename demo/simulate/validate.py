@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -24,10 +23,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
 from stitchboard.bulletin.client import BulletinClient
 
+from ..processes import ProcessGroup, free_port
 from .figures import Fleet
 from .model import Scenario, StepModel, StepResult
 
@@ -78,30 +76,6 @@ def sha256_Bps(size_bytes: int = 64 << 20) -> float:
 def _cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _start_bulletin(store: Path, port: int) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "STITCH_BULLETIN_STORE": f"file://{store}", "STITCH_BULLETIN_LOG_LEVEL": "error"}
-    cmd = [sys.executable, "-c", "from stitchboard.proto.cli import main; main()", "bulletin", "serve"]
-    proc = subprocess.Popen([*cmd, "--port", str(port)], env=env, stdout=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            time.sleep(0.1)
-    proc.kill()
-    proc.wait()
-    raise RuntimeError(f"the validation's bulletin did not answer on port {port} within 60 s")
 
 
 def simulated(fetchers: int, blobs: int, blob_bytes: int, host_s: float) -> StepResult:
@@ -160,16 +134,31 @@ def validate(
         repeats: calibrations and concurrent runs.
 
     Raises:
-        RuntimeError: the bulletin did not start.
+        DemoError: the bulletin did not start (with its log's tail).
         BulletinError: a download failed (every download is verified by its sha256).
     """
     server, client_cpu, wall, t50, t100 = [], [], [], [], []
     with tempfile.TemporaryDirectory(prefix="stitch-simulate-") as tmp:
         root = Path(tmp)
-        port = _free_port()
-        proc = _start_bulletin(root / "store", port)
-        try:
-            url = f"http://127.0.0.1:{port}"
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        with ProcessGroup(root / "logs") as procs:
+            bulletin = procs.start(
+                "bulletin",
+                [
+                    sys.executable,
+                    "-c",
+                    "from stitchboard.proto.cli import main; main()",
+                    "bulletin",
+                    "serve",
+                    "--port",
+                    str(port),
+                ],
+                f"{url}/healthz",
+                env={"STITCH_BULLETIN_STORE": f"file://{root / 'store'}", "STITCH_BULLETIN_LOG_LEVEL": "error"},
+            )
+            bulletin.wait_healthy(60)
+            proc = bulletin.proc
             datas = [os.urandom(blob_bytes) for _ in range(blobs)]
             shas = [hashlib.sha256(d).hexdigest() for d in datas]
             with BulletinClient(url) as client:
@@ -190,9 +179,6 @@ def validate(
                     done = sorted(_concurrent(url, fetchers, shas, blob_bytes, root / f"run{repeat}"))
                     t50.append(done[(len(done) + 1) // 2 - 1])
                     t100.append(done[-1])
-        finally:
-            proc.terminate()
-            proc.wait(timeout=30)
     server_s, client_s, wall_s = statistics.median(server), statistics.median(client_cpu), statistics.median(wall)
     model = simulated(fetchers, blobs, blob_bytes, max(server_s + client_s, wall_s))
     return Validation(
