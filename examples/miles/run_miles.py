@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT))  # the Miles-format writer and the CPU trainer liv
 
 from stitchboard.bulletin.client import BulletinClient
 from stitchboard.demo.engines import SERVED_NAME, start_engine, stitchboard_cli
+from stitchboard.demo.example_checks import run_checks
 from stitchboard.demo.processes import ProcessGroup, free_port
 from stitchboard.demo.smollm2 import build_smollm2_checkpoint
 from stitchboard.proto.codec import checksum
@@ -48,18 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"this runs a Miles-format writer (tests/trainer_client/miles_writer.py, Miles {MILES_COMMIT[:7]}), not Miles"
     )
-    checks: dict[str, str | None] = {}  # check -> None (ok) or why it failed
     try:
-        run(args.workdir.resolve(), args.steps, checks)
-    except Exception as exc:  # noqa: BLE001 - the example reports every failure as its last line
-        checks["the example ran to the end"] = f"{type(exc).__name__}: {exc}"
+        return run_checks(lambda checks: run(args.workdir.resolve(), args.steps, checks))
     finally:
         miles.close_bridges()
-    for name, why in checks.items():
-        print(f"ok {name}" if why is None else f"FAIL {name}: {why}", flush=True)
-    failed = [name for name, why in checks.items() if why is not None]
-    print("PASS" if checks and not failed else f"FAIL {'; '.join(failed)}", flush=True)
-    return 0 if checks and not failed else 1
 
 
 def _applied(sidecar_url: str) -> int | None:

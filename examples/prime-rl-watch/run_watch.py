@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 
 from stitchboard.bulletin.client import BulletinClient
 from stitchboard.demo.engines import greedy, start_engine, stitchboard_cli, wait_applied
+from stitchboard.demo.example_checks import run_checks
 from stitchboard.demo.processes import ProcessGroup, free_port
 from stitchboard.demo.smollm2 import build_smollm2_checkpoint
 from stitchboard.demo.task import prompts_for_step
@@ -40,16 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=Path("stitchboard-example-watch"))
     parser.add_argument("--steps", type=int, default=3, help="trainer steps, each a step_N/ folder")
     args = parser.parse_args(argv)
-    checks: dict[str, str | None] = {}  # check -> None (ok) or why it failed
-    try:
-        run(args.workdir.resolve(), args.steps, checks)
-    except Exception as exc:  # noqa: BLE001 - the example reports every failure as its last line
-        checks["the example ran to the end"] = f"{type(exc).__name__}: {exc}"
-    for name, why in checks.items():
-        print(f"ok {name}" if why is None else f"FAIL {name}: {why}", flush=True)
-    failed = [name for name, why in checks.items() if why is not None]
-    print("PASS" if checks and not failed else f"FAIL {'; '.join(failed)}", flush=True)
-    return 0 if checks and not failed else 1
+    return run_checks(lambda checks: run(args.workdir.resolve(), args.steps, checks))
 
 
 def write_step(broadcasts: Path, step: int, model: torch.nn.Module) -> Path:

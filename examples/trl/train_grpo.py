@@ -31,6 +31,7 @@ import torch
 
 from stitchboard.bulletin.client import BulletinClient
 from stitchboard.demo.engines import greedy, start_engine, start_rollout, stitchboard_cli, wait_applied
+from stitchboard.demo.example_checks import run_checks
 from stitchboard.demo.processes import ProcessGroup, free_port
 from stitchboard.demo.smollm2 import build_smollm2_checkpoint
 from stitchboard.demo.task import Prompt, prompts_for_step, reward
@@ -80,16 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps (>= 3 for the example's checks)")
     parser.add_argument("--staleness", type=int, default=0, help="steps the rollouts' weights may lag")
     args = parser.parse_args(argv)
-    checks: dict[str, str | None] = {}  # check -> None (ok) or why it failed
-    try:
-        run(args.workdir.resolve(), args.steps, args.staleness, checks)
-    except Exception as exc:  # noqa: BLE001 - the example reports every failure as its last line
-        checks["the example ran to the end"] = f"{type(exc).__name__}: {exc}"
-    for name, why in checks.items():
-        print(f"ok {name}" if why is None else f"FAIL {name}: {why}", flush=True)
-    failed = [name for name, why in checks.items() if why is not None]
-    print("PASS" if checks and not failed else f"FAIL {'; '.join(failed)}", flush=True)
-    return 0 if checks and not failed else 1
+    return run_checks(lambda checks: run(args.workdir.resolve(), args.steps, args.staleness, checks))
 
 
 def run(workdir: Path, steps: int, staleness: int, checks: dict[str, str | None]) -> None:

@@ -31,6 +31,7 @@ from typing import Any
 
 from stitchboard.bulletin.client import BulletinClient
 from stitchboard.demo.engines import greedy, start_engine, start_rollout, stitchboard_cli, wait_applied
+from stitchboard.demo.example_checks import run_checks
 from stitchboard.demo.processes import ProcessGroup, free_port
 from stitchboard.demo.smollm2 import build_smollm2_checkpoint
 from stitchboard.proto.checkpoint import load_checkpoint
@@ -47,16 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=Path("stitchboard-example-verl"))
     parser.add_argument("--steps", type=int, default=2, help="AdamW steps synced by verl's manager (>= 1)")
     args = parser.parse_args(argv)
-    checks: dict[str, str | None] = {}  # check -> None (ok) or why it failed
-    try:
-        run(args.workdir.resolve(), args.steps, checks)
-    except Exception as exc:  # noqa: BLE001 - the example reports every failure as its last line
-        checks["the example ran to the end"] = f"{type(exc).__name__}: {exc}"
-    for name, why in checks.items():
-        print(f"ok {name}" if why is None else f"FAIL {name}: {why}", flush=True)
-    failed = [name for name, why in checks.items() if why is not None]
-    print("PASS" if checks and not failed else f"FAIL {'; '.join(failed)}", flush=True)
-    return 0 if checks and not failed else 1
+    return run_checks(lambda checks: run(args.workdir.resolve(), args.steps, checks))
 
 
 def run_driver(model_dir: Path, bulletin_url: str, steps: int, log: Path) -> dict[str, Any]:
