@@ -82,17 +82,9 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         gate = Gate()
-        relays = (
-            Relays(
-                settings.relays,
-                settings.token,
-                metrics,
-                timeout_s=settings.relay_timeout_s,
-                retry_s=settings.relay_retry_s,
-            )
-            if settings.relays
-            else None
-        )  # regional blob relays, asked before the bulletin (sidecar/relays.py)
+        relays = Relays(
+            settings.relays, settings.token, metrics, timeout_s=settings.relay_timeout_s, retry_s=settings.relay_retry_s
+        )  # regional blob relays, asked before the bulletin (sidecar/relays.py; none: the bulletin alone)
         fetcher = Fetcher(
             client,
             settings.run,
@@ -138,8 +130,7 @@ def create_app(
             await proxy.aclose()
             reconciler.close()
             fetcher.close()
-            if relays is not None:
-                relays.close()
+            relays.close()
             for resource in owned:
                 resource.close()
 

@@ -41,7 +41,7 @@ def add_ops_routes(app: FastAPI, settings: SidecarSettings, engine: EngineAdapte
             "state": reconciler.state,
             "lease": LeaseView(**reconciler.lease.body()),
             "refused": reconciler.refused,
-            "relays": request.app.state.relays.body() if request.app.state.relays is not None else None,
+            "relays": request.app.state.relays.body(),
         }
 
         def answer(status: HealthStatus, reason: str, **changed: Any) -> JSONResponse:
