@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from enum import StrEnum
 from typing import Annotated, Any
 
@@ -11,6 +12,8 @@ import typer
 import uvicorn
 from rich.console import Console
 from rich.table import Table
+
+from stitchboard.proto.logs import RequestContext, logging_config
 
 from .app import create_app
 from .gc_hold import freeze_startup_heap
@@ -39,6 +42,10 @@ class HttpProtocol(StrEnum):
     httptools = "httptools"  # uvicorn's own
 
 
+#: The run, version and replica a request's path names, for its log lines
+#: (``/v1/runs/<run>[/versions/<n> | /replicas/<replica id>]...``).
+RUN_PATH = re.compile(r"/v1/runs/(?P<run>[^/]+)(?:/versions/(?P<version>[0-9]+)(?:/|$)|/replicas/(?P<replica>[^/]+)$)?")
+
 HTTP_PROTOCOLS = {
     HttpProtocol.bulletin: "stitchboard.bulletin.http_protocol:CoalescingHttpToolsProtocol",
     HttpProtocol.httptools: "httptools",
@@ -48,7 +55,7 @@ HTTP_PROTOCOLS = {
 def served_app() -> Any:
     """The app ``bulletin serve`` runs in each of its processes (uvicorn's app factory): settings from the
     ``STITCH_BULLETIN_*`` environment, the startup heap frozen once the app is built (``gc_hold.py``)."""
-    served = create_app(BulletinSettings())
+    served = RequestContext(create_app(BulletinSettings()), path=RUN_PATH)  # a request's id, run and version
     freeze_startup_heap()  # full collections then walk only what serving creates
     return served
 
@@ -83,6 +90,7 @@ def serve(
     uvicorn.run(
         f"{__name__}:served_app", factory=True, workers=settings.workers, http=HTTP_PROTOCOLS[http],
         host=settings.host, port=settings.port, log_level=settings.log_level, access_log=access_log,
+        log_config=logging_config(settings.log_format, settings.log_level),
         timeout_graceful_shutdown=5,
     )  # fmt: skip
 

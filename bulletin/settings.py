@@ -26,6 +26,8 @@ from typing import Literal
 from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from stitchboard.proto.logs import LogFormat
+
 from .stores.s3 import S3Settings
 
 GiB = 1 << 30
@@ -156,6 +158,11 @@ class BulletinSettings(BaseSettings, S3Settings):
     )
 
     log_level: str = Field("info", description="uvicorn log level.")
+    log_format: LogFormat = Field(
+        LogFormat.text,
+        description="Log lines: 'text' (default) or 'json' (one JSON object per line with time, level, logger, "
+        "message, run, version and request_id; docs/reference/logging.md), uvicorn's access lines included.",
+    )
     workers: int = Field(
         1,
         ge=1,

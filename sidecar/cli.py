@@ -10,7 +10,6 @@ a new setting is an option without an edit here. An option given on the command 
 from __future__ import annotations
 
 import inspect
-import logging
 from typing import Any, Optional
 
 import typer
@@ -18,7 +17,11 @@ import uvicorn
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
+from stitchboard.proto.logs import RequestContext, logging_config
+from stitchboard.proto.sidecar_wire import START_HEADER
+
 from .engines.registry import lookup
+from .report import default_replica_id
 from .settings import SidecarSettings
 
 app = typer.Typer(no_args_is_help=True)
@@ -86,12 +89,13 @@ def run_sidecar(ctx: typer.Context, **options: Any) -> None:
     settings = _settings(**given)
     from .app import create_app
 
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    replica = settings.replica_id or default_replica_id(settings.port)
     uvicorn.run(
-        create_app(settings),
+        RequestContext(create_app(settings), version_header=START_HEADER),  # a request's id and stamped version
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
+        log_config=logging_config(settings.log_format, settings.log_level, {"run": settings.run, "replica": replica}),
         timeout_graceful_shutdown=5,
     )
 

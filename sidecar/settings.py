@@ -30,6 +30,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from stitchboard.proto.fleet import check_replica_id
+from stitchboard.proto.logs import LogFormat
 
 
 def default_handoff_dir() -> str:
@@ -244,6 +245,11 @@ class SidecarSettings(BaseSettings):
     )
 
     log_level: str = Field("info", description="Log level of the sidecar and uvicorn.")
+    log_format: LogFormat = Field(
+        LogFormat.text,
+        description="Log lines: 'text' (default) or 'json' (one JSON object per line with time, level, logger, "
+        "message, run, replica, and version and request_id on a request's lines; docs/reference/logging.md).",
+    )
     fault_phase: Literal["paused"] | None = Field(
         None,
         description="Crash tests only: exit the process (status 86) at this phase of a commit; 'paused': right after "

@@ -18,6 +18,7 @@ from typing import Annotated
 import typer
 
 from stitchboard.bulletin.cli_options import Bulletin, Run, Token
+from stitchboard.proto.logs import LogFormat, LogFormatOption, configure_logging
 
 
 def _fail(exc: Exception) -> typer.Exit:
@@ -45,6 +46,7 @@ def publish(
         Path | None,
         typer.Option(help="folder of config/tokenizer files for a new run (default: the checkpoint's folder)"),
     ] = None,
+    log_format: LogFormatOption = LogFormat.text,
 ) -> None:
     """Publish CHECKPOINT as the run's next version (version 0 with its assets on a new run); print the version."""
     from stitchboard.bulletin.client import BulletinClient
@@ -54,7 +56,7 @@ def publish(
     from .assets import ASSET_NAMES
     from .publisher import Publisher
 
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    configure_logging(log_format, logging.INFO, {"run": run}, text_format="%(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         view = load_checkpoint(checkpoint)

@@ -23,6 +23,7 @@ from stitchboard.bulletin.client import BulletinClient
 from stitchboard.proto.apply import apply_to_copy
 from stitchboard.proto.container import RawTensor
 from stitchboard.proto.decode import read_patch
+from stitchboard.proto.logs import LogFormat, LogFormatOption, configure_logging
 from stitchboard.proto.schema import Encoding
 from stitchboard.proto.squash_schema import SquashManifest
 
@@ -164,13 +165,14 @@ def rebuild(
     ] = ",".join(map(str, SUGGESTED_SQUASH_DEPTHS)),
     since: Annotated[int | None, typer.Option(help="first target version (default: every stored version)")] = None,
     encoding: Annotated[str, typer.Option(help="cond (smallest), xor or overwrite")] = "cond",
+    log_format: LogFormatOption = LogFormat.text,
 ) -> None:
     """Make the run's squashes again from its stored anchor and deltas; print each span stored."""
     from stitchboard.proto.errors import StitchError
 
     if encoding not in ("cond", "xor", "overwrite"):
         raise typer.BadParameter(f"unknown encoding {encoding!r}")
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    configure_logging(log_format, logging.WARNING, {"run": run}, text_format="%(message)s")
     try:
         with BulletinClient(bulletin, token, retries=5, backoff_s=0.5) as client:
             stored = rebuild_squashes(client, run, _depths(depths), since, cast(Encoding, encoding))

@@ -16,6 +16,7 @@ import typer
 
 from stitchboard.bulletin.cli_options import Bulletin, Run, Token
 from stitchboard.proto.codec import ENCODINGS
+from stitchboard.proto.logs import LogFormat, LogFormatOption, configure_logging
 
 
 class LayoutName(StrEnum):
@@ -61,6 +62,7 @@ def watch(
     metrics_port: Annotated[int | None, typer.Option(help="serve Prometheus /metrics on this port")] = None,
     encoding: Annotated[str, typer.Option(help=f"patch encoding: {', '.join(ENCODINGS)}")] = "cond",
     snapshot_every: Annotated[int, typer.Option(min=1, help="an anchor every this many versions")] = 10,
+    log_format: LogFormatOption = LogFormat.text,
 ) -> None:
     """Publish every complete checkpoint written to FOLDER as the run's next version; runs until stopped.
 
@@ -91,7 +93,7 @@ def watch(
         assets = base if assets is None else assets
     else:
         chosen = pattern_layout(pattern, complete_marker) if pattern else LAYOUTS.get(layout.value)
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    configure_logging(log_format, logging.WARNING, {"run": run}, text_format="%(message)s")
     metrics = WatchMetrics()
     stop_serving = metrics.serve(metrics_port) if metrics_port is not None else None
     stop = threading.Event()
