@@ -99,11 +99,35 @@ class JsonLines(JsonFormatter):
         )
 
 
+def stderr_handler(
+    log_format: LogFormat | str, fields: Mapping[str, Any] | None = None, text_format: str = TEXT_FORMAT
+) -> logging.Handler:
+    """The handler a process logs through: stderr, ``log_format``, a :class:`ContextFilter` with ``fields``.
+    With ``json``, Python's warnings are logged through it too (``py.warnings``), so every line stays JSON.
+
+    Args:
+        log_format: ``text`` or ``json`` (:class:`LogFormat`).
+        fields: the process's own fields (e.g. ``run``, ``replica``; None values left out).
+        text_format: the ``%``-style format of ``text`` lines.
+
+    Raises:
+        ValueError: ``log_format`` is not a :class:`LogFormat`.
+    """
+    as_json = LogFormat(log_format) is LogFormat.json
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonLines() if as_json else logging.Formatter(text_format))
+    handler.addFilter(ContextFilter(fields))
+    if as_json:
+        logging.captureWarnings(True)
+    return handler
+
+
 def logging_config(
     log_format: LogFormat | str, level: str = "info", fields: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
-    """The :func:`logging.config.dictConfig` dict of a process: the root logger and uvicorn's (``uvicorn``,
-    ``uvicorn.error``, ``uvicorn.access``) write through one stderr handler in ``log_format``.
+    """The :func:`logging.config.dictConfig` dict of a server process (``uvicorn.run(log_config=...)``): the root
+    logger and uvicorn's (``uvicorn``, ``uvicorn.error``, ``uvicorn.access``) write through one
+    :func:`stderr_handler`.
 
     Args:
         log_format: ``text`` or ``json`` (:class:`LogFormat`).
@@ -113,24 +137,15 @@ def logging_config(
     Raises:
         ValueError: ``log_format`` is not a :class:`LogFormat`.
     """
-    chosen = LogFormat(log_format)
-    formatter = {"()": f"{__name__}.JsonLines"} if chosen is LogFormat.json else {"format": TEXT_FORMAT}
-    through_root = {"handlers": [], "propagate": True}
+    handler = {"()": f"{__name__}.stderr_handler", "log_format": LogFormat(log_format).value, "fields": fields}
     return {
         "version": 1,
         "disable_existing_loggers": False,
-        "filters": {"context": {"()": f"{__name__}.ContextFilter", "fields": dict(fields or {})}},
-        "formatters": {"stitch": formatter},
-        "handlers": {
-            "stderr": {
-                "class": "logging.StreamHandler",
-                "stream": "ext://sys.stderr",
-                "formatter": "stitch",
-                "filters": ["context"],
-            }
-        },
+        "handlers": {"stderr": handler},
         "root": {"level": level.upper(), "handlers": ["stderr"]},
-        "loggers": {name: dict(through_root) for name in ("uvicorn", "uvicorn.error", "uvicorn.access")},
+        "loggers": {
+            name: {"handlers": [], "propagate": True} for name in ("uvicorn", "uvicorn.error", "uvicorn.access")
+        },
     }
 
 
@@ -141,7 +156,7 @@ def configure_logging(
     text_format: str = TEXT_FORMAT,
 ) -> None:
     """Configure a CLI's logging as :func:`logging.basicConfig` does (nothing changes where the root logger already
-    has a handler): one stderr handler in ``log_format`` (a server passes :func:`logging_config` to uvicorn instead).
+    has a handler): one :func:`stderr_handler` (a server passes :func:`logging_config` to uvicorn instead).
 
     Args:
         log_format: ``text`` or ``json``.
@@ -152,9 +167,9 @@ def configure_logging(
     Raises:
         ValueError: ``log_format`` is not a :class:`LogFormat`.
     """
-    handler = logging.StreamHandler()
-    handler.setFormatter(JsonLines() if LogFormat(log_format) is LogFormat.json else logging.Formatter(text_format))
-    handler.addFilter(ContextFilter(fields))
+    if logging.getLogger().handlers:
+        return
+    handler = stderr_handler(log_format, fields, text_format)
     logging.basicConfig(level=level.upper() if isinstance(level, str) else level, handlers=[handler])
 
 

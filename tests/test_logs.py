@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import subprocess
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -119,6 +120,28 @@ def test_bulletin_and_sidecar_processes_write_json_lines_with_run_version_replic
     assert len({line["request_id"] for line in bulletin_lines if "request_id" in line}) >= 4  # one id per request
     started = [line for line in bulletin_lines if line["message"].startswith("Started server process")]
     assert len(started) == 2  # each worker process writes JSON lines too
+
+
+def test_a_cli_process_in_json_logs_its_warnings_and_tracebacks_as_json_lines():
+    script = (
+        "import logging, warnings\n"
+        "from stitchboard.proto.logs import bind, configure_logging\n"
+        "configure_logging('json', logging.INFO, {'run': 'r'}, text_format='%(message)s')\n"
+        "warnings.warn('a warning')\n"
+        "with bind(version=2):\n"
+        "    try:\n"
+        "        1 / 0\n"
+        "    except ZeroDivisionError:\n"
+        "        logging.getLogger('stitchboard.trainer_client').exception('failed')\n"
+    )
+    argv = [sys.executable, "-W", "default", "-c", script]
+    done = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    warned, failed = (json.loads(line) for line in done.stderr.splitlines())
+    assert (warned["logger"], warned["level"], warned["run"]) == ("py.warnings", "WARNING", "r")
+    assert "UserWarning: a warning" in warned["message"]
+    assert (failed["message"], failed["version"], failed["run"]) == ("failed", 2, "r")
+    assert "ZeroDivisionError" in failed["exc_info"]
 
 
 def test_text_stays_the_default_of_both_servers():
