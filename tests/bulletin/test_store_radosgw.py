@@ -3,16 +3,19 @@
 moto accepts corrupted bodies, checks no signature and makes create-only writes non-atomic; the
 radosgw fixture (:func:`tests.support.radosgw.radosgw`, skipped where it is not installed) does
 neither. Where radosgw 16 lacks a feature the code works around it (If-Match with the quoted ETag)
-or does not use it (If-None-Match on multipart completion); docs/reference/storage.md lists them.
+or does not use it (If-None-Match on multipart completion, the completion's ETag, x-amz-checksum-sha256);
+the last test pins each gap, and docs/reference/storage.md lists them.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import os
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from botocore.exceptions import ClientError
 
 from stitchboard.bulletin.ledger import blob_key, run_key
 from stitchboard.bulletin.settings import BulletinSettings
@@ -109,3 +112,44 @@ def test_bodies_corrupted_on_the_way_are_refused_sent_again_and_stored_intact(se
     body, _ = _store(settings).get(blob_key(run, sha(data)))
     assert hashlib.sha256(body).hexdigest() == sha(data)
     assert _store(settings).stat(blob_key(run, sha(data))).sha256 == sha(data)
+
+
+def _raw_multipart(client, bucket: str, key: str, body: bytes, **condition: str) -> dict:
+    """A one-part multipart upload by plain boto3; the completion's answer."""
+    upload = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+    part = client.upload_part(Bucket=bucket, Key=key, UploadId=upload, PartNumber=1, Body=body)
+    parts = {"Parts": [{"PartNumber": 1, "ETag": part["ETag"]}]}
+    return client.complete_multipart_upload(Bucket=bucket, Key=key, UploadId=upload, MultipartUpload=parts, **condition)
+
+
+def test_radosgw_16_gaps_are_stated_and_the_store_relies_on_none_of_them(settings, radosgw, tmp_path):
+    """What radosgw 16 does not do (pinned here by plain boto3, so an upgrade that changes it shows), and the
+    store's writes that would need it, right on radosgw all the same."""
+    raw, bucket = radosgw.client(), radosgw.create_bucket()
+    # Gap 1: CompleteMultipartUpload ignores If-None-Match (it overwrites) and answers an empty ETag.
+    assert _raw_multipart(raw, bucket, "m", b"first")["ETag"] == ""
+    assert _raw_multipart(raw, bucket, "m", b"second", IfNoneMatch="*")["ETag"] == ""
+    assert raw.get_object(Bucket=bucket, Key="m")["Body"].read() == b"second"
+    # Gap 2: x-amz-checksum-sha256 is not checked: a body that does not match it is stored.
+    wrong = base64.b64encode(hashlib.sha256(b"other bytes").digest()).decode()
+    raw.put_object(Bucket=bucket, Key="c", Body=b"these bytes", ChecksumSHA256=wrong)
+    assert raw.get_object(Bucket=bucket, Key="c")["Body"].read() == b"these bytes"
+    # Gap 3: If-Match with the quoted ETag it hands out is refused; the bare one is taken.
+    etag = raw.head_object(Bucket=bucket, Key="c")["ETag"]
+    with pytest.raises(ClientError) as refused:
+        raw.put_object(Bucket=bucket, Key="c", Body=b"new", IfMatch=etag)
+    assert refused.value.response["Error"]["Code"] == "PreconditionFailed"
+    raw.put_object(Bucket=bucket, Key="c", Body=b"new", IfMatch=etag.strip('"'))
+
+    store, data = _store(settings), os.urandom(11 * MiB)  # above the 5 MiB multipart threshold
+    # Create-only writes are one PutObject whatever their size (never a conditional multipart completion).
+    assert store.put_new("big", data) is True
+    assert store.put_new("big", os.urandom(11 * MiB)) is False
+    assert store.get("big")[0] == data
+    # A multipart blob upload reads nothing from the completion's answer: its ETag and record come from HEAD.
+    path = tmp_path / "blob"
+    path.write_bytes(data)
+    store.put_file("blob", path)
+    stat = store.stat("blob")
+    assert stat.etag and stat.etag.endswith('-3"') and stat.sha256 == sha(data)  # three parts of 5 MiB
+    # Compare-and-swap (the latest pointer) under gap 3: test_compare_and_swap_works_where_the_quoted_etag_is_refused.
