@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 import subprocess
 import sys
 from datetime import datetime
@@ -18,8 +19,10 @@ import pytest
 from stitchboard.bulletin.client import BulletinClient
 from stitchboard.bulletin.settings import BulletinSettings
 from stitchboard.demo.processes import ProcessGroup, free_port
+from stitchboard.proto.checkpoint import save_checkpoint
 from stitchboard.proto.logs import ContextFilter, JsonLines, LogFormat, bind, logging_config
 from stitchboard.sidecar.settings import SidecarSettings
+from tests.bulletin.bulletin_helpers import ThreadServer
 from tests.sidecar.sidecar_helpers import Publisher, make_view, mutate, wait_for
 
 RUN, REPLICA = "run-logs", "replica-logs"
@@ -142,6 +145,27 @@ def test_a_cli_process_in_json_logs_its_warnings_and_tracebacks_as_json_lines():
     assert "UserWarning: a warning" in warned["message"]
     assert (failed["message"], failed["version"], failed["run"]) == ("failed", 2, "r")
     assert "ZeroDivisionError" in failed["exc_info"]
+
+
+def test_the_publish_cli_writes_json_lines_with_its_run(tmp_path):
+    server = ThreadServer(BulletinSettings(store=f"file://{tmp_path / 'store'}"))
+    view = make_view(0)
+    try:
+        for step, (checkpoint, choice) in enumerate(
+            [(tmp_path / "c0", {"STITCH_CLIENT_LOG_FORMAT": "json"}), (tmp_path / "c1", {})]
+        ):
+            save_checkpoint(checkpoint, view if step == 0 else mutate(view, 1))
+            argv = [*CLI, "publish", str(checkpoint), "--bulletin", server.url, "--run", RUN, "--skip-rebuild"]
+            argv += [] if choice else ["--log-format", "json"]  # the variable, then the option
+            done = subprocess.run(
+                argv, check=False, capture_output=True, text=True, timeout=120, env={**os.environ, **choice}
+            )
+            assert done.returncode == 0 and done.stdout.strip() == str(step), done.stderr
+    finally:
+        server.stop()
+    lines = [json.loads(line) for line in done.stderr.splitlines()]  # the second publish: every line JSON
+    assert {(line["logger"], line["run"]) for line in lines} == {("stitchboard.trainer_client", RUN)}
+    assert f"run {RUN}: resuming after version 0 (next version is an anchor)" in [line["message"] for line in lines]
 
 
 def test_text_stays_the_default_of_both_servers():
