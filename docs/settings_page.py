@@ -14,6 +14,7 @@ Runs in a developer's shell and in the test process (never shipped: mkdocs.yml l
 from __future__ import annotations
 
 import argparse
+import enum
 import html
 import json
 import re
@@ -58,6 +59,8 @@ def type_text(annotation: Any) -> str:
     origin = get_origin(annotation)
     if origin is Literal:
         return "one of " + ", ".join(f"`{value}`" for value in get_args(annotation))
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return "one of " + ", ".join(f"`{member.value}`" for member in annotation)
     if origin in (Union, types.UnionType):
         return " or ".join(type_text(arg) for arg in get_args(annotation) if arg is not type(None))
     if origin in (dict, list) or (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
