@@ -23,8 +23,8 @@ from __future__ import annotations
 import contextvars
 import logging
 import logging.config
+import os
 import re
-import uuid
 from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
 from enum import StrEnum
@@ -209,21 +209,34 @@ class RequestContext:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        given = next((v for k, v in scope.get("headers", ()) if k == b"x-request-id"), b"")
-        fields: dict[str, Any] = {"request_id": given.decode("latin-1")[:128] or uuid.uuid4().hex}
+        # Per request, on every answer's path: plain ContextVar set/reset, no generator context manager.
+        given = b""
+        for name, value in scope.get("headers", ()):
+            if name == b"x-request-id":
+                given = value
+                break
+        fields: dict[str, Any] = {**_BOUND.get(), "request_id": given.decode("latin-1")[:128] or os.urandom(16).hex()}
         matched = self.path.match(scope.get("path", "")) if self.path is not None else None
         if matched is not None:
-            fields.update({k: int(v) if k == "version" else v for k, v in matched.groupdict().items() if v})
+            for key, value in matched.groupdict().items():
+                if value:
+                    fields[key] = int(value) if key == "version" else value
         wanted = self.version_header
 
         async def stamped_send(message: Message) -> None:
             if message["type"] == "http.response.start":
-                stamp = next((v for k, v in message.get("headers", ()) if k.lower() == wanted), None)
-                if stamp is not None and stamp.isdigit():
-                    with bind(version=int(stamp)):  # uvicorn writes the access line inside this send
-                        await send(message)
-                    return
+                for name, value in message.get("headers", ()):
+                    if name.lower() == wanted and value.isdigit():
+                        stamped = _BOUND.set({**_BOUND.get(), "version": int(value)})
+                        try:
+                            await send(message)  # uvicorn writes the access line inside this send
+                        finally:
+                            _BOUND.reset(stamped)
+                        return
             await send(message)
 
-        with bind(**fields):
+        token = _BOUND.set(fields)
+        try:
             await self.app(scope, receive, send if wanted is None else stamped_send)
+        finally:
+            _BOUND.reset(token)
