@@ -7,12 +7,18 @@ unchanged (DESIGN.md invariant 6), split into shards of at most ``max_shard_byte
 
 from __future__ import annotations
 
+import functools
 import json
 import os
-from collections.abc import Mapping
+import struct
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Protocol
 
-from .container import RawTensor, load_json, read_safetensors, write_safetensors
+import numpy as np
+
+from .container import RawTensor, load_json, read_safetensors, serialize_safetensors, write_safetensors
+from .dtypes import DTYPE_SIZES, bits_type
 from .errors import PatchFormatError, SchemaError
 from .schema import CHECKPOINT_INDEX_NAME, check_path
 
@@ -99,7 +105,18 @@ def shard_name(index: int, total: int) -> str:
     return SINGLE_NAME if total == 1 else f"model-{index + 1:05d}-of-{total:05d}.safetensors"
 
 
-def shard_groups(tensors: Mapping[str, RawTensor], max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[list[str]]:
+class TensorLayout(Protocol):
+    """What a shard plan needs of a tensor: its dtype name, shape and size (a :class:`RawTensor` has them)."""
+
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def nbytes(self) -> int: ...
+
+
+def shard_groups(tensors: Mapping[str, TensorLayout], max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[list[str]]:
     """Split tensor names (in name order) into shards of at most ``max_shard_bytes`` each.
 
     A tensor larger than the bound gets a shard of its own; no tensors give no shard.
@@ -143,6 +160,90 @@ def write_shards(
             folder / shard, {n: tensors[n] for n in sorted(weight_map) if weight_map[n] == shard}, {"format": "pt"}
         )
         written.append(folder / shard)
+    return written
+
+
+@functools.cache
+def _dtype_rank() -> dict[str, int]:
+    """dtype name -> its place in a safetensors file's data (the ``safetensors`` library's own order, read once
+    from a file of one element per dtype: largest alignment first)."""
+    one = {d: RawTensor(d, (1,), np.zeros(1, dtype=bits_type(d))) for d in DTYPE_SIZES}
+    data = serialize_safetensors(one)
+    (size,) = struct.unpack("<Q", data[:8])
+    return {name: i for i, name in enumerate(json.loads(data[8 : 8 + size]))}
+
+
+def safetensors_header(tensors: Mapping[str, TensorLayout], metadata: Mapping[str, str] | None = None) -> bytes:
+    """The head of the safetensors file of ``tensors`` (length, JSON header, padding), from dtypes and shapes only:
+    byte-identical to what :func:`~.container.write_safetensors` writes before the data (tested against it).
+
+    Returns:
+        The bytes before the first tensor's data; the data then follows in :func:`safetensors_order`.
+    """
+    header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for name in safetensors_order(tensors):
+        t = tensors[name]
+        header[name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def safetensors_order(tensors: Mapping[str, TensorLayout]) -> list[str]:
+    """The order of the tensors' data in their safetensors file: by dtype (the library's order), then by name."""
+    rank = _dtype_rank()
+    return sorted(tensors, key=lambda n: (rank[tensors[n].dtype], n))
+
+
+def write_shards_streaming(
+    folder: str | os.PathLike[str],
+    layout: Mapping[str, TensorLayout],
+    weight_map: Mapping[str, str],
+    tensor_of: Callable[[str], RawTensor],
+) -> list[Path]:
+    """:func:`write_shards` taking one tensor at a time: byte-identical files, memory one tensor.
+
+    Each shard's header is written from ``layout`` (dtype, shape), then each tensor's bits as ``tensor_of(name)``
+    returns them, dropped before the next is asked for; the file is written to a temporary name, fsynced and
+    renamed, as :func:`~.container.write_safetensors` does. (The ``safetensors`` library writes whole dicts only:
+    its ``serialize_file`` needs every tensor's memory at once.)
+
+    Args:
+        folder: created if needed.
+        layout: tensor name -> dtype, shape and size of every tensor ``weight_map`` names.
+        weight_map: tensor name -> shard file name.
+        tensor_of: the bits of a tensor (C-contiguous, of the layout's dtype and shape).
+
+    Returns:
+        The shard files written, sorted by name.
+
+    Raises:
+        KeyError: ``weight_map`` names a tensor ``layout`` lacks.
+        ValueError: ``tensor_of`` returned a tensor of another dtype or shape than ``layout`` says.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for shard in sorted(set(weight_map.values())):
+        part = {n: layout[n] for n in sorted(weight_map) if weight_map[n] == shard}
+        path = folder / shard
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        with open(tmp, "wb") as f:
+            f.write(safetensors_header(part, {"format": "pt"}))
+            for name in safetensors_order(part):
+                t = tensor_of(name)
+                if (t.dtype, tuple(t.shape)) != (part[name].dtype, tuple(part[name].shape)):
+                    raise ValueError(
+                        f"tensor {name!r} is {t.dtype}{list(t.shape)}, its layout says "
+                        f"{part[name].dtype}{list(part[name].shape)}"
+                    )
+                f.write(t.bits.data.cast("B") if t.bits.size else b"")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        written.append(path)
     return written
 
 

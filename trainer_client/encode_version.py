@@ -19,6 +19,7 @@ from typing import Any, Literal, TypeVar
 
 import numpy as np
 
+from stitchboard.proto.checkpoint import TensorLayout
 from stitchboard.proto.codec import EncodedTensor, build_patch, checksum, encode_tensor
 from stitchboard.proto.container import RawTensor
 from stitchboard.proto.diff import diff_views
@@ -162,7 +163,7 @@ def bytes_ref(name: str, data: bytes, role: FileRole) -> FileRef:
     return FileRef(path=name, sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data), role=role)
 
 
-def tensor_specs(view: Mapping[str, RawTensor], checksums: Mapping[str, str]) -> list[TensorSpec]:
+def tensor_specs(view: Mapping[str, TensorLayout], checksums: Mapping[str, str]) -> list[TensorSpec]:
     """The manifest's tensor list, sorted by name."""
     return [
         TensorSpec(name=n, dtype=view[n].dtype, shape=list(view[n].shape), checksums={XXH3_128: checksums[n]})

@@ -12,15 +12,17 @@ on every training rank after a version's files are written and before its own en
   (:class:`MilesBaseVersionError`: Miles restarted its versions at 0; give each Miles run its own run id);
 * for ``weight_vNNNNNN/``: reads and checks the whole folder (all ranks' shards), checks that its base
   version is the step of the run's latest version, decodes it on the view it keeps (:mod:`.miles_delta`;
-  replayed from the baseline and the earlier folders in a restarted process), checks every checksum, then
-  publishes the new view as the next version (``step`` = Miles' version) with stitchboard's own encoding;
-  a folder refused raises (Miles sees the failure) and publishes nothing; the same version again (a
-  retried hook) publishes nothing more;
+  replayed from the baseline and the earlier folders in a restarted process) one tensor at a time, each
+  checked against its checksum and diffed against the publisher's kept view as it comes
+  (:meth:`Publisher.stream_raw_view`), then publishes the new view as the next version (``step`` = Miles'
+  version) with stitchboard's own encoding; a folder refused raises (Miles sees the failure) and publishes
+  nothing; the same version again (a retried hook) publishes nothing more;
 * then waits until ``STITCH_CLIENT_MILES_MIN_REPLICAS`` sidecars report that version applied.
 
 Settings (environment, :class:`MilesHookSettings`): ``STITCH_CLIENT_BULLETIN``, ``STITCH_CLIENT_TOKEN``,
 ``STITCH_CLIENT_RUN``, ``STITCH_CLIENT_MILES_*``. The published view is Miles' bytes as written (the bf16
-HF tensors); it is kept once, shared with the publisher's base (unchanged tensors are not copied).
+HF tensors); it is kept once, shared with the publisher's kept view, which the publisher updates in place
+after each commit: memory is that view plus one decoded tensor and the changes.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from stitchboard.proto.schema import Encoding
 
 from .errors import MilesBaseVersionError
 from .fleet import wait_for_fleet
-from .miles_delta import INDEX_NAME, MilesView, read_version
+from .miles_delta import INDEX_NAME, MilesView, decode_stream, decode_tensor, read_version
 from .publisher import Publisher
 from .watch_layouts import read_stable
 
@@ -163,10 +165,17 @@ class MilesBridge:
                 base_version=mv.base_version,
                 latest_step=latest[1] if latest else None,
             )
-        self.view.at(self.delta_dir, mv.base_version)
-        new = self.view.decode_next(mv)  # every checksum checked before anything is published
-        result = self._publisher_for().publish_view(new, step=mv.version, metadata={"checkpoint": folder.name})
-        self.view.commit(mv.version, new)
+        base = self.view.at(self.delta_dir, mv.base_version)
+        publisher = self._publisher_for()
+        # one tensor decoded at a time, its checksum checked, diffed against the publisher's kept view and dropped;
+        # a refused tensor stops the stream before anything is published
+        streamed = publisher.stream_raw_view(decode_stream(self.view.check_base(mv), mv))
+        result = publisher.publish_view(streamed, step=mv.version, metadata={"checkpoint": folder.name})
+        kept = publisher.kept_view() if publisher.last_version == result.version else {}
+        self.view.commit(  # the publisher's kept view is this version's: share its tensors (one view on this host)
+            mv.version,
+            {n: kept[n] if n in kept else decode_tensor(base, mv, n) if n in mv.tensors else base[n] for n in base},
+        )
         log.info("miles %s -> version %d (%d tensors changed)", folder.name, result.version, len(mv.tensors))
         return result.version
 

@@ -14,6 +14,8 @@ tensor's dtype and shape are the previous view's. Version 0 (the baseline) is no
 :func:`read_version` reads and checks the whole folder (index, every shard the index lists, every tensor's
 checksum present); :func:`decode` decodes every changed tensor and checks its checksum before returning
 the new view, the previous one untouched; so a refused version leaves nothing half applied.
+:func:`decode_stream` gives the same view one tensor at a time (a publisher streams it, holding one decoded
+tensor at a time; it publishes only after the last tensor passed its check).
 :class:`MilesView` keeps the last decoded view and replays the folders from the baseline when asked
 for another base (a restarted process). Decompression is capped at the tensor's size.
 """
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import re
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -259,31 +261,60 @@ def decode(base: Mapping[str, RawTensor], mv: MilesVersion) -> dict[str, RawTens
         MilesDeltaError: a tensor ``base`` lacks, a delta that does not decompress or fit the tensor.
         MilesChecksumError: a decoded tensor whose checksum is not the recorded one.
     """
+    _check_names(base, mv)
     out = dict(base)
+    for name in sorted(mv.tensors):
+        out[name] = decode_tensor(base, mv, name)
+    return out
+
+
+def _check_names(base: Mapping[str, RawTensor], mv: MilesVersion) -> None:
     for name, t in sorted(mv.tensors.items()):
-        old = base.get(name)
-        if old is None:
+        if name not in base:
             _refuse(
                 f"{t.file}: version {mv.version} changes tensor {name!r}, which version {mv.base_version} lacks",
                 mv.folder,
                 mv.version,
                 t.file,
             )
-        new = _new_bytes(mv, name, t, old.bits.view(np.uint8))
-        got = checksum(mv.checksum_format, new)
-        if got != t.checksum:
-            _refuse(
-                f"{t.file}: tensor {name!r} of version {mv.version} decodes to {mv.checksum_format} {got}, the file "
-                f"records {t.checksum} (a corrupted file, or decoded on another base than {mv.base_version})",
-                mv.folder,
-                mv.version,
-                t.file,
-                MilesChecksumError,
-                tensor=name,
-                checksum_format=mv.checksum_format,
-            )
-        out[name] = RawTensor.from_bytes(old.dtype, old.shape, new.data)
-    return out
+
+
+def decode_tensor(base: Mapping[str, RawTensor], mv: MilesVersion, name: str) -> RawTensor:
+    """Tensor ``name`` (one ``mv`` changes, which ``base`` holds) of version ``mv``, decoded and its checksum checked.
+
+    Raises:
+        MilesDeltaError: a delta that does not decompress or fit the tensor.
+        MilesChecksumError: the decoded tensor's checksum is not the recorded one.
+    """
+    t, old = mv.tensors[name], base[name]
+    new = _new_bytes(mv, name, t, old.bits.view(np.uint8))
+    got = checksum(mv.checksum_format, new)
+    if got != t.checksum:
+        _refuse(
+            f"{t.file}: tensor {name!r} of version {mv.version} decodes to {mv.checksum_format} {got}, the file "
+            f"records {t.checksum} (a corrupted file, or decoded on another base than {mv.base_version})",
+            mv.folder,
+            mv.version,
+            t.file,
+            MilesChecksumError,
+            tensor=name,
+            checksum_format=mv.checksum_format,
+        )
+    return RawTensor.from_bytes(old.dtype, old.shape, new.data)
+
+
+def decode_stream(base: Mapping[str, RawTensor], mv: MilesVersion) -> Iterator[tuple[str, RawTensor]]:
+    """The view of version ``mv`` one tensor at a time, names sorted: ``base``'s tensors that ``mv`` leaves alone,
+    and each changed one decoded and checked (:func:`decode_tensor`) only when its turn comes, so a consumer holds
+    one decoded tensor at a time. ``base`` is not changed. A tensor ``base`` lacks is refused before the first.
+
+    Raises:
+        MilesDeltaError, MilesChecksumError: see :func:`decode` (while iterating: a consumer that publishes only
+            once the stream ends publishes nothing).
+    """
+    _check_names(base, mv)
+    for name in sorted(base):
+        yield name, decode_tensor(base, mv, name) if name in mv.tensors else base[name]
 
 
 class MilesView:
@@ -327,6 +358,14 @@ class MilesView:
             MilesBaseVersionError: the kept view is another version.
             MilesDeltaError, MilesChecksumError: see :func:`decode`.
         """
+        return decode(self.check_base(mv), mv)
+
+    def check_base(self, mv: MilesVersion) -> dict[str, RawTensor]:
+        """The kept view, checked to be ``mv``'s base version (to decode ``mv`` on, e.g. with :func:`decode_stream`).
+
+        Raises:
+            MilesBaseVersionError: the kept view is another version.
+        """
         if self.version != mv.base_version:
             index = mv.folder / INDEX_NAME
             _refuse(
@@ -339,7 +378,7 @@ class MilesView:
                 base_version=mv.base_version,
                 latest_step=self.version,
             )
-        return decode(self.view, mv)
+        return self.view
 
     def read(self, folder: Path) -> dict[str, RawTensor]:
         """Read, check and decode a version folder on its base (replayed from the folder's parent when needed);

@@ -13,9 +13,15 @@ deterministic, so the same weights give the same version with the same bytes.
 
 Memory: the last published view is kept on the host, one copy (2 bytes per bf16 element:
 269 MB for SmolLM2-135M, 16 GB for an 8B model) plus its checksums (~100 bytes per tensor).
-Each publish in flight holds one more copy until it is committed (``max_pending`` of them with
-``publish_async``). Snapshot shards are written to a temporary folder (``workdir``) and removed
-after upload.
+:meth:`Publisher.publish` and :meth:`Publisher.stream_view` take a delta tensor by tensor
+(:mod:`.stream`): the kept view, one new tensor and the changed positions and bits (~1.5 % of the
+view at 1 % changed elements), anchors included (their shards are written one tensor at a time);
+after the commit the changes are written into the kept view in place. They take the whole new view
+instead (one more copy until it is committed) for version 0, after ``resume="anchor"``, with
+squashes (``squash_depths``), with the ``nvfp4`` recipe (fused groups share a scale), and for the
+publish right after a lost commit answer. Each ``publish_async`` in flight holds one more whole
+copy until it is committed (``max_pending`` of them). Snapshot shards are written to a temporary
+folder (``workdir``) and removed after upload.
 
 Failures: the bulletin client retries transport errors and 5xx answers with exponential
 backoff and never retries 4xx; what still fails is raised (``UnavailableError``,
@@ -29,7 +35,7 @@ from __future__ import annotations
 
 import functools
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -39,7 +45,8 @@ from stitchboard.proto.container import RawTensor
 
 from .errors import CheckpointNameError
 from .publisher_core import PublisherCore
-from .served_view import cast_served, checkpoint_name, gather_full, served_view
+from .served_view import cast_served, checkpoint_name, checkpoint_state, gather_full, served_view
+from .stream import StreamedView, ViewStreamer
 from .tied_head import fold_tied_head, ties_of_config, ties_of_module
 from .version_parts import ViewPart
 
@@ -119,12 +126,89 @@ class Publisher(PublisherCore):
                 data = self.client.download_blob(self.run, ref.sha256, Path(folder) / "config.json").read_bytes()
         return ties_of_config(data)
 
-    def _take_view(self, model_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor]) -> ViewPart:
+    def _tied_of(self, model_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor]) -> bool | None:
         model = getattr(model_or_state_dict, "module", model_or_state_dict)  # DDP holds the model as .module
         tied = ties_of_module(model)
-        tied = self._tied if tied is None else tied
+        return self._tied if tied is None else tied
+
+    def _take_view(self, model_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor]) -> ViewPart:
+        tied = self._tied_of(model_or_state_dict)
         view = self.served.apply(served_view(model_or_state_dict, self.dtypes, self.default_dtype, tied))
-        return ViewPart(view, frozenset(view))
+        return ViewPart(view, frozenset(view), owned=True)
+
+    def _can_stream(self) -> bool:
+        """Whether a delta can be taken tensor by tensor now (see the module docstring for when it cannot)."""
+        last = self._published
+        return (
+            last is not None
+            and last.view is not None
+            and self._pending is None
+            and not self._squasher.depths
+            and self.served.per_tensor
+        )
+
+    def _stream_of(self, model_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor]) -> StreamedView | None:
+        if not self._can_stream():
+            return None
+        state = checkpoint_state(model_or_state_dict, self._tied_of(model_or_state_dict))  # the tied head folded
+        return self._streamed(((name, state[name]) for name in sorted(state)), tied=False)
+
+    def _served_pairs(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, RawTensor]]:
+        """The served tensors of a stream, one input tensor at a time (cast, then the per-tensor recipe)."""
+        seen: set[str] = set()
+        for raw_name, tensor in named_tensors:
+            name = checkpoint_name(raw_name)
+            if name in seen:
+                raise CheckpointNameError(
+                    f"{raw_name!r} and another tensor both map to checkpoint name {name!r}", name=name
+                )
+            seen.add(name)
+            cast = cast_served(name, gather_full(tensor), self.dtypes, self.default_dtype)
+            yield from self.served.apply({name: cast}).items()
+
+    def _streamed(self, named_tensors: Iterable[tuple[str, torch.Tensor]], tied: bool | None) -> StreamedView:
+        return _stream_into(ViewStreamer(self._published, self.encoding, tied), self._served_pairs(named_tensors))
+
+    def stream_view(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> StreamedView:
+        """The served view of a stream of ``(name, tensor)`` pairs as its delta from the kept view, for
+        :meth:`publish_view`: each tensor is cast and given the run's recipe as it arrives, diffed against the
+        kept tensor and dropped (:mod:`.stream`); the tied head is folded as :meth:`view_of_stream` does.
+
+        Memory: the kept view plus one tensor and the changed positions and bits. Where a delta cannot be
+        streamed (see the module docstring: version 0, ``resume="anchor"``, squashes, ``nvfp4``), the result
+        holds the whole new view (:meth:`view_of_stream`). A publish whose commit answer was lost is settled
+        first (its version adopted if the bulletin holds it). Its ``checksums`` are the new view's; publish it
+        before any other version, or :meth:`publish_view` refuses it (``PublishError``).
+
+        Args:
+            named_tensors: ``(name, tensor)`` pairs, any device and dtype, each name once; a ``DTensor`` is
+                gathered (a collective: every rank of its mesh must consume the stream). Consumed once.
+
+        Raises:
+            CheckpointNameError: two names map to one checkpoint name.
+            TiedWeightsError, ServedViewError: as :meth:`publish`.
+            BulletinError: settling a lost commit answer failed.
+        """
+        self.flush()
+        self._resolve_pending()
+        if self._can_stream():
+            return self._streamed(named_tensors, self._tied)
+        return _stream_into(ViewStreamer(None, self.encoding, tied=False), self.view_of_stream(named_tensors).items())
+
+    def stream_raw_view(self, named_raw: Iterable[tuple[str, RawTensor]]) -> StreamedView:
+        """:meth:`stream_view` for an already-made served view given one tensor at a time (checkpoint name ->
+        :class:`RawTensor`, published as given, like :meth:`publish_view`; the tied head folded): each tensor is
+        diffed against the kept one as it arrives, so the caller may make it, hand it over and drop it.
+
+        Memory, fallbacks and errors as :meth:`stream_view` (the run's ``served`` recipe is not applied: the
+        tensors are the served view already).
+        """
+        self.flush()
+        self._resolve_pending()
+        if self._can_stream():
+            return _stream_into(ViewStreamer(self._published, self.encoding, self._tied, owns=False), named_raw)
+        whole = self._own_view(dict(named_raw)).tensors.items()
+        return _stream_into(ViewStreamer(None, self.encoding, tied=False, owns=False), whole)
 
     def view_of_stream(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, RawTensor]:
         """The served view of a stream of ``(name, tensor)`` pairs, for :meth:`publish_view`: each tensor is cast
@@ -156,9 +240,22 @@ class Publisher(PublisherCore):
             view[name] = cast_served(name, gather_full(tensor), self.dtypes, self.default_dtype)
         return self.served.apply(fold_tied_head(view, self._tied, _same_raw_bits))
 
+    def kept_view(self) -> Mapping[str, RawTensor]:
+        """The kept view of the last published version (the base of the next delta; empty when none is kept).
+
+        Read it, never write it: a streamed publish writes the publisher's own tensors of it in place."""
+        last = self._published
+        return {} if last is None or last.view is None else last.view
+
     def _own_view(self, view: Mapping[str, RawTensor]) -> ViewPart:
         folded = fold_tied_head(dict(view), self._tied, _same_raw_bits)
         return ViewPart(dict(sorted(folded.items())), frozenset(folded))
+
+
+def _stream_into(streamer: ViewStreamer, named_raw: Iterable[tuple[str, RawTensor]]) -> StreamedView:
+    for name, t in named_raw:
+        streamer.add(name, t)
+    return streamer.finish()
 
 
 def _same_raw_bits(a: RawTensor, b: RawTensor) -> bool:

@@ -26,8 +26,16 @@ from typing import Any, ClassVar, Literal, Self, TypedDict, TypeVar
 import torch
 
 from stitchboard.bulletin.client import BulletinClient
-from stitchboard.bulletin.errors import UnavailableError, VersionConflictError
-from stitchboard.proto.checkpoint import DEFAULT_SHARD_BYTES, INDEX_NAME, index_json, shard_groups, write_shards
+from stitchboard.bulletin.errors import NotFoundError, UnavailableError, VersionConflictError
+from stitchboard.proto.checkpoint import (
+    DEFAULT_SHARD_BYTES,
+    INDEX_NAME,
+    TensorLayout,
+    index_json,
+    shard_groups,
+    write_shards,
+    write_shards_streaming,
+)
 from stitchboard.proto.codec import ENCODINGS
 from stitchboard.proto.container import RawTensor
 from stitchboard.proto.fleet import FleetCount
@@ -45,12 +53,14 @@ from .encode_version import (
     tensor_specs,
     version_metadata,
 )
+from .errors import PublishError
 from .fleet import FleetPacing, wait_for_fleet
 from .publish_result import PublishResult, log_result
 from .recipes import check_served_options
 from .resume import resume_publisher
 from .served_view import DtypeMap
 from .squash import DEFAULT_SQUASH_DEPTHS, Squasher
+from .stream import StreamedView
 from .uploads import upload_assets, upload_files
 from .version_parts import (
     EncodeReport,
@@ -95,10 +105,11 @@ class PublisherOptions(TypedDict, total=False):
 
 @dataclass(frozen=True)
 class _Pending:
-    """A version whose commit reported ``UnavailableError``: it may exist all the same."""
+    """A version whose commit reported ``UnavailableError``: it may exist all the same (``adopt``: take it as the
+    last published version; a streamed one then writes its changes into the kept view)."""
 
     manifest: VersionManifest
-    published: PublishedVersion
+    adopt: Callable[[], PublishedVersion]
 
 
 class PublisherCore(ABC):
@@ -179,6 +190,8 @@ class PublisherCore(ABC):
         given = load_assets(assets) if assets is not None and self.rank == 0 else None
         given = None if given is None else [self.served.asset(a) for a in given]  # config.json's quantization_config
         published, refs = resume_publisher(self.client, self.run, mode, given, workdir=self.workdir)
+        if published is not None and published.view is not None:  # rebuilt here: this publisher's own copies
+            published = replace(published, owned=frozenset(published.view))
         if published is not None and self.rank == 0:
             log.info(
                 "run %s: resuming after version %d (%s)",
@@ -202,6 +215,11 @@ class PublisherCore(ABC):
     @abstractmethod
     def _own_view(self, view: Mapping[str, RawTensor]) -> ViewPart:
         """This rank's part of an already-made served view (no copy)."""
+
+    def _stream_of(self, model_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor]) -> StreamedView | None:
+        """The served view of a model taken tensor by tensor against the kept view, or None where this publisher
+        takes it whole (:meth:`_take_view`); the default: always whole."""
+        return None
 
     def _exchange(self, what: str, work: Callable[[], tuple[K, S]]) -> tuple[K, list[S]]:
         """Run ``work`` on every rank: (what this rank keeps, every rank's shared record in rank order)."""
@@ -247,14 +265,14 @@ class PublisherCore(ABC):
         try:
             self._worker.flush()
             t0 = time.perf_counter()
-            view = self._take_view(model_or_state_dict)
+            view = self._stream_of(model_or_state_dict) or self._take_view(model_or_state_dict)
             return self._publish_view(view, step, bool(anchor), metadata, time.perf_counter() - t0)
         finally:
             self._worker.release()
 
     def publish_view(
         self,
-        view: Mapping[str, RawTensor],
+        view: Mapping[str, RawTensor] | StreamedView,
         step: int | None = None,
         anchor: bool | None = None,
         metadata: Mapping[str, Any] | None = None,
@@ -262,13 +280,25 @@ class PublisherCore(ABC):
         """Publish an already-made served view (checkpoint name -> raw tensor, any dtypes), e.g. a
         checkpoint read with :func:`stitchboard.proto.checkpoint.load_checkpoint`.
 
-        The tensors are kept as the base of the next delta and must not change afterwards.
-        Arguments, result and errors as :meth:`publish`.
+        The tensors are kept as the base of the next delta and must not change afterwards (the publisher
+        never writes them: a streamed publish copies a tensor of theirs before writing its change). A
+        :class:`~.stream.StreamedView` (``Publisher.stream_view``) is published as the view it holds.
+        Arguments, result and errors as :meth:`publish`; also:
+
+        Raises:
+            PublishError: a streamed view was diffed against another version than the last published one.
         """
         self._worker.admit()
         try:
             self._worker.flush()
-            return self._publish_view(self._own_view(view), step, bool(anchor), metadata, 0.0)
+            own: ViewPart | StreamedView
+            if not isinstance(view, StreamedView):
+                own = self._own_view(view)
+            elif view.base_version is None:  # no kept view: the stream's tensors are the whole new view
+                own = ViewPart(dict(view.whole), frozenset(view.whole), owned=view.owns_whole)
+            else:
+                own = view
+            return self._publish_view(own, step, bool(anchor), metadata, 0.0)
         finally:
             self._worker.release()
 
@@ -282,9 +312,10 @@ class PublisherCore(ABC):
         """Snapshot the served view now, publish it in the background; returns a future.
 
         The copy is taken before returning, so the next optimizer step may change the weights
-        at once. Blocks while ``max_pending`` publishes are in flight (backpressure). If an
-        earlier background publish failed, its error is raised here (and by :meth:`flush` /
-        :meth:`close`), once.
+        at once: each publish in flight holds a whole new served view besides the kept one (unlike
+        :meth:`publish`, which streams a delta tensor by tensor). Blocks while ``max_pending``
+        publishes are in flight (backpressure). If an earlier background publish failed, its error
+        is raised here (and by :meth:`flush` / :meth:`close`), once.
 
         Returns:
             A future resolving to the :class:`PublishResult`.
@@ -342,11 +373,33 @@ class PublisherCore(ABC):
         ):
             return False
         log.warning("run %s: version %d was committed although its publish reported a failure", self.run, version)
-        self._published = pending.published
+        self._published = pending.adopt()
         return True
 
+    def _resolve_pending(self) -> None:
+        """Settle a publish whose commit answer was lost before a stream is diffed against the kept view: adopt
+        its version if the bulletin holds it, else forget it (that publish then never happened).
+
+        Raises:
+            BulletinError: reading the version failed (other than not found); the pending publish is kept.
+        """
+        pending = self._pending
+        if pending is not None:
+            try:
+                self._adopt_pending(pending.manifest.version)
+            except NotFoundError:
+                log.info("run %s: version %d was not committed", self.run, pending.manifest.version)
+            except BaseException:
+                self._pending = pending
+                raise
+
     def _publish_view(
-        self, view: ViewPart, step: int | None, anchor: bool, metadata: Mapping[str, Any] | None, cast_s: float
+        self,
+        view: ViewPart | StreamedView,
+        step: int | None,
+        anchor: bool,
+        metadata: Mapping[str, Any] | None,
+        cast_s: float,
     ) -> PublishResult:
         with self._lock:
             if self.pacing is not None:
@@ -365,7 +418,19 @@ class PublisherCore(ABC):
                     if not self._adopt_pending(0 if self._published is None else self._published.version + 1):
                         raise
 
-    def _encode(self, view: ViewPart, last: PublishedVersion | None, version: int) -> tuple[EncodedPart, EncodeReport]:
+    def _encode(
+        self, view: ViewPart | StreamedView, last: PublishedVersion | None, version: int
+    ) -> tuple[EncodedPart, EncodeReport]:
+        if isinstance(view, StreamedView):
+            if last is None or view.base_version != last.version:
+                raise PublishError(
+                    f"run {self.run}: the streamed view was diffed against version {view.base_version}, but the "
+                    f"last published version is {None if last is None else last.version}: stream it again"
+                )
+            part = view.part(self._patch_metadata(version))
+            changed = set(last.tensors) != set(view.layout) or part.tensor_set_changed
+            nbytes = sum(t.nbytes for t in view.layout.values())
+            return part, EncodeReport(changed, shard_groups(view.layout, self.max_shard_bytes), nbytes)
         if view.error is not None:
             raise view.error
         base = None if last is None else {n: last.tensors[n] for n in view.tensors if n in last.tensors}
@@ -381,7 +446,7 @@ class PublisherCore(ABC):
         self,
         folder: Path,
         version: int,
-        view: ViewPart,
+        view: ViewPart | StreamedView,
         part: EncodedPart,
         weight_map: dict[str, str],
         index: tuple[FileRef, bytes] | None,
@@ -393,21 +458,52 @@ class PublisherCore(ABC):
         items: list[tuple[FileRef, bytes | Path]] = []
         if part.patch is not None:
             items.append((bytes_ref(f"patch-v{version}-r{self.rank}.safetensors", part.patch, "patch"), part.patch))
-        own = {n: shard for n, shard in weight_map.items() if n in view.tensors}
-        items += [(file_ref(p, "snapshot"), p) for p in write_shards(folder, view.tensors, own)]
+        layout: Mapping[str, TensorLayout]
+        if isinstance(view, StreamedView):
+            layout, kept = view.layout, self._published.view if self._published else None
+            own = {n: shard for n, shard in weight_map.items() if n in layout}
+            shards = write_shards_streaming(folder, layout, own, lambda n: view.tensor(n, kept or {}))
+        else:
+            layout = view.tensors
+            own = {n: shard for n, shard in weight_map.items() if n in layout}
+            shards = write_shards(folder, view.tensors, own)
+        items += [(file_ref(p, "snapshot"), p) for p in shards]
         write_s = time.perf_counter() - t0
         uploaded = upload_files(
             self.client, self.run, items + ([index] if index is not None and self.rank == 0 else [])
         )
         if snapshot and self.rank == 0:
             uploaded += upload_assets(self.client, self.run, self._assets, self._asset_data)
-        specs = tensor_specs(view.tensors, part.checksums)
+        specs = tensor_specs(layout, part.checksums)
         return write_s, RankPart(
             part.encoding, [ref for ref, _ in items], specs, part.changed_elements, len(part.changed_tensors), uploaded
         )
 
+    def _adopter(
+        self, view: ViewPart | StreamedView, last: PublishedVersion | None, manifest: VersionManifest, snapshot: bool
+    ) -> Callable[[], PublishedVersion]:
+        """What makes the committed ``manifest`` the last published version: the new view kept (a streamed one
+        written into the kept view in place, only then)."""
+        tensors = {t.name: BaseTensor(t.dtype, tuple(t.shape), t.checksums[XXH3_128]) for t in manifest.tensors}
+        since = 0 if snapshot or last is None else last.since_anchor + 1
+        if isinstance(view, ViewPart):
+            owned = frozenset(view.tensors) if view.owned else frozenset()
+            return lambda: PublishedVersion(manifest.version, view.tensors, tensors, since, owned)
+        assert last is not None and last.view is not None  # _encode checked the stream's base
+
+        def commit() -> PublishedVersion:
+            kept, owned = view.commit_into(last.view or {}, last.owned)
+            return PublishedVersion(manifest.version, kept, tensors, since, owned)
+
+        return commit
+
     def _attempt(
-        self, view: ViewPart, step: int | None, anchor: bool, metadata: Mapping[str, Any] | None, cast_s: float
+        self,
+        view: ViewPart | StreamedView,
+        step: int | None,
+        anchor: bool,
+        metadata: Mapping[str, Any] | None,
+        cast_s: float,
     ) -> PublishResult:
         last = self._published
         version = 0 if last is None else last.version + 1
@@ -439,14 +535,11 @@ class PublisherCore(ABC):
             changed_elements=sum(p.changed_elements for p in parts),
             metadata=version_metadata(step, tensor_set_changed, metadata),
         ).model_copy(update={"served": self.served.name})
-        tensors = {t.name: BaseTensor(t.dtype, tuple(t.shape), t.checksums[XXH3_128]) for t in manifest.tensors}
-        published = PublishedVersion(
-            version, view.tensors, tensors, 0 if snapshot or last is None else last.since_anchor + 1
-        )
+        adopt = self._adopter(view, last, manifest, snapshot)
         try:
             committed = self._on_committer(lambda: self.client.publish(manifest))
         except UnavailableError:
-            self._pending = _Pending(manifest, published)  # the answer may be lost after a commit
+            self._pending = _Pending(manifest, adopt)  # the answer may be lost after a commit
             raise
         self._pending = None
         if committed.version != version:  # the latest version holds this step with these bits: a no-op
@@ -467,17 +560,18 @@ class PublisherCore(ABC):
                 encoded_bytes=committed.size_bytes,
                 snapshot_bytes=committed.snapshot_bytes,
             )
-        self._published = published
-        t3 = time.perf_counter()
         old = None if last is None or tensor_set_changed else last.view
-        self._squasher.after_commit(
-            manifest,
-            old,
-            view.tensors,
-            {n: t.checksum for n, t in last.tensors.items()} if last else {},
-            self._exchange,
-            self._on_committer,
-        )
+        self._published = adopt()
+        t3 = time.perf_counter()
+        if isinstance(view, ViewPart):  # a streamed publish runs only without squashes (Publisher._stream_of)
+            self._squasher.after_commit(
+                manifest,
+                old,
+                view.tensors,
+                {n: t.checksum for n, t in last.tensors.items()} if last else {},
+                self._exchange,
+                self._on_committer,
+            )
         result = version_result(
             manifest,
             snapshot,

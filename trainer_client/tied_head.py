@@ -83,13 +83,18 @@ def fold_tied_head(state: dict[str, T], tied: bool | None, same_bits: Callable[[
         if head not in state or embedding is None:
             continue
         if not same_bits(state[head], state[embedding]):
-            raise TiedWeightsError(
-                f"the model's config ties its embeddings (tie_word_embeddings) but {head!r} differs from "
-                f"{embedding!r}: an engine serves one tensor for both. Publish the model itself or a state dict "
-                f"without {head!r} if they are tied, or set tie_word_embeddings to false in config.json if they "
-                "are not",
-                head=head,
-                embedding=embedding,
-            )
+            raise tied_head_error(head, embedding)
         folded = {n: t for n, t in folded.items() if n != head}
     return folded
+
+
+def tied_head_error(head: str, embedding: str) -> TiedWeightsError:
+    """The refusal of an output head ``head`` that differs from the input embedding ``embedding`` it is tied to."""
+    return TiedWeightsError(
+        f"the model's config ties its embeddings (tie_word_embeddings) but {head!r} differs from "
+        f"{embedding!r}: an engine serves one tensor for both. Publish the model itself or a state dict "
+        f"without {head!r} if they are tied, or set tie_word_embeddings to false in config.json if they "
+        "are not",
+        head=head,
+        embedding=embedding,
+    )

@@ -25,7 +25,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from stitchboard.bulletin.client import BulletinClient
 from stitchboard.bulletin.steps import recorded_step
-from stitchboard.proto.codec import checksum
 from stitchboard.proto.env import env_setting
 from stitchboard.proto.fleet import FleetCount
 from stitchboard.proto.schema import Encoding, VersionInfo
@@ -115,8 +114,9 @@ class StepPublisher:
         committer: whether this process commits (verl's ``is_master``: rank 0); the others consume the stream only.
 
     The publisher is made on first use and kept (its view is the base of the next delta). Memory on rank 0: the
-    kept view plus the new one being cast (2 bytes per bf16 element each) and one streamed tensor; on other ranks
-    one streamed tensor.
+    kept view (2 bytes per bf16 element) plus one streamed tensor and the changed positions and bits, each tensor
+    diffed as it arrives (:meth:`Publisher.stream_view`; the first step, with no kept view yet, holds the new view
+    whole); on other ranks one streamed tensor.
     """
 
     def __init__(self, options: VerlOptions, committer: bool) -> None:
@@ -155,13 +155,13 @@ class StepPublisher:
                 pass
             return None
         publisher = self.publisher
-        view = publisher.view_of_stream(named_tensors)
+        view = publisher.stream_view(named_tensors)
         client, run = publisher.client, publisher.run
         found = client.version_for_step(run, step)
         if found is not None:
             manifest = client.manifest(run, found.version)
             if recorded_step(manifest) == step:
-                sums = {name: checksum(t) for name, t in view.items()}
+                sums = view.checksums
                 if manifest.checksums() != sums or manifest.served != publisher.served.name:
                     differ = sorted(
                         n for n in set(sums) | set(manifest.checksums()) if sums.get(n) != manifest.checksums().get(n)

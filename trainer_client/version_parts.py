@@ -30,12 +30,16 @@ class PublishedVersion:
             ``resume="anchor"`` (then the next version is an anchor).
         tensors: dtype, shape and checksum of every tensor of the version (all ranks').
         since_anchor: versions since the last anchor (0: this one is an anchor).
+        owned: names of the view's tensors that are the publisher's own copies, which a streamed publish
+            writes in place after its commit; the others (a view given to ``publish_view``, shared with the
+            caller) are copied before the first write (:mod:`.stream`).
     """
 
     version: int
     view: dict[str, RawTensor] | None
     tensors: dict[str, BaseTensor]
     since_anchor: int
+    owned: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -48,11 +52,13 @@ class ViewPart:
         names: every tensor name of the whole view (all ranks').
         error: a failure taking this rank's part; raised when the ranks compare their encodings,
             so that every rank fails together.
+        owned: the tensors are the publisher's own fresh copies (taken from a model), not the caller's.
     """
 
     tensors: dict[str, RawTensor]
     names: frozenset[str]
     error: Exception | None = None
+    owned: bool = False
 
 
 @dataclass(frozen=True)

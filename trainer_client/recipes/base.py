@@ -78,6 +78,9 @@ class ServedRecipe(ABC):
     name: ClassVar[str]
     #: Suffixes of the tensors that replace one quantized ``X.weight`` (``X`` + suffix).
     suffixes: ClassVar[tuple[str, ...]] = ()
+    #: Whether :meth:`quantize` needs only the weight itself (then a publish streams the view tensor by tensor,
+    #: :mod:`..stream`); False: it reads other tensors of the view (NVFP4's fused groups share a global scale).
+    per_tensor: ClassVar[bool] = True
 
     def apply(self, view: Mapping[str, RawTensor]) -> dict[str, RawTensor]:
         """The served view of this format: every quantized weight replaced by its tensors.

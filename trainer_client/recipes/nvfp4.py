@@ -99,6 +99,7 @@ class Nvfp4Recipe(ServedRecipe):
 
     name = "nvfp4"
     suffixes = (".weight_packed", ".weight_scale", ".weight_global_scale")
+    per_tensor = False  # q/k/v and gate/up share one global scale (fused_members)
 
     def quantize(self, name: str, t: RawTensor, view: Mapping[str, RawTensor]) -> dict[str, RawTensor]:
         """``X.weight_packed`` (U8 [N, K/2]), ``X.weight_scale`` (F8_E4M3 [N, K/16]),
