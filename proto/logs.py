@@ -35,8 +35,6 @@ import typer
 from pythonjsonlogger.core import RESERVED_ATTRS
 from pythonjsonlogger.json import JsonFormatter
 
-#: The fields :class:`ContextFilter` adds, in this order, where a value is known.
-CONTEXT_FIELDS = ("run", "version", "replica", "request_id")
 #: The text format (``text``): the one the sidecar always had.
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 #: The client CLIs' variable (the bulletin's and the sidecar's are fields of their settings).
@@ -57,8 +55,9 @@ class LogFormat(StrEnum):
 
 @contextmanager
 def bind(**fields: Any) -> Iterator[None]:
-    """Add ``fields`` (names of :data:`CONTEXT_FIELDS`; None values are left out) to every line logged in this
-    context (the current thread or asyncio task, and the tasks it starts) until the block ends."""
+    """Add ``fields`` (``run``, ``version``, ``replica``, ``request_id``, or others; None values are left out) to
+    every line logged in this context (the current thread or asyncio task, and the tasks it starts) until the block
+    ends."""
     token = _BOUND.set({**_BOUND.get(), **{k: v for k, v in fields.items() if v is not None}})
     try:
         yield
