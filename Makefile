@@ -12,6 +12,7 @@ ENGINE ?= vllm
 STAMP := $(VENV)/.installed
 
 .PHONY: venv venv-sglang venv-verl example-verl test test-fast test-engine test-heavy demo example-trl example-watch bench lint clean
+.PHONY: compose-deps compose-check
 
 venv: $(STAMP)
 
@@ -144,6 +145,15 @@ example-verl: venv venv-verl
 bench: venv
 	$(PY) -m tests.benchmarks.bench_codec
 	for b in tests/benchmarks/bench_*.py; do m=$$(basename "$$b" .py); [ "$$m" = bench_codec ] || $(PY) -m "tests.benchmarks.$$m" || exit 1; done
+
+# The compose stack built and started on a real Docker engine (deploy/compose/, docs/deploy.md); root. Debian's Docker
+# engine and mmdebstrap (apt, skipped when installed); a dockerd of its own on a temporary data root when none runs.
+# compose-check: S3 (radosgw) + bulletin + sidecar, the faults of issue #34, publish/pull over HTTP (CI's stage).
+compose-deps:
+	test -x /usr/sbin/dockerd -a -x /usr/bin/mmdebstrap || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker.io containerd runc iptables tini mmdebstrap)
+
+compose-check: venv compose-deps
+	deploy/compose/compose-check.sh
 
 clean:
 	rm -rf $(VENV) $(SGL_VENV) $(VERL_VENV) build *.egg-info proto/*.so

@@ -1,26 +1,27 @@
-# syntax=docker/dockerfile:1
 # The sidecar: `stitchboard sidecar run` beside one vLLM (same pod / network namespace).
 # Also runs the boot step that pulls a published version for the engine to start from
 # (stitch-boot-weights). No torch, no vLLM: the engine side is the worker extension,
 # installed into the vLLM image (deploy/docker/vllm.Dockerfile).
 #   docker build -f deploy/docker/sidecar.Dockerfile -t stitchboard/sidecar:0.1.0 .
 # Settings are STITCH_SIDECAR_* environment variables (stitchboard.sidecar.settings).
-ARG PYTHON_VERSION=3.11
+# The base image: the official Python image (pinned); where no registry is reachable, a local stand-in
+# built by deploy/compose/base-image.sh (--build-arg BASE_IMAGE=<its tag>).
+ARG BASE_IMAGE=python:3.11.13-slim-bookworm
 
-FROM python:${PYTHON_VERSION}-slim-bookworm AS build
+FROM ${BASE_IMAGE} AS build
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md deploy/docker/constraints.txt ./
 COPY proto proto
 COPY bulletin bulletin
 COPY trainer_client trainer_client
 COPY sidecar sidecar
 COPY demo demo
-RUN pip wheel --no-cache-dir --wheel-dir /wheels '.[sidecar]'
+RUN PIP_CONSTRAINT=constraints.txt pip wheel --no-cache-dir --wheel-dir /wheels '.[sidecar]'
 
-FROM python:${PYTHON_VERSION}-slim-bookworm
+FROM ${BASE_IMAGE}
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \

@@ -1,4 +1,3 @@
-# syntax=docker/dockerfile:1
 # The official vLLM OpenAI-server image plus stitchboard, so that vLLM can load the worker
 # extension stitchboard.sidecar.vllm_worker.StitchWorkerExtension (--worker-extension-cls).
 #   docker build -f deploy/docker/vllm.Dockerfile -t stitchboard/vllm:0.1.0 .

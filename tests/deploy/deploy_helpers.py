@@ -29,6 +29,8 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO / "docker-compose.yml"
+#: The override of `make compose-check` (radosgw for MinIO, no engine): deploy/compose/check.yml.
+CHECK_OVERRIDE = REPO / "deploy" / "compose" / "check.yml"
 ENV_EXAMPLE = REPO / ".env.example"
 DOCKER_DIR = REPO / "deploy" / "docker"
 K8S_DIR = REPO / "deploy" / "k8s"
@@ -80,13 +82,17 @@ def secret_env_file(folder: Path) -> Path:
 
 
 def run_compose(
-    args: list[str], env_files: list[Path], compose_file: Path = COMPOSE_FILE
+    args: list[str], env_files: list[Path], compose_file: Path = COMPOSE_FILE, overrides: tuple[Path, ...] = ()
 ) -> subprocess.CompletedProcess:
-    """``docker-compose --env-file ... -f FILE ARGS`` with a clean environment (no host variables leak in)."""
+    """``docker-compose --env-file ... -f FILE [-f OVERRIDE ...] ARGS`` with a clean environment (no host variables
+    leak in)."""
     cmd = [find_tool("docker-compose")]
     for f in env_files:
         cmd += ["--env-file", str(f)]
-    cmd += ["--project-directory", str(REPO), "-f", str(compose_file), *args]
+    cmd += ["--project-directory", str(REPO), "-f", str(compose_file)]
+    for f in overrides:
+        cmd += ["-f", str(f)]
+    cmd += args
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/tmp")}
     return subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, timeout=60)
 

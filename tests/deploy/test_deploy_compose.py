@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from tests.deploy.deploy_helpers import (
+    CHECK_OVERRIDE,
     COMPOSE_FILE,
     ENV_EXAMPLE,
     REPO,
@@ -181,3 +182,28 @@ def test_engine_boot_from_the_run(compose):
     assert env_of(s["sidecar"])["STITCH_BOOT_DIR"] == boot_dir
     for key in ("STITCH_SIDECAR_BULLETIN", "STITCH_SIDECAR_RUN", "STITCH_SIDECAR_TOKEN"):
         assert boot_env[key] == env_of(s["sidecar"])[key], f"boot step and sidecar disagree on {key}"
+
+
+def test_the_check_override_swaps_only_the_s3_server_and_the_engine(tmp_path):
+    """deploy/compose/check.yml (make compose-check): the S3 service becomes radosgw under the same name and port, the
+    bucket step uses boto3 from the bulletin image, the engine services leave the default profile, the sidecar gets
+    its own network namespace and port; the bulletin and sidecar run exactly the users' settings and images."""
+    env_files = [ENV_EXAMPLE, secret_env_file(tmp_path)]
+    models = []
+    for overrides in ((), (CHECK_OVERRIDE,)):
+        r = run_compose(["config", "--format", "json"], env_files, overrides=overrides)
+        assert r.returncode == 0, r.stderr
+        models.append(json.loads(r.stdout))
+    base, s = models[0]["services"], models[1]["services"]
+    assert set(s) == set(base) - {"boot", "vllm"}, "the engine services stay out"
+    assert s["minio"]["image"].startswith("stitchboard/s3-radosgw:") and "mc" not in str(s["minio"]["healthcheck"])
+    assert env_of(s["minio"])["S3_ACCESS_KEY_ID"] == env_of(base["bulletin"])["STITCH_BULLETIN_S3_ACCESS_KEY_ID"]
+    assert env_of(s["create-bucket"])["BUCKET"] in env_of(base["bulletin"])["STITCH_BULLETIN_STORE"]
+    assert s["create-bucket"]["entrypoint"] == ["python", "/opt/stitch/create-bucket.py"]
+    assert (REPO / "deploy" / "compose" / "create-bucket.py").is_file()
+    for name in ("bulletin", "sidecar"):
+        assert s[name]["image"] == base[name]["image"] and env_of(s[name]) == env_of(base[name]), name
+        assert s[name]["healthcheck"]["test"] == base[name]["healthcheck"]["test"], name
+    assert "network_mode" not in s["sidecar"] and s["sidecar"]["depends_on"].keys() == {"bulletin"}
+    assert [p["target"] for p in s["sidecar"]["ports"]] == [8000]
+    assert all(s[name].get("mem_limit") for name in ("minio", "bulletin", "sidecar"))

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from stitchboard.sidecar.engines.vllm.launch import VLLM_SERVER_MODULE
 from tests.deploy.deploy_helpers import (
     COMPOSE_FILE,
     DOCKER_DIR,
@@ -47,6 +48,7 @@ IMAGES = {
     "stitchboard/bulletin": "bulletin.Dockerfile",
     "stitchboard/sidecar": "sidecar.Dockerfile",
     "stitchboard/vllm": "vllm.Dockerfile",
+    "stitchboard/vllm-cpu": "vllm-cpu.Dockerfile",
     "stitchboard/trainer-example": "trainer.Dockerfile",
 }
 
@@ -110,6 +112,10 @@ def check_invocation(argv: list[str], where: str) -> None:
         assert argv[1] == "serve", where
         assert WORKER_EXTENSION in argv, f"{where}: vLLM without the stitchboard worker extension"
         return
+    elif prog == "python" and argv[1:3] == ["-m", VLLM_SERVER_MODULE]:  # the CPU engine image's entry point
+        # the image alone (no arguments) is the bare server; a service that runs it must load the extension
+        assert len(argv) == 3 or WORKER_EXTENSION in argv, f"{where}: vLLM without the stitchboard worker extension"
+        return
     elif prog == "python" and argv[1].endswith("trainer_example.py"):
         opts = {o for a in trainer_parser()._actions for o in a.option_strings}
         unknown = {a for a in argv[2:] if a.startswith("-")} - opts
@@ -156,6 +162,8 @@ def check_env(names: set[str], role: str, where: str) -> None:
 
 
 def role_of(argv: list[str]) -> str:
+    if argv[1:3] == ["-m", VLLM_SERVER_MODULE]:
+        return "vllm"
     if argv[0] == "stitchboard":
         return {"bulletin": "bulletin"}.get(argv[1], argv[1])
     return {"stitch-sidecar": "sidecar", "stitch-boot-weights": "boot", "vllm": "vllm", "python": "trainer"}[argv[0]]
@@ -193,6 +201,7 @@ def test_dockerfiles_set_only_real_variables_and_run_real_commands():
         "bulletin.Dockerfile": "bulletin",
         "sidecar.Dockerfile": "sidecar",
         "vllm.Dockerfile": "vllm",
+        "vllm-cpu.Dockerfile": "vllm",
         "trainer.Dockerfile": "trainer",
     }
     assert sorted(p.name for p in DOCKERFILES) == sorted(roles)
