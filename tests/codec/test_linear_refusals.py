@@ -88,8 +88,8 @@ def _header_file(n: int, duplicate: bool) -> bytes:
     return struct.pack("<Q", len(body)) + body
 
 
-def test_a_200000_tensor_safetensors_header_with_one_duplicate_is_refused_as_fast_as_it_parses():
-    good, bad = _header_file(200_000, False), _header_file(200_000, True)
+def test_a_20000_tensor_safetensors_header_with_one_duplicate_is_refused_as_fast_as_it_parses():
+    good, bad = _header_file(20_000, False), _header_file(20_000, True)
 
     def refuse() -> None:
         with pytest.raises(PatchFormatError, match="duplicate tensor names"):
