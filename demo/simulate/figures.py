@@ -109,7 +109,19 @@ class Fleet:
     origin_Bps: Figure = _f(
         float("inf"), "bytes/s", "public", f"S3's aggregate throughput scales with parallel requests ({S3_GUIDELINES})"
     )
-    replicas_per_host: Figure = _f(1, "replicas", "input", "each replica on its own hosts (the validation: all on one)")
+    replicas_per_host: Figure = _f(
+        1, "replicas", "input", "each replica on its own hosts (the validation: all on one, in one fetch process)"
+    )
+    host_cores: Figure = _f(
+        1,
+        "cores",
+        "assumption",
+        "cores a replica host gives its fetch process (one interpreter) and, in the validation, the bulletin; the "
+        "validation's 2-core host, shared with other jobs, gives the run about one core (the validation checks it)",
+    )
+    bulletin_on_replica_host: Figure = _f(
+        0, "0 or 1", "input", "1: the bulletin runs on the (one) replica host, sharing its cores (the validation)"
+    )
     client_request_s: Figure = _f(
         0.0, "s of CPU", "assumption", "a replica's CPU per request, negligible beside its transfer at scale"
     )

@@ -3,16 +3,19 @@ replicas -> engine apply (runs in the operator's process).
 
 Time 0 is the commit of version N. Before it the trainer ranks upload their files (:attr:`StepResult.upload_s`).
 After it every replica: is answered its long-poll and asks its plan and manifest (the bulletin's processes, a
-queue); downloads the version's files ``fetch_concurrency`` at once, each from its region's relay (cache tier) or
-from the origin (through the bulletin's blob route: one bulletin request per attempt, then the store); verifies
-each file (sha256); stages (decodes) while serving; pauses and writes. The store admits GETs at its per-partition
-rate (a token bucket of one second's burst); a GET over the rate is answered 503 SlowDown and retried after the
-client's own :func:`~stitchboard.bulletin.client.backoff_delay_s`; after the client's last retry the sync fails
-and the sidecar retries it after its (unjittered, doubling) ``retry_backoff_s``, reusing the files it has.
-A relay fetches each blob from the origin once (nginx's ``proxy_cache_lock``: the other misses wait for it; the
-origin GETs and bytes of a fill count ``relay_origin_gets_per_blob``, measured by bench_relay),
-then serves it over its egress link. Shared links are pipes: a transfer reserves its bytes at the link's rate
-after the transfers before it, and takes at least its size over its own stream rate.
+queue, first come first served; where the bulletin runs on the replicas' host, as in the validation, its work
+takes that host's CPU beside the fetchers'); downloads the version's files ``fetch_concurrency`` at once, each
+from its region's relay (cache tier) or from the origin (through the bulletin's blob route: one bulletin request
+per attempt, then the store); verifies each file (sha256) on its host's CPU (:class:`~.host.Host`: the downloads
+of one fetch process progress together, sharing its core); stages (decodes) while serving; pauses and writes.
+The store admits GETs at its per-partition rate (a token bucket of one second's burst); a GET over the rate is
+answered 503 SlowDown and retried after the client's own :func:`~stitchboard.bulletin.client.backoff_delay_s`;
+after the client's last retry the sync fails and the sidecar retries it after its (unjittered, doubling)
+``retry_backoff_s``, reusing the files it has. A relay fetches each blob from the origin once (nginx's
+``proxy_cache_lock``: the other misses wait for it; the origin GETs and bytes of a fill count
+``relay_origin_gets_per_blob``, measured by bench_relay), then serves it over its egress link. Shared links are
+pipes: a transfer reserves its bytes at the link's rate after the transfers before it, and takes at least its
+size over its own stream rate.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import simpy
 from stitchboard.bulletin.client import backoff_delay_s
 
 from .figures import Fleet
+from .host import Host
 
 #: Failed syncs after which the sidecar takes the anchor route (its ``anchor_after_failures`` default).
 ANCHOR_AFTER_FAILURES = 2
@@ -140,7 +144,7 @@ class StepModel:
         self.relays = [Link(self.env, fl.relay_egress_Bps.value) for _ in range(relays)]
         self.cached: list[dict[int, simpy.Event]] = [{} for _ in range(relays)]
         hosts = math.ceil(fl.replicas.value / fl.replicas_per_host.value)
-        self.hosts = [Link(self.env, fl.verify_Bps.value) for _ in range(hosts)]
+        self.hosts = [Host(self.env, fl.host_cores.value) for _ in range(hosts)]
         self.file_bytes = fl.file_bytes(scenario.encoding)
 
     def run(self) -> StepResult:
@@ -161,7 +165,10 @@ class StepModel:
         self.result.bulletin_requests += 1
         with self.bulletin.request() as turn:
             yield turn
-            yield self.env.timeout(service_s)
+            if self.fl.bulletin_on_replica_host.value:
+                yield self.hosts[0].work("bulletin", service_s)
+            else:
+                yield self.env.timeout(service_s)
         if region:
             yield self.env.timeout(self.fl.inter_region_rtt_s.value)
 
@@ -212,8 +219,7 @@ class StepModel:
         elif not (yield from self.store_get(region, fl.store_stream_Bps.value)):
             return False
         host = self.hosts[int(replica // fl.replicas_per_host.value)]
-        verified = host.reserve(self.file_bytes) + fl.client_request_s.value
-        yield self.env.timeout(verified - self.env.now)
+        yield host.work("replicas", self.file_bytes / fl.verify_Bps.value + fl.client_request_s.value)
         return True
 
     def replica(self, replica: int) -> simpy.events.ProcessGenerator:

@@ -7,12 +7,14 @@ import re
 from pathlib import Path
 
 import pytest
+import simpy
 from typer.testing import CliRunner
 
 from stitchboard.demo.simulate.cli import simulate
 from stitchboard.demo.simulate.figures import Fleet
+from stitchboard.demo.simulate.host import Host
 from stitchboard.demo.simulate.model import Scenario, StepModel, StepResult
-from stitchboard.demo.simulate.validate import validate
+from stitchboard.demo.simulate.validate import simulated, validate
 
 INF = float("inf")
 
@@ -58,6 +60,57 @@ def test_apply_time_by_hand() -> None:
     )  # fmt: skip
     assert fleet.apply_s("cond") == pytest.approx((2.5, 0.35))
     assert fleet.version_bytes("xor") == pytest.approx(5e5 * fleet.bytes_per_changed_xor.value)
+
+
+def test_host_shares_its_core_between_processes_and_among_a_process_jobs_by_hand() -> None:
+    # One core: the bulletin's 1 s job and two fetcher jobs of 1 s. Bulletin and fetchers get half a core each,
+    # each fetcher job a quarter: at 2 s the bulletin is done and each fetcher job has 0.5 s left; alone, they run
+    # at half a core each.
+    env = simpy.Environment()
+    host = Host(env, cores=1)
+    done: dict[str, float] = {}
+
+    def job(process: str, name: str, cpu_s: float, at_s: float = 0.0) -> simpy.events.ProcessGenerator:
+        yield env.timeout(at_s)
+        yield host.work(process, cpu_s)
+        done[name] = env.now
+
+    env.process(job("bulletin", "b", 1.0))
+    env.process(job("replicas", "f1", 1.0))
+    env.process(job("replicas", "f2", 1.0))
+    env.process(job("replicas", "late", 0.25, at_s=2.5))  # joins at 2.5: three jobs at 1/3 core each
+    env.process(job("replicas", "free", 0.0))
+    env.run()
+    assert done["free"] == 0.0 and done["b"] == pytest.approx(2.0)
+    # at 2.5 f1 and f2 have 0.25 s left; with "late" all three run at 1/3 core: all done at 3.25
+    assert [done[n] for n in ("f1", "f2", "late")] == pytest.approx([3.25, 3.25, 3.25])
+
+
+def test_host_gives_a_process_at_most_one_core() -> None:
+    env = simpy.Environment()
+    host = Host(env, cores=2)
+    ends: list[float] = []
+
+    def job(process: str) -> simpy.events.ProcessGenerator:
+        yield host.work(process, 1.0)
+        ends.append(env.now)
+
+    for process in ("a", "b", "b"):
+        env.process(job(process))
+    env.run()
+    assert ends == pytest.approx([1.0, 2.0, 2.0])  # a alone on a core; b's two jobs share the other
+    with pytest.raises(ValueError, match="positive number of cores"):
+        Host(env, cores=0)
+
+
+def test_validation_model_by_hand() -> None:
+    # 2 fetchers x 1 blob; the bulletin spends 1 s a GET, a fetcher 1 s a blob, one core. The bulletin answers A
+    # (0-1, alone); then A's check and B's answer share the core (1-3); then B's check alone (3-4). A pipe that
+    # ran each blob's 2 s whole, one after another, would say [2, 4].
+    r = simulated(2, 1, 100, server_s=1.0, client_s=1.0)
+    assert r.at_version_s == pytest.approx([3.0, 4.0])
+    # the lone fetcher's wall time, longer than both CPU figures together, stretches both
+    assert simulated(2, 1, 100, server_s=1.0, client_s=1.0, wall_s=4.0).at_version_s == pytest.approx([6.0, 8.0])
 
 
 def test_throttled_store_answers_slowdown_and_every_replica_gets_there() -> None:
