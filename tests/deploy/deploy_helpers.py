@@ -31,6 +31,8 @@ REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO / "docker-compose.yml"
 #: The override of `make compose-check` (radosgw for MinIO, no engine): deploy/compose/check.yml.
 CHECK_OVERRIDE = REPO / "deploy" / "compose" / "check.yml"
+#: The override of `make compose-smoke` on top of it (the CPU vLLM engine, the trainer): deploy/compose/smoke.yml.
+SMOKE_OVERRIDE = REPO / "deploy" / "compose" / "smoke.yml"
 ENV_EXAMPLE = REPO / ".env.example"
 DOCKER_DIR = REPO / "deploy" / "docker"
 K8S_DIR = REPO / "deploy" / "k8s"

@@ -20,6 +20,7 @@ import pytest
 
 from stitchboard.sidecar.engines.vllm.launch import VLLM_SERVER_MODULE
 from tests.deploy.deploy_helpers import (
+    CHECK_OVERRIDE,
     COMPOSE_FILE,
     DOCKER_DIR,
     DOCKERFILES,
@@ -27,6 +28,7 @@ from tests.deploy.deploy_helpers import (
     K8S_DIR,
     REPO,
     SCRIPTS,
+    SMOKE_OVERRIDE,
     TRAINER_EXAMPLE,
     WORKER_EXTENSION,
     bulletin_env_names,
@@ -332,3 +334,79 @@ def settings_from_env(monkeypatch, cls, env: dict[str, Any]):
         if v not in (None, ""):
             monkeypatch.setenv(k, str(v))
     return cls()
+
+
+def _k8s_container(deployment: str, name: str) -> dict[str, Any]:
+    spec = k8s_object("Deployment", deployment)["spec"]["template"]["spec"]
+    return next(c for c in [*spec.get("initContainers", []), *spec["containers"]] if c["name"] == name)
+
+
+def _k8s_env(container: dict[str, Any]) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for src in container.get("envFrom", []):
+        env.update(k8s_object("ConfigMap", src["configMapRef"]["name"])["data"])
+    env.update({e["name"]: e.get("value", "<secret>") for e in container.get("env", [])})
+    return env
+
+
+def _options(argv: list[str]) -> dict[str, str]:
+    return {a: b for a, b in zip(argv, [*argv[1:], ""], strict=True) if a.startswith("--")}
+
+
+#: Settings that differ between the compose smoke and the manifests by design: where the other services are (compose
+#: service names vs Kubernetes Services), the S3 endpoint (radosgw in compose, the cloud's S3 in a cluster) and
+#: secrets. Every other STITCH* setting either side sets, the other sets to the same value, or leaves at its default
+#: (listed per service in SMOKE_ONLY / K8S_ONLY).
+SITE = {"STITCH_SIDECAR_BULLETIN", "STITCH_SIDECAR_TOKEN", "STITCH_BULLETIN_TOKENS", "STITCH_BULLETIN_S3_ACCESS_KEY_ID",
+        "STITCH_BULLETIN_S3_SECRET_ACCESS_KEY", "STITCH_BULLETIN_STORE"}  # fmt: skip
+SMOKE_ONLY = {
+    "bulletin": {
+        "STITCH_BULLETIN_S3_ENDPOINT_URL",
+        "STITCH_BULLETIN_S3_ADDRESSING_STYLE",
+        "STITCH_BULLETIN_LOG_FORMAT",
+    },
+    "sidecar": {"STITCH_SIDECAR_RELAYS", "STITCH_SIDECAR_LOG_FORMAT"},
+    "boot": {"STITCH_BOOT_VERSION"},
+}
+K8S_ONLY = {
+    "bulletin": {"STITCH_BULLETIN_KEEP_SNAPSHOTS", "STITCH_BULLETIN_LOG_LEVEL", "STITCH_BULLETIN_UPLOAD_TMP_DIR"},
+    "sidecar": {"STITCH_BOOT_FROM"},
+    "boot": {"STITCH_SIDECAR_ENGINE", "STITCH_SIDECAR_ENGINE_URL", "STITCH_SIDECAR_HANDOFF_DIR"},
+}
+
+
+def test_k8s_runs_the_images_commands_and_settings_of_the_compose_smoke(tmp_path):
+    """Issue #34 item 4: the manifests run what `make compose-smoke` runs (docker-compose.yml + deploy/compose/check.yml
+    + smoke.yml): the same bulletin and sidecar images and programs (the boot step, the sidecar, the bulletin), the
+    same vLLM server options where both set one (the cluster runs the GPU image, the smoke the CPU one), and the same
+    values of every STITCH* setting both set; the settings only one side sets are the listed, deliberate ones."""
+    r = run_compose(
+        ["--profile", "trainer", "config", "--format", "json"],
+        [ENV_EXAMPLE, secret_env_file(tmp_path)],
+        overrides=(CHECK_OVERRIDE, SMOKE_OVERRIDE),
+    )
+    assert r.returncode == 0, r.stderr
+    smoke = json.loads(r.stdout)["services"]
+    pairs = {
+        "bulletin": ("stitchboard-bulletin", "bulletin"),
+        "boot": ("stitchboard-rollout", "boot-weights"),
+        "sidecar": ("stitchboard-rollout", "sidecar"),
+        "vllm": ("stitchboard-rollout", "vllm"),
+    }
+    for service, (deployment, name) in pairs.items():
+        c, s = _k8s_container(deployment, name), smoke[service]
+        k8s_argv = program_argv(c["image"], c.get("command"), c.get("args"))
+        smoke_argv = program_argv(s["image"], s.get("entrypoint"), s.get("command"))
+        if service == "vllm":
+            k, m = _options(k8s_argv), _options(smoke_argv)
+            assert {"--host", "--port", "--worker-extension-cls"} <= k.keys() & m.keys()
+            assert {o: k[o] for o in k.keys() & m.keys()} == {o: m[o] for o in k.keys() & m.keys()}, service
+            continue
+        assert c["image"] == s["image"], f"{service}: {c['image']} in the manifests, {s['image']} in the smoke"
+        assert k8s_argv == smoke_argv, service
+        k8s_env = {k: v for k, v in _k8s_env(c).items() if k.startswith("STITCH")}
+        smoke_env = {k: str(v) for k, v in (s.get("environment") or {}).items() if k.startswith("STITCH")}
+        both = (k8s_env.keys() & smoke_env.keys()) - SITE
+        assert {k: k8s_env[k] for k in both} == {k: smoke_env[k] for k in both}, service
+        assert smoke_env.keys() - k8s_env.keys() - SITE == SMOKE_ONLY[service], service
+        assert k8s_env.keys() - smoke_env.keys() - SITE == K8S_ONLY[service], service
