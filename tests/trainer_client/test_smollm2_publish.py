@@ -11,7 +11,6 @@ from stitchboard.proto.checkpoint import load_checkpoint
 from stitchboard.trainer_client.publisher import Publisher
 from stitchboard.trainer_client.resume import pull_version, rebuild_version
 from stitchboard.trainer_client.served_view import served_view, to_raw
-from tests.support.training import CpuTrainer
 from tests.trainer_client.toy import assert_same_view
 
 pytestmark = pytest.mark.slow
@@ -19,9 +18,10 @@ STEPS = 4
 
 
 @pytest.fixture(scope="module")
-def trained(smollm2_dir, bulletin, tmp_path_factory):
-    """A run of STEPS + 1 versions published from a CpuTrainer; yields (trainer, run, results, views)."""
-    trainer = CpuTrainer(smollm2_dir)
+def trained(smollm2_dir, smollm2_trajectory, bulletin):
+    """A run of STEPS + 1 versions published from the recorded trajectory's steps; yields (trainer, run, results,
+    checks)."""
+    trainer = smollm2_trajectory.replay()
     run = "smollm2-bitexact"
     results, checks = [], []
     with Publisher(bulletin.url, run, snapshot_every=3, assets=smollm2_dir) as pub, bulletin.client() as client:

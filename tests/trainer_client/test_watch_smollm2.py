@@ -10,7 +10,6 @@ from stitchboard.bulletin.client import BulletinClient
 from stitchboard.trainer_client.resume import rebuild_version
 from stitchboard.trainer_client.served_view import to_raw
 from stitchboard.trainer_client.watch import Watcher
-from tests.support.training import CpuTrainer
 from tests.trainer_client.toy import assert_same_view
 from tests.trainer_client.watch_frameworks import write_hf_checkpoint, write_prime_rl
 
@@ -18,8 +17,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("layout", ["hf-trainer", "prime-rl"])
-def test_smollm2_checkpoints_publish_bit_exact(smollm2_dir, bulletin, tmp_path, layout):
-    trainer = CpuTrainer(smollm2_dir)
+def test_smollm2_checkpoints_publish_bit_exact(smollm2_dir, smollm2_trajectory, bulletin, tmp_path, layout):
+    trainer = smollm2_trajectory.replay()
     run, root, views = f"smollm2-watch-{layout}", tmp_path / "out", []
     with BulletinClient(bulletin.url) as client:
         watcher = Watcher(root, run, client, assets=smollm2_dir, options={"workdir": tmp_path / "work"}, say=print)
