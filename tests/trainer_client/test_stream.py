@@ -13,7 +13,7 @@ from stitchboard.proto.codec import checksum
 from stitchboard.proto.container import RawTensor
 from stitchboard.proto.dtypes import DTYPE_SIZES, bits_type
 from stitchboard.trainer_client.encode_version import BaseTensor, encode_part
-from stitchboard.trainer_client.errors import TiedWeightsError
+from stitchboard.trainer_client.errors import CheckpointNameError, PublishError, TiedWeightsError
 from stitchboard.trainer_client.publisher import Publisher
 from stitchboard.trainer_client.resume import rebuild_version
 from stitchboard.trainer_client.stream import StreamedView, ViewStreamer
@@ -222,7 +222,7 @@ def test_a_stale_streamed_view_is_refused(bulletin, run) -> None:
         trainer.step()
         stale = pub.stream_view(trainer.model.state_dict().items())
         pub.publish(trainer.model)
-        with pytest.raises(Exception, match="diffed against version 0, but the last published version is 1"):
+        with pytest.raises(PublishError, match="diffed against version 0, but the last published version is 1"):
             pub.publish_view(stale)
 
 
@@ -249,3 +249,17 @@ def test_without_a_kept_view_stream_view_holds_the_whole_view(bulletin, run) -> 
         with torch.no_grad():
             second = pub.stream_view(trainer.model.state_dict().items())
         assert second.base_version == 0 and not second.whole
+
+
+def test_stream_view_of_a_stream_is_the_delta_publish_takes_of_the_model(bulletin, run) -> None:
+    trainer = ToyTrainer()
+    with Publisher(bulletin.url, run) as pub:
+        pub.publish(trainer.model)
+        trainer.step()
+        wrapped = ((f"module._orig_mod.{n}", t) for n, t in trainer.model.state_dict().items())  # verl's stream
+        streamed = pub.stream_view(wrapped)
+        taken = pub._stream_of(trainer.model)
+        assert taken is not None and streamed.part(META) == taken.part(META) and streamed.checksums == taken.checksums
+        weight = trainer.model.state_dict()["1.weight"]
+        with pytest.raises(CheckpointNameError, match="both map to checkpoint name '1.weight'"):
+            pub.stream_view([("module.1.weight", weight), ("1.weight", weight)])
