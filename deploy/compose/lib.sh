@@ -79,7 +79,7 @@ pass() { echo "PASS: $*"; }
 fail() { # the stack's state and the logs, then the FAIL line (the last line), exit 1 (teardown by the EXIT trap)
 	echo "--- compose ps / logs (tails) ---"
 	$COMPOSE ps --all 2>&1 | tail -n 20
-	$COMPOSE logs --no-color --tail 15 2>&1 | tail -n 80
+	$COMPOSE logs --no-color --tail 40 2>&1 | grep -v -E 'GET /(health|readyz)' | tail -n 200
 	echo "FAIL: $*"
 	exit 1
 }
