@@ -12,7 +12,7 @@ ENGINE ?= vllm
 STAMP := $(VENV)/.installed
 
 .PHONY: venv venv-sglang venv-verl example-verl test test-fast test-engine test-heavy demo example-trl example-watch bench lint clean
-.PHONY: compose-deps compose-check
+.PHONY: compose-deps compose-check compose-smoke
 
 venv: $(STAMP)
 
@@ -154,6 +154,11 @@ compose-deps:
 
 compose-check: venv compose-deps
 	deploy/compose/compose-check.sh
+
+# compose-smoke: the whole stack on the CPU (radosgw, bulletin, the example trainer publishing SmolLM2 steps, the boot
+# step, CPU vLLM, sidecar), requests across a publish, the bit-exact oracle against a pulled version, JSON log lines.
+compose-smoke: venv compose-deps
+	deploy/compose/compose-smoke.sh
 
 clean:
 	rm -rf $(VENV) $(SGL_VENV) $(VERL_VENV) build *.egg-info proto/*.so

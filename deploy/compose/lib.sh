@@ -133,7 +133,7 @@ build_image() { # TAG DOCKERFILE|base [BUILD_ARG...]: build (BuildKit, base imag
 }
 
 image_sizes() { # "name size, ..." of the images built (base stand-in left out)
-	for tag in $BUILT_IMAGES; do
+	for tag in $(printf '%s\n' $BUILT_IMAGES | awk '!seen[$0]++'); do
 		[ "$tag" = "$BASE_TAG" ] && continue
 		printf '%s %s MB; ' "$tag" "$(($(docker image inspect --format '{{.Size}}' "$tag") / 1000000))"
 	done
