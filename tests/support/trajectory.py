@@ -12,8 +12,8 @@ trainer after that many real AdamW steps, without each module training its own c
 
 Cost: the 4 steps train once per session (~11-13 s on the 2-core machine, from
 :mod:`tests.support.training`'s figures); a replayed step reads 538 MB of float32 masters. The
-files take 4 x 538 MB in the session's base temporary folder (pytest keeps the last three
-sessions' folders).
+files take 4 x 538 MB in the session's base temporary folder, which the next session removes
+(pyproject.toml: ``tmp_path_retention_count = 1``).
 """
 
 from __future__ import annotations
