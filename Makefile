@@ -108,8 +108,10 @@ test-fast: venv
 test-engine: venv venv-sglang venv-verl
 	$(PYTEST) -m "$(ENGINE_TIER)"
 
+# HEAVY_ARGS: extra pytest arguments (.ci/run deselects the compose smoke with it: CI's time budget, docs/testing.md).
+HEAVY_ARGS ?=
 test-heavy: venv venv-sglang
-	$(PYTEST) -m heavy
+	$(PYTEST) -m heavy $(HEAVY_ARGS)
 
 # mypy reads the packages through build/typecheck/stitchboard/<part> -> <part> links (the editable
 # install maps stitchboard.<part> to the top-level folders with an import hook mypy cannot follow).
