@@ -10,6 +10,7 @@ ones prime-rl's orchestrator sends (PrimeIntellect-ai/prime-rl ``src/prime_rl/ut
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -155,7 +156,20 @@ def test_a_malformed_weight_dir_is_422_naming_the_expected_form(sc_publisher, sc
     assert "step_N" in r.json()["message"] and r.headers[SHOULD_RETRY_HEADER] == "false"
 
 
-def test_a_body_nested_too_deep_is_422_not_500(sc_publisher, sc_start):
+@pytest.fixture
+def default_recursion_limit():
+    """The interpreter's recursion limit at CPython's default (1000), as in a sidecar's own process, for this test.
+
+    The sidecar under test runs in this process, and an xdist worker may have compiled with torch inductor for an
+    earlier module, which raises the limit to 2000 (torch/_inductor/compile_fx.py): the 1900-deep body then parses,
+    names step_0 and waits for it (seen in CI: a 30 s read timeout)."""
+    before = sys.getrecursionlimit()
+    sys.setrecursionlimit(1000)
+    yield
+    sys.setrecursionlimit(before)
+
+
+def test_a_body_nested_too_deep_is_422_not_500(sc_publisher, sc_start, default_recursion_limit):
     """A body under the cap whose JSON nests deeper than the parser recurses is refused as unreadable (422, not
     retried), not a 500 that prime-rl would retry for minutes."""
     sc_publisher.publish(make_view(0))
