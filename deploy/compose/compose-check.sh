@@ -40,17 +40,7 @@ start=$(date +%s)
 docker_up || fail "no Docker engine"
 write_env "$WORK/.env"
 build_image stitchboard/base:bookworm-check base || fail "base image"
-# the three builds at once: mostly downloads (PyPI, the Debian mirror)
-BUILT_IMAGES="$BUILT_IMAGES stitchboard/bulletin:$TAG stitchboard/sidecar:$TAG stitchboard/s3-radosgw:16"
-build_image "stitchboard/bulletin:$TAG" deploy/docker/bulletin.Dockerfile &
-b1=$!
-build_image "stitchboard/sidecar:$TAG" deploy/docker/sidecar.Dockerfile &
-b2=$!
-build_image stitchboard/s3-radosgw:16 deploy/compose/radosgw.Dockerfile &
-b3=$!
-wait "$b1" || fail "bulletin image"
-wait "$b2" || fail "sidecar image"
-wait "$b3" || fail "radosgw image"
+build_service_images
 ok "images built in $(($(date +%s) - start)) s: $(image_sizes)"
 
 # 1. The sidecar first, before the bulletin and with no engine: it waits (never exits), its log names the

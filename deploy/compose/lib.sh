@@ -132,6 +132,20 @@ build_image() { # TAG DOCKERFILE|base [BUILD_ARG...]: build (BuildKit, base imag
 	}
 }
 
+build_service_images() { # the bulletin, sidecar and radosgw images at once (mostly downloads: PyPI, the Debian mirror)
+	# recorded here: each build_image runs in a subshell, whose record of its tag is lost
+	BUILT_IMAGES="$BUILT_IMAGES stitchboard/bulletin:$TAG stitchboard/sidecar:$TAG stitchboard/s3-radosgw:16"
+	build_image "stitchboard/bulletin:$TAG" deploy/docker/bulletin.Dockerfile &
+	b1=$!
+	build_image "stitchboard/sidecar:$TAG" deploy/docker/sidecar.Dockerfile &
+	b2=$!
+	build_image stitchboard/s3-radosgw:16 deploy/compose/radosgw.Dockerfile &
+	b3=$!
+	wait "$b1" || fail "bulletin image"
+	wait "$b2" || fail "sidecar image"
+	wait "$b3" || fail "radosgw image"
+}
+
 image_sizes() { # "name size, ..." of the images built (base stand-in left out)
 	for tag in $(printf '%s\n' $BUILT_IMAGES | awk '!seen[$0]++'); do
 		[ "$tag" = "$BASE_TAG" ] && continue
