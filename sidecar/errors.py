@@ -41,6 +41,8 @@ error body (``{"type": ..., "message": ..., <details>}``, see
     ├── TpRankError                   ---  another TP rank failed a step this rank passed (all refuse or restore
     │                                      together)
     ├── ApplyRefusedError             ---  apply/snapshot refused before the first write (details: cause)
+    ├── AdapterLoadError              ---  a LoRA adapter load/unload refused or unverified; unloaded again, the
+    │                                      adapters loaded before keep serving (details: adapter, cause)
     └── ApplyFailedError              ---  writing began, then failed (details: cause, restored)
 """
 
@@ -293,6 +295,19 @@ class ApplyRefusedError(SidecarError):
     """
 
     type = "ApplyRefused"
+
+
+class AdapterLoadError(SidecarError):
+    """A LoRA adapter could not be loaded (or unloaded) and verified in the engine
+    (:class:`~stitchboard.sidecar.engines.base.ServesAdapters`): the engine refused the folder (a
+    rank above its ``max_lora_rank``, a module it does not serve, a bad PEFT config), every slot is
+    held, or the tensors it loaded differ from the version's checksums. The adapter was unloaded
+    again (nothing of it serves) and the adapters loaded before keep serving. Details: ``adapter``
+    (the name), ``cause`` (``EngineRefused``, ``NoFreeSlot``, ``ChecksumMismatch``,
+    ``TensorSetMismatch``...), ``name`` (the first PEFT tensor that differs, for a mismatch).
+    """
+
+    type = "AdapterLoadFailed"
 
 
 class ApplyFailedError(SidecarError):

@@ -16,14 +16,14 @@ TTL is left, and the engine refuses its own state-changing calls without it. Rea
 output counts) need none.
 
 Optional engine powers are the runtime-checkable Protocols at the end (:class:`CountsOutputs`,
-:class:`PausesKeepingCache`, :class:`ReplaysRouting`): the sidecar asks ``isinstance(engine, P)``
-before it uses one, and an engine kind offers a power by defining its method.
+:class:`PausesKeepingCache`, :class:`ReplaysRouting`, :class:`ServesAdapters`): the sidecar asks
+``isinstance(engine, P)`` before it uses one, and an engine kind offers a power by defining its method.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 
@@ -239,4 +239,50 @@ class ReplaysRouting(Protocol):
     def routed_experts(self, marks: list[str]) -> dict[str, Any]:
         """The captured routing of the requests marked ``marks``, handed over once; ``[]``:
         whether the model has MoE layers. Read-only: needs no lease."""
+        ...
+
+
+@runtime_checkable
+class ServesAdapters(Protocol):
+    """An engine that serves LoRA adapters beside its base model, loaded and unloaded at run time
+    without a pause (issue #31; vLLM's room, ``docs/reference/adapter-engines.md``). Adapters are
+    PEFT folders (``adapter_model.safetensors`` + ``adapter_config.json``) on the sidecar's
+    memory-backed hand-off folder; tensors are named as PEFT saves them
+    (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``: ``lora_A`` [r, in],
+    ``lora_B`` [out, r], the served dtype, bf16). An engine without this power (SGLang's room) says
+    why in its descriptor, and the sidecar refuses adapter runs there with that reason."""
+
+    def adapter_slots(self) -> int:
+        """How many adapters the engine holds at once (vLLM's ``max_loras``); a load beyond them is
+        refused (:class:`~stitchboard.sidecar.errors.AdapterLoadError`), never an eviction. Read-only."""
+        ...
+
+    def base_names(self) -> list[str]:
+        """The checkpoint names of the base model's served view as the engine holds it (for the base
+        checksum: :meth:`EngineAdapter.checksums` over these names). Read-only."""
+        ...
+
+    def load_adapter(self, name: str, folder: str, checksums: Mapping[str, str]) -> None:
+        """Load the PEFT folder ``folder`` under ``name`` while the engine serves (no pause), verify
+        every tensor the engine loaded against ``checksums`` (PEFT name -> xxh3-128 hex of its bits),
+        and pin it so the engine can never evict it. Needs the lease.
+
+        Raises:
+            AdapterLoadError: the engine refused the load, a loaded tensor's bits or the tensor set
+                differ from ``checksums``, or no slot is free; the adapter is unloaded again and the
+                adapters loaded before keep serving.
+            LeaseNotHeldError: the lease is not live (nothing called).
+        """
+        ...
+
+    def unload_adapter(self, name: str) -> None:
+        """Unload ``name`` and free its slot (an unknown name is a no-op). Needs the lease.
+
+        Raises:
+            AdapterLoadError: the engine refused the unload; LeaseNotHeldError: as above.
+        """
+        ...
+
+    def loaded_adapters(self) -> list[str]:
+        """The adapter names the engine holds now, sorted. Read-only."""
         ...
