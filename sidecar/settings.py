@@ -214,6 +214,16 @@ class SidecarSettings(BaseSettings):
             "docs/integrations/prime-rl.md). None of them calls the engine's own control routes."
         ),
     )
+    adapter_resident: int = Field(
+        2,
+        ge=1,
+        description=(
+            "Adapter runs (issue #31, docs/reference/sidecar-adapters.md): how many adapter versions are kept resident "
+            "in the engine, K. The newest is loaded before the oldest is unloaded, and an old one only once no "
+            "admitted request uses it, so the engine needs at least K + 1 adapter slots (vLLM --max-loras): boot "
+            "refuses an engine with fewer, naming both numbers."
+        ),
+    )
     admin_update_wait_s: float = Field(
         600.0,
         gt=0,
