@@ -28,6 +28,7 @@ from pydantic import (
     model_validator,
 )
 
+from .adapter_spec import AdapterSpec
 from .dtypes import DTYPE_SIZES, MAX_NUMEL, numel_of
 from .errors import SchemaError
 
@@ -278,6 +279,9 @@ class VersionManifest(_Model):
         metadata: free-form trainer metadata (step, loss, ...), JSON values.
         served: the served-view recipe the tensors are in (``bf16``, ``fp8``, ``fp8-block``,
             ``nvfp4``: see ``stitchboard.trainer_client.recipes``); 1-32 of ``[a-z0-9.-]``.
+        adapter: for a version of an adapter run, the LoRA adapter it is (:mod:`.adapter`; its
+            tensors are the adapter's under PEFT's saved names); ``None`` (and left out of the
+            JSON, so a full run's manifest and its sha256 are as before) for a full run.
     """
 
     schema_version: int = SCHEMA_VERSION
@@ -291,6 +295,14 @@ class VersionManifest(_Model):
     stats: VersionStats
     metadata: dict[str, Any] = Field(default_factory=dict)
     served: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9.-]{0,31}$")] = "bf16"
+    adapter: AdapterSpec | None = None
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out: dict[str, Any] = handler(self)
+        if self.adapter is None:
+            out.pop("adapter", None)
+        return out
 
     @field_validator("run_id")
     @classmethod
