@@ -43,9 +43,18 @@ import torch
 
 from stitchboard.proto.container import RawTensor
 
+from .device_diff import DeviceDiffer, on_device
 from .errors import CheckpointNameError
 from .publisher_core import PublisherCore
-from .served_view import cast_served, checkpoint_name, checkpoint_state, gather_full, served_view
+from .served_view import (
+    TORCH_DTYPE_NAMES,
+    cast_served,
+    cast_served_where_it_lives,
+    checkpoint_name,
+    checkpoint_state,
+    gather_full,
+    served_view,
+)
 from .stream import StreamedView, ViewStreamer
 from .tied_head import fold_tied_head, ties_of_config, ties_of_module
 from .version_parts import ViewPart
@@ -98,6 +107,10 @@ class Publisher(PublisherCore):
         pacing: a :class:`~stitchboard.trainer_client.fleet.FleetPacing` (async RL: a publish
             blocks while fewer than the wanted replicas are within ``max_lag`` versions of the
             newest); None: publishes never wait for the fleet. :meth:`wait_for_fleet` waits on demand.
+        device_kept_view: for a model on a GPU, whose streamed deltas are cast and diffed there (only the
+            changed positions and bits come to the host, :mod:`.device_diff`), also keep a mirror of the kept
+            view in GPU memory (one more served view there: 2 bytes per bf16 parameter) so that no whole tensor
+            crosses the link; False (default): each kept tensor is copied to the GPU for its diff.
 
     Publishing, :meth:`publish_async` and the recovery after a lost commit answer are in
     :class:`~stitchboard.trainer_client.publisher_core.PublisherCore`, which
@@ -153,8 +166,12 @@ class Publisher(PublisherCore):
         state = checkpoint_state(model_or_state_dict, self._tied_of(model_or_state_dict))  # the tied head folded
         return self._streamed(((name, state[name]) for name in sorted(state)), tied=False)
 
-    def _served_pairs(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, RawTensor]]:
-        """The served tensors of a stream, one input tensor at a time (cast, then the per-tensor recipe)."""
+    def _served_pairs(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, RawTensor | torch.Tensor]]:
+        """The served tensors of a stream, one input tensor at a time (cast, then the per-tensor recipe): host
+        copies, or, for a tensor on a device other than the CPU (and a recipe that runs there), fresh tensors on that
+        device, which the streamer diffs where they live (:mod:`.device_diff`)."""
         seen: set[str] = set()
         for raw_name, tensor in named_tensors:
             name = checkpoint_name(raw_name)
@@ -163,11 +180,23 @@ class Publisher(PublisherCore):
                     f"{raw_name!r} and another tensor both map to checkpoint name {name!r}", name=name
                 )
             seen.add(name)
-            cast = cast_served(name, gather_full(tensor), self.dtypes, self.default_dtype)
+            full = gather_full(tensor)
+            if on_device(full) and self.served.on_device:
+                cast_t = cast_served_where_it_lives(name, full, self.dtypes, self.default_dtype)
+                yield from self.served.apply_tensor(name, cast_t, TORCH_DTYPE_NAMES[cast_t.dtype]).items()
+                continue
+            cast = cast_served(name, full, self.dtypes, self.default_dtype)
             yield from self.served.apply({name: cast}).items()
 
+    @functools.cached_property
+    def _device_differ(self) -> DeviceDiffer:
+        """Diffs the served tensors that live on a GPU there; its mirror of the kept view (``device_kept_view``)
+        lasts as long as this publisher."""
+        return DeviceDiffer(keep_on_device=self.device_kept_view)
+
     def _streamed(self, named_tensors: Iterable[tuple[str, torch.Tensor]], tied: bool | None) -> StreamedView:
-        return _stream_into(ViewStreamer(self._published, self.encoding, tied), self._served_pairs(named_tensors))
+        streamer = ViewStreamer(self._published, self.encoding, tied, device=self._device_differ)
+        return _stream_into(streamer, self._served_pairs(named_tensors))
 
     def stream_view(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> StreamedView:
         """The served view of a stream of ``(name, tensor)`` pairs as its delta from the kept view, for
@@ -252,7 +281,9 @@ class Publisher(PublisherCore):
         return ViewPart(dict(sorted(folded.items())), frozenset(folded))
 
 
-def _stream_into(streamer: ViewStreamer, named_raw: Iterable[tuple[str, RawTensor]]) -> StreamedView:
+def _stream_into(
+    streamer: ViewStreamer, named_raw: Iterable[tuple[str, RawTensor]] | Iterable[tuple[str, RawTensor | torch.Tensor]]
+) -> StreamedView:
     for name, t in named_raw:
         streamer.add(name, t)
     return streamer.finish()

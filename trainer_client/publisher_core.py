@@ -101,6 +101,7 @@ class PublisherOptions(TypedDict, total=False):
     client: BulletinClient | None
     pacing: FleetPacing | None
     squash_depths: Sequence[int]
+    device_kept_view: bool
 
 
 @dataclass(frozen=True)
@@ -150,6 +151,7 @@ class PublisherCore(ABC):
         client: BulletinClient | None = None,
         pacing: FleetPacing | None = None,
         squash_depths: Sequence[int] = DEFAULT_SQUASH_DEPTHS,
+        device_kept_view: bool = False,
     ) -> None:
         if snapshot_every < 1:
             raise ValueError(f"snapshot_every must be >= 1, got {snapshot_every}")
@@ -173,6 +175,7 @@ class PublisherCore(ABC):
         self.client = client or BulletinClient(url, token, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s)
         self._worker = BoundedWorker(max_pending, lockstep=self._lockstep)
         self.pacing = pacing  # publish waits for the fleet (trainer_client/fleet.py)
+        self.device_kept_view = device_kept_view  # a GPU model's kept view mirrored there (device_diff.py)
         self._lock = threading.Lock()
         self._pending: _Pending | None = None
         try:

@@ -251,6 +251,28 @@ def cast_served(
     return to_raw(host)
 
 
+def cast_served_where_it_lives(
+    name: str, t: torch.Tensor, dtypes: DtypeMap | None = None, default: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """:func:`cast_served` made on ``t``'s own device (a GPU: the device diff path, :mod:`.device_diff`).
+
+    Returns:
+        A fresh contiguous tensor in the served dtype on ``t``'s device (never ``t`` itself, even when it already has
+        that dtype: the publisher may keep it while the trainer writes ``t``); the same bits as :func:`cast_served`
+        (``Tensor.to``: round-to-nearest-even on every device).
+
+    Raises:
+        ServedViewError: the served dtype has no safetensors name.
+    """
+    target = served_dtype(name, t, dtypes, default)
+    if target not in TORCH_DTYPE_NAMES:
+        raise ServedViewError(
+            f"dtype {target} has no safetensors name; serve it as one of {sorted(map(str, TORCH_DTYPE_NAMES))}"
+        )
+    with torch.no_grad():
+        return t.detach().to(dtype=target, copy=True).contiguous()
+
+
 def served_view(
     model_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor],
     dtypes: DtypeMap | None = None,

@@ -7,7 +7,8 @@ exactly what the whole-view diff runs, so the patch file is byte-identical), and
 checksum and its changed positions and bits (:class:`TensorChange`: the ``overwrite`` coder's varint gaps and
 values, ~3 bytes per changed bf16 element); the new tensor is then dropped. A tensor the kept view lacks (a
 new name, dtype or shape) is kept whole: it joins the kept view. Memory: the kept view, one new tensor, and
-the changes (~1.5 % of a bf16 view at 1 % changed elements).
+the changes (~1.5 % of a bf16 view at 1 % changed elements). A tensor given as a torch tensor on a GPU is diffed
+there (:mod:`.device_diff`: the same positions and bits, only the changes copied to the host); the rest on the host.
 
 The kept view stays untouched until the version is committed (a failed or retried publish diffs against it
 again); then :meth:`StreamedView.commit_into` writes the changes into it in place (bits replaced, never float
@@ -22,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from stitchboard.proto import _bitdiff
 from stitchboard.proto.codec import EncodedTensor, build_patch, checksum, encode_tensor
@@ -29,8 +31,10 @@ from stitchboard.proto.container import RawTensor
 from stitchboard.proto.dtypes import DTYPE_SIZES, numel_of
 from stitchboard.proto.schema import Encoding
 
+from .device_diff import DeviceDiffer, flat_bits, on_device
 from .encode_version import EncodedPart
 from .errors import CheckpointNameError
+from .served_view import TORCH_DTYPE_NAMES, to_raw
 from .tied_head import TIED_HEADS, tied_head_error
 from .version_parts import PublishedVersion
 
@@ -160,15 +164,25 @@ class ViewStreamer:
         tied: whether the model's config ties its embeddings: an output head (``lm_head.weight``) is then held
             until the stream ends and dropped when it equals its input embedding bit for bit (refused otherwise),
             as :func:`~.tied_head.fold_tied_head` does for a whole view.
+        device: diffs the tensors given as torch tensors on a device other than the CPU where they live
+            (:mod:`.device_diff`; None: a differ that copies each kept tensor there); CPU tensors and
+            :class:`RawTensor` s are diffed on the host by the codec's C kernel.
     """
 
     def __init__(
-        self, base: PublishedVersion | None, encoding: Encoding, tied: bool | None, *, owns: bool = True
+        self,
+        base: PublishedVersion | None,
+        encoding: Encoding,
+        tied: bool | None,
+        *,
+        owns: bool = True,
+        device: DeviceDiffer | None = None,
     ) -> None:
         self.base = base if base is not None and base.view is not None else None
         self.encoding: Encoding = encoding
         self.tied = tied
         self.owns = owns
+        self.device = device or DeviceDiffer()
         self._layout: dict[str, Layout] = {}
         self._checksums: dict[str, str] = {}
         self._encoded: list[EncodedTensor] = []
@@ -177,21 +191,40 @@ class ViewStreamer:
         self._heads: dict[str, RawTensor] = {}
 
     def _kept(self, name: str, t: RawTensor) -> RawTensor | None:
+        return self._kept_as(name, t.dtype, tuple(t.shape))
+
+    def _kept_as(self, name: str, dtype: str | None, shape: tuple[int, ...]) -> RawTensor | None:
         if self.base is None or self.base.view is None or name not in self.base.tensors:
             return None
         kept = self.base.view.get(name)
-        if kept is None or (kept.dtype, tuple(kept.shape)) != (t.dtype, tuple(t.shape)):
+        if kept is None or (kept.dtype, tuple(kept.shape)) != (dtype, shape):
             return None
         return kept
 
-    def add(self, name: str, t: RawTensor) -> None:
+    def add(self, name: str, t: RawTensor | torch.Tensor) -> None:
         """Take tensor ``name`` of the new view (the caller may drop ``t`` afterwards unless it is new to the view).
+
+        A torch tensor on a device other than the CPU (a fresh one the stream may keep: a cast) is diffed there when
+        the kept view holds its name, dtype and shape (only its changes come to the host); any other torch tensor
+        is copied to the host first.
 
         Raises:
             CheckpointNameError: ``name`` was already given.
+            ServedViewError: a torch tensor's dtype has no safetensors name.
         """
         if name in self._layout or name in self._heads:
             raise CheckpointNameError(f"tensor {name!r} appears twice in the streamed view", name=name)
+        if isinstance(t, torch.Tensor):
+            kept = self._kept_as(name, TORCH_DTYPE_NAMES.get(t.dtype), tuple(t.shape))
+            if on_device(t) and kept is not None and not (self.tied and name in TIED_HEADS):
+                self._take_on_device(name, kept, t)
+                return
+            host = to_raw(t.detach().to("cpu", copy=True).contiguous())
+            if on_device(t) and not (self.tied and name in TIED_HEADS):
+                self._take(name, host)
+                self.device.remember(name, self._checksums[name], flat_bits(t))
+                return
+            t = host
         if self.tied and name in TIED_HEADS:
             self._heads[name] = t
         else:
@@ -217,6 +250,15 @@ class ViewStreamer:
             self._encoded.append(encoded)
             self._changes[name] = TensorChange.between(kept, t)
 
+    def _take_on_device(self, name: str, kept: RawTensor, t: torch.Tensor) -> None:
+        assert self.base is not None  # _kept_as found a base tensor
+        self._layout[name] = Layout(kept.dtype, tuple(kept.shape), kept.nbytes)
+        found = self.device.diff(name, kept, self.base.tensors[name].checksum, t, self.encoding)
+        self._checksums[name] = found.target_checksum
+        if found.encoded is not None:
+            self._encoded.append(found.encoded)
+            self._changes[name] = TensorChange(found.count, found.gaps, found.new_bits)
+
     def _equals(self, name: str, t: RawTensor) -> bool:
         """Whether tensor ``name`` of the new view has ``t``'s dtype, shape and bits (compared without a copy)."""
         layout = self._layout[name]
@@ -241,6 +283,7 @@ class ViewStreamer:
             elif not self._equals(embedding, t):
                 raise tied_head_error(head, embedding)
         names = set(self._layout)
+        self.device.retain(names)
         base = self.base
         return StreamedView(
             base_version=None if base is None else base.version,

@@ -51,7 +51,12 @@ def module_of(name: str) -> str:
 
 def is_quantized(name: str, t: RawTensor) -> bool:
     """Whether a recipe other than bf16 quantizes tensor ``name`` (see the module docstring)."""
-    if not name.endswith(".weight") or len(t.shape) != 2 or t.dtype not in ("BF16", "F16", "F32"):
+    return quantizes(name, t.dtype, tuple(t.shape))
+
+
+def quantizes(name: str, dtype: str, shape: tuple[int, ...]) -> bool:
+    """:func:`is_quantized` of a tensor given by its safetensors dtype name and shape."""
+    if not name.endswith(".weight") or len(shape) != 2 or dtype not in ("BF16", "F16", "F32"):
         return False
     leaf = module_of(name).rsplit(".", 1)[-1]
     return _IN_LAYER.search(name) is not None and "norm" not in leaf and leaf not in ROUTER_MODULES
@@ -81,6 +86,9 @@ class ServedRecipe(ABC):
     #: Whether :meth:`quantize` needs only the weight itself (then a publish streams the view tensor by tensor,
     #: :mod:`..stream`); False: it reads other tensors of the view (NVFP4's fused groups share a global scale).
     per_tensor: ClassVar[bool] = True
+    #: Whether :meth:`apply_tensor` runs the recipe on a torch tensor where it lives (a GPU: the device diff path,
+    #: :mod:`..device_diff`); False: the served tensor is quantized on the host.
+    on_device: ClassVar[bool] = False
 
     def apply(self, view: Mapping[str, RawTensor]) -> dict[str, RawTensor]:
         """The served view of this format: every quantized weight replaced by its tensors.
@@ -102,6 +110,29 @@ class ServedRecipe(ABC):
             else:
                 out[name] = t
         return dict(sorted(out.items()))
+
+    def apply_tensor(self, name: str, t: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
+        """One tensor of the bf16 served view as this format's tensors, computed where ``t`` lives (a recipe with
+        :attr:`on_device`): the same bits as :meth:`apply` gives for its host copy.
+
+        Args:
+            name: checkpoint name; t: the served (bf16) tensor on its device; dtype: its safetensors dtype name.
+
+        Returns:
+            Name -> tensor on ``t``'s device (``t`` itself when not quantized).
+        """
+        if not quantizes(name, dtype, tuple(t.shape)):
+            return {name: t}
+        return self.quantize_tensor(name, t)
+
+    def quantize_tensor(self, name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The tensors replacing weight ``name`` (bf16 [N, K] torch tensor, any device) for a recipe with
+        :attr:`on_device`.
+
+        Raises:
+            ServedViewError: this recipe has no per-tensor torch form (it reads other tensors of the view).
+        """
+        raise ServedViewError(f"the {self.name!r} recipe quantizes on the host only (weight {name!r})")
 
     @abstractmethod
     def quantize(self, name: str, t: RawTensor, view: Mapping[str, RawTensor]) -> dict[str, RawTensor]:
@@ -150,10 +181,15 @@ class Bf16Recipe(ServedRecipe):
     """``bf16``: the served view as the bf16 cast gives it (the default; no quantization)."""
 
     name = "bf16"
+    on_device = True
 
     def apply(self, view: Mapping[str, RawTensor]) -> dict[str, RawTensor]:
         """``view`` itself, names sorted."""
         return dict(sorted(view.items()))
+
+    def apply_tensor(self, name: str, t: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
+        """``{name: t}``: nothing is quantized."""
+        return {name: t}
 
     def quantize(self, name: str, t: RawTensor, view: Mapping[str, RawTensor]) -> dict[str, RawTensor]:
         """``{name: t}``."""

@@ -34,6 +34,7 @@ import torch
 
 from stitchboard.proto.container import RawTensor
 
+from ..served_view import from_raw
 from .base import CT_IGNORE, ServedRecipe, as_float, raw
 
 #: Largest finite e4m3 value.
@@ -78,12 +79,17 @@ class Fp8ChannelRecipe(ServedRecipe):
 
     name = "fp8"
     suffixes = (".weight", ".weight_scale")
+    on_device = True
 
     def quantize(self, name: str, t: RawTensor, view: Mapping[str, RawTensor]) -> dict[str, RawTensor]:
         """``X.weight`` (F8_E4M3 [N, K]) and ``X.weight_scale`` (F32 [N, 1])."""
-        codes, scale = channel_quantize(as_float(t))
+        return {k: raw(v) for k, v in self.quantize_tensor(name, from_raw(t)).items()}
+
+    def quantize_tensor(self, name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        """:meth:`quantize` on a torch tensor where it lives (float32 math: exact upcast, amax, IEEE division)."""
+        codes, scale = channel_quantize(t.to(torch.float32))
         module = name.removesuffix(".weight")
-        return {f"{module}.weight": raw(codes), f"{module}.weight_scale": raw(scale)}
+        return {f"{module}.weight": codes, f"{module}.weight_scale": scale}
 
     def dequantize(self, view: Mapping[str, RawTensor], module: str) -> torch.Tensor:
         """``code * weight_scale`` row by row, float32 [N, K]."""
@@ -128,12 +134,17 @@ class Fp8BlockRecipe(ServedRecipe):
 
     name = "fp8-block"
     suffixes = (".weight", ".weight_scale_inv")
+    on_device = True
 
     def quantize(self, name: str, t: RawTensor, view: Mapping[str, RawTensor]) -> dict[str, RawTensor]:
         """``X.weight`` (F8_E4M3 [N, K]) and ``X.weight_scale_inv`` (F32 [ceil(N/128), ceil(K/128)])."""
-        codes, scale = block_quantize(as_float(t))
+        return {k: raw(v) for k, v in self.quantize_tensor(name, from_raw(t)).items()}
+
+    def quantize_tensor(self, name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        """:meth:`quantize` on a torch tensor where it lives (float32 math: exact upcast, amax, IEEE division)."""
+        codes, scale = block_quantize(t.to(torch.float32))
         module = name.removesuffix(".weight")
-        return {f"{module}.weight": raw(codes), f"{module}.weight_scale_inv": raw(scale)}
+        return {f"{module}.weight": codes, f"{module}.weight_scale_inv": scale}
 
     def dequantize(self, view: Mapping[str, RawTensor], module: str) -> torch.Tensor:
         """``code * weight_scale_inv`` of each element's block, float32 [N, K]."""
