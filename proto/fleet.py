@@ -17,12 +17,15 @@ from typing import Annotated
 
 from pydantic import Field, field_validator
 
+from .adapter import parse_adapter_name
 from .errors import SchemaError
 from .schema import _Model
 
 _REPLICA_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 #: How many (version, applied_at) pairs a report carries for the convergence plots.
 HISTORY_LEN = 32
+#: Most resident adapters one report lists (an engine's LoRA slots are a handful).
+MAX_ADAPTERS = 64
 #: The Unix times a report may carry, seconds: 2000-01-01 to 2100-01-01 (others are a broken clock or a bad value).
 UNIX_S_MIN, UNIX_S_MAX = 946_684_800.0, 4_102_444_800.0
 #: The longest duration a report may carry (a sync's seconds), seconds: 30 days.
@@ -90,6 +93,8 @@ class ReplicaReport(_Model):
         last_error: the last failure (a refused plan, a failed apply, ...), until a sync succeeds after it.
         history: the last :data:`HISTORY_LEN` versions applied, ``[version, applied_at]`` (Unix s), oldest first.
         started_at: when this sidecar process started (Unix s): a restart shows as a new value.
+        adapters: for an adapter run, the versions the engine holds resident, as served names ``<run>@<N>``
+            (:func:`stitchboard.proto.adapter.adapter_name`), oldest first; at most :data:`MAX_ADAPTERS`.
     """
 
     replica_id: str
@@ -105,6 +110,7 @@ class ReplicaReport(_Model):
         list[tuple[Annotated[int, Field(ge=0)], UnixSeconds]], Field(default_factory=list, max_length=HISTORY_LEN)
     ]
     started_at: UnixSeconds
+    adapters: Annotated[list[str], Field(default_factory=list, max_length=MAX_ADAPTERS)]
 
     @field_validator("replica_id")
     @classmethod
@@ -113,6 +119,18 @@ class ReplicaReport(_Model):
             return check_replica_id(value)
         except SchemaError as exc:
             raise ValueError(exc.message) from None
+
+    @field_validator("adapters")
+    @classmethod
+    def _check_adapters(cls, value: list[str]) -> list[str]:
+        for name in value:
+            try:
+                _, version = parse_adapter_name(name)
+            except SchemaError as exc:
+                raise ValueError(exc.message) from None
+            if version is None:
+                raise ValueError(f"resident adapter {name!r} names no version: report '<run>@<N>'")
+        return value
 
 
 class ReportAccepted(_Model):

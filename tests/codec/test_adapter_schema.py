@@ -10,6 +10,7 @@ import xxhash
 
 from stitchboard.proto.adapter import AdapterSpec, adapter_name, parse_adapter_name, spec_mismatch, view_checksum
 from stitchboard.proto.errors import SchemaError
+from stitchboard.proto.fleet import ReplicaReport
 from stitchboard.proto.schema import canonical_json, parse_manifest
 
 #: A full run's manifest as written before adapter runs existed (canonical bytes).
@@ -117,3 +118,14 @@ def test_adapter_names() -> None:
             parse_adapter_name(bad)
     with pytest.raises(SchemaError):
         adapter_name("r", -1)
+
+
+def test_replica_report_lists_resident_adapter_versions() -> None:
+    base = {"replica_id": "r-0", "engine": "vllm", "applied_version": 1, "target_version": 1, "state": "ready"}
+    common = {**base, "lag_versions": 0, "healthy": True, "started_at": 1.8e9}
+    assert ReplicaReport.model_validate(common).adapters == []
+    report = ReplicaReport.model_validate({**common, "adapters": ["lora-run@1", "lora-run@2"]})
+    assert ReplicaReport.model_validate_json(report.model_dump_json()).adapters == ["lora-run@1", "lora-run@2"]
+    for bad in (["lora-run"], ["lora-run@x"], [f"r@{i}" for i in range(65)]):
+        with pytest.raises(ValueError, match="adapter|64"):
+            ReplicaReport.model_validate({**common, "adapters": bad})
