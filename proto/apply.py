@@ -21,11 +21,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .codec import PatchEntry, checksum
+from .codec import PatchEntry
 from .container import RawTensor
 from .decode import Patch, TensorDelta
 from .errors import BaseMismatchError, TargetMismatchError, TensorSetMismatchError
-from .schema import XXH3_128
+from .parts import matches
 
 
 @dataclass(frozen=True)
@@ -50,18 +50,15 @@ def _is_base(name: str, entry: PatchEntry, view: Mapping[str, RawTensor], encodi
     Raises:
         BaseMismatchError: it is neither.
     """
-    current = checksum(view[name])
-    if current == entry.base[XXH3_128]:
+    t = view[name]
+    if matches(t.bits, t.shape, entry.base, entry.layout):
         return True
-    if encoding == "overwrite" and current == entry.target[XXH3_128]:
+    at_target = matches(t.bits, t.shape, entry.target, entry.layout)
+    if encoding == "overwrite" and at_target:
         return False
-    hint = (
-        f" ({encoding} patches are valid only on their exact base, not on their own result)"
-        if current == entry.target[XXH3_128]
-        else ""
-    )
+    hint = f" ({encoding} patches are valid only on their exact base, not on their own result)" if at_target else ""
     raise BaseMismatchError(
-        f"tensor {name!r} is not the patch's base (xxh3 {current} != {entry.base[XXH3_128]}){hint}: "
+        f"tensor {name!r} is not the patch's base (its checksum is not {entry.base}){hint}: "
         "fetch the base version or an anchor and apply again"
     )
 
@@ -115,8 +112,8 @@ def apply_patch(view: Mapping[str, RawTensor], patch: Patch) -> ApplyResult:
             [] if patch.encoding == "cond" else writes
         )  # cond deltas were checked against their targets before writing
         for delta in checked:
-            got = checksum(view[delta.entry.name])
-            if got != delta.entry.target[XXH3_128]:
+            t = view[delta.entry.name]
+            if not matches(t.bits, t.shape, delta.entry.target, delta.entry.layout):
                 raise TargetMismatchError(
                     f"tensor {delta.entry.name!r} does not match its target checksum after apply; the write was undone"
                 )

@@ -30,6 +30,15 @@ The ``cond`` encoding (:mod:`stitchboard.proto.cond_codec`) keeps this container
 codes each tensor's positions and values in one range-coded stream conditioned on the base's
 bits (~2.8x smaller than ``xor`` on real steps; it decodes only against the whole base tensor);
 ``__payload__`` is then the uncompressed concatenation of those streams.
+
+Parts (format version 2, :mod:`stitchboard.proto.parts`): an entry may carry ``parts``, blocks
+of the tensor each coded on its own (own varint gaps or own ``cond`` stream, positions in the
+block's own order) so that they encode and decode in parallel and a rank can encode only its own
+block. The entry's ``count`` and ``gap_bytes`` are then the sums over its parts, its region of the
+payload (gap streams; each value plane) holds the parts' pieces in part order, so the payload
+layout is that of version 1; its ``base`` and ``target`` carry ``xxh3_128_parts`` (and
+``xxh3_128`` where the whole tensor was at hand). A patch without parted entries is written as
+version 1, byte for byte as before.
 """
 
 from __future__ import annotations
@@ -47,10 +56,15 @@ from . import _bitdiff, cond_codec
 from .container import RawTensor, serialize_safetensors
 from .dtypes import DTYPE_SIZES, numel_of
 from .errors import TensorSetMismatchError
+from .parts import EncodedBlock, Layout, Part, block, checksums_of, encode_part, layout_of, pool, row_layout
 from .schema import XXH3_128
 
 FORMAT = "stitchboard.patch"
 FORMAT_VERSION = "1"
+#: The format version of a patch with at least one parted entry (:mod:`stitchboard.proto.parts`).
+PARTS_FORMAT_VERSION = "2"
+#: Format versions this reader decodes.
+FORMAT_VERSIONS = (FORMAT_VERSION, PARTS_FORMAT_VERSION)
 INDEX_KEY = "__index__"
 PAYLOAD_KEY = "__payload__"
 #: zstd level of the payload; on RL steps levels 2-6 are within 1 % of level 1 and slower.
@@ -99,7 +113,9 @@ class PatchEntry:
         count: number of changed elements (>= 1).
         gap_bytes: length in the payload of the tensor's varint gap stream (``xor``,
             ``overwrite``) or of its whole coded stream (``cond``).
-        base, target: algorithm -> hex digest of the tensor's bits before and after.
+        base, target: algorithm -> hex digest of the tensor's bits before and after
+            (``xxh3_128``; a parted entry ``xxh3_128_parts``, with ``xxh3_128`` too when known).
+        parts: the tensor's blocks (format version 2), each coded on its own; None: one stream.
     """
 
     name: str
@@ -109,6 +125,12 @@ class PatchEntry:
     gap_bytes: int
     base: dict[str, str]
     target: dict[str, str]
+    parts: tuple[Part, ...] | None = None
+
+    @property
+    def layout(self) -> Layout | None:
+        """``(dim, start, stop)`` of each part; None for an unparted entry."""
+        return None if self.parts is None else layout_of(self.parts)
 
     @property
     def numel(self) -> int:
@@ -130,6 +152,7 @@ class PatchEntry:
             "gap_bytes": self.gap_bytes,
             "base": self.base,
             "target": self.target,
+            **({} if self.parts is None else {"parts": [p.to_json() for p in self.parts]}),
         }
 
 
@@ -191,6 +214,7 @@ def encode_tensor(
     *,
     base_checksum: str | None = None,
     target_checksum: str | None = None,
+    part_bytes: int | None = None,
 ) -> EncodedTensor | None:
     """Diff one tensor bitwise: the changed positions (varint gaps) and values.
 
@@ -199,6 +223,9 @@ def encode_tensor(
         base, target: same dtype and shape; ``bits`` aligned to the element size.
         encoding: ``xor``, ``overwrite`` or ``cond``.
         base_checksum, target_checksum: xxh3-128 hex digests if already known (else computed).
+        part_bytes: a tensor larger than this is cut into row chunks of about this size
+            (:func:`~stitchboard.proto.parts.row_layout`), coded as independent parts on every
+            core (format version 2); None or a tensor that fits: one stream (version 1).
 
     Returns:
         The tensor's delta, or ``None`` when no element's bits changed.
@@ -210,6 +237,9 @@ def encode_tensor(
     if encoding not in ENCODINGS:
         raise ValueError(f"unknown encoding {encoding!r}; use one of {ENCODINGS}")
     check_compatible(name, base, target)
+    layout = row_layout(base.shape, DTYPE_SIZES[base.dtype], part_bytes) if part_bytes else ((0, 0, 0),)
+    if len(layout) > 1:
+        return _encode_parted(name, base, target, encoding, layout, base_checksum, target_checksum)
     if encoding == "cond":
         count, gaps = cond_codec.encode(base, target)
         values = b""
@@ -227,6 +257,76 @@ def encode_tensor(
         target={XXH3_128: target_checksum or checksum(target)},
     )
     return EncodedTensor(entry, gaps, values)
+
+
+def _encode_parted(
+    name: str,
+    base: RawTensor,
+    target: RawTensor,
+    encoding: PatchEncoding,
+    layout: Layout,
+    base_checksum: str | None,
+    target_checksum: str | None,
+) -> EncodedTensor | None:
+    """:func:`encode_tensor` of a tensor cut into the blocks of ``layout``, encoded in parallel."""
+
+    def one(cut: tuple[int, int, int]) -> EncodedBlock:
+        dim, start, stop = cut
+        return encode_part(
+            RawTensor(base.dtype, (), block(base.bits, base.shape, dim, start, stop)),
+            RawTensor(target.dtype, (), block(target.bits, target.shape, dim, start, stop)),
+            dim,
+            start,
+            stop,
+            encoding,
+        )
+
+    blocks = list(pool().map(one, layout))
+    if not any(b.part.count for b in blocks):
+        return None
+    return encoded_from_parts(
+        name, base.dtype, base.shape, blocks, base_checksum or checksum(base), target_checksum or checksum(target)
+    )
+
+
+def encoded_from_parts(
+    name: str,
+    dtype: str,
+    shape: tuple[int, ...],
+    blocks: list[EncodedBlock],
+    base_checksum: str | None = None,
+    target_checksum: str | None = None,
+) -> EncodedTensor:
+    """One tensor's delta from its encoded blocks (:func:`~stitchboard.proto.parts.encode_part`), for
+    :func:`build_patch`: what a sharded publish assembles from its ranks' blocks.
+
+    Args:
+        name, dtype, shape: the whole tensor's.
+        blocks: every block of the tensor, in order (they must tile it: the reader refuses otherwise),
+            unchanged ones included (``count`` 0), so its ``xxh3_128_parts`` can be checked.
+        base_checksum, target_checksum: the whole tensor's xxh3-128 where known (a single process);
+            None: the entry carries only ``xxh3_128_parts``.
+
+    Raises:
+        ValueError: no block has a change (a tensor without changes has no entry).
+    """
+    done = [b.part for b in blocks]
+    count = sum(p.count for p in done)
+    if count == 0:
+        raise ValueError(f"tensor {name!r}: no block has a change; leave the tensor out of the patch")
+    whole_base = {} if base_checksum is None else {XXH3_128: base_checksum}
+    whole_target = {} if target_checksum is None else {XXH3_128: target_checksum}
+    entry = PatchEntry(
+        name=name,
+        dtype=dtype,
+        shape=tuple(shape),
+        count=count,
+        gap_bytes=sum(p.bytes for p in done),
+        base={**whole_base, **checksums_of(done, "base")},
+        target={**whole_target, **checksums_of(done, "target")},
+        parts=tuple(done),
+    )
+    return EncodedTensor(entry, b"".join(b.stream for b in blocks), b"".join(b.values for b in blocks))
 
 
 def build_patch(
@@ -260,7 +360,8 @@ def build_patch(
     index = zstandard.ZstdCompressor(level=INDEX_LEVEL, write_content_size=True).compress(listing)
     # One metadata key: safetensors writes __metadata__ from a hash map in arbitrary order,
     # and a retried publish must produce the same bytes.
-    header = {"format_version": FORMAT_VERSION, "encoding": encoding, "metadata": dict(metadata or {})}
+    version = PARTS_FORMAT_VERSION if any(e.parts is not None for e in entries) else FORMAT_VERSION
+    header = {"format_version": version, "encoding": encoding, "metadata": dict(metadata or {})}
     return serialize_safetensors(
         {
             INDEX_KEY: RawTensor("U8", (len(index),), np.frombuffer(index, dtype=np.uint8)),

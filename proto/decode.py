@@ -10,6 +10,12 @@ A ``cond`` patch (:mod:`stitchboard.proto.cond_codec`) decodes only against its 
 deltas take the base tensors, whose checksums must match, and come out as the new bits, already
 checked against the target checksums (so even a corrupt stream that decodes is refused before
 any write).
+
+A parted entry (format version 2, :mod:`stitchboard.proto.parts`) decodes block by block on the
+process's part threads (:func:`~stitchboard.proto.parts.pool`) and comes out as the same
+:class:`TensorDelta`, in the whole tensor's positions: a ``cond`` block is checked against its base
+digest (unless the caller verified the whole base) and its decoded bits against its target digest,
+before anything is written.
 """
 
 from __future__ import annotations
@@ -24,11 +30,11 @@ from dataclasses import dataclass
 import numpy as np
 import zstandard
 
-from . import _bitdiff, cond_codec
+from . import _bitdiff, cond_codec, parts
 from .codec import (
     ENCODINGS,
     FORMAT,
-    FORMAT_VERSION,
+    FORMAT_VERSIONS,
     INDEX_KEY,
     PAYLOAD_KEY,
     PatchEntry,
@@ -130,6 +136,8 @@ class Patch:
                 (the decoded bits are checked before anything can be written).
         """
         entry = self.entries[name]
+        if entry.parts is not None:
+            return self._parted_delta(entry, base, base_verified)
         if self.encoding == "cond":
             return self._cond_delta(entry, base, base_verified)
         payload = self._decompressed()
@@ -144,7 +152,62 @@ class Patch:
             planes[:, k] = payload[at : at + entry.count]
         return TensorDelta(entry, self.encoding, positions, planes.view(bits_type(entry.dtype)).reshape(entry.count))
 
-    def _cond_delta(self, entry: PatchEntry, base: RawTensor | None, base_verified: bool) -> TensorDelta:
+    def _parted_delta(self, entry: PatchEntry, base: RawTensor | None, base_verified: bool) -> TensorDelta:
+        """:meth:`delta` of a parted entry: every block on the part threads, then merged in position order."""
+        assert entry.parts is not None
+        name, cond = entry.name, self.encoding == "cond"
+        if cond:
+            base = self._checked_base(entry, base)
+        payload = self._decompressed()
+        at = self._stream_at[name] if cond else self._layout[name][0]
+        planes = [] if cond else self._layout[name][1]
+        jobs, before = [], 0  # (part, offset of its stream, values of the earlier parts)
+        for part in entry.parts:
+            jobs.append((part, at, before))
+            at += part.bytes
+            before += part.count
+
+        def one(job: tuple[parts.Part, int, int]) -> tuple[np.ndarray, np.ndarray]:
+            part, offset, before = job
+            what = f"{self._what}: tensor {name!r} part {part.dim},{part.start},{part.stop}"
+            stream = payload[offset : offset + part.bytes]
+            if not cond:
+                local = np.empty(part.count, dtype=np.int64)
+                try:
+                    _bitdiff.positions(stream, local, part.numel(entry.shape))
+                except ValueError as exc:
+                    raise PatchFormatError(f"{what}: {exc}") from None
+                values = np.empty((part.count, entry.itemsize), dtype=np.uint8)
+                for k, plane in enumerate(planes):
+                    values[:, k] = payload[plane + before : plane + before + part.count]
+                return parts.to_whole(part, entry.shape, local), values.view(bits_type(entry.dtype)).reshape(-1)
+            assert base is not None
+            bits = parts.block(base.bits, base.shape, part.dim, part.start, part.stop)
+            if not base_verified and parts.digest(bits) != part.base:
+                raise BaseMismatchError(
+                    f"{what} is not the base of the patch: a cond patch decodes only against its exact base"
+                )
+            if part.count == 0:
+                return np.empty(0, dtype=np.int64), np.empty(0, dtype=bits.dtype)
+            held = RawTensor(entry.dtype, (bits.size,), bits)
+            local, values = cond_codec.decode(stream, held, part.count, what)
+            if patched_checksum(held, local, values) != part.target:
+                raise TargetMismatchError(
+                    f"{what} decodes to bits without its target digest (a corrupt stream); nothing was written"
+                )
+            return parts.to_whole(part, entry.shape, local), values
+
+        todo = [job for job in jobs if job[0].count or (cond and not base_verified)]
+        decoded = list(parts.pool().map(one, todo))
+        positions = np.concatenate([p for p, _ in decoded])
+        values = np.concatenate([v for _, v in decoded])
+        if entry.parts[0].dim == 1 and len(decoded) > 1:
+            order = np.argsort(positions, kind="stable")
+            positions, values = positions[order], values[order]
+        return TensorDelta(entry, self.encoding, positions, values)
+
+    def _checked_base(self, entry: PatchEntry, base: RawTensor | None) -> RawTensor:
+        """``base`` of a ``cond`` entry, with the patch's dtype and shape (ValueError, TensorSetMismatchError)."""
         name = entry.name
         if base is None:
             raise ValueError(
@@ -155,6 +218,11 @@ class Patch:
                 f"tensor {name!r} is {base.dtype}{list(base.shape)} but the patch is for "
                 f"{entry.dtype}{list(entry.shape)}"
             )
+        return base
+
+    def _cond_delta(self, entry: PatchEntry, base: RawTensor | None, base_verified: bool) -> TensorDelta:
+        name = entry.name
+        base = self._checked_base(entry, base)
         if not base_verified and checksum(base) != entry.base[XXH3_128]:
             raise BaseMismatchError(
                 f"tensor {name!r} is not the base of {self._what}: a cond patch decodes only against its exact base"
@@ -228,10 +296,12 @@ def _decompress_exact(frame: memoryview | bytes, want: int, what: str) -> bytes:
     return raw
 
 
-def _entry_from_json(obj: object, encoding: str, what: str) -> PatchEntry:
+def _entry_from_json(obj: object, encoding: str, what: str, version: str) -> PatchEntry:
     if not isinstance(obj, dict):
         raise PatchFormatError(f"{what}: tensor entry is not an object")
     want = {"name", "dtype", "shape", "count", "gap_bytes", "base", "target"}
+    if version != FORMAT_VERSIONS[0] and "parts" in obj:
+        want.add("parts")
     if set(obj) != want:
         raise PatchFormatError(f"{what}: tensor entry keys {sorted(obj)} != {sorted(want)}")
     name = obj["name"]
@@ -256,22 +326,29 @@ def _entry_from_json(obj: object, encoding: str, what: str) -> PatchEntry:
         )
     if encoding != "cond" and not count <= gap_bytes <= 10 * count:
         raise PatchFormatError(f"{what}: tensor {name!r} has {gap_bytes} gap bytes for {count} varints")
+    blocks = parts.check_parts(obj["parts"], shape, encoding, f"{what}: tensor {name!r}") if "parts" in obj else None
+    if blocks is not None and (sum(p.count for p in blocks), sum(p.bytes for p in blocks)) != (count, gap_bytes):
+        raise PatchFormatError(f"{what}: tensor {name!r}: its parts' counts and bytes do not add up to the entry's")
     for key in ("base", "target"):
         sums = obj[key]
-        if not isinstance(sums, dict) or not isinstance(sums.get(XXH3_128), str):
-            raise PatchFormatError(f"{what}: tensor {name!r} lacks a {key} {XXH3_128} checksum")
+        must = XXH3_128 if blocks is None else parts.XXH3_128_PARTS
+        if not isinstance(sums, dict) or not isinstance(sums.get(must), str):
+            raise PatchFormatError(f"{what}: tensor {name!r} lacks a {key} {must} checksum")
         try:
             for alg, digest in sums.items():
                 check_digest(alg, digest if isinstance(digest, str) else "")
         except SchemaError as exc:
             raise PatchFormatError(f"{what}: tensor {name!r} {key}: {exc}") from None
-    return PatchEntry(name, dtype, tuple(shape), count, gap_bytes, dict(obj["base"]), dict(obj["target"]))
+        if blocks is not None and sums[must] != parts.checksums_of(blocks, key)[must]:
+            raise PatchFormatError(f"{what}: tensor {name!r}: its {key} {must} is not that of its parts' digests")
+    return PatchEntry(name, dtype, tuple(shape), count, gap_bytes, dict(obj["base"]), dict(obj["target"]), blocks)
 
 
 def _check_container(
     meta: dict[str, str], slots: Mapping[str, tuple[str, int]], what: str
-) -> tuple[str, dict[str, str]]:
-    """The patch's (encoding, free metadata) from its container: ``meta`` and name -> (dtype, bytes) of its tensors."""
+) -> tuple[str, dict[str, str], str]:
+    """The patch's (encoding, free metadata, format version) from its container: ``meta`` and name -> (dtype,
+    bytes) of its tensors."""
     if set(meta) != {FORMAT}:
         raise PatchFormatError(
             f"{what}: not a stitchboard patch (no {FORMAT!r} metadata); an anchor is a plain checkpoint, "
@@ -280,10 +357,10 @@ def _check_container(
     header = load_json(meta[FORMAT], f"{what}: {FORMAT!r} metadata")
     if not isinstance(header, dict) or set(header) != {"format_version", "encoding", "metadata"}:
         raise PatchFormatError(f"{what}: {FORMAT!r} metadata must have format_version, encoding, metadata")
-    if header["format_version"] != FORMAT_VERSION:
+    if header["format_version"] not in FORMAT_VERSIONS:
         raise PatchFormatError(
             f"{what}: patch format version {header['format_version']!r} is not supported (this reader knows "
-            f"{FORMAT_VERSION}); upgrade stitchboard"
+            f"{', '.join(FORMAT_VERSIONS)}); upgrade stitchboard"
         )
     encoding, extra = header["encoding"], header["metadata"]
     if encoding not in ENCODINGS:
@@ -293,10 +370,10 @@ def _check_container(
     if set(slots) != {INDEX_KEY, PAYLOAD_KEY} or any(dtype != "U8" for dtype, _ in slots.values()):
         found = {k: dtype for k, (dtype, _) in slots.items()}
         raise PatchFormatError(f"{what}: expected U8 tensors {INDEX_KEY!r} and {PAYLOAD_KEY!r}, found {found}")
-    return encoding, extra
+    return encoding, extra, header["format_version"]
 
 
-def _read_index(index: bytes | memoryview, encoding: str, what: str) -> list[PatchEntry]:
+def _read_index(index: bytes | memoryview, encoding: str, what: str, version: str) -> list[PatchEntry]:
     """The entries of an ``__index__`` frame, checked (declared size within :data:`MAX_INDEX_BYTES`, name order)."""
     declared = _declared_size(index)
     if not 0 <= declared <= MAX_INDEX_BYTES:
@@ -306,7 +383,7 @@ def _read_index(index: bytes | memoryview, encoding: str, what: str) -> list[Pat
     items = load_json(_decompress_exact(index, declared, f"{what}: {INDEX_KEY}"), f"{what}: {INDEX_KEY}")
     if not isinstance(items, list):
         raise PatchFormatError(f"{what}: {INDEX_KEY} is not a list")
-    entries = [_entry_from_json(obj, encoding, what) for obj in items]
+    entries = [_entry_from_json(obj, encoding, what, version) for obj in items]
     names = [e.name for e in entries]
     if any(a >= b for a, b in itertools.pairwise(names)):
         raise PatchFormatError(f"{what}: {INDEX_KEY} entries must be unique and in name order")
@@ -345,8 +422,8 @@ def read_patch(data: bytes | bytearray | memoryview, expected_size: int | None =
     if expected_size is not None and len(data) != expected_size:
         raise PatchFormatError(f"{what}: {len(data)} bytes, the manifest says {expected_size}")
     meta, tensors = parse_safetensors(data, what)
-    encoding, extra = _check_container(meta, {k: (t.dtype, t.nbytes) for k, t in tensors.items()}, what)
-    entries = _read_index(tensors[INDEX_KEY].bits.data, encoding, what)
+    encoding, extra, version = _check_container(meta, {k: (t.dtype, t.nbytes) for k, t in tensors.items()}, what)
+    entries = _read_index(tensors[INDEX_KEY].bits.data, encoding, what, version)
     frame = tensors[PAYLOAD_KEY].bits.data
     _check_payload(entries, encoding, len(frame), frame, what)
     return Patch(encoding, entries, dict(extra), len(data), frame, what)
@@ -408,13 +485,13 @@ def read_patch_index(read: Callable[[int, int], bytes], size_bytes: int, what: s
         )
     data_start = 8 + hlen
     meta, slots = parse_safetensors_header(read(8, hlen), size_bytes - data_start, what)
-    encoding, extra = _check_container(meta, {k: (s.dtype, s.end - s.begin) for k, s in slots.items()}, what)
+    encoding, extra, version = _check_container(meta, {k: (s.dtype, s.end - s.begin) for k, s in slots.items()}, what)
     index, payload = slots[INDEX_KEY], slots[PAYLOAD_KEY]
     if index.end - index.begin > MAX_INDEX_BYTES:
         raise PatchFormatError(
             f"{what}: {INDEX_KEY} of {index.end - index.begin} bytes exceeds {MAX_INDEX_BYTES}; refusing to read it"
         )
-    entries = _read_index(read(data_start + index.begin, index.end - index.begin), encoding, what)
+    entries = _read_index(read(data_start + index.begin, index.end - index.begin), encoding, what, version)
     payload_len = payload.end - payload.begin
     head = min(payload_len, _FRAME_HEADER_BYTES) if encoding != "cond" else 0
     _check_payload(entries, encoding, payload_len, read(data_start + payload.begin, head) if head else b"", what)
