@@ -31,6 +31,15 @@ class TiedWeightsError(ServedViewError):
     type = "TiedWeightsError"
 
 
+class ReplicaMismatchError(ServedViewError):
+    """A tensor held whole by several ranks (replicated norms, a tied embedding on two pipeline stages)
+    has different served bits on them; the shard-local publish refuses the version before any upload.
+    ``details["name"]``: the tensor; ``details["ranks"]``: the ranks that hold it.
+    """
+
+    type = "ReplicaMismatch"
+
+
 class CheckpointNameError(ServedViewError):
     """Two different tensors map to one checkpoint name once wrapper prefixes are stripped.
 
