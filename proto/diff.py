@@ -63,6 +63,7 @@ def diff_views(
     metadata: Mapping[str, str] | None = None,
     level: int = DEFAULT_LEVEL,
     threads: int | None = None,
+    part_bytes: int | None = None,
 ) -> ViewDiff:
     """Diff two views bitwise and encode the patch that takes ``base`` to ``target``.
 
@@ -77,6 +78,8 @@ def diff_views(
         metadata: extra patch ``__metadata__`` strings.
         level: zstd level.
         threads: worker threads (default: CPU count, at most 8).
+        part_bytes: tensors larger than this are coded in row parts of about this size
+            (:func:`~stitchboard.proto.codec.encode_tensor`); None: one stream per tensor.
 
     Raises:
         TensorSetMismatchError: the views differ in names, dtypes or shapes.
@@ -88,7 +91,13 @@ def diff_views(
     def one(name: str) -> tuple[str, str, EncodedTensor | None]:
         target_sum = checksum(target[name])
         enc = encode_tensor(
-            name, base[name], target[name], encoding, base_checksum=known.get(name), target_checksum=target_sum
+            name,
+            base[name],
+            target[name],
+            encoding,
+            base_checksum=known.get(name),
+            target_checksum=target_sum,
+            part_bytes=part_bytes,
         )
         return name, target_sum, enc
 

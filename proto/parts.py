@@ -215,18 +215,28 @@ def checksums_of(parts: Sequence[Part], which: str) -> dict[str, str]:
     return {XXH3_128_PARTS: parts_checksum([(p.dim, p.start, p.stop, getattr(p, which)) for p in parts])}
 
 
-def matches(bits: np.ndarray, shape: Sequence[int], want: dict[str, str], layout: Layout | None) -> bool:
-    """Whether a whole tensor's flat ``bits`` carry the checksum ``want`` states: its ``xxh3_128`` when
-    present, else its :data:`XXH3_128_PARTS` over ``layout``.
+def digest_pair(bits: np.ndarray, shape: Sequence[int], want: dict[str, str], layout: Layout | None) -> tuple[str, str]:
+    """(the checksum a whole tensor's flat ``bits`` have, the one ``want`` states) in the first algorithm ``want``
+    carries of ``xxh3_128`` (one pass over the bits) and :data:`XXH3_128_PARTS` over ``layout``.
 
     Raises:
         PatchFormatError: ``want`` has neither (or ``xxh3_128_parts`` without a layout).
     """
     if XXH3_128 in want:
-        return digest(bits) == want[XXH3_128]
+        return digest(bits), want[XXH3_128]
     if XXH3_128_PARTS in want and layout:
-        return layout_checksum(bits, shape, layout) == want[XXH3_128_PARTS]
+        return layout_checksum(bits, shape, layout), want[XXH3_128_PARTS]
     raise PatchFormatError(f"no checksum to verify against: {sorted(want)} (want {XXH3_128} or {XXH3_128_PARTS})")
+
+
+def matches(bits: np.ndarray, shape: Sequence[int], want: dict[str, str], layout: Layout | None) -> bool:
+    """Whether a whole tensor's flat ``bits`` carry the checksum ``want`` states (:func:`digest_pair`).
+
+    Raises:
+        PatchFormatError: as :func:`digest_pair`.
+    """
+    have, wanted = digest_pair(bits, shape, want, layout)
+    return have == wanted
 
 
 def check_parts(obj: object, shape: Sequence[int], encoding: str, what: str) -> tuple[Part, ...]:

@@ -26,13 +26,13 @@ from typing import TypeVar
 
 import numpy as np
 import torch
-import xxhash
 
 from stitchboard.proto.codec import checksum
 from stitchboard.proto.container import RawTensor, parse_safetensors
 from stitchboard.proto.decode import Patch, read_patch
 from stitchboard.proto.dtypes import bits_type
 from stitchboard.proto.errors import BaseMismatchError, PatchFormatError, TargetMismatchError, TensorSetMismatchError
+from stitchboard.proto.parts import Layout, digest_pair, layout_checksum, matches
 
 from ..write_core import PhaseHook, agreed, write_verified
 from .layout import SglangLayout
@@ -59,8 +59,11 @@ class Ranks:
         group = None if slot.whole else self.group
         return slot.gather_whole(block, group).view(f"<i{block.element_size()}")
 
-    def checksum(self, slot: Slot) -> str:
-        """xxh3-128 of the whole checkpoint tensor as the engine holds it now."""
+    def checksum(self, slot: Slot, layout: Layout | None = None) -> str:
+        """xxh3-128 of the whole checkpoint tensor as the engine holds it now; with a part ``layout`` (a patch
+        carrying only xxh3_128_parts) its xxh3_128_parts over that layout."""
+        if layout is not None:
+            return layout_checksum(self.whole(slot, slot.bits()).view(bits_type(slot.dtype)), slot.shape, layout)
         return slot.checksum(slot.bits(), None if slot.whole else self.group)
 
 
@@ -98,7 +101,8 @@ class _Write:
     index: np.ndarray  # int64 [k] into slot.flat_bits()
     new: np.ndarray  # bits [k]
     old: np.ndarray  # bits [k]
-    target: str
+    target: str  # xxh3-128 of the whole tensor after the writes, or its xxh3_128_parts over ``layout``
+    layout: Layout | None = None  # the part layout of a patch carrying only xxh3_128_parts
 
 
 def stage(ranks: Ranks, steps: Sequence[tuple[Sequence[str], Sequence[str]]]) -> tuple[list[_Write], dict]:
@@ -150,21 +154,22 @@ def stage(ranks: Ranks, steps: Sequence[tuple[Sequence[str], Sequence[str]]]) ->
         t = time.perf_counter()
         full = ranks.whole(slot, slot.bits()).copy()  # the whole tensor's bits, updated step by step below
         report["check_s"] += time.perf_counter() - t
-        target, touched = None, []
+        target, touched, parted = None, [], None
+        bits = full.view(bits_type(slot.dtype))
         for i, step in enumerate(chain):
             if name not in step:
                 continue
             patch, entry = step[name]
+            parted = None if XXH3 in entry.target else entry.layout  # type: ignore[attr-defined]
             t = time.perf_counter()
-            have = xxhash.xxh3_128_hexdigest(full.view(np.uint8).data)
+            have, want = digest_pair(bits, slot.shape, entry.base, entry.layout)  # type: ignore[attr-defined]
             report["check_s"] += time.perf_counter() - t
-            if have == entry.target[XXH3] and patch.encoding == "overwrite":  # type: ignore[attr-defined]
-                target = have
+            if patch.encoding == "overwrite" and matches(bits, slot.shape, entry.target, entry.layout):  # type: ignore[attr-defined]
+                target = digest_pair(bits, slot.shape, entry.target, parted)[0]  # type: ignore[attr-defined]
                 continue
-            if have != entry.base[XXH3]:  # type: ignore[attr-defined]
+            if have != want:
                 raise BaseMismatchError(
-                    f"tensor {name!r} is not the base of step {i + 1} of this update"
-                    f" (xxh3 {have} != {entry.base[XXH3]})",  # type: ignore[attr-defined]
+                    f"tensor {name!r} is not the base of step {i + 1} of this update (xxh3 {have} != {want})",
                     name=name,
                 )
             t = time.perf_counter()
@@ -176,9 +181,9 @@ def stage(ranks: Ranks, steps: Sequence[tuple[Sequence[str], Sequence[str]]]) ->
             touched.append(delta.positions)
             elements += int(delta.positions.size)
             report["decode_s"] += time.perf_counter() - t
-            target = entry.target[XXH3]  # type: ignore[attr-defined]
             t = time.perf_counter()
-            if xxhash.xxh3_128_hexdigest(full.view(np.uint8).data) != target:
+            got, target = digest_pair(bits, slot.shape, entry.target, parted)  # type: ignore[attr-defined]
+            if got != target:
                 raise TargetMismatchError(
                     f"tensor {name!r}: applying step {i + 1} to the engine's bits does not give the target checksum",
                     name=name,
@@ -190,7 +195,7 @@ def stage(ranks: Ranks, steps: Sequence[tuple[Sequence[str], Sequence[str]]]) ->
         positions = touched[0] if len(touched) == 1 else np.unique(np.concatenate(touched))
         selected, index = _block_index(slot, positions)
         if index.size:
-            writes.append(_Write(slot, index, full[selected], slot.gather(index), str(target)))
+            writes.append(_Write(slot, index, full[selected], slot.gather(index), str(target), parted))
         report["index_s"] += time.perf_counter() - t
     report.update(tensors=len(writes), elements=elements, rank_elements=int(sum(w.index.size for w in writes)))
     return writes, report
@@ -276,7 +281,9 @@ def commit(ranks: Ranks, writes: list[_Write], hook: PhaseHook, what: str, verif
         for w in reversed(writes):
             w.slot.scatter(w.index, w.old)
 
-    targets = [(w.slot.name, lambda w=w: ranks.checksum(w.slot), w.target) for w in writes if verify == "full"]
+    targets = [
+        (w.slot.name, lambda w=w: ranks.checksum(w.slot, w.layout), w.target) for w in writes if verify == "full"
+    ]
     return write_verified(what, write, targets, hook, ranks.agreed, undo)
 
 

@@ -47,13 +47,13 @@ from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 
 from stitchboard.proto.codec import PatchEntry
 from stitchboard.proto.container import RawTensor
 from stitchboard.proto.decode import Patch, TensorDelta
 from stitchboard.proto.dtypes import bits_type
 from stitchboard.proto.errors import BaseMismatchError, PatchFormatError, TargetMismatchError
+from stitchboard.proto.parts import XXH3_128_PARTS, Layout, digest_pair, layout_checksum, matches
 from stitchboard.proto.schema import XXH3_128
 
 from ..write_core import PhaseHook, write_verified
@@ -72,7 +72,8 @@ class _Write:
     index: torch.Tensor  # int64 [k], flat into block_bits(), on the parameter's device
     new: torch.Tensor  # bits [k]
     old: torch.Tensor  # bits [k]
-    target: str  # xxh3-128 of the full tensor after the write
+    target: str  # xxh3-128 of the full tensor after the write, or its xxh3_128_parts over ``layout``
+    layout: Layout | None = None  # the part layout of a patch carrying only xxh3_128_parts
 
 
 @dataclass
@@ -124,6 +125,21 @@ def _apply_step(view: torch.Tensor, delta: TensorDelta, index: np.ndarray, selec
     values = torch.from_numpy(np.ascontiguousarray(delta.values[selected]).view(_NUMPY_OF[view.dtype]))
     at = torch.from_numpy(index)
     view[at] = (view[at] ^ values) if delta.encoding == "xor" else values
+
+
+def _held_checksum(io: WeightIO, p: Placement, block: torch.Tensor | None, layout: Layout | None) -> str:
+    """The checksum of the tensor the engine holds (or of ``block``'s copy): its xxh3-128, or with a ``layout`` its
+    xxh3_128_parts (collective with TP > 1, as :meth:`WeightIO.checksum`)."""
+    if layout is None:
+        return io.checksum(p, block)
+    return layout_checksum(io.tensor_bytes(p, block).view(bits_type(p.dtype)), p.shape, layout)
+
+
+def _target_of(
+    io: WeightIO, p: Placement, block: torch.Tensor, entry: PatchEntry, layout: Layout | None
+) -> tuple[str, str]:
+    """(the target checksum ``entry`` states, the one ``block``'s copy has) in the same algorithm."""
+    return entry.target[XXH3_128 if layout is None else XXH3_128_PARTS], _held_checksum(io, p, block, layout)
 
 
 def _union(indices: list[np.ndarray]) -> np.ndarray:
@@ -223,9 +239,10 @@ def stage_patches(io: WeightIO, steps: Sequence[Step]) -> StagedPatch:
                 entry = step_delta.entry
                 t = time.perf_counter()
                 base = io.tensor_bytes(p, block)
-                have = xxhash.xxh3_128_hexdigest(base.data)
+                bits = base.view(bits_type(entry.dtype))
+                have, want = digest_pair(bits, entry.shape, entry.base, entry.layout)
                 timing["check_s"] += time.perf_counter() - t
-                if have == entry.base[XXH3_128]:
+                if have == want:
                     t = time.perf_counter()
                     delta = step_delta.on(base)
                     timing["decode_s"] += time.perf_counter() - t
@@ -234,27 +251,31 @@ def stage_patches(io: WeightIO, steps: Sequence[Step]) -> StagedPatch:
                     _apply_step(view, delta, index, selected)
                     touched.append(index)
                     timing["build_s"] += time.perf_counter() - t
-                elif step_delta.patch.encoding == "overwrite" and have == entry.target[XXH3_128]:
+                elif step_delta.patch.encoding == "overwrite" and matches(
+                    bits, entry.shape, entry.target, entry.layout
+                ):
                     continue
                 else:
                     raise BaseMismatchError(
                         f"tensor {n!r} is not the base of step {steps[step][1]}->{steps[step][2]} (xxh3 {have} != "
-                        f"{entry.base[XXH3_128]})",
+                        f"{want})",
                         name=n,
                     )
-            target = [d[n] for d in chain if n in d][-1].entry.target[XXH3_128]
+            last = [d[n] for d in chain if n in d][-1].entry
+            parted = None if XXH3_128 in last.target else last.layout  # a sharded publish's patch: parts only
             if not touched:
                 current += 1
                 continue
             t = time.perf_counter()
-            if io.checksum(p, block) != target:
+            target, got = _target_of(io, p, block, last, parted)
+            if got != target:
                 raise TargetMismatchError(
                     f"tensor {n!r}: applying the steps to the engine's bits does not give the target checksum", name=n
                 )
             timing["check_s"] += time.perf_counter() - t
             index = torch.from_numpy(_union(touched))
             old = p.block_bits()[index.to(param.device)]
-            writes.append(_Write(p, index.to(param.device), view[index].to(param.device), old, target))
+            writes.append(_Write(p, index.to(param.device), view[index].to(param.device), old, target, parted))
             written = True
         if written and io.repack:
             t = time.perf_counter()
@@ -317,7 +338,9 @@ def commit_staged(io: WeightIO, staged: StagedPatch, hook: PhaseHook) -> dict:
         for module, linear in old_packs:
             module.cpu_linear = linear
 
-    targets = ((w.placement.name, lambda w=w: io.checksum(w.placement), w.target) for w in staged.writes)
+    targets = (
+        (w.placement.name, lambda w=w: _held_checksum(io, w.placement, None, w.layout), w.target) for w in staged.writes
+    )
     what = f"writing versions {staged.from_version}->{staged.to_version}"
     timing = write_verified(what, write, targets, hook, io.agreed, undo)
     return {**staged.report, **timing, **swap}
