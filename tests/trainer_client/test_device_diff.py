@@ -15,10 +15,14 @@ from stitchboard.proto.dtypes import DTYPE_SIZES
 from stitchboard.trainer_client import publisher as publisher_module
 from stitchboard.trainer_client import stream as stream_module
 from stitchboard.trainer_client.device_diff import DeviceDiffer, on_device, varint_gaps
+from stitchboard.trainer_client.encode_version import BaseTensor
+from stitchboard.trainer_client.errors import TiedWeightsError
 from stitchboard.trainer_client.publisher import Publisher
 from stitchboard.trainer_client.recipes import get_recipe
 from stitchboard.trainer_client.resume import rebuild_version
 from stitchboard.trainer_client.served_view import TORCH_DTYPE_NAMES, to_raw
+from stitchboard.trainer_client.stream import ViewStreamer
+from stitchboard.trainer_client.version_parts import PublishedVersion
 from tests.trainer_client.toy import assert_same_view
 
 DTYPES = [d for d in TORCH_DTYPE_NAMES if d != torch.bool] + [torch.bool]
@@ -170,3 +174,28 @@ def test_a_publish_routed_to_the_device_path_writes_the_same_patch_and_pulls_bit
             calls.clear()
             assert result.changed_elements > 0 and pub._device_differ.mirrored_bytes > 0
             assert_same_view(rebuild_version(pub.client, run, step, workdir=tmp_path).view, dict(pub.kept_view()))
+
+
+def test_device_tensors_new_to_the_view_are_kept_whole_and_a_tied_head_is_folded_or_refused(monkeypatch) -> None:
+    monkeypatch.setattr(stream_module, "on_device", lambda t: True)
+    emb = torch.randn(16, 8).to(torch.bfloat16)
+    base = {"model.embed_tokens.weight": to_raw(emb)}
+    tensors = {n: BaseTensor(t.dtype, tuple(t.shape), checksum(t)) for n, t in base.items()}
+    published = PublishedVersion(0, base, tensors, 0)
+    new_emb = (emb.view(torch.int16) ^ 1).view(torch.bfloat16)
+    differ = DeviceDiffer(keep_on_device=True)
+    streamer = ViewStreamer(published, "xor", tied=True, device=differ)
+    streamer.add("model.embed_tokens.weight", new_emb.clone())
+    streamer.add("model.norm.weight", torch.ones(8, dtype=torch.bfloat16))  # new to the view
+    streamer.add("lm_head.weight", new_emb.clone())
+    got = streamer.finish()
+    assert set(got.layout) == {"model.embed_tokens.weight", "model.norm.weight"} and set(got.whole) == {
+        "model.norm.weight"
+    }
+    assert got.changes["model.embed_tokens.weight"].count == emb.numel()
+    assert differ.mirrored_bytes == (emb.numel() + 8) * 2
+    refused = ViewStreamer(published, "xor", tied=True, device=differ)
+    refused.add("model.embed_tokens.weight", new_emb.clone())
+    refused.add("lm_head.weight", emb.clone())
+    with pytest.raises(TiedWeightsError):
+        refused.finish()
