@@ -32,6 +32,7 @@ Where the kept bits come from on the device (``keep_on_device``):
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -140,7 +141,10 @@ class DeviceDiffer:
         hit = self._mirror.pop(name, None)
         if hit is not None and hit[0] == kept_checksum and hit[1].device == device:
             return hit[1]
-        host = torch.from_numpy(np.ascontiguousarray(kept.bits).reshape(-1).view(_BITS_SIGNED[kept.bits.itemsize]))
+        bits = np.ascontiguousarray(kept.bits).reshape(-1).view(_BITS_SIGNED[kept.bits.itemsize])
+        with warnings.catch_warnings():  # a read-only kept tensor (a memory-mapped checkpoint) is only read here
+            warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
+            host = torch.from_numpy(bits)
         return host.to(device)
 
     def remember(self, name: str, target_checksum: str, bits: torch.Tensor) -> None:
