@@ -25,6 +25,8 @@ from stitchboard.proto.container import RawTensor
 from stitchboard.proto.diff import diff_views
 from stitchboard.proto.schema import XXH3_128, Encoding, FileRef, TensorSpec, VersionManifest, VersionStats
 
+from .link import PART_BYTES
+
 A = TypeVar("A")
 B = TypeVar("B")
 
@@ -82,6 +84,7 @@ def encode_part(
     base_view: Mapping[str, RawTensor] | None,
     encoding: Encoding,
     metadata: Mapping[str, str],
+    part_bytes: int | None = PART_BYTES,
 ) -> EncodedPart:
     """Encode the delta taking ``base`` to ``view``.
 
@@ -93,6 +96,8 @@ def encode_part(
             as an ``overwrite`` delta that applies on the base named by its checksum.
         encoding: ``cond``, ``xor`` or ``overwrite`` (when ``base_view`` is given).
         metadata: patch ``__metadata__`` strings (run, versions).
+        part_bytes: tensors larger than this are coded in row parts of about this size (:mod:`.link`);
+            None: one stream per tensor.
     """
     total = sum(t.numel for t in view.values())
     if base is None:
@@ -110,6 +115,7 @@ def encode_part(
             encoding,
             base_checksums={n: base[n].checksum for n in common},
             metadata=metadata,
+            part_bytes=part_bytes,
         )
         sums.update(diff.target_checksums)
         return EncodedPart(

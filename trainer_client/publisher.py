@@ -37,14 +37,18 @@ import functools
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from stitchboard.proto.container import RawTensor
+from stitchboard.proto.dtypes import numel_of
+from stitchboard.proto.schema import Encoding
 
 from .device_diff import DeviceDiffer, on_device
 from .errors import CheckpointNameError
+from .link import PART_BYTES, choose_encoding
 from .publisher_core import PublisherCore
 from .served_view import (
     TORCH_DTYPE_NAMES,
@@ -111,6 +115,15 @@ class Publisher(PublisherCore):
             changed positions and bits come to the host, :mod:`.device_diff`), also keep a mirror of the kept
             view in GPU memory (one more served view there: 2 bytes per bf16 parameter) so that no whole tensor
             crosses the link; False (default): each kept tensor is copied to the GPU for its diff.
+        part_bytes: streamed deltas code tensors larger than this in row parts of about this size, encoded and
+            decoded on every core (patch format version 2; default :data:`.link.PART_BYTES`, the smallest within
+            +5 % of one stream per tensor); None: one stream per tensor (format version 1). Whole-view encodes
+            (the first delta after ``resume="anchor"``, runs with squashes, ``nvfp4``) use the default size.
+        link_bytes_per_s: the trainer -> engine link, bytes per second: each version then picks ``cond`` or
+            ``xor`` by estimated transfer + decode time (:func:`.link.choose_encoding`, from the break-even
+            measured on real steps, scaled to ``decode_cores`` and the last streamed delta's density); None
+            (default): every version uses ``encoding``. An ``overwrite`` run stays ``overwrite``.
+        decode_cores: cores each engine worker decodes with (for ``link_bytes_per_s``; default 2).
 
     Publishing, :meth:`publish_async` and the recovery after a lost commit answer are in
     :class:`~stitchboard.trainer_client.publisher_core.PublisherCore`, which
@@ -127,6 +140,40 @@ class Publisher(PublisherCore):
     """
 
     _applies_recipes = True
+
+    def __init__(
+        self,
+        *args: Any,
+        part_bytes: int | None = PART_BYTES,
+        link_bytes_per_s: float | None = None,
+        decode_cores: int = 2,
+        **kwargs: Any,
+    ) -> None:
+        if link_bytes_per_s is not None and not link_bytes_per_s > 0:
+            raise ValueError(f"link_bytes_per_s must be > 0 bytes per second, got {link_bytes_per_s}")
+        if part_bytes is not None and part_bytes < 1:
+            raise ValueError(f"part_bytes must be >= 1 (or None: one stream per tensor), got {part_bytes}")
+        self.part_bytes = part_bytes
+        self.link_bytes_per_s = link_bytes_per_s
+        self.decode_cores = decode_cores
+        self._density: float | None = None  # changed share of the last streamed delta
+        super().__init__(*args, **kwargs)
+
+    @property  # type: ignore[override]
+    def encoding(self) -> Encoding:
+        """The next version's encoding: the run's, or with ``link_bytes_per_s`` :func:`.link.choose_encoding`'s pick."""
+        return choose_encoding(self.link_bytes_per_s, self._run_encoding, self.decode_cores, self._density)
+
+    @encoding.setter
+    def encoding(self, value: Encoding) -> None:
+        self._run_encoding = value
+
+    def _noted(self, view: StreamedView) -> StreamedView:
+        """``view``, its changed share of elements kept for the next version's encoding choice."""
+        total = sum(numel_of(t.shape) for t in view.layout.values())
+        if view.base_version is not None and total:
+            self._density = sum(e.entry.count for e in view.encoded) / total
+        return view
 
     @functools.cached_property
     def _tied(self) -> bool | None:
@@ -195,8 +242,10 @@ class Publisher(PublisherCore):
         return DeviceDiffer(keep_on_device=self.device_kept_view)
 
     def _streamed(self, named_tensors: Iterable[tuple[str, torch.Tensor]], tied: bool | None) -> StreamedView:
-        streamer = ViewStreamer(self._published, self.encoding, tied, device=self._device_differ)
-        return _stream_into(streamer, self._served_pairs(named_tensors))
+        streamer = ViewStreamer(
+            self._published, self.encoding, tied, device=self._device_differ, part_bytes=self.part_bytes
+        )
+        return self._noted(_stream_into(streamer, self._served_pairs(named_tensors)))
 
     def stream_view(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> StreamedView:
         """The served view of a stream of ``(name, tensor)`` pairs as its delta from the kept view, for
@@ -235,7 +284,8 @@ class Publisher(PublisherCore):
         self.flush()
         self._resolve_pending()
         if self._can_stream():
-            return _stream_into(ViewStreamer(self._published, self.encoding, self._tied, owns=False), named_raw)
+            streamer = ViewStreamer(self._published, self.encoding, self._tied, owns=False, part_bytes=self.part_bytes)
+            return self._noted(_stream_into(streamer, named_raw))
         whole = self._own_view(dict(named_raw)).tensors.items()
         return _stream_into(ViewStreamer(None, self.encoding, tied=False, owns=False), whole)
 

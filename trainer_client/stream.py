@@ -34,6 +34,7 @@ from stitchboard.proto.schema import Encoding
 from .device_diff import DeviceDiffer, flat_bits, on_device
 from .encode_version import EncodedPart
 from .errors import CheckpointNameError
+from .link import PART_BYTES
 from .served_view import TORCH_DTYPE_NAMES, to_raw
 from .tied_head import TIED_HEADS, tied_head_error
 from .version_parts import PublishedVersion
@@ -167,6 +168,8 @@ class ViewStreamer:
         device: diffs the tensors given as torch tensors on a device other than the CPU where they live
             (:mod:`.device_diff`; None: a differ that copies each kept tensor there); CPU tensors and
             :class:`RawTensor` s are diffed on the host by the codec's C kernel.
+        part_bytes: host-diffed tensors larger than this are coded in row parts of about this size, on every
+            core (:mod:`.link`; default :data:`.link.PART_BYTES`); None: one stream per tensor.
     """
 
     def __init__(
@@ -177,12 +180,14 @@ class ViewStreamer:
         *,
         owns: bool = True,
         device: DeviceDiffer | None = None,
+        part_bytes: int | None = PART_BYTES,
     ) -> None:
         self.base = base if base is not None and base.view is not None else None
         self.encoding: Encoding = encoding
         self.tied = tied
         self.owns = owns
         self.device = device or DeviceDiffer()
+        self.part_bytes = part_bytes
         self._layout: dict[str, Layout] = {}
         self._checksums: dict[str, str] = {}
         self._encoded: list[EncodedTensor] = []
@@ -245,6 +250,7 @@ class ViewStreamer:
             self.encoding,
             base_checksum=self.base.tensors[name].checksum,
             target_checksum=self._checksums[name],
+            part_bytes=self.part_bytes,
         )
         if encoded is not None:
             self._encoded.append(encoded)

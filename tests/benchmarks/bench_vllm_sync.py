@@ -1,6 +1,6 @@
 """vLLM on the CPU: publish -> applied over real steps, idle and while N greedy streams generate.
 
-Run: ``python -m tests.benchmarks.bench_vllm_sync [--streams 50] [--publishes 20]`` (needs vLLM in
+Run: ``python -m tests.benchmarks.bench_vllm_sync [--streams 50] [--publishes 20] [--part-bytes N]`` (needs vLLM in
 the running interpreter; exits 0 with a note when it is absent). One run, on one vLLM server
 (CPU build, TP = 1, the stitchboard worker extension, started as the tests start it) with
 SmolLM2-135M and a ``stitchboard sidecar run`` subprocess in front of it:
@@ -163,6 +163,13 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=256, help="tokens each stream generates before it is re-issued")
     parser.add_argument("--publishes", type=int, default=20, help="publishes timed in each phase")
     parser.add_argument(
+        "--part-bytes",
+        type=int,
+        default=None,
+        help="the publisher's row-part size, bytes (0: one stream per tensor, the format before issue 32; "
+        "default: the publisher's default, trainer_client.link.PART_BYTES)",
+    )
+    parser.add_argument(
         "--logs", type=Path, help="a folder to copy the engine's and the sidecar's logs into at the end"
     )
     args = parser.parse_args()
@@ -183,7 +190,8 @@ def main() -> int:
         t = time.perf_counter()
         engine.wait_ready()
         print(f"vLLM ready in {time.perf_counter() - t:.1f} s (engine environment {vllm_env()})", flush=True)
-        run = VllmRun(model_dir, folder / "run")
+        options = {} if args.part_bytes is None else {"part_bytes": args.part_bytes or None}
+        run = VllmRun(model_dir, folder / "run", **options)
         sidecar = SidecarProcess(run, engine.url, folder, {"STITCH_SIDECAR_BOOT_VERSION": "0"})
         sidecar.wait_applied(0, 600)
         print(f"idle: {args.publishes} publishes", flush=True)

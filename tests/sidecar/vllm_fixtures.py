@@ -147,9 +147,10 @@ class VllmRun:
     Args:
         model_dir: the SmolLM2 checkpoint folder.
         folder: where the bulletin's store and the publisher's work files go.
+        publisher_options: extra keyword arguments of the :class:`Publisher` (``part_bytes``, ``encoding``...).
     """
 
-    def __init__(self, model_dir: Path, folder: Path) -> None:
+    def __init__(self, model_dir: Path, folder: Path, **publisher_options: object) -> None:
         from stitchboard.bulletin.app import create_app as create_bulletin
         from stitchboard.bulletin.settings import BulletinSettings
         from stitchboard.trainer_client.publisher import Publisher
@@ -162,7 +163,9 @@ class VllmRun:
         self.bulletin = AppServer(create_bulletin(BulletinSettings(store=f"file://{self.store}", poll_interval_s=0.05)))
         self.client = LatchedClient(self.bulletin.url, retries=1, backoff_s=0.05)
         self.trainer = CpuTrainer(model_dir, batch_size=1, seq_len=32)
-        self.publisher = Publisher(self.bulletin.url, self.run, client=self.client, workdir=folder / "publisher")
+        self.publisher = Publisher(
+            self.bulletin.url, self.run, client=self.client, workdir=folder / "publisher", **publisher_options
+        )
         self.publisher.publish(self.trainer.model, step=0)
 
     @property
