@@ -229,6 +229,16 @@ def digest_pair(bits: np.ndarray, shape: Sequence[int], want: dict[str, str], la
     raise PatchFormatError(f"no checksum to verify against: {sorted(want)} (want {XXH3_128} or {XXH3_128_PARTS})")
 
 
+def same_checksum(a: dict[str, str], b: dict[str, str]) -> bool:
+    """Whether two checksum maps (a patch entry's ``base``/``target``, a manifest tensor's ``checksums``) name the
+    same bits: equal ``xxh3_128`` where both carry it, else equal :data:`XXH3_128_PARTS` (whose text includes the
+    layout); False when they share neither."""
+    for alg in (XXH3_128, XXH3_128_PARTS):
+        if alg in a and alg in b:
+            return a[alg] == b[alg]
+    return False
+
+
 def matches(bits: np.ndarray, shape: Sequence[int], want: dict[str, str], layout: Layout | None) -> bool:
     """Whether a whole tensor's flat ``bits`` carry the checksum ``want`` states (:func:`digest_pair`).
 

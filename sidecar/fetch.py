@@ -46,7 +46,8 @@ from stitchboard.bulletin.errors import BlobMismatchError, NotFoundError
 from stitchboard.proto.checkpoint import load_checkpoint
 from stitchboard.proto.decode import PatchIndex, read_patch_index
 from stitchboard.proto.errors import PatchError, PatchFormatError, SchemaError, StitchError
-from stitchboard.proto.schema import XXH3_128, FileRef, Plan, PlanStep, VersionManifest
+from stitchboard.proto.parts import same_checksum
+from stitchboard.proto.schema import FileRef, Plan, PlanStep, VersionManifest
 from stitchboard.proto.squash_schema import check_patch_lineage
 
 from .errors import StagingError
@@ -274,14 +275,14 @@ class Fetcher:
                     )
                 if name in touched:
                     raise StagingError(f"version {v}: tensor {name!r} appears in two patch files")
-                if entry.target.get(XXH3_128) != spec.checksums[XXH3_128]:
+                if not same_checksum(entry.target, spec.checksums):
                     raise StagingError(f"{path}: tensor {name!r} target checksum differs from version {v}'s manifest")
-                if before is not None and entry.base.get(XXH3_128) != before[name].checksums[XXH3_128]:
+                if before is not None and not same_checksum(entry.base, before[name].checksums):
                     raise StagingError(f"{path}: tensor {name!r} base checksum is not version {v - 1}'s")
                 touched.add(name)
         if before is not None:
             moved = sorted(
-                n for n in want if n not in touched and want[n].checksums[XXH3_128] != before[n].checksums[XXH3_128]
+                n for n in want if n not in touched and not same_checksum(want[n].checksums, before[n].checksums)
             )
             if moved:
                 raise StagingError(f"version {v}: tensors {moved[:3]} change checksum but no patch touches them")

@@ -223,3 +223,10 @@ def test_row_layout_and_matches() -> None:
     assert not parts.matches(base.bits, base.shape, want, ((1, 0, 4), (1, 4, 7)))
     with pytest.raises(PatchFormatError):
         parts.matches(base.bits, base.shape, {"sha256": "0" * 64}, None)
+
+
+def test_same_checksum_compares_the_algorithm_both_carry() -> None:
+    whole, parted = {"xxh3_128": "a" * 32}, {parts.XXH3_128_PARTS: "b" * 32}
+    assert parts.same_checksum(whole, {**whole, **parted}) and parts.same_checksum(parted, {**whole, **parted})
+    assert not parts.same_checksum(whole, {"xxh3_128": "c" * 32, **parted})
+    assert not parts.same_checksum(whole, parted)  # nothing in common: not shown equal
