@@ -159,7 +159,7 @@ class Publisher(PublisherCore):
         self._density: float | None = None  # changed share of the last streamed delta
         super().__init__(*args, **kwargs)
 
-    @property  # type: ignore[override]
+    @property
     def encoding(self) -> Encoding:
         """The next version's encoding: the run's, or with ``link_bytes_per_s`` :func:`.link.choose_encoding`'s pick."""
         return choose_encoding(self.link_bytes_per_s, self._run_encoding, self.decode_cores, self._density)
