@@ -59,6 +59,9 @@ class EngineKind:
             :class:`EngineRows` (changes the decoded request body in place).
         final_in_place: model paths whose streams mark each output's final chunk: the stamps go
             into that chunk (:mod:`..stamps`) instead of an event of their own.
+        adapters_unsupported: why the kind's adapter does not implement
+            :class:`~.base.ServesAdapters` (LoRA adapter runs), as the sidecar's refusal says it;
+            None when it does, or nothing is known.
 
     Raises:
         ValueError: ``routing="engine"`` without an ``engine_rows`` factory, or one given with another mode.
@@ -73,6 +76,7 @@ class EngineKind:
     routing: Literal["worker", "engine", "none"] = "none"
     engine_rows: Callable[[int, dict[str, Any]], EngineRows] | None = None
     final_in_place: frozenset[str] = frozenset()
+    adapters_unsupported: str | None = None
 
     def __post_init__(self) -> None:
         if (self.routing == "engine") != (self.engine_rows is not None):

@@ -59,3 +59,16 @@ def test_importing_the_server_module_turns_onednn_off():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert done.stdout.strip() == "False"
     assert f"{FP8_FLAG_LINE} in MainProcess" in done.stderr
+
+
+def test_an_adapter_engine_gets_lora_slots_and_runtime_adapter_routes(tmp_path: Path):
+    from stitchboard.sidecar.engines.vllm.launch import LORA_ENV, vllm_env
+
+    model = _checkpoint(tmp_path / "m", None)
+    plain = vllm_command(model, 8000)
+    assert "--enable-lora" not in plain and LORA_ENV.keys().isdisjoint(vllm_env(cpu=True))
+    argv = vllm_command(model, 8000, max_loras=3, max_lora_rank=32)
+    assert argv[len(plain) :] == [
+        "--enable-lora", "--max-loras", "3", "--max-cpu-loras", "3", "--max-lora-rank", "32",
+    ]  # fmt: skip
+    assert vllm_env(cpu=True, lora=True)["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"

@@ -63,6 +63,7 @@ class VllmServer(ManagedProcess):
         env: extra environment variables (e.g. ``STITCH_ENGINE_FAULT_PHASE``).
         port: the TCP port (default: a free one), e.g. a killed server's to start it again.
         max_model_len: the context length, tokens (vLLM's ``--max-model-len``).
+        max_loras: LoRA adapter slots (0: no ``--enable-lora``; see :func:`vllm_command`).
 
     Attributes:
         url: ``http://127.0.0.1:<port>``.
@@ -79,18 +80,29 @@ class VllmServer(ManagedProcess):
         env: dict[str, str] | None = None,
         port: int | None = None,
         max_model_len: int = 1024,
+        max_loras: int = 0,
     ) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = str(model_dir)
         argv = forked_argv(
             vllm_command(
-                model_dir, self.port, tensor_parallel_size=tp, extension=extension, max_model_len=max_model_len
+                model_dir,
+                self.port,
+                tensor_parallel_size=tp,
+                extension=extension,
+                max_model_len=max_model_len,
+                max_loras=max_loras,
             ),
             "vllm",
         )
         super().__init__(
-            "vllm", argv, log_path, f"{self.url}/health", env={**vllm_env(tp), **(env or {})}, nice=engine_nice()
+            "vllm",
+            argv,
+            log_path,
+            f"{self.url}/health",
+            env={**vllm_env(tp, lora=max_loras > 0), **(env or {})},
+            nice=engine_nice(),
         )
 
     def wait_ready(self, timeout_s: float = 600.0) -> None:

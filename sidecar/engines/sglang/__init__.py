@@ -59,6 +59,14 @@ def engine_rows(start_len: int, payload: dict[str, Any]) -> SglangRoutedExperts:
     return SglangRoutedExperts(start_len, payload)
 
 
+#: Why SGLang's room serves no LoRA adapter runs (verified with SGLang 0.5.23 on a CPU host, no GPU).
+ADAPTERS_UNSUPPORTED = (
+    "SGLang 0.5.23 cannot serve LoRA adapters on a CPU host: its LoRA layers allocate pinned host memory "
+    "unconditionally (sglang/srt/lora/layers.py:475, ColumnParallelLinearWithLoRA.__init__: "
+    "torch.tensor(..., device='cpu', pin_memory=True)), which raises 'RuntimeError: Found no NVIDIA driver on "
+    "your system' without CUDA, whichever LoRA backend is chosen (torch_native, the CPU one, included)"
+)
+
 #: SGLang: salted on ``/generate`` and its OpenAI generation routes (its radix cache keys on
 #: ``cache_salt``); answers name its weight version; routing rows are its own; ``/generate``
 #: streams mark each output's final chunk.
@@ -71,4 +79,5 @@ ENGINE = EngineKind(
     routing="engine",
     engine_rows=engine_rows,
     final_in_place=frozenset({"/generate"}),
+    adapters_unsupported=ADAPTERS_UNSUPPORTED,
 )
