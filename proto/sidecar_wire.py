@@ -201,6 +201,10 @@ class Health(_Model):
         squash_quarantine: the quarantined squash ranges, oldest first (absent: none).
         relays: the regional blob relays in order (absent: none configured): ``url``, ``up`` (false while skipped
             after failing), ``fetched``, ``failed`` and ``last_error`` (``sidecar/relays.py``).
+        adapters: an adapter run's resident versions (absent: a full-model run): ``run``, ``base_model``,
+            ``resident`` and ``retired`` (``<run>@<N>`` names, oldest first), ``in_use`` (name -> admitted
+            requests), ``ready``, ``waiting_load`` (why the next load waits, or null), ``resident_max`` and
+            ``last_failed_load`` (``sidecar/adapter_follower.py``; docs/reference/sidecar-adapters.md).
         status: ``ok`` or why not.
         reason: why not (absent with ``ok``).
     """
@@ -211,14 +215,15 @@ class Health(_Model):
     refused: Refusal | None = None
     squash_quarantine: list[dict[str, Any]] | None = None
     relays: list[dict[str, Any]] | None = None
+    adapters: dict[str, Any] | None = None
     status: HealthStatus
     reason: str | None = None
 
     def wire(self) -> dict[str, Any]:
         """The JSON body: the fields in order, the optional ones (``refused``, ``squash_quarantine``, ``relays``,
-        ``reason``) left out when None."""
+        ``adapters``, ``reason``) left out when None."""
         body = self.model_dump(mode="json")
-        optional = ("refused", "squash_quarantine", "relays", "reason")
+        optional = ("refused", "squash_quarantine", "relays", "adapters", "reason")
         return {k: v for k, v in body.items() if v is not None or k not in optional}
 
 

@@ -35,6 +35,7 @@ from stitchboard.bulletin.client import BulletinClient
 from stitchboard.proto.sidecar_wire import SHOULD_RETRY_HEADER
 
 from . import admin_prime_rl
+from .adapter_follower import AdapterFollower, run_kind
 from .engines import create_adapter
 from .engines.base import EngineAdapter, ReplaysRouting
 from .errors import BodyBudgetError, BodyTooLargeError, RouteForbiddenError, SidecarError, WeightVersionNotReadyError
@@ -109,10 +110,27 @@ def create_app(
         )
         app.state.gate, app.state.reconciler, app.state.proxy = gate, reconciler, proxy
         app.state.relays = relays
-        task = asyncio.create_task(reconciler.run(), name="stitch-reconciler")
         reporter = (
             Reporter.for_sidecar(settings, reconciler, gate) if settings.report else None
         )  # the fleet view (sidecar/report.py)
+
+        async def follow() -> None:
+            # A full-model run is the reconciler's; an adapter run the adapter follower's (its own
+            # loop; sidecar/adapter_follower.py), which then stands where the reconciler stood.
+            spec = await run_kind(client, settings, engine, reconciler.status, reconciler.pools)
+            if spec is None:
+                await reconciler.run()
+                return
+            follower = AdapterFollower(settings, client, engine, gate, metrics, fetcher, spec)
+            app.state.reconciler, proxy.adapters = follower, follower.resident
+            if reporter is not None:
+                reporter.follow(follower)
+            try:
+                await follower.run()
+            finally:
+                follower.close()
+
+        task = asyncio.create_task(follow(), name="stitch-reconciler")
         reporting = asyncio.create_task(reporter.run_forever(), name="stitch-report") if reporter else None
         log.info(
             "sidecar following run %r at %s for the engine at %s", settings.run, settings.bulletin, settings.engine_url

@@ -43,6 +43,8 @@ error body (``{"type": ..., "message": ..., <details>}``, see
     ├── ApplyRefusedError             ---  apply/snapshot refused before the first write (details: cause)
     ├── AdapterLoadError              ---  a LoRA adapter load/unload refused or unverified; unloaded again, the
     │                                      adapters loaded before keep serving (details: adapter, cause)
+    ├── AdapterRunRefusedError        ---  the engine cannot serve the adapter run (no adapter power, too few slots,
+    │                                      another base model): /health unhealthy, checked again after a backoff
     └── ApplyFailedError              ---  writing began, then failed (details: cause, restored)
 """
 
@@ -308,6 +310,16 @@ class AdapterLoadError(SidecarError):
     """
 
     type = "AdapterLoadFailed"
+
+
+class AdapterRunRefusedError(SidecarError):
+    """The sidecar cannot serve its adapter run (:mod:`~stitchboard.sidecar.adapter_follower`): the
+    engine does not serve adapters (SGLang's room: details ``engine``), has fewer adapter slots
+    than ``adapter_resident + 1`` (``adapter_slots``, ``needed_slots``), or serves another base model
+    (``base_model``, ``run_base_checksum``, ``engine_base_checksum``). Reported on ``/health`` (503
+    ``unhealthy``); boot checks again after its backoff. No adapter of the run is loaded."""
+
+    type = "AdapterRunRefused"
 
 
 class ApplyFailedError(SidecarError):

@@ -13,6 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from stitchboard.proto.sidecar_wire import Health, HealthStatus, LeaseView, SidecarStatus
 
+from .adapter_follower import AdapterFollower
 from .engines.base import EngineAdapter
 from .gate import Gate
 from .metrics import SidecarMetrics
@@ -33,15 +34,17 @@ def add_ops_routes(app: FastAPI, settings: SidecarSettings, engine: EngineAdapte
         engine is still the instance at that version (checked now, unless a commit or a check is
         under way), is not slow to answer a check, answers its health check, and syncing is
         healthy; else 503 with the reason."""
-        reconciler: Reconciler = request.app.state.reconciler
+        reconciler: Reconciler | AdapterFollower = request.app.state.reconciler
         gate: Gate = request.app.state.gate
         applied = gate.applied
+        follower = reconciler if isinstance(reconciler, AdapterFollower) else None
         body: dict[str, Any] = {
             "applied_version": applied,
             "state": reconciler.state,
             "lease": LeaseView(**reconciler.lease.body()),
             "refused": reconciler.refused,
             "relays": request.app.state.relays.body(),
+            "adapters": None if follower is None else follower.health_body(),
         }
 
         def answer(status: HealthStatus, reason: str, **changed: Any) -> JSONResponse:
@@ -54,7 +57,7 @@ def add_ops_routes(app: FastAPI, settings: SidecarSettings, engine: EngineAdapte
             return answer("unhealthy", reconciler.unhealthy_reason)
         if applied is None:
             status: HealthStatus = "recovering" if reconciler.state == "recovering" else "starting"
-            return answer(status, "no verified weight version applied")
+            return answer(status, "no verified weight version applied" if follower is None else "no adapter resident")
         if gate.stalled:
             return answer(
                 "engine_slow",
@@ -78,7 +81,7 @@ def add_ops_routes(app: FastAPI, settings: SidecarSettings, engine: EngineAdapte
     async def status(request: Request) -> SidecarStatus:
         """Applied and target version, lag, state, last error, the last sync's bytes and seconds, and
         the requests in flight and held (waiting for their version)."""
-        reconciler: Reconciler = request.app.state.reconciler
+        reconciler: Reconciler | AdapterFollower = request.app.state.reconciler
         gate: Gate = request.app.state.gate
         lag = None if gate.target is None else gate.target - (gate.applied if gate.applied is not None else -1)
         return SidecarStatus(

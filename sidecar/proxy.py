@@ -12,6 +12,12 @@
   held while the request ran before it is sent (:mod:`.answer_versions`; a mismatch is answered
   503 ``AnswerVersionMismatch`` instead); per-token version spans (:mod:`.spans`); routing
   replay (:mod:`.routed_experts`); the cache salt (:mod:`.salt`).
+* An adapter run (:mod:`.adapter_set`, set once the run is known to be one: :attr:`Proxy.adapters`):
+  a request whose ``model`` names the run (``<run>`` or ``<run>@<N>``) is admitted against the
+  resident adapter versions instead of the gate, its ``model`` rewritten to the resident
+  ``<run>@<N>`` it got, and stamped with N (start and end: an adapter version never changes under
+  a request); any other ``model`` (the base's served name) is forwarded ungated and unstamped.
+  ``GET /v1/models`` lists the engine's base model and the resident versions (not the retired ones).
 * Read routes (models, tokenizer, model info) are forwarded as they are; every other path is
   refused (the app answers 403 :class:`~.errors.RouteForbiddenError`); the engine's
   ``/metrics`` is served under ``/engine/metrics`` by the app.
@@ -43,8 +49,10 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from stitchboard.proto.adapter import adapter_name
 from stitchboard.proto.sidecar_wire import END_HEADER, START_HEADER
 
+from .adapter_set import ResidentAdapters
 from .answer_versions import AnswerVersionCheck
 from .engines.registry import lookup
 from .errors import AnswerVersionMismatchError, EngineUnavailableError
@@ -58,6 +66,8 @@ from .spans import WANT_FIELD, SpanLedger
 from .stamps import SseStamper, event_data, stamp_answer
 
 T = TypeVar("T")
+#: The OpenAI model list (rewritten for an adapter run: the base and the resident versions).
+MODELS_PATH = "/v1/models"
 log = logging.getLogger("stitchboard.sidecar")
 _HOP = {
     "host",
@@ -134,6 +144,7 @@ class _Admitted:
     start: int
     release: Callable[[], int | None]
     uses: list[RequestUse]
+    end: Callable[[], int | None]
 
 
 class Proxy:
@@ -174,6 +185,8 @@ class Proxy:
         )
         #: The request features, in the order their hooks are called (:mod:`.features`).
         self.features = request_features(self.kind, self.spans, self.salter, routing, versions)
+        #: An adapter run's resident versions (None: a full-model run, or not known yet).
+        self.adapters: ResidentAdapters | None = None
         timeout = httpx.Timeout(settings.engine_timeout_s, connect=settings.engine_call_timeout_s, pool=None)
         self.http = httpx.AsyncClient(
             base_url=settings.engine_url.rstrip("/"),
@@ -242,7 +255,12 @@ class Proxy:
         except ClientGone:
             return Response(status_code=499)
         if response.is_stream_consumed:
-            return Response(response.content, status_code=response.status_code, headers=self._headers(response))
+            content = response.content
+            if self.adapters is not None and path == MODELS_PATH and request.method == "GET" and response.is_success:
+                answer = _json_or_none(content)
+                if self.adapters.list_models(answer):
+                    content = json.dumps(answer).encode()
+            return Response(content, status_code=response.status_code, headers=self._headers(response))
         return _ProxyStream(
             response.aiter_raw(), response.aclose, status_code=response.status_code, headers=self._headers(response)
         )
@@ -266,6 +284,10 @@ class Proxy:
                 payload = None  # the engine answers the malformed body itself
         had_field = isinstance(payload, dict) and (BODY_FIELD in payload or WANT_FIELD in payload)
         constraint = parse_constraint(request.headers, payload)
+        adapters = self.adapters
+        ask = adapters.ask_of(payload, constraint) if adapters is not None else None
+        if adapters is not None and ask is None:  # the base model of an adapter run: ungated
+            return await self.forward_plain(request, path, json.dumps(payload).encode() if had_field else body)
         client_id = request.headers.get("x-request-id")
         asked = ModelRequest(path, request.headers, payload, client_id, changed=had_field)
         uses = [use for feature in self.features if (use := await feature.open(asked)) is not None]
@@ -274,7 +296,13 @@ class Proxy:
             self.settings.max_request_wait_s,
         )
         try:
-            start, held, claims = await self._unless_gone(request, self.gate.admit(constraint, wait_s))
+            if adapters is not None and ask is not None:
+                start, held = await self._unless_gone(request, adapters.admit(ask, wait_s))
+                claims = self.gate.claims
+                payload["model"] = adapter_name(adapters.run, start)  # the resident version it got
+                asked.changed = True
+            else:
+                start, held, claims = await self._unless_gone(request, self.gate.admit(constraint, wait_s))
         except ClientGone:
             return Response(status_code=499)
         self.metrics.in_flight.set(self.gate.in_flight)
@@ -287,14 +315,21 @@ class Proxy:
             body = json.dumps(payload).encode()
         released = False
 
+        def end_stamp() -> int | None:  # an adapter request ends on its version; others on the applied one
+            return start if ask is not None else self.gate.applied
+
         def release() -> int | None:
             nonlocal released
             if released:
-                return self.gate.applied
+                return end_stamp()
             released = True
             for use in uses:
                 use.on_release()
-            end = self.gate.release()
+            if adapters is not None and ask is not None:
+                adapters.release(start)
+                end: int | None = start
+            else:
+                end = self.gate.release()
             self.metrics.in_flight.set(self.gate.in_flight)
             return end
 
@@ -311,7 +346,7 @@ class Proxy:
             raise
         headers = self._headers(response)
         headers[START_HEADER] = _stamp(start)
-        admitted = _Admitted(start, release, uses)
+        admitted = _Admitted(start, release, uses, end_stamp)
         if response.is_stream_consumed:
             try:
                 return await self._plain_answer(response, headers, admitted)
@@ -342,9 +377,7 @@ class Proxy:
     ) -> Response:
         start, release, uses = admitted.start, admitted.release, admitted.uses
         final = _finished_output if path in self.kind.final_in_place else None
-
-        def applied() -> int | None:
-            return self.gate.applied
+        applied = admitted.end
 
         def on_spans(spans: list[dict[str, int]] | None) -> None:
             for use in uses:

@@ -28,6 +28,7 @@ from stitchboard.bulletin.errors import error_from_body
 from stitchboard.proto.fleet import HISTORY_LEN, ErrorNote, ReplicaReport, ReportAccepted, SyncFigures
 from stitchboard.proto.sidecar_wire import COMMIT_STATES
 
+from .adapter_follower import AdapterFollower
 from .gate import Gate
 from .reconciler import Reconciler
 from .settings import SidecarSettings
@@ -49,10 +50,11 @@ class SidecarSource:
 
     Args:
         replica_id: the replica's id; engine: its engine kind.
-        reconciler, gate: where the state is read.
+        reconciler, gate: where the state is read (an adapter run's follower stands for the
+            reconciler: the report's ``applied_version`` is then the newest resident adapter version).
     """
 
-    def __init__(self, replica_id: str, engine: str, reconciler: Reconciler, gate: Gate) -> None:
+    def __init__(self, replica_id: str, engine: str, reconciler: Reconciler | AdapterFollower, gate: Gate) -> None:
         self.replica_id = replica_id
         self.engine = engine
         self.reconciler = reconciler
@@ -93,6 +95,7 @@ class SidecarSource:
             else ErrorNote(type=error.type, message=error.message[:1000], at=round(error.at, 3)),
             history=list(self.history),
             started_at=round(self.started_at, 3),
+            adapters=r.resident.names() if isinstance(r, AdapterFollower) else [],
         )
 
 
@@ -146,6 +149,11 @@ class Reporter:
             min_interval_s=settings.report_min_interval_s,
             max_backoff_s=settings.report_max_backoff_s,
         )
+
+    def follow(self, follower: AdapterFollower) -> None:
+        """Report an adapter run's follower instead of the reconciler (the app found an adapter run)."""
+        if isinstance(self.source, SidecarSource):
+            self.source.reconciler = follower
 
     async def send(self, report: ReplicaReport) -> ReportAccepted:
         """Send one report; the lease the bulletin granted.

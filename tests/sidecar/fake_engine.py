@@ -7,6 +7,14 @@ apart), and every token names a fingerprint of the weights it was produced with.
 (vLLM's ``mode=keep``) stops token production without dropping requests; resuming continues
 them. The server runs uvicorn in a thread on a free loopback port.
 
+It serves LoRA adapters too (:class:`~stitchboard.sidecar.engines.base.ServesAdapters`): a load
+reads the PEFT folder (``adapter_model.safetensors`` + ``adapter_config.json``), checks every
+tensor's xxh3-128 against the checksums given and keeps a copy of the tensors (the folder may go),
+so a test compares what the engine holds with what was published; at most ``adapter_slots_n``
+at once (a load beyond them is refused, never an eviction). A request whose ``model`` names a
+loaded adapter gets tokens that also name a fingerprint of that adapter's bits; one naming
+neither ``fake`` nor a loaded adapter is answered 404, as vLLM does.
+
 The engine's lease is the real one (:class:`stitchboard.sidecar.engines.lease.Lease`): every
 state-changing seam method acts for the owner of the seam's last :meth:`FakeEngine.take_lease`
 and raises ``LeaseNotHeldError`` (nothing done, as the real adapter and engine code) without a
@@ -20,6 +28,7 @@ import json
 import threading
 import time
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +43,7 @@ from stitchboard.proto.decode import read_patch
 from stitchboard.sidecar.engines.base import EngineState, LeaseGrant
 from stitchboard.sidecar.engines.lease import Lease
 from stitchboard.sidecar.errors import (
+    AdapterLoadError,
     ApplyRefusedError,
     EngineStateError,
     EngineUnavailableError,
@@ -78,6 +88,11 @@ class FakeEngine:
         calls: adapter calls in order, as (method, args) tuples.
         http_control_calls: control routes the HTTP server received (the sidecar must never forward any).
         aborted: requests whose client went away before they completed.
+        adapters: loaded adapter name -> its tensors (copies, PEFT names).
+        adapter_configs: loaded adapter name -> its ``adapter_config.json``.
+        adapter_slots_n: how many adapters the engine holds at once.
+        fail_adapter_loads: number of next :meth:`load_adapter` calls the engine refuses (nothing loaded).
+        adapter_requests: the ``model`` of every completion request the server received, in order.
         started: completion requests whose body the server has read (they reached the engine).
         first_tokens: completion requests that have produced their first token.
         fail_apply: number of next patch writes (:meth:`apply_patch`, :meth:`commit_staged`)
@@ -148,6 +163,11 @@ class FakeEngine:
         self._lock = threading.Lock()
         self.fp = fingerprint(self.weights)
         self.url = ""
+        self.adapters: dict[str, dict[str, RawTensor]] = {}
+        self.adapter_configs: dict[str, dict] = {}
+        self.adapter_slots_n = 3
+        self.fail_adapter_loads = 0
+        self.adapter_requests: list[str | None] = []
 
     # -- adapter seam --------------------------------------------------------------------------
 
@@ -225,6 +245,7 @@ class FakeEngine:
             self.fp = fingerprint(self.weights)
             self.version, self.phase, self.paused, self.staged = None, "idle", False, None
             self.instance = uuid.uuid4().hex
+            self.adapters, self.adapter_configs = {}, {}
             self._running.set()
 
     def pause(self) -> None:
@@ -375,13 +396,58 @@ class FakeEngine:
         self.calls.append(("reset_prefix_cache", ()))
         self.prefix_cache_resets += 1
 
+    # -- ServesAdapters ------------------------------------------------------------------------
+
+    def adapter_slots(self) -> int:
+        return self.adapter_slots_n
+
+    def base_names(self) -> list[str]:
+        return sorted(self.weights)
+
+    def load_adapter(self, name: str, folder: str, checksums: Mapping[str, str]) -> None:
+        """Load the PEFT folder under ``name``, verified against ``checksums`` (refused: nothing loaded)."""
+        self._require_lease("load_adapter")
+        self.calls.append(("load_adapter", (name,)))
+        with self._lock:
+            if self.fail_adapter_loads:
+                self.fail_adapter_loads -= 1
+                raise AdapterLoadError(
+                    f"adapter {name}: the engine refused the folder (test)", adapter=name, cause="EngineRefused"
+                )
+            if name not in self.adapters and len(self.adapters) >= self.adapter_slots_n:
+                raise AdapterLoadError(
+                    f"adapter {name}: all {self.adapter_slots_n} slots hold adapters", adapter=name, cause="NoFreeSlot"
+                )
+            config = json.loads((Path(folder) / "adapter_config.json").read_text())
+            tensors = copy_view(read_safetensors(Path(folder) / "adapter_model.safetensors")[1])
+            got = {n: checksum(t) for n, t in tensors.items()}
+            if got != dict(checksums):
+                bad = sorted(n for n in set(got) | set(checksums) if got.get(n) != checksums.get(n))
+                raise AdapterLoadError(
+                    f"adapter {name}: loaded tensors differ from the checksums ({bad[:3]})",
+                    adapter=name,
+                    cause="ChecksumMismatch",
+                    name=bad[0],
+                )
+            self.adapters[name], self.adapter_configs[name] = tensors, config
+
+    def unload_adapter(self, name: str) -> None:
+        self._require_lease("unload_adapter")
+        self.calls.append(("unload_adapter", (name,)))
+        with self._lock:
+            self.adapters.pop(name, None)
+            self.adapter_configs.pop(name, None)
+
+    def loaded_adapters(self) -> list[str]:
+        return sorted(self.adapters)
+
     def count(self, method: str) -> int:
         """How many times the sidecar called ``method``."""
         return sum(1 for m, _ in self.calls if m == method)
 
     # -- HTTP server ---------------------------------------------------------------------------
 
-    async def _token(self, i: int) -> str:
+    async def _token(self, i: int, adapter: str | None = None) -> str:
         while not self._running.is_set():
             await asyncio.sleep(0.002)
         await asyncio.sleep(self.token_delay_s)
@@ -389,7 +455,12 @@ class FakeEngine:
             await asyncio.sleep(0.002)
         if i == 0:
             self.first_tokens += 1
-        return f" t{i}@{self.fp}"
+        if adapter is None:
+            return f" t{i}@{self.fp}"
+        tensors = self.adapters.get(adapter)
+        if tensors is None:  # unloaded under a running request: vLLM's engine would fail the request
+            raise RuntimeError(f"adapter {adapter} was unloaded while a request used it (test)")
+        return f" t{i}@{self.fp}+{adapter}:{fingerprint(tensors)}"
 
     def app(self) -> FastAPI:
         app = FastAPI()
@@ -397,6 +468,11 @@ class FakeEngine:
 
         async def generate(request: Request, chat: bool) -> object:
             body = await request.json()
+            model = body.get("model")
+            engine.adapter_requests.append(model)
+            adapter = model if model in engine.adapters else None
+            if model not in (None, "fake") and adapter is None:
+                return JSONResponse({"error": {"message": f"The model `{model}` does not exist."}}, status_code=404)
             engine.started += 1
             n = int(body.get("max_tokens", 4))
             rid = f"cmpl-{time.monotonic_ns()}"
@@ -408,7 +484,7 @@ class FakeEngine:
                         for i in range(n):
                             if engine.break_stream_after is not None and i >= engine.break_stream_after:
                                 raise ConnectionAbortedError("the fake engine is killed mid-stream (test)")
-                            text = await engine._token(i)
+                            text = await engine._token(i, adapter)
                             choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
                             yield f"data: {json.dumps({'id': rid, 'object': obj + '.chunk' if chat else obj, 'created': 1, 'model': 'fake', 'choices': [choice]})}\n\n"  # noqa: E501
                         yield "data: [DONE]\n\n"
@@ -423,7 +499,7 @@ class FakeEngine:
                 if await request.is_disconnected():
                     engine.aborted += 1
                     return PlainTextResponse("aborted", status_code=499)
-                text += await engine._token(i)
+                text += await engine._token(i, adapter)
             engine.completed += 1
             choice = (
                 {"index": 0, "message": {"role": "assistant", "content": text}} if chat else {"index": 0, "text": text}
@@ -442,7 +518,9 @@ class FakeEngine:
 
         @app.get("/v1/models")
         async def models():
-            return {"object": "list", "data": [{"id": "fake", "object": "model"}]}
+            listed = [{"id": "fake", "object": "model"}]
+            listed += [{"id": n, "object": "model", "parent": "fake", "root": "/dev/shm"} for n in engine.adapters]
+            return {"object": "list", "data": listed}
 
         @app.post("/tokenize")
         async def tokenize(request: Request):
@@ -472,7 +550,7 @@ class FakeEngine:
 OWNED_METHODS = frozenset(
     {
         "take_lease", "release_lease", "known_lease", "pause", "resume", "apply_patch", "stage_patches",
-        "commit_staged", "load_snapshot", "set_version", "reset_prefix_cache",
+        "commit_staged", "load_snapshot", "set_version", "reset_prefix_cache", "load_adapter", "unload_adapter",
     }
 )  # fmt: skip
 
