@@ -2,15 +2,12 @@
 
 One asyncio task in the sidecar's event loop, in place of the :class:`~.reconciler.Reconciler`
 when the run is an adapter run (its manifests carry ``adapter``, :class:`~stitchboard.proto.adapter.AdapterSpec`;
-:func:`adapter_spec_of`). Blocking calls run in its own thread pools (:mod:`.pools`). The engine
-is never paused: adapters are loaded and unloaded while the base model and the other adapters serve.
+:func:`~.adapter_checks.run_kind`). Blocking calls run in its own thread pools (:mod:`.pools`). The
+engine is never paused: adapters are loaded and unloaded while the base model and the other adapters serve.
 
 1. **boot** (every new engine instance): take the engine's lease; the engine must serve adapters
-   (:class:`~.engines.base.ServesAdapters`; SGLang's room does not, and the sidecar says why) with
-   at least ``adapter_resident + 1`` slots; its base view checksum
-   (:func:`~stitchboard.proto.adapter.view_checksum` over the engine's
-   :meth:`~.engines.base.EngineAdapter.checksums` of :meth:`~.engines.base.ServesAdapters.base_names`)
-   must be the run's ``base_checksum``, else the run is refused with both checksums on ``/health``.
+   with at least ``adapter_resident + 1`` slots and hold the run's base model
+   (:func:`~.adapter_checks.check_engine_serves`), else the run is refused on ``/health`` with why.
    The versions the sidecar holds in memory are loaded again and verified (an engine restart)
    before any adapter request is admitted.
 2. **follow**: long-poll the bulletin for a version newer than the newest resident one.
@@ -40,15 +37,15 @@ from pathlib import Path
 from typing import Any
 
 from stitchboard.bulletin.client import BulletinClient
-from stitchboard.proto.adapter import AdapterSpec, adapter_name, view_checksum
+from stitchboard.proto.adapter import AdapterSpec, adapter_name
 from stitchboard.proto.schema import VersionManifest
 from stitchboard.proto.sidecar_wire import Refusal, SidecarState, SyncReport
 
 from .adapter_build import AdapterTensors, checksums_of, rebuild, write_peft_folder
+from .adapter_checks import check_engine_serves
 from .adapter_set import ResidentAdapters
 from .engines.base import EngineAdapter, ServesAdapters
-from .engines.registry import lookup
-from .errors import AdapterRunRefusedError, EngineChangedError, LeaseNotHeldError, NothingPublishedError, StagingError
+from .errors import AdapterRunRefusedError, EngineChangedError, LeaseNotHeldError, StagingError
 from .fetch import Fetcher
 from .gate import Gate
 from .lease_keeper import LeaseKeeper
@@ -61,39 +58,6 @@ from .settings import SidecarSettings
 from .spans import SpanLedger
 
 log = logging.getLogger("stitchboard.sidecar")
-
-
-async def run_kind(
-    client: BulletinClient, settings: SidecarSettings, engine: EngineAdapter, status: LoopStatus, pools: Pools
-) -> AdapterSpec | None:
-    """Whether the run is an adapter run, from its latest manifest: its :class:`AdapterSpec`, or
-    None for a full-model run. While the run has no version it waits for the first, reporting in
-    ``status`` what the reconciler's boot would (``NothingPublished``, or the engine's error and
-    ``waiting_for_engine`` while the engine does not answer); bulletin errors are recorded too and
-    retried with backoff.
-
-    Raises:
-        asyncio.CancelledError: the app stops.
-    """
-    delay = settings.retry_backoff_s
-    while True:
-        try:
-            latest = await pools.io(client.latest, settings.run, -1, 0)
-            if latest is not None:
-                return (await pools.io(client.manifest, settings.run, latest)).adapter
-            try:
-                await pools.engine(engine.state, settings.engine_call_timeout_s)
-            except Exception as exc:  # noqa: BLE001 - the engine is not up yet: say so, as boot would
-                status.error(exc, "boot")
-                status.set_state("waiting_for_engine", "the engine does not answer")
-            else:
-                status.error(NothingPublishedError(f"run {settings.run!r} has no version yet"), "boot")
-                status.set_state("retrying", "nothing published")
-            await pools.io(client.latest, settings.run, -1, min(settings.poll_wait_s, 1.0))
-        except Exception as exc:  # noqa: BLE001 - the bulletin is down or refuses: asked again after a backoff
-            status.error(exc, "reading the run's latest manifest")
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, settings.max_backoff_s)
 
 
 class AdapterFollower:
@@ -280,13 +244,13 @@ class AdapterFollower:
         engine = self.engine
         state = await self.pools.engine(engine.state, self.settings.engine_call_timeout_s)
         try:
-            await self._check_engine_serves()
+            await check_engine_serves(engine, self.settings, self.spec, self.pools)
         except AdapterRunRefusedError as exc:
             self.status.unhealthy_reason = exc.message
             self.status.set_state("unhealthy", "adapter run refused")
             self.status.publish()
             raise
-        assert isinstance(engine, ServesAdapters)  # _check_engine_serves refused it otherwise
+        assert isinstance(engine, ServesAdapters)  # check_engine_serves refused it otherwise
         self.status.unhealthy_reason = None
         loaded = set(await self.pools.engine(engine.loaded_adapters))
         for version in sorted(self.resident.retired):  # not loaded again: no new request could use them
@@ -309,38 +273,6 @@ class AdapterFollower:
         self.resident.set_ready(True)
         self.status.set_state("idle", "booted")
         self.status.publish()
-
-    async def _check_engine_serves(self) -> None:
-        engine = self.engine
-        if not isinstance(engine, ServesAdapters):
-            kind = lookup(self.settings.engine)
-            why = getattr(kind, "adapters_unsupported", None) or "its engine room does not implement ServesAdapters"
-            raise AdapterRunRefusedError(
-                f"run {self.run_id!r} is an adapter run, which the {kind.name} engine cannot serve: {why}",
-                engine=kind.name,
-            )
-        slots = await self.pools.engine(engine.adapter_slots)
-        want = self.settings.adapter_resident + 1
-        if slots < want:
-            raise AdapterRunRefusedError(
-                f"the engine holds {slots} adapters at once, but adapter_resident={self.settings.adapter_resident} "
-                f"needs {want} (K resident + 1 loading): start the engine with at least {want} adapter slots "
-                f"(vLLM --max-loras {want}) or lower STITCH_SIDECAR_ADAPTER_RESIDENT",
-                adapter_slots=slots,
-                needed_slots=want,
-            )
-        names = await self.pools.engine(engine.base_names)
-        held = await self.pools.engine(engine.checksums, names)
-        served = view_checksum(held)
-        if served != self.spec.base_checksum:
-            raise AdapterRunRefusedError(
-                f"run {self.run_id!r} is an adapter for base model {self.spec.base_model!r} with base checksum "
-                f"{self.spec.base_checksum}, but the engine's base view ({len(names)} tensors) has checksum "
-                f"{served}: serve the run beside its own base model",
-                base_model=self.spec.base_model,
-                run_base_checksum=self.spec.base_checksum,
-                engine_base_checksum=served,
-            )
 
     # -- follow ------------------------------------------------------------------------------
 

@@ -35,7 +35,8 @@ from stitchboard.bulletin.client import BulletinClient
 from stitchboard.proto.sidecar_wire import SHOULD_RETRY_HEADER
 
 from . import admin_prime_rl
-from .adapter_follower import AdapterFollower, run_kind
+from .adapter_checks import run_kind
+from .adapter_follower import AdapterFollower
 from .engines import create_adapter
 from .engines.base import EngineAdapter, ReplaysRouting
 from .errors import BodyBudgetError, BodyTooLargeError, RouteForbiddenError, SidecarError, WeightVersionNotReadyError

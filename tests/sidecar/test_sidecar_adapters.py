@@ -22,6 +22,7 @@ from stitchboard.proto.container import RawTensor
 from stitchboard.proto.schema import VersionManifest
 from stitchboard.sidecar.adapter_set import ResidentAdapters
 from stitchboard.sidecar.engines.base import ServesAdapters
+from stitchboard.sidecar.engines.sglang import ADAPTERS_UNSUPPORTED
 from stitchboard.sidecar.errors import InvalidVersionConstraintError
 from stitchboard.sidecar.gate import Gate, VersionConstraint
 from tests.sidecar.fake_engine import FakeEngine
@@ -235,6 +236,20 @@ def test_adapter_run_for_another_base_is_refused(sc_start, lora: AdapterPublishe
     assert view_checksum({n: checksum(t) for n, t in other.weights.items()}) in health["reason"]
     assert other.loaded_adapters() == [] and other.count("load_adapter") == 0
     assert _complete(sidecar, lora.run, weight_version={"wait_s": 0.2}).status_code in (409, 503)
+
+
+class NoAdapterPower(FakeEngine):
+    """An engine room without the ServesAdapters power (as SGLang's)."""
+
+    adapter_slots = base_names = load_adapter = unload_adapter = loaded_adapters = None  # type: ignore[assignment]
+
+
+def test_sglang_refuses_adapter_runs_with_its_reason(sc_start, lora: AdapterPublisher) -> None:
+    engine = NoAdapterPower(BASE)
+    assert not isinstance(engine, ServesAdapters)
+    sidecar = sc_start(engine, engine="sglang")
+    health = wait_for(lambda: (h := _health(sidecar))["status"] == "unhealthy" and h, 20, "the refusal on /health")
+    assert ADAPTERS_UNSUPPORTED in health["reason"] and "the sglang engine cannot serve" in health["reason"]
 
 
 def test_too_few_adapter_slots_are_refused(sc_start, lora: AdapterPublisher) -> None:
