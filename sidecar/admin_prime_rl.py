@@ -21,9 +21,11 @@ off (the default), none is registered and each stays a 403 ``RouteForbidden`` of
   409 ``StepRefused`` when the engine refused that version for good (:mod:`.refusals`), 422
   ``InvalidAdminRequest`` for a body it cannot read (not JSON, nested too deep, a step not in ASCII
   digits). The sidecar applies versions as it always does (following the bulletin); this route only
-  waits for one, on the event loop: its lookups run on threads of their own (:data:`ADMIN_LOOKUP_THREADS`),
+  waits for one, on the event loop: its lookups run on threads of their own (:data:`.admin_steps.ADMIN_LOOKUP_THREADS`),
   so any number of waits never holds the executor that ``/health``'s engine call and the claim check use.
-* ``POST /load_lora_adapter``, ``POST /v1/unload_lora_adapter``: 501 ``AdapterRunsUnsupported``.
+* ``POST /load_lora_adapter {"lora_name", "lora_path"}``, ``POST /v1/unload_lora_adapter {"lora_name"}`` (an
+  adapter run): ``lora_name`` stands for the version of ``lora_path``'s step once it is resident, pinned until
+  unloaded (:mod:`.admin_prime_rl_lora`).
 * ``GET /health`` and ``GET /v1/models`` are the sidecar's own and the engine's (unchanged); prime-rl
   checks that ``/v1/models``'s ``data`` lists an ``id`` equal to its model name.
 
@@ -36,10 +38,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import PurePosixPath
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
@@ -49,11 +47,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from stitchboard.bulletin.body_caps import Cap
 from stitchboard.bulletin.client import BulletinClient
-from stitchboard.proto.errors import StitchError
-from stitchboard.proto.schema import VersionInfo
 
+from .admin_prime_rl_lora import lora_router
+from .admin_steps import APPLIED_POLL_S, EXPECTED_WEIGHT_DIR, step_of_weight_dir, version_of_step
 from .errors import (
-    AdapterRunsUnsupportedError,
     InvalidAdminRequestError,
     InvalidPathError,
     InvalidVersionConstraintError,
@@ -71,45 +68,8 @@ log = logging.getLogger("stitchboard.sidecar")
 
 #: The body cap of every admin route that takes a body, bytes (prime-rl's bodies are a path or two).
 ADMIN_BODY_CAP = Cap(4 * 1024)
-#: How often ``/update_weights`` looks at the applied version while it waits, seconds.
-APPLIED_POLL_S = 0.05
-#: The largest step the bulletin looks up (its ``step`` query is below 2**63).
-MAX_STEP = 2**63 - 1
 PAUSE_MODES = ("keep", "wait")
 LORA_ROUTES = ("/load_lora_adapter", "/v1/unload_lora_adapter")
-#: Threads of the ``/update_weights`` step lookups at the bulletin (blocking client calls), shared by every wait of
-#: the process: the waits queue here, never in the event loop's default executor.
-ADMIN_LOOKUP_THREADS = 2
-_LOOKUPS = ThreadPoolExecutor(max_workers=ADMIN_LOOKUP_THREADS, thread_name_prefix="stitch-admin")
-_STEP_DIR = re.compile(r"step_([0-9]+)")  # ASCII digits only (\d and int() take any script's)
-_EXPECTED = '{"weight_dir": "<output_dir>/broadcasts/step_N"} (or .../checkpoints/step_N/weight)'
-
-
-def step_of_weight_dir(weight_dir: Any) -> int:
-    """The training step N of prime-rl's ``weight_dir``: its last folder ``step_N``, or ``step_N/weight``.
-
-    Raises:
-        InvalidAdminRequestError: not a string, or no ``step_N`` folder where one is expected.
-    """
-    if not isinstance(weight_dir, str) or not weight_dir.strip():
-        why = (
-            'is null (prime-rl sends none for its nixl broadcast: use weight_broadcast.type = "filesystem" and '
-            "`stitchboard watch --layout prime-rl`)"
-            if weight_dir is None
-            else f"must be a folder path, got {weight_dir!r:.80}"
-        )
-        raise InvalidAdminRequestError(f"weight_dir {why}; expected {_EXPECTED}", field="weight_dir", value=weight_dir)
-    path = PurePosixPath(weight_dir.strip().rstrip("/"))
-    name = path.parent.name if path.name == "weight" else path.name
-    match = _STEP_DIR.fullmatch(name)
-    if match is None or int(match.group(1)) > MAX_STEP:
-        raise InvalidAdminRequestError(
-            f"weight_dir {weight_dir!r:.200} names no training step: its last folder must be step_N (N an integer "
-            f">= 0 below 2**63); expected {_EXPECTED}",
-            field="weight_dir",
-            value=weight_dir[:200],
-        )
-    return int(match.group(1))
 
 
 def _weight_dir_of(body: bytes) -> Any:
@@ -121,7 +81,7 @@ def _weight_dir_of(body: bytes) -> Any:
     if not isinstance(data, dict) or "weight_dir" not in data:
         raise InvalidAdminRequestError(
             f"the body of POST /update_weights must be a JSON object with weight_dir, got {body[:80]!r}; expected "
-            f"{_EXPECTED}",
+            f"{EXPECTED_WEIGHT_DIR}",
             field="body",
             value=body[:80].decode("utf-8", "replace"),
         )
@@ -212,42 +172,6 @@ class PauseHold:
         return proxy is not None and proxy.routes.kind(scope["method"], route) == "model"
 
 
-async def _lookup(deadline: float, call: Callable[..., Any], *args: Any) -> Any:
-    """``call(*args)`` on the admin's lookup threads, awaited until the event loop's ``deadline``.
-
-    Raises:
-        TimeoutError: no answer by the deadline (a call still queued is dropped).
-    """
-    loop = asyncio.get_running_loop()
-    return await asyncio.wait_for(asyncio.wrap_future(_LOOKUPS.submit(call, *args)), max(0.0, deadline - loop.time()))
-
-
-async def _version_of_step(
-    client: BulletinClient, settings: SidecarSettings, gate: Gate, step: int, deadline: float
-) -> tuple[VersionInfo | None, str | None]:
-    """The first version at ``step`` or later, asked of the bulletin again each time the gate's target or applied
-    version moves (the reconciler follows the bulletin's latest), at least every ``poll_wait_s`` (after an error,
-    ``retry_backoff_s``), until the event loop's ``deadline``; ``(None, why)`` when none came in time."""
-    loop = asyncio.get_running_loop()
-    problem = None
-    while True:
-        known, pause_s = (gate.target, gate.applied), settings.poll_wait_s
-        try:
-            info = await _lookup(deadline, client.version_for_step, settings.run, step)
-            if info is not None:
-                return info, None
-        except TimeoutError:
-            return None, problem or "the bulletin did not answer the step lookup in time"
-        except StitchError as exc:  # the bulletin unreachable or answering oddly: asked again until the deadline
-            problem, pause_s = f"the bulletin's last answer: {exc.type}: {exc}", settings.retry_backoff_s
-            log.warning("prime-rl /update_weights: looking up step %d of run %r: %s", step, settings.run, problem)
-        until = min(deadline, loop.time() + pause_s)
-        while (gate.target, gate.applied) == known and loop.time() < until:
-            await asyncio.sleep(min(APPLIED_POLL_S, until - loop.time()))
-        if loop.time() >= deadline:
-            return None, problem
-
-
 async def wait_for_step(
     step: int, client: BulletinClient, settings: SidecarSettings, gate: Gate, reconciler: Reconciler
 ) -> dict[str, Any]:
@@ -261,7 +185,7 @@ async def wait_for_step(
     loop = asyncio.get_running_loop()
     wait_s = settings.admin_update_wait_s
     deadline = loop.time() + wait_s
-    info, problem = await _version_of_step(client, settings, gate, step, deadline)
+    info, problem = await version_of_step(client, settings, gate, step, deadline)
     if info is None:
         raise StepNotAppliedError(
             f"no version of run {settings.run!r} records step {step} or later after {wait_s:g} s"
@@ -354,14 +278,6 @@ def register(app: FastAPI, settings: SidecarSettings, client: BulletinClient) ->
         log.info("prime-rl /update_weights: step %d is version %d, applied", step, body["version"])
         return JSONResponse(body)
 
-    async def lora(request: Request) -> JSONResponse:
-        raise AdapterRunsUnsupportedError(
-            f"POST {request.url.path}: adapter runs are not supported yet: issue #31; a prime-rl LoRA run cannot use "
-            "these sidecars as its inference servers",
-            path=request.url.path,
-        )
-
-    for path in LORA_ROUTES:
-        router.add_api_route(path, lora, methods=["POST"], include_in_schema=False)
     app.include_router(router)
+    app.include_router(lora_router(settings, client))
     return {("POST", route): ADMIN_BODY_CAP for route in ("/update_weights", *LORA_ROUTES)}

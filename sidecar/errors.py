@@ -24,7 +24,8 @@ error body (``{"type": ..., "message": ..., <details>}``, see
     │                                      admin_update_wait_s
     ├── StepRefusedError              409  the engine refused the version of the asked step for good (a tensor set it
     │                                      has no place for)
-    ├── AdapterRunsUnsupportedError   501  LoRA adapter routes: adapter runs are not supported yet (issue #31)
+    ├── NotAnAdapterRunError          409  prime-rl's LoRA routes on a sidecar whose run is a full-model run
+    ├── AdapterNotLoadedError         404  /v1/unload_lora_adapter of a name prime-rl did not load here
     ├── EngineUnavailableError        503  the engine does not answer
     ├── AnswerVersionMismatchError    503  an engine answer names weights the sidecar did not hold (not delivered)
     ├── StagingError                  ---  staged files disagree with their manifests (never sent to the engine)
@@ -170,12 +171,22 @@ class StepRefusedError(SidecarError):
     status = 409
 
 
-class AdapterRunsUnsupportedError(SidecarError):
-    """A LoRA adapter route of prime-rl's admin API (``/load_lora_adapter``, ``/v1/unload_lora_adapter``):
-    adapter runs are not supported yet (issue #31). Details: ``path``."""
+class NotAnAdapterRunError(SidecarError):
+    """A LoRA route of prime-rl's admin API (``/load_lora_adapter``, ``/v1/unload_lora_adapter``) on a sidecar
+    whose run is a full-model run (or not yet known to be an adapter run within the wait): its versions are
+    waited for with ``/update_weights`` (:mod:`~stitchboard.sidecar.admin_prime_rl_lora`). Details: ``run``,
+    ``path``."""
 
-    type = "AdapterRunsUnsupported"
-    status = 501
+    type = "NotAnAdapterRun"
+    status = 409
+
+
+class AdapterNotLoadedError(SidecarError):
+    """``POST /v1/unload_lora_adapter`` names an adapter prime-rl did not load on this sidecar (as vLLM
+    answers one, 404). Details: ``adapter``, ``loaded`` (the names loaded)."""
+
+    type = "AdapterNotLoaded"
+    status = 404
 
 
 class EngineUnavailableError(SidecarError):

@@ -240,14 +240,15 @@ def test_a_step_whose_version_the_engine_refuses_for_good_is_409(sc_publisher, s
     assert "UnmappedTensor" in r.json()["message"] and r.headers[SHOULD_RETRY_HEADER] == "false"
 
 
-def test_lora_routes_answer_501_with_a_pointer(sc_publisher, sc_start):
+def test_lora_routes_on_a_full_model_run_are_409(sc_publisher, sc_start):
     sc_publisher.publish(make_view(0))
     engine = FakeEngine()
     sidecar = sc_start(engine, **ON)
+    sidecar.wait_applied(0)
     for path, body in ADMIN_CALLS[3:]:
         r = sidecar.http.post(path, json=body)
-        assert r.status_code == 501 and r.json()["type"] == "AdapterRunsUnsupported", (path, r.text)
-        assert "issue #31" in r.json()["message"]
+        assert r.status_code == 409 and r.json()["type"] == "NotAnAdapterRun", (path, r.text)
+        assert "/update_weights" in r.json()["message"] or "not an adapter run" in r.json()["message"]
     assert engine.http_control_calls == []
 
 
