@@ -39,6 +39,9 @@ SCHEMA_VERSION = 1
 Encoding = Literal["xor", "overwrite", "cond"]
 #: The checksum algorithm every tensor carries; a device-computable fingerprint may sit beside it.
 XXH3_128 = "xxh3_128"
+#: The checksum of a tensor published in parts by several ranks, in place of ``xxh3_128`` (the name
+#: :data:`stitchboard.proto.parts.XXH3_128_PARTS` defines; needs the tensor's ``parts`` layout).
+XXH3_128_PARTS = "xxh3_128_parts"
 
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -46,6 +49,7 @@ _ALGORITHM = re.compile(r"[a-z0-9_]{1,32}")
 #: Hex digits of the digest of each known checksum algorithm; others take 8-128 hex digits.
 DIGEST_HEX_DIGITS = {
     XXH3_128: 32,
+    XXH3_128_PARTS: 32,
     "xxh3_64": 16,
     "xxh64": 16,
     "xxh32": 8,
@@ -161,13 +165,42 @@ class TensorSpec(_Model):
         dtype: safetensors dtype name (``BF16``, ``F32``, ``F8_E4M3``, ``U8`` for packed 4-bit...).
         shape: dimensions; ``[]`` is a scalar.
         checksums: algorithm -> lowercase hex digest of this version's raw little-endian
-            element bits; always has ``xxh3_128``.
+            element bits; has ``xxh3_128``, or ``xxh3_128_parts`` with ``parts`` (a tensor whose
+            blocks live on several ranks: no process holds it whole; :mod:`stitchboard.proto.parts`).
+        parts: ``[dim, start, stop]`` of each block ``xxh3_128_parts`` is computed over, tiling the
+            tensor in order (DESIGN.md, "Parts"); None (left out of the JSON, so older manifests and
+            their sha256 are unchanged) for a tensor checked whole.
     """
 
     name: str
     dtype: str
     shape: list[Annotated[int, Field(ge=0)]]
     checksums: dict[str, str]
+    parts: list[tuple[int, int, int]] | None = None
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out: dict[str, Any] = handler(self)
+        if self.parts is None:
+            out.pop("parts", None)
+        return out
+
+    @model_validator(mode="after")
+    def _parts(self) -> TensorSpec:
+        if XXH3_128 not in self.checksums and (XXH3_128_PARTS not in self.checksums or self.parts is None):
+            raise ValueError(f"checksums must include {XXH3_128!r}, or {XXH3_128_PARTS!r} with the tensor's parts")
+        if self.parts is None:
+            return self
+        rows = self.shape[0] if self.shape else 1
+        cols = numel_of(self.shape[1:]) if self.shape else 1
+        at = 0
+        for dim, start, stop in self.parts:
+            if dim != self.parts[0][0] or dim not in (0, 1) or start != at or stop <= start:
+                raise ValueError(f"parts {self.parts} must be blocks of one dim (0 or 1) tiling the tensor in order")
+            at = stop
+        if at != (rows if self.parts[0][0] == 0 else cols):
+            raise ValueError(f"parts {self.parts} do not cover the tensor {self.shape}")
+        return self
 
     @field_validator("name")
     @classmethod
@@ -196,8 +229,8 @@ class TensorSpec(_Model):
     @field_validator("checksums")
     @classmethod
     def _checksums(cls, v: dict[str, str]) -> dict[str, str]:
-        if XXH3_128 not in v:
-            raise ValueError(f"checksums must include {XXH3_128!r}")
+        if XXH3_128 not in v and XXH3_128_PARTS not in v:
+            raise ValueError(f"checksums must include {XXH3_128!r} (or {XXH3_128_PARTS!r} with the tensor's parts)")
         for alg, digest in v.items():
             try:
                 check_digest(alg, digest)

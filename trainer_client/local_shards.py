@@ -78,12 +78,14 @@ class TensorLayoutPlan:
         parts: (rank, block) in block order for a sharded tensor, empty blocks (a rank with no rows) left
             out; empty for a whole one.
         owner: the rank that publishes a whole tensor (-1 for a sharded one).
+        digest: a whole tensor's xxh3-128 (its replicas agree on it); "" for a sharded one.
     """
 
     dtype: str
     shape: tuple[int, ...]
     parts: tuple[tuple[int, Placement], ...]
     owner: int
+    digest: str = ""
 
 
 def _dtensor_block(name: str, t: torch.Tensor) -> tuple[torch.Tensor, Placement | None]:
@@ -265,6 +267,6 @@ def plan_layout(by_rank: Sequence[Mapping[str, LocalEntry]]) -> dict[str, Tensor
         rank = min((r for r, _ in whole[name]), key=lambda r: (load[r], r))
         e = whole[name][0][1]
         load[rank] += math.prod(e.local_shape)
-        layout[name] = TensorLayoutPlan(e.dtype, e.local_shape, (), rank)
+        layout[name] = TensorLayoutPlan(e.dtype, e.local_shape, (), rank, e.digest)
     _check_fp8_scales(layout)
     return dict(sorted(layout.items()))

@@ -118,3 +118,14 @@ def test_manifest_is_immutable():
     m = VersionManifest.model_validate(manifest())
     with pytest.raises(ValidationError, match="frozen"):
         m.version = 2  # type: ignore[misc]
+
+
+def test_a_tensor_in_parts_carries_xxh3_128_parts_and_its_layout():
+    parted = {"name": "model.w", "dtype": "BF16", "shape": [2, 3], "checksums": {"xxh3_128_parts": "1" * 32}}
+    ok = VersionManifest.model_validate(manifest(tensors=[{**parted, "parts": [[1, 0, 2], [1, 2, 3]]}]))
+    assert ok.tensors[0].parts == [(1, 0, 2), (1, 2, 3)]
+    assert '"parts":[[1,0,2],[1,2,3]]' in canonical_json(ok).decode()
+    assert "parts" not in canonical_json(VersionManifest.model_validate(manifest())).decode()  # older bytes unchanged
+    for bad in (None, [[0, 0, 1]], [[0, 0, 1], [0, 2, 2]], [[0, 0, 1], [1, 1, 3]], [[2, 0, 2]]):
+        with pytest.raises(ValidationError, match="xxh3_128_parts|parts"):
+            VersionManifest.model_validate(manifest(tensors=[{**parted, "parts": bad}]))

@@ -1,0 +1,186 @@
+"""One rank of the 2-process shard-local publish tests (run through ranks.py, not collected by pytest).
+
+Usage, with the torch.distributed env variables RANK and WORLD_SIZE set:
+``python shard_local_worker.py MODES BULLETIN_URL RUN OUT_DIR``: each of the comma-separated MODES in turn, on
+run ``RUN-MODE`` with files in ``OUT_DIR/MODE`` (one mode: on ``RUN``, in ``OUT_DIR``); a mode is one of:
+
+* ``fsdp``: a small model with uneven and empty row shards (FSDP2 over gloo on the CPU), AdamW steps,
+  a :class:`ShardLocalPublisher` publish after each (an anchor at 0 and 3); rank 0 writes each version's
+  reference served view, gathered from the same ranks at the same step, into ``OUT_DIR/ref-{version}``.
+* ``tp``: a model whose weights are DTensors placed ``Shard(0)`` and ``Shard(1)`` (tensor parallel) and a
+  replicated norm; the same publishes and references.
+* ``pipeline``: two pipeline stages, each holding its own layers whole and both the tied embedding; the
+  second time the stages' embeddings differ and the publish is refused naming it (ReplicaMismatchError
+  on both ranks, nothing committed); then they agree again and the next publish is that version.
+* ``dies``: rank 1 exits in the middle of version 1's upload; rank 0's publish fails and commits nothing.
+* ``after_death``: a fresh job (same run, ``resume="anchor"``) publishes the next version.
+
+The ranks meet through a file store, ``OUT_DIR/rendezvous``.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import sys
+from dataclasses import asdict
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+from stitchboard.proto.checkpoint import save_checkpoint
+from stitchboard.trainer_client.errors import PublishError, ReplicaMismatchError
+from stitchboard.trainer_client.served_view import served_view
+from stitchboard.trainer_client.shard_local import ShardLocalPublisher
+
+STEPS = 4
+
+
+def uneven_model() -> torch.nn.Module:
+    """Embedding [63, 16] (32 + 31 rows), Linear [47, 16] (24 + 23), Linear [1, 47] (1 + 0 rows: an empty shard)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Embedding(63, 16), torch.nn.Linear(16, 47), torch.nn.Linear(47, 1))
+
+
+def train(model: torch.nn.Module, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+def record(out: Path, version: int, reference: dict, result: object) -> None:
+    if dist.get_rank() == 0:
+        save_checkpoint(out / f"ref-{version}", reference)
+        with open(out / "results.jsonl", "a") as f:
+            f.write(json.dumps(asdict(result)) + "\n")  # type: ignore[call-overload]
+
+
+def fsdp(url: str, run: str, out: Path) -> None:
+    model = uneven_model()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model.children():
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = train(model, list(model.parameters()))
+    tokens = torch.randint(0, 63, (4, 8), generator=torch.Generator().manual_seed(0))
+    with ShardLocalPublisher(url, run, snapshot_every=3, max_shard_bytes=2048) as pub:
+        for step in range(STEPS):
+            reference = served_view(model)  # the full weights, gathered from the same ranks at this step
+            result = pub.publish(model, step=step)
+            record(out, result.version, reference, result)
+            opt.zero_grad()
+            model(tokens).pow(2).mean().backward()
+            opt.step()
+
+
+def tp(url: str, run: str, out: Path) -> None:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    full = {"col.weight": torch.randn(12, 10), "row.weight": torch.randn(9, 12), "norm.weight": torch.ones(12)}
+    params = {
+        "col.weight": distribute_tensor(full["col.weight"], mesh, [Shard(0)]),
+        "row.weight": distribute_tensor(full["row.weight"], mesh, [Shard(1)]),
+        "norm.weight": distribute_tensor(full["norm.weight"], mesh, [Replicate()]),
+    }
+    state = {n: torch.nn.Parameter(p) for n, p in params.items()}
+    opt = torch.optim.AdamW(list(state.values()), lr=1e-2)
+    with ShardLocalPublisher(url, run, snapshot_every=3) as pub:
+        for step in range(STEPS):
+            reference = served_view(state)
+            result = pub.publish(state, step=step)
+            record(out, result.version, reference, result)
+            opt.zero_grad()
+            sum((p.full_tensor() ** 2).sum() * (i + 1) for i, p in enumerate(state.values())).backward()
+            opt.step()
+
+
+def pipeline(url: str, run: str, out: Path) -> None:
+    """Stage r holds layer r whole and the tied embedding; every tensor whole on its holders."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    embedding = torch.randn(16, 8)
+    layers = [torch.randn(8, 8) for _ in range(dist.get_world_size())]
+    state = {"model.embed_tokens.weight": embedding.clone(), f"model.layers.{rank}.weight": layers[rank].clone()}
+    with ShardLocalPublisher(url, run) as pub:
+        assert pub.publish(state, step=0).version == 0
+        state["model.embed_tokens.weight"][3, 3] += 0.5 * (rank + 1)  # the stages' copies drift apart
+        with pytest.raises(ReplicaMismatchError, match=r"'model.embed_tokens.weight' is replicated on ranks \[0, 1\]"):
+            pub.publish(state, step=1)
+        assert [i.version for i in pub.client.versions(run)] == [0]
+        state["model.embed_tokens.weight"][3, 3] = embedding[3, 3] + 2.0  # synced again
+        state[f"model.layers.{rank}.weight"][0, :] += 1.0
+        result = pub.publish(state, step=1)
+        assert result.version == 1
+        gathered: list[dict | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, served_view(state))
+        record(out, 1, {k: v for g in gathered for k, v in (g or {}).items()}, result)
+
+
+def dies(url: str, run: str, out: Path) -> None:
+    state = _sharded_state()
+    with ShardLocalPublisher(url, run, timeout_s=10.0) as pub:
+        pub.publish(state, step=0)
+        state["w"].to_local().add_(0.25)
+        if dist.get_rank() == 1:
+            import stitchboard.trainer_client.shard_local as module
+
+            real = module.upload_files
+
+            def upload_then_die(*args: object, **kwargs: object) -> int:
+                real(*args, **kwargs)  # type: ignore[arg-type]
+                os._exit(17)  # after its part is uploaded, before the ranks exchange what they uploaded
+
+            module.upload_files = upload_then_die  # type: ignore[assignment]
+        with pytest.raises((PublishError, RuntimeError)):
+            pub.publish(state, step=1)
+        assert [i.version for i in pub.client.versions(run)] == [0]
+    os._exit(0)  # the group lost rank 1: no barrier, no teardown (run this mode alone)
+
+
+def after_death(url: str, run: str, out: Path) -> None:
+    state = _sharded_state()
+    state["w"].to_local().add_(0.5)
+    with ShardLocalPublisher(url, run, resume="anchor") as pub:
+        result = pub.publish(state, step=1)
+        assert result.version == 1 and result.snapshot
+        reference = served_view(state)
+        record(out, 1, reference, result)
+
+
+def _sharded_state() -> dict[str, torch.Tensor]:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    return {"w": distribute_tensor(torch.randn(7, 5), mesh, [Shard(0)]), "b": torch.zeros(5)}
+
+
+MODES = {"fsdp": fsdp, "tp": tp, "pipeline": pipeline, "dies": dies, "after_death": after_death}
+
+
+def main(mode: str, url: str, run: str, out: Path) -> None:
+    faulthandler.dump_traceback_later(50, exit=True)  # a hung collective shows where, in rank{r}.stderr
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{out / ('rendezvous-' + mode)}",
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=timedelta(seconds=60),
+    )
+    modes = mode.split(",")
+    for one in modes:  # several modes in one job: each on run RUN-MODE, files in OUT_DIR/MODE
+        folder = out / one if len(modes) > 1 else out
+        folder.mkdir(exist_ok=True)
+        MODES[one](url, f"{run}-{one}" if len(modes) > 1 else run, folder)
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3], Path(sys.argv[4]))

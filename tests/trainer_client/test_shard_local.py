@@ -1,0 +1,71 @@
+"""Shard-local publish with 2 processes on the CPU (gloo): FSDP2 with uneven and empty shards through AdamW
+steps, TP DTensors (Shard(0), Shard(1), Replicate), a pipeline split with a tied embedding, refused replicas,
+a rank that dies mid-publish. Each version is pulled from the bulletin and compared bit for bit with the full
+weights gathered from the same ranks at the same step (shard_local_worker.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from stitchboard.proto.checkpoint import load_checkpoint
+from stitchboard.proto.decode import read_patch
+from stitchboard.proto.schema import XXH3_128, XXH3_128_PARTS
+from stitchboard.trainer_client.resume import rebuild_version
+from tests.trainer_client.ranks import run_ranks
+
+WORKER = Path(__file__).with_name("shard_local_worker.py")
+
+
+def _pulled_bit_exact(client, run: str, out: Path) -> list[dict]:
+    """Every version of ``run`` rebuilt from the bulletin equals the reference the ranks saved, bit for bit."""
+    results = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    for r in results:
+        rebuilt = rebuild_version(client, run, r["version"])
+        reference = load_checkpoint(out / f"ref-{r['version']}")
+        assert set(rebuilt.view) == set(reference)
+        for name, t in reference.items():
+            assert np.array_equal(rebuilt.view[name].bits, t.bits), (r["version"], name)
+    return results
+
+
+def test_fsdp_tp_and_pipeline_versions_pull_bit_exact(bulletin, run, tmp_path):
+    run_ranks(["fsdp,tp,pipeline", bulletin.url, run, str(tmp_path)], tmp_path, worker=WORKER)
+    with bulletin.client() as client:
+        results = _pulled_bit_exact(client, f"{run}-fsdp", tmp_path / "fsdp")
+        assert [(r["version"], r["snapshot"]) for r in results] == [(0, True), (1, False), (2, False), (3, True)]
+        manifest = client.manifest(f"{run}-fsdp", 2)
+        specs = manifest.tensor_map()
+        # FSDP2 rows: 63 = 32 + 31, 47 = 24 + 23, and [1, 47]: rank 1's shard is empty (no part)
+        assert specs["0.weight"].parts == [(0, 0, 32), (0, 32, 63)] and XXH3_128_PARTS in specs["0.weight"].checksums
+        assert specs["2.weight"].parts == [(0, 0, 1)]
+        patches = manifest.files_of("patch")
+        assert patches and all(f.path.startswith("patch-v2-r") for f in patches)
+        for f in patches:  # each tensor's parts assembled in one entry, by its writer rank
+            data = client.download_blob(f"{run}-fsdp", f.sha256, tmp_path / "dl" / f.path, f.size_bytes).read_bytes()
+            for entry in read_patch(data).entries.values():
+                assert entry.layout == tuple(specs[entry.name].parts)
+        assert results[1]["changed_elements"] > 0
+
+        results = _pulled_bit_exact(client, f"{run}-tp", tmp_path / "tp")
+        specs = client.manifest(f"{run}-tp", 1).tensor_map()
+        assert specs["col.weight"].parts == [(0, 0, 6), (0, 6, 12)]
+        assert specs["row.weight"].parts == [(1, 0, 6), (1, 6, 12)]
+        assert specs["norm.weight"].parts is None and XXH3_128 in specs["norm.weight"].checksums  # replicated: once
+
+        _pulled_bit_exact(client, f"{run}-pipeline", tmp_path / "pipeline")
+        assert [i.version for i in client.versions(f"{run}-pipeline")] == [0, 1]  # the refused publish left nothing
+
+
+def test_a_rank_that_dies_mid_publish_leaves_no_version_and_the_next_job_publishes(bulletin, run, tmp_path):
+    codes = run_ranks(["dies", bulletin.url, run, str(tmp_path)], tmp_path, worker=WORKER, expect=17)
+    assert codes == [0, 17]  # rank 0 saw the failure (asserted there); rank 1 died after its upload
+    with bulletin.client() as client:
+        assert [i.version for i in client.versions(run)] == [0]
+    (tmp_path / "after").mkdir()
+    run_ranks(["after_death", bulletin.url, run, str(tmp_path / "after")], tmp_path / "after", worker=WORKER)
+    with bulletin.client() as client:
+        assert [i.version for i in client.versions(run)] == [0, 1]
+        _pulled_bit_exact(client, run, tmp_path / "after")
