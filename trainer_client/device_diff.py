@@ -15,9 +15,11 @@ On the host, from the kept tensor (which the publisher holds there anyway) and t
   holds every other bit of the target;
 * ``xor`` / ``overwrite``: the varint gaps (:func:`varint_gaps`, byte for byte the C kernel's LEB128) and values
   (``old XOR new`` with ``old`` read from the host's kept tensor, or the new bits); no full-tensor scan at all;
-* ``cond``: its range coder reads the whole base and target, so the target is rebuilt on the host (a copy of the kept
+* ``cond``, and a tensor coded in row parts (larger than the publisher's ``part_bytes``): the range coder and the
+  per-part checksums read the whole base and target, so the target is rebuilt on the host (a copy of the kept
   tensor with the changes written: one tensor of memory, as the streamed publish already holds) and coded by
-  :func:`~stitchboard.proto.codec.encode_tensor` as before. The patch is byte-identical either way.
+  :func:`~stitchboard.proto.codec.encode_tensor` as before; the device then saves the link and the cast, not the
+  host's coding. The patch is byte-identical either way.
 
 Where the kept bits come from on the device (``keep_on_device``):
 
@@ -41,6 +43,7 @@ import torch
 from stitchboard.proto.codec import EncodedTensor, PatchEncoding, PatchEntry, checksum, encode_tensor, patched_checksum
 from stitchboard.proto.container import RawTensor
 from stitchboard.proto.dtypes import bits_type
+from stitchboard.proto.parts import row_layout
 from stitchboard.proto.schema import XXH3_128
 
 #: Element size in bytes -> the signed torch integer dtype the bits are compared as (torch has no wide unsigned ops).
@@ -163,7 +166,13 @@ class DeviceDiffer:
         return sum(t.numel() * t.element_size() for _, t in self._mirror.values())
 
     def diff(
-        self, name: str, kept: RawTensor, kept_checksum: str, new: torch.Tensor, encoding: PatchEncoding
+        self,
+        name: str,
+        kept: RawTensor,
+        kept_checksum: str,
+        new: torch.Tensor,
+        encoding: PatchEncoding,
+        part_bytes: int | None = None,
     ) -> DeviceChanges:
         """Diff ``new`` (on its device, of ``kept``'s dtype and shape) against ``kept``.
 
@@ -173,9 +182,12 @@ class DeviceDiffer:
             kept_checksum: its xxh3-128 (the base version's target checksum).
             new: the served tensor on its device; a fresh tensor the caller hands over (it may become the mirror).
             encoding: the patch encoding.
+            part_bytes: code a tensor larger than this in row parts (``encode_tensor``'s ``part_bytes``; the target
+                is then rebuilt on the host and coded there, as for ``cond``); None: one stream.
 
         Returns:
-            The tensor's delta, byte-identical to ``encode_tensor(name, kept, host copy of new, encoding)``.
+            The tensor's delta, byte-identical to ``encode_tensor(name, kept, host copy of new, encoding,
+            part_bytes=part_bytes)``.
         """
         new_bits = flat_bits(new)
         positions_dev, values_dev = changed_on_device(self.base_bits(name, kept, kept_checksum, new.device), new_bits)
@@ -184,12 +196,19 @@ class DeviceDiffer:
         flat_kept = kept.bits.reshape(-1)
         count = int(positions.size)
         gaps = varint_gaps(positions)
-        if encoding == "cond" and count:
+        parted = part_bytes is not None and len(row_layout(kept.shape, kept.bits.itemsize, part_bytes)) > 1
+        if (encoding == "cond" or parted) and count:
             target = RawTensor(kept.dtype, tuple(kept.shape), flat_kept.copy())
             target.bits[positions] = values
             target_sum = checksum(target)
             encoded = encode_tensor(
-                name, kept, target, encoding, base_checksum=kept_checksum, target_checksum=target_sum
+                name,
+                kept,
+                target,
+                encoding,
+                base_checksum=kept_checksum,
+                target_checksum=target_sum,
+                part_bytes=part_bytes,
             )
         else:
             target_sum = patched_checksum(RawTensor(kept.dtype, (flat_kept.size,), flat_kept), positions, values)

@@ -168,8 +168,8 @@ class ViewStreamer:
         device: diffs the tensors given as torch tensors on a device other than the CPU where they live
             (:mod:`.device_diff`; None: a differ that copies each kept tensor there); CPU tensors and
             :class:`RawTensor` s are diffed on the host by the codec's C kernel.
-        part_bytes: host-diffed tensors larger than this are coded in row parts of about this size, on every
-            core (:mod:`.link`; default :data:`.link.PART_BYTES`); None: one stream per tensor.
+        part_bytes: tensors larger than this are coded in row parts of about this size, on every core
+            (:mod:`.link`; default :data:`.link.PART_BYTES`); None: one stream per tensor.
     """
 
     def __init__(
@@ -259,7 +259,7 @@ class ViewStreamer:
     def _take_on_device(self, name: str, kept: RawTensor, t: torch.Tensor) -> None:
         assert self.base is not None  # _kept_as found a base tensor
         self._layout[name] = Layout(kept.dtype, tuple(kept.shape), kept.nbytes)
-        found = self.device.diff(name, kept, self.base.tensors[name].checksum, t, self.encoding)
+        found = self.device.diff(name, kept, self.base.tensors[name].checksum, t, self.encoding, self.part_bytes)
         self._checksums[name] = found.target_checksum
         if found.encoded is not None:
             self._encoded.append(found.encoded)

@@ -42,12 +42,14 @@ def _random_pair(dtype: torch.dtype, numel: int, density: float, seed: int) -> t
     return torch.from_numpy(old).view(dtype), torch.from_numpy(new.reshape(-1)).view(dtype)
 
 
-def _check_same_as_c(name: str, old: torch.Tensor, new: torch.Tensor, encoding: str) -> None:
+def _check_same_as_c(
+    name: str, old: torch.Tensor, new: torch.Tensor, encoding: str, part_bytes: int | None = None
+) -> None:
     """The device path's delta and change of ``old`` -> ``new`` equal the C kernel's, byte for byte."""
     kept = to_raw(old.contiguous())
     target = to_raw(new.contiguous())
-    got = DeviceDiffer().diff(name, kept, checksum(kept), new.clone(), encoding)  # type: ignore[arg-type]
-    want = encode_tensor(name, kept, target, encoding)  # type: ignore[arg-type]
+    got = DeviceDiffer().diff(name, kept, checksum(kept), new.clone(), encoding, part_bytes)  # type: ignore[arg-type]
+    want = encode_tensor(name, kept, target, encoding, part_bytes=part_bytes)  # type: ignore[arg-type]
     assert got.encoded == want
     count, gaps, values = _bitdiff.diff(kept.bits, target.bits, DTYPE_SIZES[kept.dtype], False)
     assert (got.count, got.gaps, got.new_bits) == (count, gaps, values)
@@ -60,6 +62,8 @@ def test_random_tensors_of_every_served_dtype_give_the_c_kernels_bits(dtype: tor
         for numel, density in ((1, 1.0), (4099, 0.01), (4099, 0.5)):
             old, new = _random_pair(dtype, numel, density, seed=numel)
             _check_same_as_c("w", old, new, encoding)
+        old, new = _random_pair(dtype, 64 * 33, 0.05, seed=7)
+        _check_same_as_c("rows", old.reshape(64, 33), new.reshape(64, 33), encoding, part_bytes=300)  # row parts
 
 
 @pytest.mark.parametrize("encoding", ENCODINGS)
@@ -143,9 +147,11 @@ def _state(seed: int) -> dict[str, torch.Tensor]:
     }
 
 
-@pytest.mark.parametrize(("served", "encoding"), [("bf16", "cond"), ("bf16", "xor"), ("fp8", "cond")])
+@pytest.mark.parametrize(
+    ("served", "encoding", "part_bytes"), [("bf16", "cond", None), ("bf16", "xor", 1024), ("fp8", "cond", 1024)]
+)
 def test_a_publish_routed_to_the_device_path_writes_the_same_patch_and_pulls_bit_exact(
-    bulletin, run, tmp_path, monkeypatch, served: str, encoding: str
+    bulletin, run, tmp_path, monkeypatch, served: str, encoding: str, part_bytes: int | None
 ) -> None:
     calls: list[str] = []
     device_diff = DeviceDiffer.diff
@@ -156,7 +162,9 @@ def test_a_publish_routed_to_the_device_path_writes_the_same_patch_and_pulls_bit
 
     monkeypatch.setattr(DeviceDiffer, "diff", spy)
     state = _state(0)
-    with Publisher(bulletin.url, run, encoding=encoding, served=served, device_kept_view=True) as pub:  # type: ignore[arg-type]
+    with Publisher(
+        bulletin.url, run, encoding=encoding, served=served, device_kept_view=True, part_bytes=part_bytes
+    ) as pub:  # type: ignore[arg-type]
         pub.publish(state, step=0)
         for step in (1, 2):
             state = {n: t + 1e-2 * torch.randn_like(t) if t.is_floating_point() else t + 1 for n, t in state.items()}
@@ -168,6 +176,8 @@ def test_a_publish_routed_to_the_device_path_writes_the_same_patch_and_pulls_bit
             assert routed is not None and sorted(calls) == sorted(routed.layout)
             meta = {"run": run, "version": str(step), "base_version": str(step - 1)}
             assert routed.part(meta) == host.part(meta) and routed.changes == host.changes
+            parted = [e.entry.name for e in routed.encoded if e.entry.parts is not None]
+            assert bool(parted) == (part_bytes is not None)  # the 96 x 32 up_proj and 64 x 32 embedding in parts
             result = pub.publish(state, step=step)
             monkeypatch.undo()
             monkeypatch.setattr(DeviceDiffer, "diff", spy)
