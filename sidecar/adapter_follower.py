@@ -53,9 +53,7 @@ from .loop_status import ErrorRecord, LoopStatus
 from .metrics import SidecarMetrics
 from .pools import Pools
 from .quarantine import SquashQuarantine
-from .salt import CacheSalter
 from .settings import SidecarSettings
-from .spans import SpanLedger
 
 log = logging.getLogger("stitchboard.sidecar")
 
@@ -101,8 +99,6 @@ class AdapterFollower:
         self.lease = LeaseKeeper(settings, engine, metrics)
         self.resident = ResidentAdapters(settings.run, gate)
         self.quarantine = SquashQuarantine(metrics.squash_quarantines)  # plans of adapter runs take squashes too
-        self.spans = SpanLedger()  # an adapter request runs on one version: its spans are that version's
-        self.salter = CacheSalter(settings.salt_cache, settings.engine)
         self.refused: Refusal | None = None
         self.last_sync: SyncReport | None = None
         self.pause_by_route: dict[str, float] = {}  # adapters never pause the engine
