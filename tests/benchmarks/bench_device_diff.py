@@ -20,6 +20,8 @@ served tensor's bytes (``dst.copy_(src)``, one read and one write of the tensor)
 * **decode**: the patch read and its tensor decoded on the host (``read_patch(...).delta``; ``cond`` on its base,
   checked against the target checksum) and the positions and bits copied to the device, as an engine stages it.
 
+The patch is coded in the publisher's row parts (``link.PART_BYTES``), as a streamed publish codes it.
+
 Bit-exactness: the device path's patch bytes, target checksum and changes are compared with the C kernel's on host
 copies (bf16, and the ``fp8`` recipe's codes and scales computed on the device against the host recipe); the
 script exits 1 on any difference. Last line::
@@ -43,6 +45,7 @@ from stitchboard.proto.codec import build_patch, checksum, encode_tensor
 from stitchboard.proto.decode import read_patch
 from stitchboard.sidecar.engines.write_core import TpSlice, write_verified
 from stitchboard.trainer_client.device_diff import DeviceDiffer, changed_on_device, flat_bits
+from stitchboard.trainer_client.link import PART_BYTES
 from stitchboard.trainer_client.recipes import get_recipe
 from stitchboard.trainer_client.served_view import cast_served, cast_served_where_it_lives, to_raw
 
@@ -136,13 +139,15 @@ def main(argv: list[str] | None = None) -> int:
     differ = DeviceDiffer()
     whole_s = _median(
         timer,
-        lambda: differ.diff("w", kept, kept_sum, cast_served_where_it_lives("w", new_masters), args.encoding),
+        lambda: differ.diff(
+            "w", kept, kept_sum, cast_served_where_it_lives("w", new_masters), args.encoding, PART_BYTES
+        ),
         args.reps,
     )
 
     def host_path() -> object:
         target = cast_served("w", new_masters)
-        return encode_tensor("w", kept, target, args.encoding, base_checksum=kept_sum)  # type: ignore[arg-type]
+        return encode_tensor("w", kept, target, args.encoding, base_checksum=kept_sum, part_bytes=PART_BYTES)  # type: ignore[arg-type]
 
     host_s = _median(timer, host_path, args.reps)
     host_detect_s = _median(
@@ -170,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
 
     write_s = _median(timer, write_core, args.reps)
 
-    encoded = encode_tensor("w", kept, cast_served("w", new_masters.cpu()), args.encoding, base_checksum=kept_sum)  # type: ignore[arg-type]
+    target = cast_served("w", new_masters.cpu())
+    encoded = encode_tensor("w", kept, target, args.encoding, base_checksum=kept_sum, part_bytes=PART_BYTES)  # type: ignore[arg-type]
     assert encoded is not None
     patch = build_patch([encoded], args.encoding)  # type: ignore[arg-type]
 
