@@ -162,14 +162,18 @@ def main(argv: list[str] | None = None) -> int:
     target_sum = checksum(cast_served("w", new_masters.cpu()))
     split: dict[str, float] = {}
 
+    states = [(new_bits, target_sum), (old_bits, kept_sum)]  # base -> target, then back: each a verified write
+    turns = [0]
+
     def write_core() -> None:
-        flat_bits(live)[index] = old_bits  # back to the base (untimed by the engine: it starts there)
+        bits, want = states[turns[0] % 2]
+        turns[0] += 1
 
         def write(hook: Callable[[str], None]) -> None:
-            flat_bits(live)[index] = new_bits
+            flat_bits(live)[index] = bits
 
         timing = write_verified(
-            "w", write, [("w", lambda: slot.checksum(live, None), target_sum)], lambda _: None, lambda f, _: f(), None
+            "w", write, [("w", lambda: slot.checksum(live, None), want)], lambda _: None, lambda f, _: f(), None
         )
         split.update(timing)
 
