@@ -22,7 +22,14 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from ..errors import ApplyFailedError, ApplyRefusedError, EngineRequestError, EngineStateError, LeaseNotHeldError
+from ..errors import (
+    AdapterLoadError,
+    ApplyFailedError,
+    ApplyRefusedError,
+    EngineRequestError,
+    EngineStateError,
+    LeaseNotHeldError,
+)
 from .base import EngineState, LeaseGrant, Phase
 
 
@@ -175,6 +182,7 @@ def raise_if_failed(method: str, answers: Sequence[RankAnswer]) -> None:
         LeaseNotHeldError: the caller holds no live lease on some rank (nothing done there).
         ApplyFailedError: writing began (``restored``: whether the old bits are back).
         EngineStateError: the engine's record forbade the call (nothing written).
+        AdapterLoadError: a LoRA adapter call was refused (details as the rank gave them).
         ApplyRefusedError: refused before any write (``cause``: the rank's error type).
         EngineStateError: the ranks record different states.
     """
@@ -191,6 +199,8 @@ def raise_if_failed(method: str, answers: Sequence[RankAnswer]) -> None:
         raise ApplyFailedError(f"{method}: {err.message}", **{**details, "restored": bool(details.get("restored"))})
     if err.type == EngineStateError.type:
         raise EngineStateError(f"{method}: {err.message}", **details)
+    if err.type == AdapterLoadError.type:
+        raise AdapterLoadError(f"{method}: {err.message}", **details)
     raise ApplyRefusedError(
         f"{method} refused, nothing written: {err.type}: {err.message}", **{**details, "cause": err.type}
     )

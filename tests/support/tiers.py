@@ -50,6 +50,8 @@ TIER_FIXTURES: dict[str, tuple[str, ...]] = {
     # fresh vLLM / SGLang servers armed to die mid-apply (the crash tests)
     "tests/sidecar/test_sidecar_vllm.py::engine_chain": ("engine",),
     "tests/sidecar/test_sglang_sidecar.py::engine_chain": ("engine",),
+    # the vLLM server with --enable-lora (2 adapter slots) of the LoRA engine tests
+    "tests/sidecar/test_vllm_lora.py::lora_engine": ("engine",),
     # the shared SGLang server, a sidecar and a fresh plain SGLang (the gate's oracle)
     "tests/sidecar/test_sglang_gate.py::stack": ("engine",),
 }

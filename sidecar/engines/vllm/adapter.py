@@ -38,10 +38,13 @@ from ..rpc import (
     raise_if_failed,
     snapshot_checksums,
 )
+from .lora_calls import LoraCalls
 
 
-class VllmEngine:
-    """:class:`EngineAdapter` over a vLLM server's HTTP endpoints.
+class VllmEngine(LoraCalls):
+    """:class:`EngineAdapter` over a vLLM server's HTTP endpoints; also
+    :class:`~..base.ServesAdapters` (LoRA adapters: :class:`.lora_calls.LoraCalls`, on an engine
+    started with ``--enable-lora``; without it :meth:`adapter_slots` is 0 and every load is refused).
 
     Args:
         engine_url: base URL, e.g. ``http://127.0.0.1:8001``.

@@ -13,6 +13,9 @@ knows vLLM's runtime layout. The mapping is derived from the loaded model itself
   embeddings the vocab rows their ``shard_indices`` name (padding rows are never addressed);
 * everything else (norms, replicated linears) is held whole by every rank;
 * MoE experts: :mod:`.experts` (given to :class:`RuntimeLayout` by the worker).
+* an engine started with ``--enable-lora`` wraps each linear layer in a LoRA layer holding the
+  original as ``base_layer``: its runtime names gain ``.base_layer`` (``...qkv_proj.base_layer.weight``),
+  which the layout drops (:data:`LORA_BASE`), so the full-weights path maps every tensor alike.
 
 A :class:`Placement` describes, for one checkpoint tensor, every TP rank's span along the split
 dimension (so any rank can reassemble the full tensor from gathered blocks) and this rank's
@@ -32,6 +35,13 @@ from .formats import refuse_unservable
 
 #: torch dtype -> safetensors dtype name; element size -> raw-bits integer dtype (:mod:`..write_core`).
 TORCH_DTYPE_NAMES, BITS_TORCH = DTYPE_NAMES, BITS
+#: The module vLLM's LoRA layers hold the original linear layer in (``--enable-lora``).
+LORA_BASE = ".base_layer."
+
+
+def _unwrapped(runtime: str) -> str:
+    """``runtime`` without the ``.base_layer`` of a LoRA-wrapped layer (as without ``--enable-lora``)."""
+    return runtime.replace(LORA_BASE, ".")
 
 
 @dataclass(frozen=True)
@@ -126,11 +136,11 @@ class RuntimeLayout:
         self.model = model
         self.tp_rank = tp_rank
         self.tp_size = tp_size
-        self.params = dict(model.named_parameters())
+        self.params = {_unwrapped(name): param for name, param in model.named_parameters()}
         self._owner: dict[str, torch.nn.Module] = {}
         for mod_name, mod in model.named_modules():
             for pname, _ in mod.named_parameters(recurse=False):
-                self._owner[f"{mod_name}.{pname}" if mod_name else pname] = mod
+                self._owner[_unwrapped(f"{mod_name}.{pname}" if mod_name else pname)] = mod
         self._packers: dict[int, list[torch.nn.Module]] = {}
         for mod in model.modules():
             weight = getattr(mod, "weight", None)
@@ -142,6 +152,33 @@ class RuntimeLayout:
     def runtime_params(self) -> list[str]:
         """Names of every runtime parameter of the model."""
         return list(self.params)
+
+    def checkpoint_names(self) -> list[str]:
+        """The checkpoint names of every runtime parameter, sorted: a fused parameter's parts by the
+        model's ``packed_modules_mapping`` (``qkv_proj`` -> ``q_proj``, ``k_proj``, ``v_proj``), any
+        other as named; each checked to :meth:`place` back into its parameter. A tied output head
+        shares the embedding's parameter and is not listed (as the served view leaves it out).
+
+        Raises:
+            UnmappedTensorError: a runtime parameter whose names do not map back (MoE experts, a
+                model whose loader renames checkpoint tensors).
+        """
+        fused = getattr(self.model, "packed_modules_mapping", {})
+        names: list[str] = []
+        for runtime in self.params:
+            module, _, leaf = runtime.rpartition(".")
+            parent, _, last = module.rpartition(".")
+            parts = fused.get(last, [])
+            candidates = (
+                [f"{parent}.{p}.{leaf}" if parent else f"{p}.{leaf}" for p in parts] if len(parts) > 1 else [runtime]
+            )
+            for name in candidates:
+                if self.place(name).runtime_name != runtime:
+                    raise UnmappedTensorError(
+                        f"runtime parameter {runtime!r}: checkpoint name {name!r} maps elsewhere", name=name
+                    )
+            names += candidates
+        return sorted(names)
 
     def _runtime_name(self, name: str) -> tuple[str, object]:
         mapper = getattr(self.model, "hf_to_vllm_mapper", None)

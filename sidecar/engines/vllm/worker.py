@@ -33,10 +33,19 @@ JSON dict: ``{"ok": true, "state": {...}, ...}`` or ``{"ok": false, "error": {"t
   :mod:`.token_counts`).
 * ``stitch_routed_experts('{"marks": [...]}')``: ``report``: the experts the marked requests'
   tokens were routed to during generation, handed over once (:mod:`.routing`).
+* ``stitch_base_names("{}")``: ``report`` ``{"names": [...]}``: the base model's checkpoint names.
+* ``stitch_adapters("{}")``: ``report`` ``{"slots": n, "loaded": {name: {"id", "pinned", "slot"}}}``:
+  the LoRA adapters the worker holds (:mod:`.lora`).
+* ``stitch_adapter_verify('{"name": N, "folder": F, "checksums": {peft name: xxh3}}')``: check
+  that adapter N (just loaded from F by ``/v1/load_lora_adapter``) serves exactly those bits,
+  then pin it; ``checksums``: the held blocks' checksums.
+* ``stitch_adapter_remove('{"name": N}')``: remove adapter N from the worker (slot freed);
+  ``report`` ``{"removed": bool}``.
 
 The lease (:mod:`..lease`, ``docs/reference/engine-lease.md``): each rank holds one, its expiry
 on the worker's own monotonic clock. The state-changing methods (``stitch_set_version``,
-``stitch_stage``, ``stitch_commit``, ``stitch_apply_patch``, ``stitch_load_snapshot``) take the
+``stitch_stage``, ``stitch_commit``, ``stitch_apply_patch``, ``stitch_load_snapshot``,
+``stitch_adapter_verify``, ``stitch_adapter_remove``) take the
 caller's ``owner`` in their arguments and are refused (``LeaseNotHeld``, nothing done) unless
 that owner's lease is live on every rank (the ranks agree on it over vLLM's TP group before
 anything else, so none goes on alone); the read-only ones (state, staged, checksums, counts,
@@ -82,7 +91,7 @@ from ...errors import ApplyFailedError, EngineStateError, TpRankError
 from ..contract import FAULT_ENV, FAULT_EXIT_CODE, FAULT_VERSION_ENV
 from ..lease import Lease, parse_owner, parse_ttl
 from ..write_core import agreed
-from . import routing
+from . import lora, routing
 from .experts import ExpertLayout
 from .layout import RuntimeLayout
 from .token_counts import output_counts, track_finished
@@ -123,6 +132,7 @@ def _keep_cpu_linear_weights() -> None:
 
 _keep_cpu_linear_weights()
 track_finished()
+lora.track_lora_names()
 routing.track_routing()
 
 
@@ -442,3 +452,46 @@ class StitchWorkerExtension:
             return {"report": routing.take(self.model_runner, marks)}  # type: ignore[attr-defined]
 
         return self._stitch_call(request, run)
+
+    def stitch_base_names(self, request: str = "{}") -> dict[str, Any]:
+        """``{"ok": true, "state", "report": {"names": [...]}}``: the base model's checkpoint names
+        (:meth:`.layout.RuntimeLayout.checkpoint_names`)."""
+        return self._stitch_call(
+            request, lambda args: {"report": {"names": self._stitch_weights().layout.checkpoint_names()}}
+        )
+
+    def stitch_adapters(self, request: str = "{}") -> dict[str, Any]:
+        """``{"ok": true, "state", "report": {"slots": n, "loaded": {name: {"id", "pinned", "slot"}}}}``."""
+        runner = self.model_runner  # type: ignore[attr-defined]
+        return self._stitch_call(
+            request, lambda args: {"report": {"slots": lora.slots(runner), "loaded": lora.loaded(runner)}}
+        )
+
+    def stitch_adapter_verify(self, request: str) -> dict[str, Any]:
+        """Verify adapter ``name`` against ``folder`` and ``checksums`` (:func:`.lora.verify`), then
+        pin it (:func:`.lora.pin`); ``checksums`` in the answer: the held blocks' xxh3-128. A
+        refusal pins nothing (the caller unloads the adapter)."""
+
+        def run(args: dict[str, Any]) -> dict[str, Any]:
+            name, folder, sums = args.get("name"), args.get("folder"), args.get("checksums")
+            if not isinstance(name, str) or not isinstance(folder, str):
+                raise ValueError("name and folder must be strings")  # noqa: TRY004 - reported to the sidecar as a refused request
+            if not isinstance(sums, dict) or not sums or not all(isinstance(v, str) for v in sums.values()):
+                raise ValueError("checksums must map every PEFT tensor name to its xxh3_128 hex digest")
+            runner = self.model_runner  # type: ignore[attr-defined]
+            held = lora.verify(runner, name, folder, sums)
+            lora.pin(runner, name)
+            return {"checksums": held}
+
+        return self._stitch_call(request, run, owned="verifying and pinning a LoRA adapter")
+
+    def stitch_adapter_remove(self, request: str) -> dict[str, Any]:
+        """Remove adapter ``name`` from the worker: ``report`` ``{"removed": bool}`` (False: none held)."""
+
+        def run(args: dict[str, Any]) -> dict[str, Any]:
+            name = args.get("name")
+            if not isinstance(name, str):
+                raise ValueError("name must be a string")  # noqa: TRY004 - reported to the sidecar as a refused request
+            return {"report": {"removed": lora.remove(self.model_runner, name)}}  # type: ignore[attr-defined]
+
+        return self._stitch_call(request, run, owned="removing a LoRA adapter")
