@@ -11,7 +11,8 @@ service or use the store directly::
     ├── ConflictError            409  store state forbids the request
     │   ├── VersionConflictError      same version published before with different bytes
     │   ├── VersionRewindError        version is not after the run's latest
-    │   └── BaseMissingError          base version (version - 1) is not committed
+    │   ├── BaseMissingError          base version (version - 1) is not committed
+    │   └── AdapterMismatchError      the adapter differs from the base version's (adapter runs)
     ├── InvalidRequestError      400/422  bad input; nothing was written
     │   ├── BlobMissingError          manifest references a blob that was never uploaded
     │   ├── BlobMismatchError         blob bytes/size disagree with the stated sha256/size
@@ -74,6 +75,14 @@ class BaseMissingError(ConflictError):
     """The manifest's base version (``version - 1``) is not committed yet: publish it first."""
 
     type = "BaseMissing"
+
+
+class AdapterMismatchError(ConflictError):
+    """The version's adapter (``VersionManifest.adapter``) differs from its base version's in a field every version
+    of an adapter run keeps (``stitchboard.proto.adapter.spec_mismatch``; ``adapter`` when one is a full run's).
+    Details: ``field``, ``base_value``, ``value``. Publish that adapter to a new run."""
+
+    type = "AdapterMismatch"
 
 
 class InvalidRequestError(BulletinError):

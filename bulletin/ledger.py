@@ -34,10 +34,12 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import NamedTuple, TypeVar, cast
 
+from stitchboard.proto.adapter import spec_mismatch
 from stitchboard.proto.errors import SchemaError
 from stitchboard.proto.schema import RunInfo, VersionInfo, VersionManifest, canonical_json, check_run_id, parse_manifest
 
 from .errors import (
+    AdapterMismatchError,
     BaseMissingError,
     BlobMismatchError,
     BlobMissingError,
@@ -320,6 +322,8 @@ class Ledger:
                 (:mod:`.steps`); the latest version's step with the same bits is a no-op returning
                 ``(latest version's info, False)``.
             InvalidRequestError: also when a non-snapshot version changes the tensor set.
+            AdapterMismatchError: the manifest's adapter differs from its base version's in a field an adapter run
+                keeps (:func:`stitchboard.proto.adapter.spec_mismatch`), or only one of them is an adapter.
             Nothing is written when any of these is raised.
         """
         run_key(run)
@@ -367,6 +371,18 @@ class Ledger:
         previous = self.committed(run, version - 1) if version > 0 else None
         if previous is not None and check_step(manifest, previous.manifest):
             return previous.info, False  # the latest version holds this step with these bits: a no-op (steps.py)
+        mismatch = spec_mismatch(previous.manifest.adapter, manifest.adapter) if previous is not None else None
+        if mismatch is not None:
+            field, base_value, value = mismatch
+            raise AdapterMismatchError(
+                f"version {version} of run {run!r} has {field} {value!r} but its base version {version - 1} has "
+                f"{base_value!r}: every version of an adapter run keeps it; publish that adapter to a new run",
+                run_id=run,
+                version=version,
+                field=field,
+                base_value=base_value,
+                value=value,
+            )
         if previous is not None and not manifest.snapshot and previous.manifest.layout() != manifest.layout():
             raise InvalidRequestError(
                 f"version {version} of run {run!r} changes the tensor set (names, dtypes or shapes) "

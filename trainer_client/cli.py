@@ -5,7 +5,8 @@ checkpoint (one file, or an HF index + shards; any tensor set and dtypes, taken 
 view as is) and publishes it as the run's next version, diffing against the run's latest
 version rebuilt from the bulletin. ``pull`` materializes any version as a plain folder
 (safetensors checkpoint + run assets) that transformers or vLLM load, verified against the
-manifest checksums. Both are top-level commands registered through the
+manifest checksums; a version of an adapter run is written as a PEFT adapter folder
+(:mod:`.adapter_pull`). Both are top-level commands registered through the
 ``stitchboard.commands`` entry-point group.
 """
 
@@ -80,20 +81,25 @@ def pull(
     output: Annotated[Path, typer.Option("-o", "--output", help="folder to create (must not exist or be empty)")],
     token: Token = None,
     version: Annotated[int | None, typer.Option(help="version to pull (default: the latest)")] = None,
+    adapter: Annotated[
+        bool, typer.Option("--adapter", help="require an adapter run's version (refuse a full run's)")
+    ] = False,
 ) -> None:
-    """Write a version as a plain safetensors checkpoint + run assets into OUTPUT, verified against its manifest."""
+    """Write a version into OUTPUT, verified against its manifest: a plain safetensors checkpoint + run assets, or
+    for an adapter run a PEFT adapter folder (adapter_model.safetensors + adapter_config.json)."""
     from stitchboard.bulletin.client import BulletinClient
     from stitchboard.proto.errors import StitchError
 
-    from .resume import pull_version
+    from .adapter_pull import pull_folder
 
     try:
         with BulletinClient(bulletin, token) as client:
-            rebuilt = pull_version(client, run, output, version)
+            rebuilt = pull_folder(client, run, output, version, require_adapter=adapter)
     except (StitchError, OSError, ValueError) as exc:
         raise _fail(exc) from exc
     m = rebuilt.manifest
+    kind = "" if m.adapter is None else f" (LoRA adapter r={m.adapter.r} over {m.adapter.base_model}, PEFT folder)"
     typer.echo(
-        f"version {m.version} of run {run}: {len(m.tensors)} tensors, {len(rebuilt.assets)} asset files, "
+        f"version {m.version} of run {run}: {len(m.tensors)} tensors{kind}, {len(rebuilt.assets)} asset files, "
         f"verified -> {output}"
     )

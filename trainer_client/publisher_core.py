@@ -41,6 +41,7 @@ from stitchboard.proto.container import RawTensor
 from stitchboard.proto.fleet import FleetCount
 from stitchboard.proto.schema import XXH3_128, Encoding, FileRef, VersionManifest, canonical_json, check_run_id
 
+from .adapter_run import AdapterRun
 from .assets import load_assets
 from .async_publish import BoundedWorker
 from .encode_version import (
@@ -167,6 +168,7 @@ class PublisherCore(ABC):
         self.served = check_served_options(served, dtypes, default_dtype)
         if self.served.name != "bf16" and not self._applies_recipes:
             raise ValueError(f"{type(self).__name__} publishes served='bf16' only; use Publisher for served={served!r}")
+        self._adapter_run = AdapterRun(self.served.name, dtypes, default_dtype)  # a PEFT model: its adapter alone
         self.max_shard_bytes = max_shard_bytes
         self.workdir = workdir
         if workdir is not None:
@@ -251,7 +253,8 @@ class PublisherCore(ABC):
         Waits for earlier :meth:`publish_async` calls first (versions stay in call order).
 
         Args:
-            model_or_state_dict: the model (its ``state_dict``) or a state dict.
+            model_or_state_dict: the model (its ``state_dict``) or a state dict; a ``peft.PeftModel`` (LoRA)
+                publishes its adapter alone, as a version of an adapter run (:mod:`.adapter_run`).
             step: the training step, stored in the manifest's metadata.
             anchor: ``True`` forces a snapshot in this version; ``None``/``False`` follow the policy.
             metadata: extra JSON-serializable manifest metadata (keep it deterministic).
@@ -263,11 +266,14 @@ class PublisherCore(ABC):
             BulletinError: after the client's retries (UnavailableError), or at once on a 4xx;
                 the version is then not committed, or committed with exactly these bytes.
             ServedViewError, PublishError: see :mod:`.served_view`, :mod:`.async_publish`.
+            AdapterRefusedError: a PEFT model an adapter run does not serve, or a change of the run's kind or
+                adapter (:mod:`.adapter_run`); nothing is uploaded.
         """
         self._worker.admit()
         try:
             self._worker.flush()
             t0 = time.perf_counter()
+            model_or_state_dict = self._adapter_run.take(model_or_state_dict)
             view = self._stream_of(model_or_state_dict) or self._take_view(model_or_state_dict)
             return self._publish_view(view, step, bool(anchor), metadata, time.perf_counter() - t0)
         finally:
@@ -326,7 +332,7 @@ class PublisherCore(ABC):
         self._worker.admit()
         try:
             t0 = time.perf_counter()
-            view = self._take_view(model_or_state_dict)
+            view = self._take_view(self._adapter_run.take(model_or_state_dict))
             cast_s = time.perf_counter() - t0
         except BaseException:
             self._worker.release()
@@ -537,7 +543,7 @@ class PublisherCore(ABC):
             encoding=parts[0].encoding,
             changed_elements=sum(p.changed_elements for p in parts),
             metadata=version_metadata(step, tensor_set_changed, metadata),
-        ).model_copy(update={"served": self.served.name})
+        ).model_copy(update={"served": self.served.name, "adapter": self._adapter_run.spec})
         adopt = self._adopter(view, last, manifest, snapshot)
         try:
             committed = self._on_committer(lambda: self.client.publish(manifest))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -143,6 +144,39 @@ def verify_pulled(rebuilt: RebuiltVersion, out: Path) -> None:
         )
 
 
+def empty_folder(out: str | os.PathLike[str]) -> Path:
+    """``out`` as a path, checked to be a folder a pull may write: absent or empty.
+
+    Raises:
+        FileExistsError: ``out`` exists and is not empty.
+    """
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} is not empty; pull into a new folder")
+    return out
+
+
+def download_assets(
+    client: BulletinClient, rebuilt: RebuiltVersion, out: Path, reserved: Callable[[str], bool]
+) -> None:
+    """Download the version's asset files into ``out`` (created) after checking none is named like a file the pull
+    writes itself (``reserved``), so an asset can never stand in for the weights.
+
+    Raises:
+        ResumeError: an asset is named like a reserved file (nothing is written).
+    """
+    shadows = [ref.path for ref in rebuilt.assets if reserved(ref.path)]
+    if shadows:
+        raise ResumeError(
+            f"version {rebuilt.manifest.version} of run {rebuilt.manifest.run_id!r} lists assets named like "
+            f"checkpoint files {shadows[:3]}; they would replace the weights: publish a new run with renamed assets",
+            files=shadows,
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    for ref in rebuilt.assets:
+        _download(client, rebuilt.manifest.run_id, ref, out)
+
+
 def pull_version(
     client: BulletinClient, run: str, out: str | os.PathLike[str], version: int | None = None
 ) -> RebuiltVersion:
@@ -150,7 +184,9 @@ def pull_version(
 
     ``out`` must not exist or be empty. The weights are verified against the manifest before
     they are written, and what was written is read back and verified again (:func:`verify_pulled`),
-    so an asset can never stand in for the weights.
+    so an asset can never stand in for the weights. (A version of an adapter run is written this
+    way too, under PEFT's names; ``stitchboard pull`` writes it as a PEFT folder instead:
+    :mod:`.adapter_pull`.)
 
     Raises:
         FileExistsError: ``out`` exists and is not empty.
@@ -158,21 +194,10 @@ def pull_version(
             written does not match the manifest.
         the errors of :func:`rebuild_version`.
     """
-    out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"{out} is not empty; pull into a new folder")
+    out = empty_folder(out)
     rebuilt = rebuild_version(client, run, version, workdir=out.parent if out.parent.exists() else None)
-    shadows = [ref.path for ref in rebuilt.assets if is_checkpoint_file(ref.path)]
-    if shadows:
-        raise ResumeError(
-            f"version {rebuilt.manifest.version} of run {run!r} lists assets named like checkpoint files "
-            f"{shadows[:3]}; they would replace the weights: publish a new run with renamed assets",
-            files=shadows,
-        )
-    out.mkdir(parents=True, exist_ok=True)
+    download_assets(client, rebuilt, out, is_checkpoint_file)
     save_checkpoint(out, rebuilt.view)
-    for ref in rebuilt.assets:
-        _download(client, run, ref, out)
     verify_pulled(rebuilt, out)
     return rebuilt
 
