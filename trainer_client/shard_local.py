@@ -54,11 +54,12 @@ from stitchboard.proto.schema import XXH3_128, FileRef, TensorSpec
 
 from .encode_version import BaseTensor, EncodedPart, bytes_ref, file_ref
 from .errors import PublishError
-from .local_shards import Placement, TensorLayoutPlan, cast_piece, entry_of, local_pieces, plan_layout
+from .local_shards import LocalEntry, Placement, TensorLayoutPlan, cast_piece, entry_of, local_pieces, plan_layout
+from .publish_result import PublishResult
 from .publisher_core import PublisherOptions
-from .served_view import checkpoint_state
+from .served_view import TORCH_DTYPE_NAMES, checkpoint_state, served_dtype
 from .sharded import ShardedPublisher
-from .stream import StreamedView
+from .stream import StreamedView, TensorChange
 from .uploads import upload_assets, upload_files
 from .version_parts import EncodeReport, PublishedVersion, RankPart, ViewPart
 
@@ -67,6 +68,8 @@ S = TypeVar("S")
 
 #: (dim, start, stop, base digest, target digest) of one part, as the ranks exchange it.
 PartDigests = tuple[int, int, int, str, str]
+#: A rank's piece of a tensor: cast to its served form, or the live tensor (a streamed publish casts it later).
+Piece = RawTensor | torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,7 @@ class ShardView(ViewPart):
         plan: checkpoint name -> :class:`~.local_shards.TensorLayoutPlan` of every tensor of the version.
     """
 
-    pieces: Mapping[str, tuple[RawTensor, Placement | None]] = field(default_factory=dict)
+    pieces: Mapping[str, tuple[Piece, Placement | None]] = field(default_factory=dict)
 
 
 class _Agreed(Exception):
@@ -100,19 +103,31 @@ def _layout(t: TensorLayoutPlan) -> _Layout:
     return _Layout(t.dtype, t.shape, math.prod(t.shape) * DTYPE_SIZES[t.dtype])
 
 
+#: What a rank encodes of a version: its whole tensors' deltas, its changed blocks, its parts' digests, and the
+#: changed elements of its streamed pieces.
+_Own = tuple[
+    list[EncodedTensor], dict[tuple[str, int], parts.EncodedBlock], dict[str, PartDigests], dict[str, TensorChange]
+]
+
+
 @dataclass(frozen=True)
 class _Now:
     """The version being published, from its encoding to its adoption (one at a time: the publisher's lock).
 
     Attributes:
         plan: the layout the ranks agreed on.
-        mine: this rank's pieces it publishes (non-empty blocks, whole tensors it owns).
+        mine: this rank's pieces it publishes (non-empty blocks, whole tensors it owns): cast host copies, or
+            the live tensors of a streamed publish (cast one at a time; their changes kept in ``changes``).
         sums: name -> target checksum of every tensor (``xxh3_128``, or ``xxh3_128_parts`` of a sharded one).
+        changes: name -> changed elements of a streamed piece against its kept bits (written in after the commit).
+        kept: the kept view the version is a delta from (None: none).
     """
 
     plan: dict[str, TensorLayoutPlan]
-    mine: dict[str, RawTensor]
+    mine: dict[str, Piece]
     sums: dict[str, str]
+    changes: dict[str, TensorChange]
+    kept: Mapping[str, RawTensor] | None
 
 
 @dataclass(frozen=True)
@@ -156,6 +171,7 @@ class ShardLocalPublisher(ShardedPublisher):
             raise ValueError("ShardLocalPublisher makes no squashes: leave squash_depths off")
         self.placements = dict(placements or {})
         self._kept_blocks = {}  # name -> the block this rank keeps of it (a resumed view is whole: none)
+        self._streaming = False  # inside publish(): pieces stay live until encoded
         super().__init__(url, run, token, group=group, **options)
 
     # -- the view: this rank's pieces ---------------------------------------------------------
@@ -163,27 +179,58 @@ class ShardLocalPublisher(ShardedPublisher):
     def _take_view(self, model_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor]) -> ShardView:
         """This rank's pieces in their served form (host copies); no collective (the ranks' layouts are compared
         when the version is encoded, in publish order, so a background publish never interleaves with it)."""
-        pieces: dict[str, tuple[RawTensor, Placement | None]] = {}
+        pieces: dict[str, tuple[Piece, Placement | None]] = {}
         try:
             state = checkpoint_state(model_or_state_dict)
             for name, (local, block) in local_pieces(state, self.placements).items():
-                pieces[name] = (cast_piece(name, local, block, self.dtypes, self.default_dtype), block)
+                pieces[name] = (local if self._streaming else self._cast(name, local, block), block)
         except Exception as exc:  # noqa: BLE001 - raised on every rank once the ranks compare (_plan)
             return ShardView({}, frozenset(), exc, True)
-        return ShardView({n: raw for n, (raw, _) in pieces.items()}, frozenset(pieces), None, True, pieces)
+        return ShardView({}, frozenset(pieces), None, True, pieces)
+
+    def publish(
+        self,
+        model_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor],
+        step: int | None = None,
+        anchor: bool | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> PublishResult:
+        """As :meth:`ShardedPublisher.publish`, streamed: a delta casts each piece when it is diffed and keeps only
+        its changed elements (memory: the kept blocks, one piece, the changes); the changes are written into the
+        kept blocks after the commit. The model must not change until this returns."""
+        self._streaming = True
+        try:
+            return super().publish(model_or_state_dict, step, anchor, metadata)
+        finally:
+            self._streaming = False
+
+    def _cast(self, name: str, piece: Piece, block: Placement | None) -> RawTensor:
+        """A piece in its served form: a live tensor cast (a fresh host copy), a cast one as it is."""
+        if isinstance(piece, RawTensor):
+            return piece
+        return cast_piece(name, piece, block, self.dtypes, self.default_dtype)
+
+    def _entry(self, name: str, piece: Piece, block: Placement | None) -> LocalEntry:
+        """What this rank tells the others of a piece; a live block is not cast for it (dtype and shape suffice)."""
+        if isinstance(piece, RawTensor) or block is None:
+            return entry_of(self._cast(name, piece, block), block)  # a whole tensor's digest: cast, hashed, dropped
+        dtype = TORCH_DTYPE_NAMES.get(served_dtype(name, piece, self.dtypes, self.default_dtype), "U8")
+        rows = int(piece.shape[0]) if piece.ndim else 1
+        shape = (rows, math.prod(piece.shape[1:])) if block.dim == 0 else (rows, int(piece.shape[1]))
+        return LocalEntry(dtype, shape, block, "")
 
     def _own_view(self, view: Mapping[str, RawTensor]) -> ShardView:
         """A whole view given on every rank: every tensor is whole (compared across ranks, published once)."""
-        return ShardView(dict(view), frozenset(view), None, False, {n: (view[n], None) for n in sorted(view)})
+        return ShardView({}, frozenset(view), None, False, {n: (view[n], None) for n in sorted(view)})
 
-    def _plan(self, view: ShardView) -> tuple[dict[str, TensorLayoutPlan], dict[str, RawTensor]]:
+    def _plan(self, view: ShardView) -> tuple[dict[str, TensorLayoutPlan], dict[str, Piece]]:
         """The layout every rank agrees on, and this rank's pieces it publishes (its non-empty blocks, the whole
         tensors it owns).
 
         Raises (on every rank alike, as :class:`_Agreed`): PublishError naming the ranks whose view failed;
         the errors of :func:`.local_shards.plan_layout` (ReplicaMismatchError...).
         """
-        entries = None if view.error is not None else {n: entry_of(t, b) for n, (t, b) in view.pieces.items()}
+        entries = None if view.error is not None else {n: self._entry(n, t, b) for n, (t, b) in view.pieces.items()}
         gathered = self._gather((None if view.error is None else repr(view.error), entries))
         failed = [r for r, (e, _) in enumerate(gathered) if e is not None]
         if failed:
@@ -251,13 +298,14 @@ class ShardLocalPublisher(ShardedPublisher):
         kept = None if last is None or changed_set else last.view
         writers = self._writers(plan)
         error: str | None = None
-        local: tuple[list[EncodedTensor], dict[tuple[str, int], parts.EncodedBlock], dict[str, PartDigests]]
-        local = ([], {}, {})
+        local: _Own = ([], {}, {}, {})
         try:
+            if kept is None:  # no delta: the new pieces become the kept view, cast now
+                mine = {n: self._cast(n, p, self._block_of(plan[n])) for n, p in mine.items()}
             local = self._encode_own(mine, plan, last if kept is not None else None)
         except Exception as exc:  # noqa: BLE001 - every rank must reach the exchange below, then all raise
             error = repr(exc)
-        whole, changed, digests = local
+        whole, changed, digests, changes = local
         outgoing: dict[int, dict[tuple[str, int], parts.EncodedBlock]] = {}
         for key, enc in changed.items():
             if writers[key[0]] != self.rank:
@@ -282,7 +330,7 @@ class ShardLocalPublisher(ShardedPublisher):
                     for d in ordered
                 ]
                 whole.append(encoded_from_parts(name, t.dtype, t.shape, blocks))
-        self._now = _Now(plan, mine, sums)
+        self._now = _Now(plan, mine, sums, changes, kept)
         patch = None if last is None else build_patch(whole, self.encoding, self._patch_metadata(version))
         part = EncodedPart(
             patch,
@@ -300,22 +348,27 @@ class ShardLocalPublisher(ShardedPublisher):
         return part, report
 
     def _encode_own(
-        self, mine: Mapping[str, RawTensor], plan: Mapping[str, TensorLayoutPlan], last: PublishedVersion | None
-    ) -> tuple[list[EncodedTensor], dict[tuple[str, int], parts.EncodedBlock], dict[str, PartDigests]]:
+        self, mine: Mapping[str, Piece], plan: Mapping[str, TensorLayoutPlan], last: PublishedVersion | None
+    ) -> _Own:
         """This rank's share of the delta: the whole tensors it owns (encoded), its changed blocks (encoded as
-        parts, by (name, start)), and every block's digests; ``last`` None: no delta (only digests)."""
+        parts, by (name, start)), every block's digests, and the changed elements of each live piece (cast here
+        one at a time and dropped); ``last`` None: no delta (only digests)."""
         whole: list[EncodedTensor] = []
         changed: dict[tuple[str, int], parts.EncodedBlock] = {}
         digests: dict[str, PartDigests] = {}
+        changes: dict[str, TensorChange] = {}
         kept = last.view if last is not None else None
         for name, t in plan.items():
-            new = mine.get(name)
-            if new is None:
+            piece = mine.get(name)
+            if piece is None:
                 continue
+            new = self._cast(name, piece, self._block_of(t))
             if t.owner == self.rank:
                 if kept is not None and last is not None:
                     enc = encode_tensor(name, kept[name], new, self.encoding, base_checksum=last.tensors[name].checksum)
                     whole += [enc] if enc is not None else []
+                    if enc is not None and not isinstance(piece, RawTensor):
+                        changes[name] = TensorChange.between(kept[name], new)
                 continue
             block = next(b for r, b in t.parts if r == self.rank)
             if kept is None:
@@ -328,7 +381,33 @@ class ShardLocalPublisher(ShardedPublisher):
             digests[name] = (p.dim, p.start, p.stop, p.base, p.target)
             if p.count:
                 changed[(name, p.start)] = enc_block
-        return whole, changed, digests
+                if not isinstance(piece, RawTensor):
+                    changes[name] = TensorChange.between(base, new)
+        return whole, changed, digests, changes
+
+    def _block_of(self, t: TensorLayoutPlan) -> Placement | None:
+        """This rank's block of a tensor (None: a whole tensor)."""
+        return None if t.owner >= 0 else next((b for r, b in t.parts if r == self.rank), None)
+
+    def _new_piece(self, name: str) -> RawTensor:
+        """This rank's piece of the new view: a cast copy, or (streamed) its kept bits with the change written into
+        a fresh copy (the kept bits themselves when unchanged)."""
+        now = self._now
+        piece = now.mine[name]
+        if isinstance(piece, RawTensor):
+            return piece
+        assert now.kept is not None  # a streamed piece has a kept base (else it was cast in _encode)
+        base = self._kept_piece(name, now.plan[name], now.kept)
+        change = now.changes.get(name)
+        if change is None:
+            return base
+        new = RawTensor(base.dtype, base.shape, base.bits.copy())
+        change.write(new)
+        return new
+
+    def _kept_piece(self, name: str, t: TensorLayoutPlan, kept: Mapping[str, RawTensor]) -> RawTensor:
+        block = self._block_of(t)
+        return kept[name] if block is None else self._base_block(name, t, block, kept)
 
     def _swap(self, payloads: Mapping[int, bytes], incoming: list[int]) -> list[bytes]:
         """Send each payload to its rank and take the ones sent here (``incoming[r]``: bytes from rank r), all at
@@ -416,16 +495,16 @@ class ShardLocalPublisher(ShardedPublisher):
         works = []
         for tag, (name, t) in enumerate(self._now.plan.items()):
             if t.owner < 0 and owners[name] != self.rank and name in self._now.mine:
-                bits = torch.from_numpy(np.ascontiguousarray(self._now.mine[name].bits).view(np.uint8))
+                bits = torch.from_numpy(np.ascontiguousarray(self._new_piece(name).bits).view(np.uint8))
                 works.append(dist.isend(bits, group=self._control, group_dst=owners[name], tag=tag))
         return works
 
     def _whole_tensor(self, name: str) -> RawTensor:
         """Tensor ``name`` whole, for the snapshot this rank writes: its own, or its blocks received from the ranks."""
-        plan, mine = self._now.plan, self._now.mine
+        plan = self._now.plan
         t = plan[name]
         if t.owner >= 0:
-            return mine[name]
+            return self._new_piece(name)
         tag = list(plan).index(name)
         rows, cols = parts.grid(t.shape)
         size = DTYPE_SIZES[t.dtype]
@@ -434,7 +513,7 @@ class ShardLocalPublisher(ShardedPublisher):
         for rank, block in t.parts:
             width = block.stop - block.start
             if rank == self.rank:
-                piece = np.ascontiguousarray(mine[name].bits).view(np.uint8)
+                piece = np.ascontiguousarray(self._new_piece(name).bits).view(np.uint8)
             else:
                 piece = np.empty(width * (cols if block.dim == 0 else rows) * size, dtype=np.uint8)
                 dist.recv(torch.from_numpy(piece), group=self._control, group_src=rank, tag=tag)
@@ -449,13 +528,28 @@ class ShardLocalPublisher(ShardedPublisher):
     def _adopter(
         self, view: ViewPart | StreamedView, last: PublishedVersion | None, manifest: Any, snapshot: bool
     ) -> Callable[[], PublishedVersion]:
-        plan, mine, sums = self._now.plan, self._now.mine, self._now.sums
+        now = self._now
+        plan, mine, sums = now.plan, now.mine, now.sums
         tensors = {n: BaseTensor(t.dtype, t.shape, sums[n]) for n, t in plan.items()}
         since = 0 if snapshot or last is None else last.since_anchor + 1
         kept_blocks = {n: b for n, t in plan.items() for r, b in t.parts if r == self.rank and n in mine}
 
         def adopt() -> PublishedVersion:
+            view: dict[str, RawTensor] = {}
+            for name, piece in mine.items():
+                if isinstance(piece, RawTensor):
+                    view[name] = piece
+                    continue
+                assert now.kept is not None  # streamed: a delta from the kept view
+                base = self._kept_piece(name, plan[name], now.kept)
+                change = now.changes.get(name)
+                if change is not None:
+                    owned = last is not None and name in last.owned and base is now.kept.get(name)
+                    if not (owned and base.bits.flags.writeable):
+                        base = RawTensor(base.dtype, base.shape, base.bits.copy())
+                    change.write(base)  # bits replaced in place, never float math
+                view[name] = base
             self._kept_blocks = kept_blocks
-            return PublishedVersion(manifest.version, mine, tensors, since, frozenset(mine))
+            return PublishedVersion(manifest.version, view, tensors, since, frozenset(view))
 
         return adopt
