@@ -17,6 +17,9 @@ from stitchboard.proto.errors import StitchError
 
 from .engines import ENGINE_NAMES
 from .loop import DemoConfig, DemoResult, StepRow, run_demo
+from .lora_cli import refuse_lora as _refuse_lora
+from .lora_cli import run_lora_cli
+from .lora_demo import LoraDemoConfig
 from .moe_demo import resolve_model
 from .moe_models import PRESETS
 
@@ -93,9 +96,20 @@ def demo(
             "fp8-block and nvfp4 cannot be served here"
         ),
     ] = "bf16",
+    lora: Annotated[
+        bool,
+        typer.Option(
+            help="train a LoRA adapter (PEFT, AdamW lr 1e-4) instead of the whole model: its versions are served "
+            "beside the base model by vLLM, two resident (stitchboard demo --lora --steps 2)"
+        ),
+    ] = False,
 ) -> None:
     """Run a real RL loop (GRPO, AdamW lr 3e-6) whose every step is shipped into vLLM or SGLang as a bit-exact patch,
     then check it."""
+    if lora:
+        _refuse_lora(engine, served, model, engines)
+        run_lora_cli(LoraDemoConfig(workdir=workdir, steps=steps, model_dir=Path(model) if model else None), keep)
+        return
     if engine not in ENGINE_NAMES:
         raise typer.BadParameter(
             f"unknown engine {engine!r}: use one of {', '.join(ENGINE_NAMES)}", param_hint="--engine"

@@ -120,6 +120,7 @@ def sample(
     max_tokens: int,
     seed: int,
     routing: RoutingShape | None = None,
+    model: str = SERVED_NAME,
 ) -> tuple[list[str], tuple[int, int], list[str]]:
     """``n`` sampled completions (temperature 1) of ``prompt_text`` through a sidecar.
 
@@ -127,6 +128,7 @@ def sample(
         routing: a MoE model's routing shape: each completion asks for its routed experts
             (``return_routed_experts``, one output per request: ``n`` concurrent requests, seeds
             ``seed .. seed + n - 1``) and its answer is checked (:meth:`RoutingShape.problem`).
+        model: the model asked for (an adapter run's name or ``<run>@<N>``: that run's adapter).
 
     Returns:
         The completion texts, the (weight_version_start, weight_version_end) the answers spanned
@@ -136,7 +138,7 @@ def sample(
         DemoError: the sidecar answered an error.
     """
     body = {
-        "model": SERVED_NAME,
+        "model": model,
         "prompt": prompt_text,
         "n": n,
         "max_tokens": max_tokens,
