@@ -197,8 +197,9 @@ def _refuse_other_formats(folder: Path, names: list[str]) -> NoReturn:
     where = str(folder)
     if "adapter_config.json" in names:
         raise CheckpointRefusedError(
-            f"{folder / 'adapter_config.json'}: a PEFT adapter, not full weights; adapters are published to an "
-            "adapter run (LoRA support), or merge it into the model (merge_and_unload()) and save that",
+            f"{folder / 'adapter_config.json'}: a PEFT adapter, not full weights; watch publishes full weights only: "
+            "publish the PeftModel from the trainer with Publisher.publish(peft_model), which makes an adapter run "
+            "(docs/adapters.md), or merge it into the model (merge_and_unload()) and save that",
             folder=where,
         )
     distcp = sorted(folder.glob("*.distcp")) + sorted(folder.glob("*/*.distcp"))

@@ -279,7 +279,8 @@ def test_refused_and_malformed_checkpoints_are_named_and_the_next_good_one_publi
     assert "step_2/model.safetensors" in failed[0] and "truncated" in failed[0]
     assert "step_3/pytorch_model.bin" in failed[1] and "save_safetensors" in failed[1]
     assert "step_4/pytorch_model_fsdp_0/__0_0.distcp" in failed[2] and "FULL_STATE_DICT" in failed[2]
-    assert "step_5/adapter_config.json" in failed[3] and "adapter run" in failed[3]
+    assert "step_5/adapter_config.json" in failed[3] and "Publisher.publish(peft_model)" in failed[3]
+    assert "docs/adapters.md" in failed[3]
     assert "step_8/model.safetensors" in failed[4]
     assert w.poll() == []  # not read again while its files stay as they are
     write_prime_rl(root, 8, bf16_state(trainer.model))
