@@ -64,7 +64,7 @@ _RUN = """{% extends "base" %}{% macro plot(p) %}{% if p.svg is not none %}{{ p.
 <div id="convergence">{{ plot(convergence) }}</div>
 <h2>replicas</h2>
 <table id="replicas"><tr><th>replica</th><th>engine</th><th>applied</th><th>target</th><th>behind latest</th>\
-<th>state</th><th>live</th>
+<th>state</th><th>live</th><th>resident adapters</th>
 <th>last sync (bytes, s, pause s)</th><th>last error</th></tr>
 {% for r in view.replicas %}<tr class="replica {{ '' if r.live else 'dead' }}" data-replica="{{ r.report.replica_id }}">
 <td>{{ r.report.replica_id }}</td><td>{{ r.report.engine }}</td><td class="applied">\
@@ -73,12 +73,13 @@ _RUN = """{% extends "base" %}{% macro plot(p) %}{% if p.svg is not none %}{{ p.
 {{ r.behind_latest if r.behind_latest is not none else "-" }}</td>
 <td class="{{ 'ok' if r.report.healthy else 'error' }}">{{ r.report.state }}</td><td>\
 {{ "yes" if r.live else "expired" }}</td>
+<td class="adapters">{{ r.report.adapters | join(", ") if r.report.adapters else "-" }}</td>
 <td>{% if r.report.last_sync %}v{{ r.report.last_sync.to_version }}: \
 {{ "{:,}".format(r.report.last_sync.bytes_fetched) }} B, {{ "%.3f" | format(r.report.last_sync.total_seconds) }} s, \
 {{ "%.3f" | format(r.report.last_sync.pause_seconds) }} s ({{ r.report.last_sync.route }}){% else %}-{% endif %}</td>
 <td class="error">{% if r.report.last_error %}{{ r.report.last_error.type }}: {{ r.report.last_error.message }}\
 {% endif %}</td></tr>
-{% else %}<tr><td colspan="9">no replica reports to this bulletin</td></tr>{% endfor %}
+{% else %}<tr><td colspan="10">no replica reports to this bulletin</td></tr>{% endfor %}
 </table>
 <h2>version list</h2>
 <table id="versions"><tr><th>version</th><th>anchor</th><th>delta bytes</th><th>snapshot bytes</th><th>% changed</th>\
