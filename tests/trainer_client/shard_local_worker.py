@@ -14,6 +14,8 @@ run ``RUN-MODE`` with files in ``OUT_DIR/MODE`` (one mode: on ``RUN``, in ``OUT_
   on both ranks, nothing committed); then they agree again and the next publish is that version.
 * ``dies``: rank 1 exits in the middle of version 1's upload; rank 0's publish fails and commits nothing.
 * ``after_death``: a fresh job (same run, ``resume="anchor"``) publishes the next version.
+* ``resized``: a job of another world size resumes that run with ``resume="rebuild"`` and publishes deltas
+  (``publish``, then ``publish_async``).
 
 The ranks meet through a file store, ``OUT_DIR/rendezvous``.
 """
@@ -152,13 +154,31 @@ def after_death(url: str, run: str, out: Path) -> None:
         record(out, 1, reference, result)
 
 
+def resized(url: str, run: str, out: Path) -> None:
+    """A job of another world size resumes the run (``resume="rebuild"``: every rank cuts its blocks from the
+    rebuilt view) and publishes a delta, then one with ``publish_async``."""
+    state = _sharded_state()
+    state["w"].to_local().add_(0.5)
+    with ShardLocalPublisher(url, run, resume="rebuild") as pub:
+        assert pub.last_version == 1
+        state["w"].to_local()[0].add_(1.0)
+        result = pub.publish(state, step=2)
+        assert (result.version, result.snapshot) == (2, False) and result.changed_elements > 0
+        record(out, 2, served_view(state), result)
+        state["w"].to_local()[-1].add_(1.0)
+        reference = served_view(state)
+        result = pub.publish_async(state, step=3).result()
+        assert (result.version, result.snapshot) == (3, False)
+        record(out, 3, reference, result)
+
+
 def _sharded_state() -> dict[str, torch.Tensor]:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(0)
     return {"w": distribute_tensor(torch.randn(7, 5), mesh, [Shard(0)]), "b": torch.zeros(5)}
 
 
-MODES = {"fsdp": fsdp, "tp": tp, "pipeline": pipeline, "dies": dies, "after_death": after_death}
+MODES = {"fsdp": fsdp, "tp": tp, "pipeline": pipeline, "dies": dies, "after_death": after_death, "resized": resized}
 
 
 def main(mode: str, url: str, run: str, out: Path) -> None:
