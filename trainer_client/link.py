@@ -24,12 +24,13 @@ from __future__ import annotations
 from stitchboard.proto.schema import Encoding
 
 #: Row-part size of the publisher's deltas, bytes: the smallest size within +5 % of one stream per tensor
-#: on real SmolLM2-135M steps (bench_parts, 2026-12-05).
-PART_BYTES = 1 << 20
+#: on real SmolLM2-135M steps (bench_parts, 2026-12-05: 2 MiB +2.0 %, 1 MiB +7.6 %; each part's ``cond``
+#: models start afresh, ~130 bytes a part).
+PART_BYTES = 2 << 20
 #: Break-even link speed of ``cond`` against ``xor``, bytes per second, measured by bench_parts on real
 #: SmolLM2-135M steps with :data:`BREAK_EVEN_CORES` decoding cores at :data:`BREAK_EVEN_DENSITY` of the
 #: elements changed (2026-12-05, docs/benchmarks.md).
-BREAK_EVEN_BYTES_PER_S = 13e6
+BREAK_EVEN_BYTES_PER_S = 1.4e6
 #: Decoding cores of that measurement.
 BREAK_EVEN_CORES = 2
 #: Share of the served view's elements changed per step in that measurement.

@@ -14,7 +14,7 @@ per tensor), decode seconds, and the break-even link speed
 above which ``xor``'s faster decode beats ``cond``'s smaller transfer (with this machine's cores
 decoding). Last line::
 
-    parts: part_bytes=<n> cond_bytes_ratio=<x> decode_speedup=<x> break_even_bytes_per_s=<n> cores=<n>
+    parts: part_bytes=<n> cond_bytes_ratio=<x> decode_speedup=<x> break_even_bytes_per_s=<n> cores=<n> density=<x>
 
 for the size given by ``--pick`` (the publisher's default, :data:`~stitchboard.trainer_client.link.PART_BYTES`).
 """
@@ -77,6 +77,7 @@ def main() -> None:
                 diff = diff_views(prev, cur, enc, part_bytes=size or None)
                 row[f"{enc}_bytes"] = len(diff.patch)
                 row[f"{enc}_s"] = _decode_s(prev, diff.patch)
+                row["density"] = diff.changed_elements / diff.total_elements
             rows[size].append(row)
         prev = cur
     med = {s: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for s, rs in rows.items()}
@@ -95,7 +96,7 @@ def main() -> None:
     print(
         f"parts: part_bytes={args.pick} cond_bytes_ratio={pick['cond_bytes'] / one['cond_bytes']:.3f} "
         f"decode_speedup={one['cond_s'] / pick['cond_s']:.2f} break_even_bytes_per_s={pick['even']:.0f} "
-        f"cores={os.cpu_count()}"
+        f"cores={os.cpu_count()} density={pick['density']:.4f}"
     )
 
 
