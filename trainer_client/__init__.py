@@ -16,7 +16,9 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from .adapter_pull import pull_adapter
     from .errors import (
+        AdapterRefusedError,
         AssetsError,
         CheckpointNameError,
         FleetTimeoutError,
@@ -46,6 +48,8 @@ _SOURCES = {
     "rebuild_version": "resume",
     "pull_version": "resume",
     "RebuiltVersion": "resume",
+    "pull_adapter": "adapter_pull",
+    "AdapterRefusedError": "errors",
     "TrainerError": "errors",
     "ServedViewError": "errors",
     "CheckpointNameError": "errors",
@@ -59,6 +63,7 @@ _SOURCES = {
 }
 
 __all__ = [
+    "AdapterRefusedError",
     "AssetsError",
     "CheckpointNameError",
     "DtypeMap",
@@ -76,6 +81,7 @@ __all__ = [
     "checkpoint_name",
     "checkpoint_state",
     "from_raw",
+    "pull_adapter",
     "pull_version",
     "rebuild_version",
     "to_raw",
