@@ -3,7 +3,9 @@
 Per publish: snapshot the served view (bf16 cast by default, see :mod:`.served_view`), diff it
 bitwise against the last published view kept in host memory, encode the patch, upload the
 files (by sha256; files the bulletin already has are skipped), then commit the manifest. The
-commit is the only point where the version comes to exist (DESIGN.md invariant 4).
+commit is the only point where the version comes to exist (DESIGN.md invariant 4). A streamed
+delta of a model on a GPU is cast and diffed on the GPU, and only the changed positions and bits
+come to the host (:mod:`.device_diff`; ``device_kept_view``); CPU tensors use the codec's C kernel.
 
 Versions: the first publish of a run is version 0, an anchor (full snapshot + run assets).
 Every later publish is a delta from the previous version; it also carries a snapshot
