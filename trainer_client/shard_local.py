@@ -365,10 +365,11 @@ class ShardLocalPublisher(ShardedPublisher):
             new = self._cast(name, piece, self._block_of(t))
             if t.owner == self.rank:
                 if kept is not None and last is not None:
-                    enc = encode_tensor(name, kept[name], new, self.encoding, base_checksum=last.tensors[name].checksum)
+                    old = self._kept_piece(name, t, kept)
+                    enc = encode_tensor(name, old, new, self.encoding, base_checksum=last.tensors[name].checksum)
                     whole += [enc] if enc is not None else []
                     if enc is not None and not isinstance(piece, RawTensor):
-                        changes[name] = TensorChange.between(kept[name], new)
+                        changes[name] = TensorChange.between(old, new)
                 continue
             block = next(b for r, b in t.parts if r == self.rank)
             if kept is None:
@@ -406,8 +407,21 @@ class ShardLocalPublisher(ShardedPublisher):
         return new
 
     def _kept_piece(self, name: str, t: TensorLayoutPlan, kept: Mapping[str, RawTensor]) -> RawTensor:
+        """This rank's kept bits of its piece of tensor ``name`` (see :meth:`_base_block`).
+
+        Raises:
+            PublishError: a whole tensor now, a block of it kept (no rank holds its old bits whole).
+        """
         block = self._block_of(t)
-        return kept[name] if block is None else self._base_block(name, t, block, kept)
+        if block is not None:
+            return self._base_block(name, t, block, kept)
+        if name in self._kept_blocks or name not in kept:
+            raise PublishError(
+                f"run {self.run}: tensor {name!r} is whole on rank {self.rank} now but was sharded in the last "
+                "version: the layout changed; resume with resume='rebuild' or 'anchor'",
+                name=name,
+            )
+        return kept[name]
 
     def _swap(self, payloads: Mapping[int, bytes], incoming: list[int]) -> list[bytes]:
         """Send each payload to its rank and take the ones sent here (``incoming[r]``: bytes from rank r), all at

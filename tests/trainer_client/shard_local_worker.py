@@ -7,8 +7,10 @@ run ``RUN-MODE`` with files in ``OUT_DIR/MODE`` (one mode: on ``RUN``, in ``OUT_
 * ``fsdp``: a small model with uneven and empty row shards (FSDP2 over gloo on the CPU), AdamW steps,
   a :class:`ShardLocalPublisher` publish after each (an anchor at 0 and 3); rank 0 writes each version's
   reference served view, gathered from the same ranks at the same step, into ``OUT_DIR/ref-{version}``.
+* ``smollm2``: SmolLM2-135M under FSDP2 (``SMOLLM2_DIR``), real AdamW steps, a publish per step.
 * ``tp``: a model whose weights are DTensors placed ``Shard(0)`` and ``Shard(1)`` (tensor parallel) and a
-  replicated norm; the same publishes and references.
+  replicated norm; the same publishes and references; then the whole view given to ``publish_view`` is refused
+  (the layout changed: no rank holds the sharded tensors' old bits whole).
 * ``pipeline``: two pipeline stages, each holding its own layers whole and both the tied embedding; the
   second time the stages' embeddings differ and the publish is refused naming it (ReplicaMismatchError
   on both ranks, nothing committed); then they agree again and the next publish is that version.
@@ -80,6 +82,29 @@ def fsdp(url: str, run: str, out: Path) -> None:
             opt.step()
 
 
+def smollm2(url: str, run: str, out: Path) -> None:
+    """SmolLM2-135M (float32 masters, tied embedding) sharded by FSDP2, real AdamW steps on a fixed batch
+    (``SMOLLM2_DIR``: the checkpoint folder); a publish before each step and after the last."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(os.environ["SMOLLM2_DIR"], dtype=torch.float32)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-6)
+    tokens = torch.randint(0, 1000, (2, 32), generator=torch.Generator().manual_seed(0))
+    with ShardLocalPublisher(url, run, snapshot_every=10) as pub:
+        for step in range(3):
+            reference = served_view(model)  # the full weights, gathered from the same ranks at this step
+            result = pub.publish(model, step=step)
+            record(out, result.version, reference, result)
+            opt.zero_grad()
+            model(tokens, labels=tokens).loss.backward()
+            opt.step()
+
+
 def tp(url: str, run: str, out: Path) -> None:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(0)
@@ -99,6 +124,9 @@ def tp(url: str, run: str, out: Path) -> None:
             opt.zero_grad()
             sum((p.full_tensor() ** 2).sum() * (i + 1) for i, p in enumerate(state.values())).backward()
             opt.step()
+        with pytest.raises(PublishError, match="was sharded in the last version: the layout changed"):
+            pub.publish_view(served_view(state))  # whole tensors now: no rank holds their old bits whole
+        assert [i.version for i in pub.client.versions(run)] == list(range(STEPS))
 
 
 def pipeline(url: str, run: str, out: Path) -> None:
@@ -178,7 +206,15 @@ def _sharded_state() -> dict[str, torch.Tensor]:
     return {"w": distribute_tensor(torch.randn(7, 5), mesh, [Shard(0)]), "b": torch.zeros(5)}
 
 
-MODES = {"fsdp": fsdp, "tp": tp, "pipeline": pipeline, "dies": dies, "after_death": after_death, "resized": resized}
+MODES = {
+    "smollm2": smollm2,
+    "fsdp": fsdp,
+    "tp": tp,
+    "pipeline": pipeline,
+    "dies": dies,
+    "after_death": after_death,
+    "resized": resized,
+}
 
 
 def main(mode: str, url: str, run: str, out: Path) -> None:
