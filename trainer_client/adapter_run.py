@@ -26,7 +26,7 @@ from __future__ import annotations
 import enum
 import json
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import torch
@@ -145,14 +145,23 @@ class AdapterRun:
     Args:
         served: the publisher's served recipe name (adapter runs publish ``bf16`` only).
         dtypes, default: the publisher's served dtypes (the base view checksum uses them as a full run would).
+        run_spec: called once, at the first :meth:`take`: whether the run already has a version (a resumed
+            publisher) and that version's adapter (None: a full run); the run's kind and spec are taken from it.
     """
 
-    def __init__(self, served: str, dtypes: DtypeMap | None, default: torch.dtype) -> None:
+    def __init__(
+        self,
+        served: str,
+        dtypes: DtypeMap | None,
+        default: torch.dtype,
+        run_spec: Callable[[], tuple[bool, AdapterSpec | None]],
+    ) -> None:
         self.served, self.dtypes, self.default = served, dtypes, default
-        #: The run's spec once a PEFT model was published (every manifest of the run carries it).
+        #: The run's spec once a PEFT model was published or resumed (every manifest of the run carries it).
         self.spec: AdapterSpec | None = None
-        #: Whether this publisher published a full model (None: nothing yet).
+        #: Whether the run is a full run (None: not known yet).
         self._full: bool | None = None
+        self._run_spec: Callable[[], tuple[bool, AdapterSpec | None]] | None = run_spec
         self._base_checksum: tuple[int, str] | None = None  # (id of the base model, its checksum)
 
     def take(
@@ -164,6 +173,10 @@ class AdapterRun:
         Raises:
             AdapterRefusedError: see the module docstring; nothing is recorded then.
         """
+        if self._run_spec is not None:  # a resumed run's kind and spec, read once
+            has_versions, prior = self._run_spec()
+            self._run_spec = None
+            self.spec, self._full = prior, (has_versions and prior is None) or None
         peft_model = peft_model_of(model_or_state_dict)
         if peft_model is None:
             if self.spec is not None:

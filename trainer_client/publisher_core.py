@@ -27,6 +27,7 @@ import torch
 
 from stitchboard.bulletin.client import BulletinClient
 from stitchboard.bulletin.errors import NotFoundError, UnavailableError, VersionConflictError
+from stitchboard.proto.adapter import AdapterSpec
 from stitchboard.proto.checkpoint import (
     DEFAULT_SHARD_BYTES,
     INDEX_NAME,
@@ -168,7 +169,9 @@ class PublisherCore(ABC):
         self.served = check_served_options(served, dtypes, default_dtype)
         if self.served.name != "bf16" and not self._applies_recipes:
             raise ValueError(f"{type(self).__name__} publishes served='bf16' only; use Publisher for served={served!r}")
-        self._adapter_run = AdapterRun(self.served.name, dtypes, default_dtype)  # a PEFT model: its adapter alone
+        self._adapter_run = AdapterRun(  # a PEFT model: its adapter alone; a resumed run's kind read once
+            self.served.name, dtypes, default_dtype, self._resumed_run_spec
+        )
         self.max_shard_bytes = max_shard_bytes
         self.workdir = workdir
         if workdir is not None:
@@ -205,6 +208,11 @@ class PublisherCore(ABC):
                 "view rebuilt and verified" if published.view else "next version is an anchor",
             )
         return published, refs, {a.path: a.data for a in given or []}
+
+    def _resumed_run_spec(self) -> tuple[bool, AdapterSpec | None]:
+        """Whether the run has a version already, and the adapter of the last one (None: a full run, or none)."""
+        last = self._published
+        return (False, None) if last is None else (True, self.client.manifest(self.run, last.version).adapter)
 
     @property
     def last_version(self) -> int | None:

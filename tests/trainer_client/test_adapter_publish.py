@@ -201,15 +201,26 @@ def test_publish_refuses_other_peft_types_a_missing_config_and_changes_between_v
             publisher.publish(lora())
 
 
-def test_bulletin_refuses_a_version_whose_adapter_differs_from_its_base(bulletin, run: str) -> None:
+def test_a_resumed_publisher_and_the_bulletin_refuse_a_changed_adapter(bulletin, run: str) -> None:
     with Publisher(bulletin.url, run) as publisher:
         publisher.publish(lora())
     for model, field in ((lora(r=4), "r"), (tiny_llama(), "adapter")):
-        with Publisher(bulletin.url, run) as resumed, pytest.raises(AdapterMismatchError) as caught:
-            resumed.publish(model)  # a fresh publisher knows no spec yet: the bulletin's check
-        assert caught.value.status == 409 and caught.value.details["field"] == field, caught.value.body()
-        assert field in caught.value.message and "new run" in caught.value.message
-    assert bulletin.client().latest(run) == 0
+        with Publisher(bulletin.url, run) as resumed, pytest.raises(AdapterRefusedError) as caught:
+            resumed.publish(model)  # the resumed publisher reads the run's spec: refused before any upload
+        assert caught.value.details["field"] == field, caught.value.body()
+    # the bulletin's own check, for a publisher that skips the SDK's: version 1 with another rank, or none
+    client = bulletin.client()
+    v0 = client.manifest(run, 0)
+    assert v0.adapter is not None
+    other_rank = v0.adapter.model_copy(update={"r": 4, "config": {**v0.adapter.config, "r": 4}})
+    for adapter, field, base_value, value in ((other_rank, "r", 8, 4), (None, "adapter", "adapter", "full")):
+        v1 = v0.model_copy(update={"version": 1, "base_version": 0, "adapter": adapter})
+        with pytest.raises(AdapterMismatchError) as mismatch:
+            client.publish(v1)
+        assert mismatch.value.status == 409 and mismatch.value.details["field"] == field, mismatch.value.body()
+        assert (mismatch.value.details["base_value"], mismatch.value.details["value"]) == (base_value, value)
+        assert "new run" in mismatch.value.message
+    assert client.latest(run) == 0
 
 
 def test_base_checksum_is_the_full_runs_view_without_lora_names() -> None:
