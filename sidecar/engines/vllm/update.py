@@ -30,7 +30,8 @@ the old GEMM copies, so the engine holds either the base or the target, never a 
 
 Why: on the CPU backend re-packing every linear of SmolLM2-135M took ~200 ms, the largest part
 of the pause, and a real RL step touches every linear (``tests/benchmarks/bench_apply.py``).
-Memory while a patch is staged: one host copy of the largest parameter being processed, plus
+Memory while a patch is staged: one host copy per staging thread (at TP = 1 two parameters are staged
+side by side, :data:`STAGING_THREADS`) of the parameter it processes, plus
 the new GEMM copies of every touched linear (about the linear weights' size on CPU; none on GPU).
 """
 
@@ -38,10 +39,12 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 import time
 import types
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +65,9 @@ from .weights import WeightIO, placements_for, read_patches
 
 log = logging.getLogger("stitchboard.sidecar.engines.vllm.update")
 
+#: Threads staging runtime parameters side by side at TP = 1 (decode, checksums, GEMM packing), at most one per
+#: core; each holds one host copy of the parameter it stages.
+STAGING_THREADS = min(2, os.cpu_count() or 1)
 #: One step of a staged plan: ``(patch file paths, from_version, to_version)``.
 Step = tuple[Sequence[str], int, int]
 
@@ -203,7 +209,9 @@ def stage_patches(io: WeightIO, steps: Sequence[Step]) -> StagedPatch:
         ``rank_elements`` (positions this rank writes), ``repacked_modules`` and seconds
         ``read_s`` (read + decode), ``check_s`` (base and target checksums; with TP > 1 the
         gathers), ``decode_s`` (``cond`` deltas, on their bases), ``build_s`` (host copies, step
-        application) and ``pack_s``.
+        application) and ``pack_s``, each summed over the staging threads: at TP = 1 the runtime
+        parameters stage side by side on :data:`STAGING_THREADS` threads (no collective to keep in
+        order), a parted tensor's blocks decode on the part threads (:mod:`stitchboard.proto.parts`).
 
     Raises:
         PatchFormatError, UnmappedTensorError, TensorSetMismatchError, BaseMismatchError,
@@ -217,16 +225,19 @@ def stage_patches(io: WeightIO, steps: Sequence[Step]) -> StagedPatch:
     by_param: dict[str, list[str]] = {}
     for n in names:
         by_param.setdefault(places[n].runtime_name, []).append(n)
-    writes: list[_Write] = []
-    packs: list[tuple[torch.nn.Module, Callable]] = []
-    current = 0
-    for group in by_param.values():
+
+    def one_group(group: list[str]) -> tuple[list[_Write], list[tuple[torch.nn.Module, Callable]], int, dict]:
+        """Stage the tensors of one runtime parameter: (writes, GEMM copies, tensors already current, seconds)."""
+        spent = dict.fromkeys(("check_s", "decode_s", "build_s", "pack_s"), 0.0)
+        writes: list[_Write] = []
+        packs: list[tuple[torch.nn.Module, Callable]] = []
+        current = 0
         t = time.perf_counter()
         param = places[group[0]].param
         host = param.data.detach().to(
             "cpu", copy=True
         )  # strides kept: a column-major FP8 weight stays addressable through .t()
-        timing["build_s"] += time.perf_counter() - t
+        spent["build_s"] += time.perf_counter() - t
         written = False
         for n in group:
             p, touched = places[n], []
@@ -241,16 +252,16 @@ def stage_patches(io: WeightIO, steps: Sequence[Step]) -> StagedPatch:
                 base = io.tensor_bytes(p, block)
                 bits = base.view(bits_type(entry.dtype))
                 have, want = digest_pair(bits, entry.shape, entry.base, entry.layout)
-                timing["check_s"] += time.perf_counter() - t
+                spent["check_s"] += time.perf_counter() - t
                 if have == want:
                     t = time.perf_counter()
                     delta = step_delta.on(base)
-                    timing["decode_s"] += time.perf_counter() - t
+                    spent["decode_s"] += time.perf_counter() - t
                     t = time.perf_counter()
                     selected, index = p.select(delta.positions)
                     _apply_step(view, delta, index, selected)
                     touched.append(index)
-                    timing["build_s"] += time.perf_counter() - t
+                    spent["build_s"] += time.perf_counter() - t
                 elif step_delta.patch.encoding == "overwrite" and matches(
                     bits, entry.shape, entry.target, entry.layout
                 ):
@@ -272,7 +283,7 @@ def stage_patches(io: WeightIO, steps: Sequence[Step]) -> StagedPatch:
                 raise TargetMismatchError(
                     f"tensor {n!r}: applying the steps to the engine's bits does not give the target checksum", name=n
                 )
-            timing["check_s"] += time.perf_counter() - t
+            spent["check_s"] += time.perf_counter() - t
             index = torch.from_numpy(_union(touched))
             old = p.block_bits()[index.to(param.device)]
             writes.append(_Write(p, index.to(param.device), view[index].to(param.device), old, target, parted))
@@ -280,8 +291,22 @@ def stage_patches(io: WeightIO, steps: Sequence[Step]) -> StagedPatch:
         if written and io.repack:
             t = time.perf_counter()
             packs += _pack(places[group[0]], host)
-            timing["pack_s"] += time.perf_counter() - t
+            spent["pack_s"] += time.perf_counter() - t
         del host
+        return writes, packs, current, spent
+
+    groups = list(by_param.values())
+    if io.tp_group is None:  # no collectives (TP = 1): runtime parameters stage side by side, one per core
+        with ThreadPoolExecutor(max_workers=STAGING_THREADS, thread_name_prefix="stitch-stage") as pool:
+            staged = list(pool.map(one_group, groups))
+    else:  # every rank must gather the same tensors in the same order
+        staged = [one_group(g) for g in groups]
+    writes = [w for g in staged for w in g[0]]
+    packs = [p for g in staged for p in g[1]]
+    current = sum(g[2] for g in staged)
+    for _, _, _, spent in staged:
+        for key, seconds in spent.items():
+            timing[key] += seconds
     report = {
         "bytes": size,
         "tensors": len(writes),
