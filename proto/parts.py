@@ -37,10 +37,31 @@ from . import _bitdiff, cond_codec
 from .container import RawTensor
 from .dtypes import DTYPE_SIZES
 from .errors import PatchFormatError
-from .schema import XXH3_128, Encoding
+from .schema import XXH3_128, XXH3_128_PARTS, Encoding
 
-#: The checksum algorithm of a parted tensor (module docstring); 32 lowercase hex digits.
-XXH3_128_PARTS = "xxh3_128_parts"
+__all__ = [
+    "PART_KEYS",
+    "XXH3_128_PARTS",
+    "EncodedBlock",
+    "Layout",
+    "Part",
+    "block",
+    "check_parts",
+    "checksums_of",
+    "digest",
+    "digest_pair",
+    "encode_part",
+    "grid",
+    "layout_checksum",
+    "layout_of",
+    "matches",
+    "parts_checksum",
+    "pool",
+    "row_layout",
+    "same_checksum",
+    "to_whole",
+]  # XXH3_128_PARTS is the schema's, re-exported
+
 #: The part layout of a tensor: ``(dim, start, stop)`` per part, in order.
 Layout = tuple[tuple[int, int, int], ...]
 #: Keys of a part in a patch index entry's ``parts`` list.
