@@ -103,7 +103,8 @@ class AdapterFollower:
         self.last_sync: SyncReport | None = None
         self.pause_by_route: dict[str, float] = {}  # adapters never pause the engine
         self.last_failed_load: ErrorRecord | None = None
-        self.instance: str | None = None  # the engine instance the resident versions were loaded into
+        self.instance: str | None = None  # the engine instance the resident versions serve in (None: boot)
+        self._loaded_into: str | None = None  # the instance they were last loaded into and verified in
         self._held: dict[int, AdapterTensors] = {}  # the loaded versions' tensors (plans start here; reloads)
         self._manifests: dict[int, VersionManifest] = {}
         self._busy = False
@@ -239,8 +240,10 @@ class AdapterFollower:
         self.status.set_state("booting", "checking the engine's adapter slots and base model")
         engine = self.engine
         state = await self.pools.engine(engine.state, self.settings.engine_call_timeout_s)
+        same = state.instance == self._loaded_into  # a lapsed lease on the engine that verified them: kept
         try:
-            await check_engine_serves(engine, self.settings, self.spec, self.pools)
+            if not same:
+                await check_engine_serves(engine, self.settings, self.spec, self.pools)
         except AdapterRunRefusedError as exc:
             self.status.unhealthy_reason = exc.message
             self.status.set_state("unhealthy", "adapter run refused")
@@ -249,7 +252,7 @@ class AdapterFollower:
         assert isinstance(engine, ServesAdapters)  # check_engine_serves refused it otherwise
         self.status.unhealthy_reason = None
         loaded = set(await self.pools.engine(engine.loaded_adapters))
-        for version in sorted(self.resident.retired):  # not loaded again: no new request could use them
+        for version in sorted(self.resident.retired) if not same else []:  # a new engine: not loaded again
             self.resident.remove(version)
             self._held.pop(version, None)
             self._manifests.pop(version, None)
@@ -257,7 +260,9 @@ class AdapterFollower:
         self._busy = True
         try:
             for version, name in sorted(mine.items()):  # an engine restart lost them: load and verify again
-                if name in loaded:  # still there after a lease change: unload, then load what we verified
+                if same and name in loaded:  # loaded, verified and pinned in this very instance
+                    continue
+                if name in loaded:  # loaded by another sidecar: unload, then load what this one verified
                     await self.pools.engine(engine.unload_adapter, name)
                 await self._load(version, self._held[version], self._manifests[version])
             for name in sorted(loaded - set(mine.values())):  # this run's names of an earlier sidecar: not verified
@@ -265,7 +270,7 @@ class AdapterFollower:
                     await self.pools.engine(engine.unload_adapter, name)
         finally:
             self._busy = False
-        self.instance = state.instance
+        self.instance = self._loaded_into = state.instance
         self.resident.set_ready(True)
         self.status.set_state("idle", "booted")
         self.status.publish()

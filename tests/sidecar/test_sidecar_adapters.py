@@ -213,6 +213,15 @@ def test_failed_load_keeps_previous_and_restart_reloads(sc_start, lora: AdapterP
     health = _resident(sidecar, [f"{run}@1", f"{run}@2"])
     assert health["adapters"]["last_failed_load"] is None
 
+    # The lease is lost to another owner for a moment (same engine instance): taken back, the
+    # versions the engine verified and pinned are kept, not loaded again.
+    loads = engine.count("load_adapter")
+    engine.lease.release(engine._owner)
+    engine.lease.take("intruder", 1.0)
+    wait_for(lambda: not _health(sidecar)["lease"]["held"], 10, "the lease lost")
+    wait_for(lambda: _health(sidecar)["lease"]["held"] and _health(sidecar)["status"] == "ok", 20, "the lease back")
+    assert engine.count("load_adapter") == loads and engine.loaded_adapters() == [f"{run}@1", f"{run}@2"]
+
     # The engine restarts (a new instance holding only its base): the resident versions are loaded
     # again and verified before an adapter request is admitted.
     # (The sidecar sees the new instance at its next engine check, engine_check_interval_s.)
