@@ -33,7 +33,7 @@ from stitchboard.proto.adapter import adapter_name
 from .engines import SERVED_NAME, greedy, stitchboard_cli
 from .errors import DemoError
 from .lora_checks import BaseStream, check_lora_demo, resident_adapters, wait_resident
-from .lora_engine import lora_engine, remove_handoff, start_lora_rollout
+from .lora_engine import LoraRollout, lora_engine, remove_handoff, start_lora_rollout
 from .lora_policy import LORA_LR, lora_optimizer, lora_policy
 from .processes import ProcessGroup, free_port
 from .smollm2 import build_smollm2_checkpoint
@@ -125,62 +125,66 @@ def run_lora_demo(
     workdir.mkdir(parents=True, exist_ok=True)
     model_dir = (cfg.model_dir or build_smollm2_checkpoint()).resolve()
     result = LoraDemoResult()
-    with ProcessGroup(workdir / "logs") as procs:
-        port = free_port()
-        bulletin_url = f"http://127.0.0.1:{port}"
-        store = workdir / f"store-{int(time.time())}"
-        bulletin = procs.start(
-            "bulletin",
-            [*stitchboard_cli(), "bulletin", "serve", "--store", f"file://{store}", "--port", str(port)],
-            f"{bulletin_url}/healthz",
-        )
-        bulletin.wait_healthy(120)
-        on_event(f"bulletin on {bulletin_url}, store {store}")
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        policy = lora_policy(model_dir, seed=cfg.seed)
-        optimizer = lora_optimizer(policy, cfg.lr)
-        answers: dict[int, list[dict]] = {}
-        with Publisher(bulletin_url, LORA_RUN, workdir=workdir / "publisher") as publisher:
-            v0 = publisher.publish(policy, step=0)
-            on_event(f"adapter version 0 published ({v0.view_bytes / 1e6:.2f} MB)")
-            rollout = start_lora_rollout(
-                procs, model_dir, bulletin_url, LORA_RUN, slots=SLOTS, resident=RESIDENT,
-                name=f"stitch-demo-handoff-{port}",
-            )  # fmt: skip
-            rollout.engine.wait_healthy(cfg.startup_timeout_s)
-            rollout.sidecar.wait_healthy(120)
-            wait_resident(rollout.url, adapter_name(LORA_RUN, 0), 300)
-            answers[0] = greedy(rollout.url, model=adapter_name(LORA_RUN, 0))
-            on_event(f"engine with {SLOTS} adapter slots ready behind sidecar {rollout.url}; version 0 resident")
-            version = 0
-            for step in range(1, cfg.steps + 1):
-                row, stream = _train_step(
-                    cfg, step, version, rollout.url, policy, tokenizer, optimizer, publisher, step == cfg.steps
-                )
-                if stream is not None:
-                    result.swap = stream.finish()
-                version = row.version
-                answers[version] = greedy(rollout.url, model=adapter_name(LORA_RUN, version))
-                result.rows.append(row)
-                on_row(row)
-            result.final_version = version
-            older = greedy(rollout.url, model=adapter_name(LORA_RUN, version - 1))
-            resident = resident_adapters(rollout.url)
-            status = rollout.status()
-        procs.stop(rollout.sidecar)  # free the cores for the fresh engine
-        procs.stop(rollout.engine)
-        remove_handoff(rollout)
-        folders = _pull_all(bulletin_url, workdir, version)
-        on_event(f"versions 0..{version} pulled as PEFT folders; starting a fresh engine on them")
-        modules = {adapter_name(LORA_RUN, v): folder for v, folder in folders.items()}
-        fresh, fresh_url = lora_engine(procs, "engine-fresh", model_dir, slots=len(modules), modules=modules)
-        fresh.wait_healthy(cfg.startup_timeout_s)
-        reference = {v: greedy(fresh_url, model=adapter_name(LORA_RUN, v)) for v in folders}
-        result.checks, result.reasons = check_lora_demo(
-            LORA_RUN, version, result.rows, result.swap, answers, reference, older, resident, status
-        )
-        if wait_for_user is not None:
-            wait_for_user()
+    rollout: LoraRollout | None = None
+    try:
+        with ProcessGroup(workdir / "logs") as procs:
+            port = free_port()
+            bulletin_url = f"http://127.0.0.1:{port}"
+            store = workdir / f"store-{int(time.time())}"
+            bulletin = procs.start(
+                "bulletin",
+                [*stitchboard_cli(), "bulletin", "serve", "--store", f"file://{store}", "--port", str(port)],
+                f"{bulletin_url}/healthz",
+            )
+            bulletin.wait_healthy(120)
+            on_event(f"bulletin on {bulletin_url}, store {store}")
+            tokenizer = AutoTokenizer.from_pretrained(model_dir)
+            policy = lora_policy(model_dir, seed=cfg.seed)
+            optimizer = lora_optimizer(policy, cfg.lr)
+            answers: dict[int, list[dict]] = {}
+            with Publisher(bulletin_url, LORA_RUN, workdir=workdir / "publisher") as publisher:
+                v0 = publisher.publish(policy, step=0)
+                on_event(f"adapter version 0 published ({v0.view_bytes / 1e6:.2f} MB)")
+                rollout = start_lora_rollout(
+                    procs, model_dir, bulletin_url, LORA_RUN, slots=SLOTS, resident=RESIDENT,
+                    name=f"stitch-demo-handoff-{port}",
+                )  # fmt: skip
+                rollout.engine.wait_healthy(cfg.startup_timeout_s)
+                rollout.sidecar.wait_healthy(120)
+                wait_resident(rollout.url, adapter_name(LORA_RUN, 0), 300)
+                answers[0] = greedy(rollout.url, model=adapter_name(LORA_RUN, 0))
+                on_event(f"engine with {SLOTS} adapter slots ready behind sidecar {rollout.url}; version 0 resident")
+                version = 0
+                for step in range(1, cfg.steps + 1):
+                    row, stream = _train_step(
+                        cfg, step, version, rollout.url, policy, tokenizer, optimizer, publisher, step == cfg.steps
+                    )
+                    if stream is not None:
+                        result.swap = stream.finish()
+                    version = row.version
+                    answers[version] = greedy(rollout.url, model=adapter_name(LORA_RUN, version))
+                    result.rows.append(row)
+                    on_row(row)
+                result.final_version = version
+                older = greedy(rollout.url, model=adapter_name(LORA_RUN, version - 1))
+                resident = resident_adapters(rollout.url)
+                status = rollout.status()
+            procs.stop(rollout.sidecar)  # free the cores for the fresh engine
+            procs.stop(rollout.engine)
+            folders = _pull_all(bulletin_url, workdir, version)
+            on_event(f"versions 0..{version} pulled as PEFT folders; starting a fresh engine on them")
+            modules = {adapter_name(LORA_RUN, v): folder for v, folder in folders.items()}
+            fresh, fresh_url = lora_engine(procs, "engine-fresh", model_dir, slots=len(modules), modules=modules)
+            fresh.wait_healthy(cfg.startup_timeout_s)
+            reference = {v: greedy(fresh_url, model=adapter_name(LORA_RUN, v)) for v in folders}
+            result.checks, result.reasons = check_lora_demo(
+                LORA_RUN, version, result.rows, result.swap, answers, reference, older, resident, status
+            )
+            if wait_for_user is not None:
+                wait_for_user()
+    finally:  # the sidecar stopped: its memory-backed hand-off folder goes too
+        if rollout is not None:
+            remove_handoff(rollout)
     result.seconds = time.monotonic() - t_start
     return result
 
