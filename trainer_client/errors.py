@@ -75,16 +75,6 @@ class AdapterRefusedError(PublishError):
     type = "AdapterRefused"
 
 
-class AdapterRefusedError(PublishError):
-    """A PEFT model (or a pulled version) is not what an adapter run serves (docs/adapters.md): refused before
-    anything is uploaded or written. ``details["field"]`` names the field (``use_dora``, ``modules_to_save``,
-    ``rank_pattern``, ``r``, ``target_modules``, ``peft_type``, ``adapter``, ...), ``details["value"]`` its value
-    (``details["previous"]``: the run's earlier value, for a change between versions).
-    """
-
-    type = "AdapterRefused"
-
-
 class ResumeError(TrainerError):
     """The last published view could not be rebuilt from the bulletin, or the rebuilt view
     does not match its manifest's checksums (``details["tensors"]`` names the mismatches):
