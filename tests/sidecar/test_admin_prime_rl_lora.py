@@ -51,7 +51,9 @@ def test_prime_rl_loads_pins_and_unloads_a_steps_version(sc_publisher, sc_start)
     publish_step(lora, mutate(lora.views[-1], 2, 0.5), 20)
     publish_step(lora, mutate(lora.views[-1], 3, 0.5), 30)
     wait_for(lambda: engine.loaded_adapters() == [f"{run}@1", f"{run}@2", f"{run}@3"], 30, "v1 held by the pin")
-    assert sidecar.http.get("/health").json()["adapters"]["retired"] == [f"{run}@1"]
+    retired = lambda: sidecar.http.get("/health").json()["adapters"]["retired"] == [f"{run}@1"]
+    wait_for(retired, 30, "v1 retired (after v3 loaded)")
+    assert engine.loaded_adapters() == [f"{run}@1", f"{run}@2", f"{run}@3"]
     r = sidecar.http.post("/load_lora_adapter", json={"lora_name": "policy", "lora_path": "/out/broadcasts/step_30"})
     assert r.status_code == 200, r.text  # loaded again: the name and its pin move to version 3
     assert _complete(sidecar, "policy").json()["echo_body"]["model"] == f"{run}@3"
