@@ -218,7 +218,8 @@ MODES = {
 
 
 def main(mode: str, url: str, run: str, out: Path) -> None:
-    faulthandler.dump_traceback_later(50, exit=True)  # a hung collective shows where, in rank{r}.stderr
+    # a hung collective shows where, in rank{r}.stderr (SmolLM2's steps take minutes on 2 cores)
+    faulthandler.dump_traceback_later(360 if "smollm2" in mode else 50, exit=True)
     dist.init_process_group(
         "gloo",
         init_method=f"file://{out / ('rendezvous-' + mode)}",

@@ -77,3 +77,16 @@ def test_a_dead_rank_leaves_no_version_and_a_job_of_another_size_resumes(bulleti
     run_ranks(["resized", bulletin.url, run, str(tmp_path / "one")], tmp_path / "one", world=1, worker=WORKER)
     with bulletin.client() as client:
         _pulled_bit_exact(client, run, tmp_path / "one")
+
+
+@pytest.mark.heavy  # SmolLM2-135M on 2 gloo ranks with FSDP2: ~1-2 minutes on the 2-core machine
+def test_smollm2_under_fsdp2_through_adamw_steps_pulls_bit_exact(bulletin, run, tmp_path, smollm2_dir, monkeypatch):
+    monkeypatch.setenv("SMOLLM2_DIR", str(smollm2_dir))
+    run_ranks(["smollm2", bulletin.url, run, str(tmp_path)], tmp_path, worker=WORKER, timeout_s=400)
+    with bulletin.client() as client:
+        results = _pulled_bit_exact(client, run, tmp_path)
+        assert [r["version"] for r in results] == [0, 1, 2]
+        assert all(0 < r["changed_elements"] < r["total_elements"] for r in results[1:])
+        specs = client.manifest(run, 2).tensor_map()
+        assert "lm_head.weight" not in specs  # tied: published once, as the embedding
+        assert specs["model.embed_tokens.weight"].parts == [(0, 0, 24576), (0, 24576, 49152)]
