@@ -61,10 +61,11 @@ def test_whole_on_one_rank_and_sharded_on_another_is_refused():
 
 def test_fp8_scale_blocks_across_a_shard_edge_are_refused_by_name():
     def fp8(cut: int) -> list[dict[str, LocalEntry]]:
+        scales = whole((3, 2), "f" * 32, "F32")
         return [
-            {"x.weight": block(0, 0, cut, (cut, 256), "F8_E4M3"), "x.weight_scale_inv": whole((3, 2), "f" * 32, "F32")},
-            {"x.weight": block(0, cut, 300, (300 - cut, 256), "F8_E4M3"), "x.weight_scale_inv": whole((3, 2), "f" * 32, "F32")},
-        ]  # fmt: skip
+            {"x.weight": block(0, 0, cut, (cut, 256), "F8_E4M3"), "x.weight_scale_inv": scales},
+            {"x.weight": block(0, cut, 300, (300 - cut, 256), "F8_E4M3"), "x.weight_scale_inv": scales},
+        ]
 
     assert plan_layout(fp8(256))["x.weight"].shape == (300, 256)  # cut on a block edge; the last block is partial
     with pytest.raises(ServedViewError, match=r"'x.weight': its shard edge 150 .* 'x.weight_scale_inv'"):
