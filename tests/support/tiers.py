@@ -52,6 +52,8 @@ TIER_FIXTURES: dict[str, tuple[str, ...]] = {
     "tests/sidecar/test_sglang_sidecar.py::engine_chain": ("engine",),
     # the vLLM server with --enable-lora (2 adapter slots) of the LoRA engine tests
     "tests/sidecar/test_vllm_lora.py::lora_engine": ("engine",),
+    # the vLLM server with --enable-lora (3 adapter slots: K = 2 resident + 1) under a sidecar in adapter mode
+    "tests/sidecar/test_vllm_adapter_sidecar.py::adapter_engine": ("engine",),
     # the shared SGLang server, a sidecar and a fresh plain SGLang (the gate's oracle)
     "tests/sidecar/test_sglang_gate.py::stack": ("engine",),
 }
