@@ -10,6 +10,7 @@ from __future__ import annotations
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,6 +87,26 @@ def start_engine(
         ), url
     argv = vllm_command(model_dir, port, served_model_name=SERVED_NAME, extension=extension)
     return procs.start(name, argv, f"{url}/health", env=vllm_env(), nice=engine_nice()), url
+
+
+def start_bulletin(procs: ProcessGroup, workdir: Path, on_event: Callable[[str], None]) -> str:
+    """Start a bulletin (``stitchboard bulletin serve``) over a new local folder store under ``workdir``, wait up
+    to 120 s for its ``/healthz``, and return its URL.
+
+    Raises:
+        DemoError: the bulletin exited or did not answer (from :meth:`ManagedProcess.wait_healthy`).
+    """
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    store = workdir / f"store-{int(time.time())}"
+    bulletin = procs.start(
+        "bulletin",
+        [*stitchboard_cli(), "bulletin", "serve", "--store", f"file://{store}", "--port", str(port)],
+        f"{url}/healthz",
+    )
+    bulletin.wait_healthy(120)
+    on_event(f"bulletin on {url}, store {store}")
+    return url
 
 
 def start_rollout(

@@ -39,12 +39,12 @@ from stitchboard.trainer_client.publisher import Publisher
 from stitchboard.trainer_client.resume import pull_version
 
 from .browser import require_browser
-from .engines import greedy, sample, start_engine, start_rollout, stitchboard_cli, stub_calls, wait_applied
+from .engines import greedy, sample, start_bulletin, start_engine, start_rollout, stub_calls, wait_applied
 from .fleet_check import CHECK as FLEET_CHECK
 from .fleet_check import check_fleet
 from .grpo import Sample, policy_gradient_step
 from .moe_demo import ROUTING_CHECK, RoutingShape, completion_reward
-from .processes import ProcessGroup, free_port
+from .processes import ProcessGroup
 from .smollm2 import build_smollm2_checkpoint
 from .task import prompts_for_step, reward
 
@@ -132,16 +132,7 @@ def run_demo(
     model_dir = (cfg.model_dir or build_smollm2_checkpoint()).resolve()
     result = DemoResult(engine=cfg.engine)
     with ProcessGroup(workdir / "logs") as procs:
-        port = free_port()
-        bulletin_url = f"http://127.0.0.1:{port}"
-        store = workdir / f"store-{int(time.time())}"
-        bulletin = procs.start(
-            "bulletin",
-            [*stitchboard_cli(), "bulletin", "serve", "--store", f"file://{store}", "--port", str(port)],
-            f"{bulletin_url}/healthz",
-        )
-        bulletin.wait_healthy(120)
-        on_event(f"bulletin on {bulletin_url}, store {store}")
+        bulletin_url = start_bulletin(procs, workdir, on_event)
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

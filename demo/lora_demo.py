@@ -30,12 +30,12 @@ from typing import Any
 from stitchboard.bulletin.client import BulletinClient
 from stitchboard.proto.adapter import adapter_name
 
-from .engines import SERVED_NAME, greedy, stitchboard_cli
+from .engines import SERVED_NAME, greedy, start_bulletin
 from .errors import DemoError
 from .lora_checks import BaseStream, check_lora_demo, resident_adapters, wait_resident
 from .lora_engine import LoraRollout, lora_engine, remove_handoff, start_lora_rollout
 from .lora_policy import LORA_LR, lora_optimizer, lora_policy
-from .processes import ProcessGroup, free_port
+from .processes import ProcessGroup
 from .smollm2 import build_smollm2_checkpoint
 from .task import prompts_for_step, reward
 
@@ -128,16 +128,7 @@ def run_lora_demo(
     rollout: LoraRollout | None = None
     try:
         with ProcessGroup(workdir / "logs") as procs:
-            port = free_port()
-            bulletin_url = f"http://127.0.0.1:{port}"
-            store = workdir / f"store-{int(time.time())}"
-            bulletin = procs.start(
-                "bulletin",
-                [*stitchboard_cli(), "bulletin", "serve", "--store", f"file://{store}", "--port", str(port)],
-                f"{bulletin_url}/healthz",
-            )
-            bulletin.wait_healthy(120)
-            on_event(f"bulletin on {bulletin_url}, store {store}")
+            bulletin_url = start_bulletin(procs, workdir, on_event)
             tokenizer = AutoTokenizer.from_pretrained(model_dir)
             policy = lora_policy(model_dir, seed=cfg.seed)
             optimizer = lora_optimizer(policy, cfg.lr)
@@ -147,7 +138,7 @@ def run_lora_demo(
                 on_event(f"adapter version 0 published ({v0.view_bytes / 1e6:.2f} MB)")
                 rollout = start_lora_rollout(
                     procs, model_dir, bulletin_url, LORA_RUN, slots=SLOTS, resident=RESIDENT,
-                    name=f"stitch-demo-handoff-{port}",
+                    name=f"stitch-demo-handoff-{bulletin_url.rsplit(':', 1)[1]}",
                 )  # fmt: skip
                 rollout.engine.wait_healthy(cfg.startup_timeout_s)
                 rollout.sidecar.wait_healthy(120)
