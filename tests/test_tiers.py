@@ -57,6 +57,24 @@ def test_every_registered_fixture_is_defined_where_the_registry_says():
         assert name in fixtures, f"{key}: no fixture {name} in {file}"
 
 
+def test_every_test_ci_leaves_out_exists_in_the_engine_tier():
+    """A renamed or removed test in .ci/engine-left-out.txt would make CI run it again (or hide a typo): each line
+    names a module under tests/ or one of its test functions, whose module uses an engine fixture or mark."""
+    lines = [ln for ln in (ROOT / ".ci/engine-left-out.txt").read_text().splitlines() if ln and not ln.startswith("#")]
+    assert lines, ".ci/engine-left-out.txt lists nothing"
+    for line in lines:
+        file, _, test = line.partition("::")
+        assert (ROOT / file).is_file(), f"{line}: no module {file}"
+        source = (ROOT / file).read_text()
+        tests = {node.name for node in ast.walk(ast.parse(source)) if isinstance(node, ast.FunctionDef)}
+        name = test.split("[")[0]
+        assert not test or name in tests, f"{line}: no test {name} in {file}"
+        assert not test or "[" not in test or "parametrize" in source, f"{line}: {name} is not parametrized"
+        assert any(f in source for f in ("vllm_", "sglang_", "engine_chain", "moe_engines", "mark.engine")), (
+            f"{line}: {file} starts no engine (only engine-tier tests belong in the list)"
+        )
+
+
 def test_the_suites_tests_get_their_tiers_from_their_fixtures(tmp_path: Path, monkeypatch):
     (tmp_path / "tier_dump.py").write_text(
         "import json, os\n"
