@@ -28,10 +28,10 @@ async def run_kind(
     client: BulletinClient, settings: SidecarSettings, engine: EngineAdapter, status: LoopStatus, pools: Pools
 ) -> AdapterSpec | None:
     """Whether the run is an adapter run, from its latest manifest: its :class:`AdapterSpec`, or
-    None for a full-model run. While the run has no version it waits for the first, reporting in
-    ``status`` what the reconciler's boot would (``NothingPublished``, or the engine's error and
-    ``waiting_for_engine`` while the engine does not answer); bulletin errors are recorded too and
-    retried with backoff.
+    None for a full-model run. While the run has no version, or the bulletin does not answer, it
+    waits, reporting in ``status`` what the reconciler's boot would: the engine's error and
+    ``waiting_for_engine`` while the engine does not answer (whether the bulletin answers or not),
+    else ``NothingPublished``; bulletin errors are recorded too and retried with backoff.
 
     Raises:
         asyncio.CancelledError: the app stops.
@@ -42,19 +42,27 @@ async def run_kind(
             latest = await pools.io(client.latest, settings.run, -1, 0)
             if latest is not None:
                 return (await pools.io(client.manifest, settings.run, latest)).adapter
-            try:
-                await pools.engine(engine.state, settings.engine_call_timeout_s)
-            except Exception as exc:  # noqa: BLE001 - the engine is not up yet: say so, as boot would
-                status.error(exc, "boot")
-                status.set_state("waiting_for_engine", "the engine does not answer")
-            else:
+            if await _engine_answers(engine, settings, status, pools):
                 status.error(NothingPublishedError(f"run {settings.run!r} has no version yet"), "boot")
                 status.set_state("retrying", "nothing published")
             await pools.io(client.latest, settings.run, -1, min(settings.poll_wait_s, 1.0))
         except Exception as exc:  # noqa: BLE001 - the bulletin is down or refuses: asked again after a backoff
             status.error(exc, "reading the run's latest manifest")
+            await _engine_answers(engine, settings, status, pools)  # a sidecar up first names the engine it waits for
             await asyncio.sleep(delay)
             delay = min(delay * 2, settings.max_backoff_s)
+
+
+async def _engine_answers(engine: EngineAdapter, settings: SidecarSettings, status: LoopStatus, pools: Pools) -> bool:
+    """Ask the engine its state, as the reconciler's boot would; while it does not answer, record its
+    error and the ``waiting_for_engine`` state in ``status``. Returns whether it answered."""
+    try:
+        await pools.engine(engine.state, settings.engine_call_timeout_s)
+    except Exception as exc:  # noqa: BLE001 - the engine is not up yet: say so, as boot would
+        status.error(exc, "boot")
+        status.set_state("waiting_for_engine", "the engine does not answer")
+        return False
+    return True
 
 
 async def check_engine_serves(
