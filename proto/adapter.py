@@ -16,6 +16,7 @@ No server, engine or PEFT imports: every process reads this (docs/adapters.md).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 
 import xxhash
@@ -58,6 +59,11 @@ def view_checksum(checksums: Mapping[str, str]) -> str:
             raise SchemaError(f"tensor name {name!r} holds a tab or newline: it cannot be part of a view checksum")
         hasher.update(f"{name}\t{checksums[name]}\n".encode())
     return str(hasher.hexdigest())
+
+
+def spec_json(spec: AdapterSpec) -> bytes:
+    """``adapter_config.json``'s bytes for a spec, as PEFT writes them (2-space indent, sorted keys)."""
+    return json.dumps(spec.config, indent=2, sort_keys=True).encode()
 
 
 def adapter_name(run_id: str, version: int) -> str:

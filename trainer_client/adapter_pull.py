@@ -15,11 +15,11 @@ import os
 from pathlib import Path
 
 from stitchboard.bulletin.client import BulletinClient
+from stitchboard.proto.adapter import spec_json
 from stitchboard.proto.checkpoint import load_checkpoint, save_checkpoint
 from stitchboard.proto.container import write_safetensors
 from stitchboard.proto.schema import is_checkpoint_file
 
-from .adapter_run import spec_json
 from .errors import AdapterRefusedError, ResumeError
 from .resume import RebuiltVersion, download_assets, empty_folder, rebuild_version, verify_pulled, verify_view
 

@@ -24,7 +24,6 @@ model). Runs in the trainer process.
 from __future__ import annotations
 
 import enum
-import json
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any, cast
@@ -219,8 +218,3 @@ class AdapterRun:
         if self._base_checksum is None or self._base_checksum[0] != id(base):
             self._base_checksum = (id(base), view_checksum(base_view_checksums(peft_model, self.dtypes, self.default)))
         return self._base_checksum[1]
-
-
-def spec_json(spec: AdapterSpec) -> bytes:
-    """``adapter_config.json``'s bytes for a spec, as PEFT writes them (2-space indent, sorted keys)."""
-    return json.dumps(spec.config, indent=2, sort_keys=True).encode()

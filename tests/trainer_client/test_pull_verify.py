@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -75,3 +77,17 @@ def test_pull_verifies_what_it_wrote(bulletin, bulletin_store, run, tmp_path, da
         (tmp_path / "pulled" / "config.json").write_text("{}")
     with pytest.raises(ResumeError):
         verify_pulled(rebuilt, tmp_path / "pulled")
+
+
+def test_pull_imports_no_torch():
+    """The compose stack's boot step runs ``stitchboard pull`` in the sidecar image, which has no torch
+    (deploy/docker/stitch-boot-weights.sh): the command's imports (a full run's and an adapter run's) must not need it.
+    With torch unimportable, they import; adapter_run (the SDK's publish side, which needs torch) is not among them."""
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import stitchboard.trainer_client.cli, stitchboard.trainer_client.adapter_pull\n"
+        "import stitchboard.trainer_client.resume\n"
+        "assert 'stitchboard.trainer_client.adapter_run' not in sys.modules\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
