@@ -4,8 +4,8 @@ The script (``deploy/compose/compose-smoke.sh``, docs/deploy.md) builds the imag
 the example trainer, the CPU vLLM engine and the sidecar, checks ``min_version`` gating, the stamps, the bit-exact
 oracle against a fresh host vLLM and the JSON log lines, and tears everything down. It needs root (it starts its
 own ``dockerd`` when none runs) and ~10 min from a cold image cache on 2 cores, so ``.ci/run`` leaves it out
-of its heavy stage (``make test-heavy HEAVY_ARGS=...``: CI's 55-minute budget) and it runs by ``make test-heavy``
-before each stop, as docs/testing.md says.
+with the rest of the heavy tier (CI's 55-minute budget) and it runs by ``make test-left-out`` before each stop, as
+docs/testing.md says.
 """
 
 from __future__ import annotations
