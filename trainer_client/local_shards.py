@@ -57,7 +57,8 @@ class LocalEntry:
 
     Attributes:
         dtype: served dtype name (``BF16``...).
-        local_shape: shape of the rank's piece (the whole shape for a whole tensor).
+        local_shape: shape of the rank's local tensor as the model holds it, not the 2-D block a cast piece is
+            shaped as (the whole shape for a whole tensor): the whole tensor's shape is planned from it.
         block: the rows or columns held, or None for a whole tensor.
         digest: xxh3-128 of a whole tensor's served bits (compared across replicas); "" for a block.
     """

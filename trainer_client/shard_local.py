@@ -79,9 +79,13 @@ class ShardView(ViewPart):
     Attributes (besides :class:`~.version_parts.ViewPart`'s; ``tensors`` holds this rank's blocks, shaped as
     blocks of the 2-D view, and the whole tensors it publishes):
         plan: checkpoint name -> :class:`~.local_shards.TensorLayoutPlan` of every tensor of the version.
+        pieces: checkpoint name -> (this rank's piece, its block or None for a whole tensor).
+        shapes: checkpoint name -> the shape of this rank's local tensor as the model holds it (a cast block is
+            shaped as a block of the 2-D view, so the whole tensor's shape is planned from these).
     """
 
     pieces: Mapping[str, tuple[Piece, Placement | None]] = field(default_factory=dict)
+    shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 class _Agreed(Exception):
@@ -180,13 +184,15 @@ class ShardLocalPublisher(ShardedPublisher):
         """This rank's pieces in their served form (host copies); no collective (the ranks' layouts are compared
         when the version is encoded, in publish order, so a background publish never interleaves with it)."""
         pieces: dict[str, tuple[Piece, Placement | None]] = {}
+        shapes: dict[str, tuple[int, ...]] = {}
         try:
             state = checkpoint_state(model_or_state_dict)
             for name, (local, block) in local_pieces(state, self.placements).items():
                 pieces[name] = (local if self._streaming else self._cast(name, local, block), block)
+                shapes[name] = tuple(int(d) for d in local.shape)
         except Exception as exc:  # noqa: BLE001 - raised on every rank once the ranks compare (_plan)
             return ShardView({}, frozenset(), exc, True)
-        return ShardView({}, frozenset(pieces), None, True, pieces)
+        return ShardView({}, frozenset(pieces), None, True, pieces, shapes)
 
     def publish(
         self,
@@ -210,18 +216,20 @@ class ShardLocalPublisher(ShardedPublisher):
             return piece
         return cast_piece(name, piece, block, self.dtypes, self.default_dtype)
 
-    def _entry(self, name: str, piece: Piece, block: Placement | None) -> LocalEntry:
-        """What this rank tells the others of a piece; a live block is not cast for it (dtype and shape suffice)."""
-        if isinstance(piece, RawTensor) or block is None:
+    def _entry(self, name: str, piece: Piece, block: Placement | None, shape: tuple[int, ...]) -> LocalEntry:
+        """What this rank tells the others of a piece (``shape``: its local tensor's, :attr:`ShardView.shapes`); a
+        live block is not cast for it (dtype and shape suffice)."""
+        if block is None:
             return entry_of(self._cast(name, piece, block), block)  # a whole tensor's digest: cast, hashed, dropped
+        if isinstance(piece, RawTensor):
+            return LocalEntry(piece.dtype, shape, block, "")
         dtype = TORCH_DTYPE_NAMES.get(served_dtype(name, piece, self.dtypes, self.default_dtype), "U8")
-        rows = int(piece.shape[0]) if piece.ndim else 1
-        shape = (rows, math.prod(piece.shape[1:])) if block.dim == 0 else (rows, int(piece.shape[1]))
         return LocalEntry(dtype, shape, block, "")
 
     def _own_view(self, view: Mapping[str, RawTensor]) -> ShardView:
         """A whole view given on every rank: every tensor is whole (compared across ranks, published once)."""
-        return ShardView({}, frozenset(view), None, False, {n: (view[n], None) for n in sorted(view)})
+        pieces = {n: (view[n], None) for n in sorted(view)}
+        return ShardView({}, frozenset(view), None, False, pieces, {n: tuple(view[n].shape) for n in view})
 
     def _plan(self, view: ShardView) -> tuple[dict[str, TensorLayoutPlan], dict[str, Piece]]:
         """The layout every rank agrees on, and this rank's pieces it publishes (its non-empty blocks, the whole
@@ -230,7 +238,11 @@ class ShardLocalPublisher(ShardedPublisher):
         Raises (on every rank alike, as :class:`_Agreed`): PublishError naming the ranks whose view failed;
         the errors of :func:`.local_shards.plan_layout` (ReplicaMismatchError...).
         """
-        entries = None if view.error is not None else {n: self._entry(n, t, b) for n, (t, b) in view.pieces.items()}
+        entries = (
+            None
+            if view.error is not None
+            else {n: self._entry(n, t, b, view.shapes[n]) for n, (t, b) in view.pieces.items()}
+        )
         gathered = self._gather((None if view.error is None else repr(view.error), entries))
         failed = [r for r, (e, _) in enumerate(gathered) if e is not None]
         if failed:

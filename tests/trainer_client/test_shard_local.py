@@ -28,6 +28,7 @@ def _pulled_bit_exact(client, run: str, out: Path) -> list[dict]:
         reference = load_checkpoint(out / f"ref-{r['version']}")
         assert set(rebuilt.view) == set(reference)
         for name, t in reference.items():
+            assert tuple(rebuilt.view[name].shape) == tuple(t.shape), (r["version"], name, "shape")
             assert np.array_equal(rebuilt.view[name].bits, t.bits), (r["version"], name)
     return results
 
