@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from stitchboard.proto.schema import XXH3_128, VersionManifest
+from stitchboard.proto.schema import VersionManifest
 
 from .errors import InvalidRequestError, VersionConflictError
 
@@ -55,7 +55,8 @@ def step_of(manifest: VersionManifest) -> int | None:
 
 def same_step_and_bits(a: VersionManifest, b: VersionManifest) -> bool:
     """Whether two manifests record the same step (both record one) and the same served bits: the same
-    tensors (names, dtypes, shapes, xxh3-128 checksums) in the same recipe. Files, encoding and other
+    tensors (names, dtypes, shapes, each tensor's own checksum: ``xxh3_128``, or ``xxh3_128_parts`` for one
+    published in parts) in the same recipe. Files, encoding and other
     metadata may differ.
     """
     step = recorded_step(a)
@@ -64,7 +65,7 @@ def same_step_and_bits(a: VersionManifest, b: VersionManifest) -> bool:
         and step == recorded_step(b)
         and a.served == b.served
         and a.layout() == b.layout()
-        and a.checksums(XXH3_128) == b.checksums(XXH3_128)
+        and a.checksums() == b.checksums()
     )
 
 

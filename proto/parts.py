@@ -54,6 +54,7 @@ __all__ = [
     "grid",
     "layout_checksum",
     "layout_of",
+    "layouts_from_json",
     "matches",
     "parts_checksum",
     "pool",
@@ -124,6 +125,41 @@ def parts_checksum(blocks: Sequence[tuple[int, int, int, str]]) -> str:
 def layout_checksum(bits: np.ndarray, shape: Sequence[int], layout: Layout) -> str:
     """:data:`XXH3_128_PARTS` of a whole tensor (flat ``bits`` of ``shape``) cut by ``layout``."""
     return parts_checksum([(d, a, b, digest(block(bits, shape, d, a, b))) for d, a, b in layout])
+
+
+def layouts_from_json(obj: object, what: str) -> dict[str, Layout]:
+    """The part layouts an engine call names (``{tensor name: [[dim, start, stop], ...]}``, as
+    :meth:`~stitchboard.proto.schema.VersionManifest.layouts` gives them; None or absent: no tensor in parts).
+
+    Raises:
+        ValueError: naming ``what``: not a map of names to non-empty lists of three integers ``dim`` (0 or 1),
+            ``start``, ``stop`` with ``0 <= start < stop``.
+    """
+    if obj is None:
+        return {}
+    bad = [n for n, parts in obj.items() if not _is_layout(parts)] if isinstance(obj, dict) else ["(not a map)"]
+    if bad:
+        raise ValueError(
+            f"{what}: layouts must map tensor names to non-empty lists of [dim (0 or 1), start, stop] with "
+            f"0 <= start < stop; {bad[0]!r} does not"
+        )
+    return {str(n): tuple((int(d), int(a), int(b)) for d, a, b in parts) for n, parts in obj.items()}
+
+
+def _is_layout(parts: object) -> bool:
+    """Whether ``parts`` (JSON) is a non-empty list of ``[dim, start, stop]``: integers, dim 0 or 1, start < stop."""
+    return (
+        isinstance(parts, (list, tuple))
+        and bool(parts)
+        and all(
+            isinstance(p, (list, tuple))
+            and len(p) == 3
+            and all(type(x) is int for x in p)
+            and p[0] in (0, 1)
+            and 0 <= p[1] < p[2]
+            for p in parts
+        )
+    )
 
 
 def row_layout(shape: Sequence[int], itemsize: int, part_bytes: int) -> Layout:

@@ -395,9 +395,22 @@ class VersionManifest(_Model):
         """Tensor name -> spec."""
         return {t.name: t for t in self.tensors}
 
-    def checksums(self, algorithm: str = XXH3_128) -> dict[str, str]:
-        """Tensor name -> its target checksum (hex digest) under ``algorithm``; KeyError if a tensor lacks it."""
-        return {t.name: t.checksums[algorithm] for t in self.tensors}
+    def checksums(self, algorithm: str | None = None) -> dict[str, str]:
+        """Tensor name -> its target checksum (hex digest).
+
+        Args:
+            algorithm: None: each tensor's own, the one an engine checks it by (``xxh3_128_parts`` over
+                :meth:`layouts` for a tensor published in parts, else ``xxh3_128``); a name: that algorithm's,
+                KeyError if a tensor lacks it.
+        """
+        if algorithm is not None:
+            return {t.name: t.checksums[algorithm] for t in self.tensors}
+        return {t.name: t.checksums[XXH3_128 if t.parts is None else XXH3_128_PARTS] for t in self.tensors}
+
+    def layouts(self) -> dict[str, tuple[tuple[int, int, int], ...]]:
+        """Tensor name -> its part layout ``((dim, start, stop), ...)``, for the tensors published in parts only:
+        the layout :meth:`checksums` (``algorithm`` None) of those tensors is computed over."""
+        return {t.name: tuple(t.parts) for t in self.tensors if t.parts is not None}
 
     def layout(self) -> frozenset[tuple[str, str, tuple[int, ...]]]:
         """The tensor set as (name, dtype, shape) triples: a delta can only connect equal layouts."""

@@ -377,9 +377,9 @@ class Claim:
         except NotFoundError:
             log.warning("%s version %d, which run %r does not have: loading the nearest anchor", claim, version, run)
             return None
-        want = manifest.checksums()
+        want = manifest.checksums()  # each tensor's own: xxh3_128_parts over its layout for one published in parts
         try:
-            held = await self.pools.engine(self.engine.checksums, sorted(want))
+            held = await self.pools.engine(self.engine.checksums, sorted(want), manifest.layouts())
         except ApplyRefusedError as exc:
             if exc.details.get("cause") != UnmappedTensorError.type:
                 raise  # the engine could not answer now: boot retries

@@ -5,7 +5,9 @@ An anchor route (a snapshot, then deltas) taken on an engine that still holds a 
 :func:`build_rebase` builds the route's target view in the sidecar from the fetched (already
 verified) files, checks it against the target's manifest, and writes one ``overwrite`` patch of
 just the tensors whose checksums differ from what the engine holds: each listed tensor's base
-checksum is the engine's, its target the manifest's. The engine then stages that patch like any
+checksum is the engine's, its target the built tensor's xxh3-128 (the built view is first checked
+against the manifest: ``xxh3_128``, or ``xxh3_128_parts`` over its layout for a tensor published in
+parts). The engine then stages that patch like any
 delta while it serves, and the pause only writes those tensors (DESIGN.md invariants 1, 2, 5:
 new bits, never arithmetic; the engine checks every base before the first write).
 """
@@ -21,6 +23,7 @@ from stitchboard.proto.apply import apply_patch
 from stitchboard.proto.codec import build_patch, checksum, encode_tensor
 from stitchboard.proto.container import RawTensor, read_safetensors
 from stitchboard.proto.decode import read_patch
+from stitchboard.proto.parts import matches
 
 from .errors import StagingError
 from .fetch import FetchedPlan
@@ -49,7 +52,7 @@ def build_rebase(staged: FetchedPlan, held: Mapping[str, str], out: Path) -> tup
 
     Args:
         staged: a fetched plan whose first step is a snapshot (the files are verified).
-        held: checkpoint name -> xxh3-128 hex of the engine's tensors (the target's names).
+        held: checkpoint name -> xxh3-128 hex of the engine's whole tensors (the target's names).
         out: folder for the patch file (created).
 
     Returns:
@@ -60,18 +63,21 @@ def build_rebase(staged: FetchedPlan, held: Mapping[str, str], out: Path) -> tup
         PatchError: a staged file does not parse or does not apply (the fetcher checked them).
     """
     view = _target_view(staged)
-    want = staged.steps[-1].manifest.checksums()
-    if set(view) != set(want):
+    manifest = staged.steps[-1].manifest
+    specs = manifest.tensor_map()
+    if set(view) != set(specs):
         raise StagingError(
-            f"the anchor route to version {staged.to_version} builds tensors {sorted(set(view) ^ set(want))[:3]} that "
-            "differ from its manifest's"
+            f"the anchor route to version {staged.to_version} builds tensors {sorted(set(view) ^ set(specs))[:3]} "
+            "that differ from its manifest's"
         )
-    wrong = [n for n in sorted(want) if checksum(view[n]) != want[n]]
+    parted = manifest.layouts()
+    wrong = [n for n in sorted(specs) if not matches(view[n].bits, view[n].shape, specs[n].checksums, parted.get(n))]
     if wrong:
         raise StagingError(
             f"the anchor route to version {staged.to_version} builds {len(wrong)} tensors with other checksums than "
             f"its manifest's (first: {wrong[0]!r})"
         )
+    want = {n: checksum(view[n]) for n in sorted(specs)}  # whole: ``held`` is, and the rebase patch checks it
     differ = [n for n in sorted(want) if held.get(n) != want[n]]
     if not differ:
         return None, 0

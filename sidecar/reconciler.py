@@ -526,8 +526,8 @@ class Reconciler:
         assert applied is not None  # both routes staged while serving start from a verified version (_route_of)
         steps: list[StageStep]
         if route == "staged_anchor":
-            want = staged.steps[-1].manifest.checksums()
-            held = await self.pools.engine(self.engine.checksums, sorted(want))
+            names = sorted(t.name for t in staged.steps[-1].manifest.tensors)
+            held = await self.pools.engine(self.engine.checksums, names)  # xxh3-128 of each whole tensor
             path, _ = await self.pools.io(
                 build_rebase, staged, held, self.fetcher.folder_of(staged.to_version, "rebase")
             )
@@ -588,7 +588,11 @@ class Reconciler:
             for step in staged.steps:
                 if step.kind == "snapshot":
                     await self.pools.engine(
-                        self.engine.load_snapshot, [str(p) for p in step.paths], step.version, step.manifest.checksums()
+                        self.engine.load_snapshot,
+                        [str(p) for p in step.paths],
+                        step.version,
+                        step.manifest.checksums(),
+                        step.manifest.layouts(),
                     )
                 elif step.empty:
                     await self.pools.engine(self.engine.set_version, step.version, step.base_version)

@@ -27,6 +27,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 
+from stitchboard.proto.parts import Layout
+
 from ..errors import LeaseNotHeldError
 
 #: What an engine records about its weights: ``idle`` (holds ``version``, or no known version),
@@ -194,9 +196,15 @@ class EngineAdapter(Protocol):
         """Write the staged update (engine paused), verified; returns the commit report."""
 
     def load_snapshot(
-        self, paths: Sequence[str], version: int, checksums: dict[str, str] | None = None
+        self,
+        paths: Sequence[str],
+        version: int,
+        checksums: dict[str, str] | None = None,
+        layouts: Mapping[str, Layout] | None = None,
     ) -> dict[str, Any]:
-        """Load a full snapshot (anchor shards) in place, verified; returns the load report."""
+        """Load a full snapshot (anchor shards) in place, verified against ``checksums``
+        (``VersionManifest.checksums()``: xxh3-128, or xxh3_128_parts over ``layouts[name]`` for a tensor
+        published in parts; None: the files' own); returns the load report."""
 
     def set_version(self, version: int, base: int | None = None) -> None:
         """Record ``version`` as the one the engine holds (boot checkpoint, empty delta), only if
@@ -205,9 +213,10 @@ class EngineAdapter(Protocol):
     def reset_prefix_cache(self) -> None:
         """Drop KV blocks computed with older weights."""
 
-    def checksums(self, names: Sequence[str]) -> dict[str, str]:
-        """xxh3-128 (hex) of the named checkpoint tensors as the engine holds them; raises
-        ApplyRefusedError for a name the engine has no place for."""
+    def checksums(self, names: Sequence[str], layouts: Mapping[str, Layout] | None = None) -> dict[str, str]:
+        """xxh3-128 (hex) of the named checkpoint tensors as the engine holds them, or for a name ``layouts``
+        lists its xxh3_128_parts over that layout (a tensor published in parts, ``VersionManifest.layouts()``);
+        raises ApplyRefusedError for a name the engine has no place for."""
 
 
 @runtime_checkable

@@ -40,6 +40,7 @@ from stitchboard.proto.apply import apply_patch
 from stitchboard.proto.codec import checksum
 from stitchboard.proto.container import RawTensor, read_safetensors
 from stitchboard.proto.decode import read_patch
+from stitchboard.proto.parts import Layout, layout_checksum
 from stitchboard.sidecar.engines.base import EngineState, LeaseGrant
 from stitchboard.sidecar.engines.lease import Lease
 from stitchboard.sidecar.errors import (
@@ -69,6 +70,15 @@ def fingerprint(view: dict[str, RawTensor]) -> str:
         h.update(name.encode())
         h.update(checksum(view[name]).encode())
     return h.hexdigest()[:12]
+
+
+def _sums(view: Mapping[str, RawTensor], names: list[str], layouts: Mapping[str, Layout] | None) -> dict[str, str]:
+    """Each named tensor's xxh3-128, or its xxh3_128_parts over ``layouts[name]`` (a tensor published in parts)."""
+    parted = layouts or {}
+    return {
+        n: checksum(view[n]) if n not in parted else layout_checksum(view[n].bits, view[n].shape, parted[n])
+        for n in names
+    }
 
 
 def copy_view(view: dict[str, RawTensor]) -> dict[str, RawTensor]:
@@ -342,7 +352,13 @@ class FakeEngine:
         self.version, self.phase = to_version, "idle"
         return written
 
-    def load_snapshot(self, paths: list[str], version: int, checksums: dict[str, str] | None = None) -> dict:
+    def load_snapshot(
+        self,
+        paths: list[str],
+        version: int,
+        checksums: dict[str, str] | None = None,
+        layouts: Mapping[str, Layout] | None = None,
+    ) -> dict:
         self._require_lease("load_snapshot")
         self.calls.append(("load_snapshot", (tuple(paths), version)))
         with self._lock:
@@ -355,7 +371,7 @@ class FakeEngine:
             loaded = {}
             for path in paths:
                 loaded.update(read_safetensors(path)[1])
-            if checksums is not None and checksums != {n: checksum(t) for n, t in loaded.items()}:
+            if checksums is not None and checksums != _sums(loaded, list(loaded), layouts):
                 self.phase = "failed"
                 raise RuntimeError("snapshot does not match the checksums")
             self.weights = copy_view(loaded)
@@ -375,7 +391,7 @@ class FakeEngine:
             )
         self.version = version
 
-    def checksums(self, names: list[str]) -> dict[str, str]:
+    def checksums(self, names: list[str], layouts: Mapping[str, Layout] | None = None) -> dict[str, str]:
         self.calls.append(("checksums", (tuple(names),)))
         if self.refuse_checksums:
             self.refuse_checksums -= 1
@@ -389,7 +405,7 @@ class FakeEngine:
                 cause="UnmappedTensor",
                 name=unknown[0],
             )
-        return {n: checksum(self.weights[n]) for n in names}
+        return _sums(self.weights, names, layouts)
 
     def reset_prefix_cache(self) -> None:
         self._require_lease("reset_prefix_cache")

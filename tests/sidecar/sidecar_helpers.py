@@ -11,8 +11,9 @@ from pathlib import Path
 import numpy as np
 
 from stitchboard.bulletin.client import BulletinClient
+from stitchboard.proto import parts
 from stitchboard.proto.checkpoint import save_checkpoint
-from stitchboard.proto.codec import checksum
+from stitchboard.proto.codec import build_patch, checksum, encoded_from_parts
 from stitchboard.proto.container import RawTensor
 from stitchboard.proto.diff import diff_views
 from stitchboard.proto.schema import FileRef, TensorSpec, VersionManifest, VersionStats
@@ -69,14 +70,50 @@ def _sha(data: bytes) -> str:
 
 
 class Publisher:
-    """Publishes versions of one run from views of RawTensors (no trainer), like the trainer SDK would."""
+    """Publishes versions of one run from views of RawTensors (no trainer), like the trainer SDK would.
 
-    def __init__(self, client: BulletinClient, run: str, workdir: Path) -> None:
+    ``ranks`` > 1 publishes as a shard-local publish of that many ranks writes (our seam: the trainer's side; the
+    real one is ``ShardLocalPublisher``, tests/trainer_client/test_shard_local.py): every tensor cut in ``ranks``
+    row blocks, each encoded on its own (``encode_part``) and assembled in one entry carrying only
+    ``xxh3_128_parts``, and each manifest tensor checked by ``xxh3_128_parts`` over its ``parts`` layout only.
+    """
+
+    def __init__(self, client: BulletinClient, run: str, workdir: Path, ranks: int = 1) -> None:
         self.client = client
         self.run = run
         self.workdir = workdir
+        self.ranks = ranks
         self.views: list[dict[str, RawTensor]] = []
         self.manifests: list[VersionManifest] = []
+
+    def _layout(self, t: RawTensor) -> parts.Layout:
+        return tuple((0, t.shape[0] * k // self.ranks, t.shape[0] * (k + 1) // self.ranks) for k in range(self.ranks))
+
+    def _spec(self, name: str, t: RawTensor) -> TensorSpec:
+        if self.ranks == 1:
+            return TensorSpec(name=name, dtype=t.dtype, shape=list(t.shape), checksums={"xxh3_128": checksum(t)})
+        layout = self._layout(t)
+        sums = {parts.XXH3_128_PARTS: parts.layout_checksum(t.bits, t.shape, layout)}
+        return TensorSpec(name=name, dtype=t.dtype, shape=list(t.shape), checksums=sums, parts=list(layout))
+
+    def _parted_patch(self, base: dict[str, RawTensor], view: dict[str, RawTensor]) -> tuple[bytes | None, int]:
+        encoded, changed = [], 0
+        for name, t in sorted(view.items()):
+            blocks = [
+                parts.encode_part(
+                    RawTensor(t.dtype, (), parts.block(base[name].bits, t.shape, d, a, b)),
+                    RawTensor(t.dtype, (), parts.block(t.bits, t.shape, d, a, b)),
+                    d,
+                    a,
+                    b,
+                    "xor",
+                )
+                for d, a, b in self._layout(t)
+            ]
+            if any(blk.part.count for blk in blocks):
+                encoded.append(encoded_from_parts(name, t.dtype, tuple(t.shape), blocks))
+                changed += sum(blk.part.count for blk in blocks)
+        return (build_patch(encoded, "xor") if encoded else None), changed
 
     def _file(self, role: str, path: str, data: bytes) -> FileRef:
         self.client.put_blob(self.run, _sha(data), data)
@@ -96,7 +133,11 @@ class Publisher:
         version = len(self.views)
         files: list[FileRef] = []
         changed = 0
-        if version > 0:
+        if version > 0 and self.ranks > 1:
+            data, changed = self._parted_patch(self.views[-1], view)
+            if data is not None:
+                files.append(self._file("patch", "patch-r0.safetensors", data))
+        elif version > 0:
             base = self.views[-1]
             names = sorted(view)
             groups = [names[i::patch_files] for i in range(patch_files)]
@@ -114,10 +155,7 @@ class Publisher:
             version=version,
             base_version=None if version == 0 else version - 1,
             snapshot=version == 0 or anchor,
-            tensors=[
-                TensorSpec(name=n, dtype=t.dtype, shape=list(t.shape), checksums={"xxh3_128": checksum(t)})
-                for n, t in sorted(view.items())
-            ],
+            tensors=[self._spec(n, t) for n, t in sorted(view.items())],
             files=files,
             stats=VersionStats(
                 changed_elements=changed,

@@ -57,7 +57,7 @@ import os
 import pickle
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -65,6 +65,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from stitchboard.proto.decode import read_patch
+from stitchboard.proto.parts import Layout
 
 from ...errors import ApplyFailedError, EngineRequestError, EngineStateError, EngineUnavailableError, LeaseNotHeldError
 from ..base import EngineState, LeaseGrant, LeaseGuard
@@ -658,14 +659,20 @@ class SglangEngine:
         return self._apply([(paths, [_sha256(p) for p in paths], from_version, to_version)])
 
     def load_snapshot(
-        self, paths: Sequence[str], version: int, checksums: dict[str, str] | None = None
+        self,
+        paths: Sequence[str],
+        version: int,
+        checksums: dict[str, str] | None = None,
+        layouts: Mapping[str, Layout] | None = None,
     ) -> dict[str, Any]:
         """Load snapshot shards in place through the loader and record ``version``.
 
         Args:
             paths: the shard files in the hand-off folder.
             version: the version they hold.
-            checksums: the manifest's tensor checksums; None: computed from the files.
+            checksums: the manifest's tensor checksums (``VersionManifest.checksums()``: xxh3-128, or
+                xxh3_128_parts over ``layouts[name]``); None: computed from the files.
+            layouts: part layouts of the tensors published in parts (``VersionManifest.layouts()``).
 
         Raises:
             ApplyRefusedError: refused before any write; ApplyFailedError (``restored`` False).
@@ -678,6 +685,7 @@ class SglangEngine:
             "paths": list(paths),
             "digests": [_sha256(p) for p in paths],
             "checksums": checksums,
+            "layouts": dict(layouts or {}),
             "what": f"snapshot->{version}",
         }
         answers = self._call("load_snapshot", args, version=version)
@@ -701,9 +709,10 @@ class SglangEngine:
             )
         self._call("label", {}, version=version, instance=state.instance)
 
-    def checksums(self, names: Sequence[str]) -> dict[str, str]:
-        """xxh3-128 of the named checkpoint tensors as the engine holds them."""
-        return self._call("checksums", {"names": list(names)})[0].checksums or {}
+    def checksums(self, names: Sequence[str], layouts: Mapping[str, Layout] | None = None) -> dict[str, str]:
+        """xxh3-128 of the named checkpoint tensors as the engine holds them, or xxh3_128_parts over
+        ``layouts[name]`` for a name ``layouts`` lists."""
+        return self._call("checksums", {"names": list(names), "layouts": dict(layouts or {})})[0].checksums or {}
 
     def reset_prefix_cache(self) -> None:
         """``POST /flush_cache`` (succeeds while paused, retracted requests waiting); no call when

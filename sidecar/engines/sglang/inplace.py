@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
@@ -288,9 +288,15 @@ def commit(ranks: Ranks, writes: list[_Write], hook: PhaseHook, what: str, verif
 
 
 def load_snapshot(
-    ranks: Ranks, paths: Sequence[str], digests: Sequence[str], checksums: dict[str, str], hook: PhaseHook
+    ranks: Ranks,
+    paths: Sequence[str],
+    digests: Sequence[str],
+    checksums: dict[str, str],
+    hook: PhaseHook,
+    layouts: Mapping[str, Layout] | None = None,
 ) -> dict:
-    """Load a full snapshot (anchor shards) in place, verified against the manifest's ``checksums``.
+    """Load a full snapshot (anchor shards) in place, verified against the manifest's ``checksums``
+    (xxh3-128, or xxh3_128_parts over ``layouts[name]`` for a tensor published in parts).
 
     Refused before any write (PatchFormatError, TensorSetMismatchError, UnmappedTensorError,
     TargetMismatchError, TpRankError) when the files are not the handed-over ones, their names
@@ -301,6 +307,7 @@ def load_snapshot(
         ``bytes``, ``tensors``, seconds ``read_s``, ``write_s``, ``verify_s``.
     """
     t0 = time.perf_counter()
+    parted = layouts or {}
 
     def read() -> tuple[dict[str, RawTensor], dict[str, Slot], int]:
         blobs, size = read_files(paths, digests)
@@ -323,7 +330,8 @@ def load_snapshot(
                     f"{slots[n].dtype}{list(slots[n].shape)}",
                     name=n,
                 )
-            if checksum(t) != checksums[n]:
+            layout = parted.get(n)
+            if (checksum(t) if layout is None else layout_checksum(t.bits, t.shape, layout)) != checksums[n]:
                 raise TargetMismatchError(f"snapshot tensor {n!r} does not match the manifest checksum", name=n)
         uncovered = set(ranks.layout.runtime_params()) - {s.runtime_name for s in slots.values()}
         if uncovered:
@@ -338,6 +346,8 @@ def load_snapshot(
             full = torch.from_numpy(tensors[n].bits.view(bits_type(slot.dtype)).copy())  # the file's bits are read-only
             slot.bits().copy_(slot.local_block(full).view(slot.bits().dtype))
 
-    targets = [(n, lambda slot=slot: ranks.checksum(slot), checksums[n]) for n, slot in slots.items()]
+    targets = [
+        (n, lambda n=n, slot=slot: ranks.checksum(slot, parted.get(n)), checksums[n]) for n, slot in slots.items()
+    ]
     timing = write_verified("loading the snapshot", write, targets, hook, ranks.agreed, undo=None)
     return {"bytes": size, "tensors": len(slots), "read_s": t_read - t0, **timing}

@@ -10,8 +10,8 @@ and their sha256 digests, and the loader reads them itself. Requests (``op``)::
 
     {"op": "state"}
     {"op": "apply", "steps": [{"paths": [...], "digests": [...]}, ...], "what": "1->2"}
-    {"op": "load_snapshot", "paths": [...], "digests": [...], "checksums": {name: xxh3}}
-    {"op": "checksums", "names": [...]}
+    {"op": "load_snapshot", "paths": [...], "digests": [...], "checksums": {name: xxh3}, "layouts": {...}}
+    {"op": "checksums", "names": [...], "layouts": {name: [[dim, start, stop], ...]}}
     {"op": "output_counts"}   (at a pause: the marked requests' output tokens, :mod:`.token_counts`)
     {"op": "lease", "owner": O, "ttl_s": T} | {"op": "lease", "owner": O, "release": true}
     {"op": "label"}           (a call that sets SGLang's weight_version: only with the lease)
@@ -77,6 +77,7 @@ import torch
 
 from stitchboard.proto.env import env_setting
 from stitchboard.proto.errors import StitchError
+from stitchboard.proto.parts import layouts_from_json
 
 from ...errors import EngineStateError, TpRankError
 from ..contract import FAULT_ENV, FAULT_EXIT_CODE, FAULT_VERSION_ENV
@@ -248,7 +249,8 @@ def _locked(model: torch.nn.Module, req: dict[str, Any], op: object) -> dict[str
     if op == "label":
         return {}
     if op == "checksums":
-        return {"checksums": {n: ranks.checksum(ranks.layout.place(n)) for n in req["names"]}}
+        layouts = layouts_from_json(req.get("layouts"), "checksums")
+        return {"checksums": {n: ranks.checksum(ranks.layout.place(n), layouts.get(n)) for n in req["names"]}}
     what = str(req.get("what", ""))
     if op == "apply":
         _require_idle()
@@ -260,7 +262,8 @@ def _locked(model: torch.nn.Module, req: dict[str, Any], op: object) -> dict[str
     if op == "load_snapshot":
         _generation += 1
         try:
-            report = load_snapshot(ranks, req["paths"], req["digests"], req["checksums"], _fault(what))
+            layouts = layouts_from_json(req.get("layouts"), "load_snapshot")
+            report = load_snapshot(ranks, req["paths"], req["digests"], req["checksums"], _fault(what), layouts)
         except StitchError as exc:
             if exc.type == "ApplyFailed":
                 _phase = "failed"

@@ -20,11 +20,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
+
+from stitchboard.proto.parts import Layout
 
 from ...errors import EngineRequestError, EngineUnavailableError, LeaseNotHeldError
 from ..base import EngineState, LeaseGrant, LeaseGuard
@@ -285,15 +287,21 @@ class VllmEngine(LoraCalls):
         return {**(results[0].report or {}), "rpc_s": time.perf_counter() - t}
 
     def load_snapshot(
-        self, paths: Sequence[str], version: int, checksums: dict[str, str] | None = None
+        self,
+        paths: Sequence[str],
+        version: int,
+        checksums: dict[str, str] | None = None,
+        layouts: Mapping[str, Layout] | None = None,
     ) -> dict[str, Any]:
         """Load snapshot shards in place and record ``version``.
 
         Args:
             paths: the shard files in the hand-off folder.
             version: the version they hold.
-            checksums: the manifest's tensor checksums (name -> xxh3-128); when None they are
-                computed here from the files (the files were verified by sha256 when staged).
+            checksums: the manifest's tensor checksums (``VersionManifest.checksums()``: name -> xxh3-128, or
+                xxh3_128_parts over ``layouts[name]``); when None they are computed here from the files (the
+                files were verified by sha256 when staged).
+            layouts: part layouts of the tensors published in parts (``VersionManifest.layouts()``).
 
         Returns:
             The worker's report (``bytes``, ``tensors``, ``repacked_modules``, ``read_s``,
@@ -306,7 +314,9 @@ class VllmEngine(LoraCalls):
         sums = dict(checksums) if checksums is not None else snapshot_checksums(paths)
         t = time.perf_counter()
         results = self._owned(
-            "stitch_load_snapshot", {"paths": list(paths), "version": version, "checksums": sums}, self.apply_timeout_s
+            "stitch_load_snapshot",
+            {"paths": list(paths), "version": version, "checksums": sums, "layouts": dict(layouts or {})},
+            self.apply_timeout_s,
         )
         return {**(results[0].report or {}), "rpc_s": time.perf_counter() - t}
 
@@ -319,9 +329,11 @@ class VllmEngine(LoraCalls):
         """
         self._owned("stitch_set_version", {"version": version, "base": base})
 
-    def checksums(self, names: Sequence[str]) -> dict[str, str]:
-        """xxh3-128 of the named checkpoint tensors as the engine holds them (for verification)."""
-        return self._checked("stitch_checksums", {"names": list(names)}, self.apply_timeout_s)[0].checksums or {}
+    def checksums(self, names: Sequence[str], layouts: Mapping[str, Layout] | None = None) -> dict[str, str]:
+        """xxh3-128 of the named checkpoint tensors as the engine holds them (for verification), or xxh3_128_parts
+        over ``layouts[name]`` for a name ``layouts`` lists."""
+        args = {"names": list(names), "layouts": dict(layouts or {})}
+        return self._checked("stitch_checksums", args, self.apply_timeout_s)[0].checksums or {}
 
     def reset_prefix_cache(self) -> None:
         """``POST /reset_prefix_cache?reset_running_requests=true``: running (kept) requests are

@@ -56,7 +56,7 @@ from stitchboard.proto.container import RawTensor
 from stitchboard.proto.decode import Patch, TensorDelta
 from stitchboard.proto.dtypes import bits_type
 from stitchboard.proto.errors import BaseMismatchError, PatchFormatError, TargetMismatchError
-from stitchboard.proto.parts import XXH3_128_PARTS, Layout, digest_pair, layout_checksum, matches
+from stitchboard.proto.parts import XXH3_128_PARTS, Layout, digest_pair, matches
 from stitchboard.proto.schema import XXH3_128
 
 from ..write_core import PhaseHook, write_verified
@@ -133,19 +133,11 @@ def _apply_step(view: torch.Tensor, delta: TensorDelta, index: np.ndarray, selec
     view[at] = (view[at] ^ values) if delta.encoding == "xor" else values
 
 
-def _held_checksum(io: WeightIO, p: Placement, block: torch.Tensor | None, layout: Layout | None) -> str:
-    """The checksum of the tensor the engine holds (or of ``block``'s copy): its xxh3-128, or with a ``layout`` its
-    xxh3_128_parts (collective with TP > 1, as :meth:`WeightIO.checksum`)."""
-    if layout is None:
-        return io.checksum(p, block)
-    return layout_checksum(io.tensor_bytes(p, block).view(bits_type(p.dtype)), p.shape, layout)
-
-
 def _target_of(
     io: WeightIO, p: Placement, block: torch.Tensor, entry: PatchEntry, layout: Layout | None
 ) -> tuple[str, str]:
     """(the target checksum ``entry`` states, the one ``block``'s copy has) in the same algorithm."""
-    return entry.target[XXH3_128 if layout is None else XXH3_128_PARTS], _held_checksum(io, p, block, layout)
+    return entry.target[XXH3_128 if layout is None else XXH3_128_PARTS], io.checksum(p, block, layout)
 
 
 def _union(indices: list[np.ndarray]) -> np.ndarray:
@@ -364,7 +356,7 @@ def commit_staged(io: WeightIO, staged: StagedPatch, hook: PhaseHook) -> dict:
             module.cpu_linear = linear
 
     targets = (
-        (w.placement.name, lambda w=w: _held_checksum(io, w.placement, None, w.layout), w.target) for w in staged.writes
+        (w.placement.name, lambda w=w: io.checksum(w.placement, None, w.layout), w.target) for w in staged.writes
     )
     what = f"writing versions {staged.from_version}->{staged.to_version}"
     timing = write_verified(what, write, targets, hook, io.agreed, undo)

@@ -22,20 +22,21 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 import numpy as np
 import torch
-import xxhash
 
 from stitchboard.proto.container import RawTensor, read_safetensors
 from stitchboard.proto.decode import Patch, read_patch
+from stitchboard.proto.dtypes import bits_type
 from stitchboard.proto.errors import (
     PatchFormatError,
     TargetMismatchError,
     TensorSetMismatchError,
 )
+from stitchboard.proto.parts import Layout, digest, layout_checksum
 
 from ..write_core import PhaseHook, agreed, write_verified
 from .layout import Placement, RuntimeLayout
@@ -69,15 +70,20 @@ class WeightIO:
         self.tp_group = tp_group
         self.repack = repack
 
-    def checksum(self, p: Placement, block: torch.Tensor | None = None) -> str:
-        """xxh3-128 hex digest of the full checkpoint tensor as the engine holds it (see module doc).
+    def checksum(self, p: Placement, block: torch.Tensor | None = None, layout: Layout | None = None) -> str:
+        """xxh3-128 hex digest of the full checkpoint tensor as the engine holds it (see module doc), or with a
+        ``layout`` its ``xxh3_128_parts`` over that layout (a tensor published in parts; the tensor's bytes are
+        gathered as :meth:`tensor_bytes` does).
 
         Args:
             p: the tensor's placement.
             block: this rank's block of a copy (``p.block(copy)``) to hash instead of the
                 engine's; with TP > 1 every rank must pass its block of the same copy.
+            layout: the part layout the manifest's ``xxh3_128_parts`` is computed over; None: ``xxh3_128``.
         """
-        return p.checksum(p.block() if block is None else block, self.tp_group)
+        if layout is None:
+            return p.checksum(p.block() if block is None else block, self.tp_group)
+        return layout_checksum(self.tensor_bytes(p, block).view(bits_type(p.dtype)), p.shape, layout)
 
     def tensor_bytes(self, p: Placement, block: torch.Tensor | None = None) -> np.ndarray:
         """The full checkpoint tensor's raw little-endian bytes (uint8, flat) as the engine holds it.
@@ -95,9 +101,11 @@ class WeightIO:
         """:func:`.write_core.agreed` over this rank's stitchboard TP group."""
         return agreed(self.tp_group, step, what)
 
-    def checksums(self, names: Sequence[str]) -> dict[str, str]:
-        """Checksums of the named checkpoint tensors (raises ``UnmappedTensorError``)."""
-        return {name: self.checksum(self.layout.place(name)) for name in names}
+    def checksums(self, names: Sequence[str], layouts: Mapping[str, Layout] | None = None) -> dict[str, str]:
+        """Checksums of the named checkpoint tensors: ``xxh3_128``, or ``xxh3_128_parts`` over ``layouts[name]``
+        for a name ``layouts`` lists (raises ``UnmappedTensorError``)."""
+        parted = layouts or {}
+        return {name: self.checksum(self.layout.place(name), None, parted.get(name)) for name in names}
 
     def repack_all(self, placements: Sequence[Placement]) -> int:
         """Re-pack the GEMM copies reading ``placements`` (no-op off the CPU backend)."""
@@ -142,7 +150,7 @@ def read_patches(paths: Sequence[str]) -> tuple[list[Patch], int]:
 
 
 def _read_snapshot(
-    io: WeightIO, paths: Sequence[str], checksums: dict[str, str]
+    io: WeightIO, paths: Sequence[str], checksums: dict[str, str], layouts: Mapping[str, Layout]
 ) -> tuple[dict[str, RawTensor], dict[str, Placement], int]:
     """Read and check a snapshot's shards (see :func:`load_snapshot_files`); returns tensors, placements, bytes."""
     tensors: dict[str, RawTensor] = {}
@@ -163,7 +171,9 @@ def _read_snapshot(
     if uncovered:
         raise TensorSetMismatchError(f"snapshot leaves runtime parameters without data: {sorted(uncovered)[:3]}")
     for name, t in tensors.items():
-        if xxhash.xxh3_128_hexdigest(memoryview(t.bits).cast("B")) != checksums[name]:
+        layout = layouts.get(name)
+        have = digest(t.bits) if layout is None else layout_checksum(t.bits, t.shape, layout)
+        if have != checksums[name]:
             raise TargetMismatchError(f"snapshot tensor {name!r} does not match the manifest checksum", name=name)
     return tensors, places, size
 
@@ -176,14 +186,22 @@ def _write_snapshot(io: WeightIO, tensors: dict[str, RawTensor], places: dict[st
         p.write_block(full.narrow(p.split_dim, start, length).contiguous())
 
 
-def load_snapshot_files(io: WeightIO, paths: Sequence[str], checksums: dict[str, str], hook: PhaseHook) -> dict:
+def load_snapshot_files(
+    io: WeightIO,
+    paths: Sequence[str],
+    checksums: dict[str, str],
+    hook: PhaseHook,
+    layouts: Mapping[str, Layout] | None = None,
+) -> dict:
     """Load a full snapshot (anchor shards) in place, verified against the manifest's checksums.
 
     Args:
         io: the rank's weight reader/writer.
         paths: safetensors shard files holding every tensor of the served view once.
-        checksums: checkpoint name -> xxh3-128 hex digest (the manifest's tensor list).
+        checksums: checkpoint name -> its checksum (hex): ``xxh3_128``, or ``xxh3_128_parts`` over
+            ``layouts[name]`` for a tensor published in parts (``VersionManifest.checksums()``).
         hook: called with ``staged`` and ``written-unverified``.
+        layouts: name -> part layout of the tensors published in parts (``VersionManifest.layouts()``).
 
     Returns:
         Report: ``bytes``, ``tensors``, ``repacked_modules``, seconds ``read_s`` (mapping and
@@ -198,7 +216,8 @@ def load_snapshot_files(io: WeightIO, paths: Sequence[str], checksums: dict[str,
             engine holds no verified version).
     """
     t0 = time.perf_counter()
-    tensors, places, size = io.agreed(lambda: _read_snapshot(io, paths, checksums), "reading the snapshot")
+    parted = layouts or {}
+    tensors, places, size = io.agreed(lambda: _read_snapshot(io, paths, checksums, parted), "reading the snapshot")
     t_read = time.perf_counter()
     repacked: dict[str, float] = {}
 
@@ -208,7 +227,7 @@ def load_snapshot_files(io: WeightIO, paths: Sequence[str], checksums: dict[str,
         repacked["modules"] = io.repack_all(list(places.values()))
         repacked["repack_s"] = time.perf_counter() - t
 
-    targets = ((n, lambda p=p: io.checksum(p), checksums[n]) for n, p in places.items())
+    targets = ((n, lambda n=n, p=p: io.checksum(p, None, parted.get(n)), checksums[n]) for n, p in places.items())
     timing = write_verified("loading the snapshot", write, targets, hook, io.agreed, undo=None)
     return {
         "bytes": size,

@@ -26,8 +26,10 @@ JSON dict: ``{"ok": true, "state": {...}, ...}`` or ``{"ok": false, "error": {"t
 * ``stitch_commit('{"to_version": T}')``: write the ready staged update, verify (engine paused).
 * ``stitch_apply_patch('{"paths": [...], "from_version": F, "to_version": T}')``: stage and
   commit the patch files of one version in one call; refused unless the engine holds F.
-* ``stitch_load_snapshot('{"paths": [...], "version": V, "checksums": {name: xxh3}}')``.
-* ``stitch_checksums('{"names": [...]}')``: ``checksums`` {name: xxh3-128 hex} as held now.
+* ``stitch_load_snapshot('{"paths": [...], "version": V, "checksums": {name: xxh3}, "layouts": {name: parts}}')``.
+* ``stitch_checksums('{"names": [...], "layouts": {name: parts}}')``: ``checksums`` {name: xxh3-128 hex} as held now.
+  ``layouts`` (optional, both calls): ``[[dim, start, stop], ...]`` of the tensors published in parts, whose
+  checksum is then their ``xxh3_128_parts`` over that layout (:mod:`stitchboard.proto.parts`).
 * ``stitch_output_counts("{}")``: ``report`` ``{"output_tokens": {key: count}}``, the output
   tokens so far of each output of the sidecar's marked requests (key ``<mark>:<prompt>:<choice>``; read at a pause:
   :mod:`.token_counts`).
@@ -86,6 +88,7 @@ from typing import Any
 
 from stitchboard.proto.env import env_setting
 from stitchboard.proto.errors import StitchError
+from stitchboard.proto.parts import layouts_from_json
 
 from ...errors import ApplyFailedError, EngineStateError, TpRankError
 from ..contract import FAULT_ENV, FAULT_EXIT_CODE, FAULT_VERSION_ENV
@@ -406,13 +409,14 @@ class StitchWorkerExtension:
             if type(version) is not int or version < 0:
                 raise ValueError(f"version must be an integer >= 0, got {version!r}")
             if not isinstance(sums, dict) or not sums or not all(isinstance(v, str) for v in sums.values()):
-                raise ValueError("checksums must map every tensor name to its xxh3_128 hex digest")
+                raise ValueError("checksums must map every tensor name to its xxh3_128 (or xxh3_128_parts) hex digest")
+            layouts = layouts_from_json(args.get("layouts"), "stitch_load_snapshot")
             self._stitch_finish_staging(drop=True)
             io = self._stitch_weights()
             held, phase = self._stitch_version, self._stitch_phase
             self._stitch_phase = "loading"
             try:
-                report = load_snapshot_files(io, paths, sums, functools.partial(_fault, version=version))
+                report = load_snapshot_files(io, paths, sums, functools.partial(_fault, version=version), layouts)
             except BaseException as exc:
                 if isinstance(exc, ApplyFailedError):  # written: no version is held any more
                     self._stitch_version, self._stitch_phase = None, "failed"
@@ -425,14 +429,16 @@ class StitchWorkerExtension:
         return self._stitch_call(request, run, owned="loading a snapshot")
 
     def stitch_checksums(self, request: str) -> dict[str, Any]:
-        """``{"ok": true, "state", "checksums": {name: xxh3-128 hex}}`` of ``names`` as held now."""
+        """``{"ok": true, "state", "checksums": {name: hex}}`` of ``names`` as held now: xxh3-128, or
+        xxh3_128_parts over ``layouts[name]`` for a name ``layouts`` lists."""
 
         def run(args: dict[str, Any]) -> dict[str, Any]:
             names = args.get("names")
             if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
                 raise ValueError("names must be a list of checkpoint tensor names")
+            layouts = layouts_from_json(args.get("layouts"), "stitch_checksums")
             self._stitch_finish_staging(drop=False)
-            return {"checksums": self._stitch_weights().checksums(names)}
+            return {"checksums": self._stitch_weights().checksums(names, layouts)}
 
         return self._stitch_call(request, run)
 
