@@ -10,7 +10,9 @@ engine is never paused: adapters are loaded and unloaded while the base model an
    (:func:`~.adapter_checks.check_engine_serves`), else the run is refused on ``/health`` with why.
    The versions the sidecar holds in memory are loaded again and verified (an engine restart)
    before any adapter request is admitted.
-2. **follow**: long-poll the bulletin for a version newer than the newest resident one.
+2. **follow**: long-poll the bulletin for a version newer than the newest resident one. A sidecar with
+   nothing resident (a fresh start) or more than one version behind loads the newest ``adapter_resident``
+   versions in order, oldest first (one whose route is gone is skipped), so the last K are resident.
 3. **fetch and rebuild** (:mod:`.fetch`, :mod:`.adapter_build`): the plan's files are downloaded
    and sha256-checked, the version's tensors rebuilt in the sidecar's memory from the newest
    resident version's (or the plan's snapshot) with the codec's own decode and apply on raw bits,
@@ -37,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from stitchboard.bulletin.client import BulletinClient
+from stitchboard.bulletin.errors import NotFoundError
 from stitchboard.proto.adapter import AdapterSpec, adapter_name
 from stitchboard.proto.schema import VersionManifest
 from stitchboard.proto.sidecar_wire import Refusal, SidecarState, SyncReport
@@ -108,6 +111,7 @@ class AdapterFollower:
         self._held: dict[int, AdapterTensors] = {}  # the loaded versions' tensors (plans start here; reloads)
         self._manifests: dict[int, VersionManifest] = {}
         self._busy = False
+        self._floor = 0  # versions below it have no route left (gc): not loaded
         self._folder = Path(settings.handoff_dir) / f"sidecar-{settings.port}" / "adapters"
 
     # -- what /health, the status route and the fleet report read ----------------------------
@@ -292,7 +296,22 @@ class AdapterFollower:
                 self.gate.set_target(found)
                 self.status.publish()
             return
-        await self.sync(target)
+        version = max(self._next_version(newest, target), self._floor)
+        try:
+            await self.sync(version)
+        except NotFoundError:
+            if version >= target:
+                raise
+            # an older one of the newest K has no route left (gc): the next one is loaded instead
+            log.warning("adapter version %d of run %r has no route left: loading the next one", version, self.run_id)
+            self._floor = version + 1
+
+    def _next_version(self, newest: int | None, target: int) -> int:
+        """The next version to load on the way to ``target``: the oldest of the newest ``adapter_resident``
+        versions up to ``target`` that is newer than the newest resident one, so that a booting (nothing
+        resident) or lagging sidecar loads the last K versions in order and ends with them resident."""
+        oldest_kept = max(0, target - self.settings.adapter_resident + 1)
+        return oldest_kept if newest is None else max(newest + 1, oldest_kept)
 
     async def sync(self, target: int) -> None:
         """Fetch, rebuild, check and load version ``target`` (the newest resident stays the plan's start).

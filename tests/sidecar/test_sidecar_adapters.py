@@ -16,6 +16,8 @@ import httpx
 import numpy as np
 import pytest
 
+from stitchboard.bulletin.client import BulletinClient
+from stitchboard.bulletin.errors import NotFoundError
 from stitchboard.proto.adapter import AdapterSpec, view_checksum
 from stitchboard.proto.codec import checksum
 from stitchboard.proto.container import RawTensor
@@ -114,20 +116,21 @@ def test_fake_engine_serves_adapters() -> None:
 
 
 def test_resident_set_routing_eviction_and_held_unload(sc_start, lora: AdapterPublisher, tmp_path: Path) -> None:
-    """Two versions resident (K = 2, 3 slots): eviction oldest first, requests by run@N and by run +
-    min_version, 409 listing the residents, the base ungated, /v1/models; a version in use stays
-    loaded until its request ends, and a load waits while every slot is held."""
+    """Two versions resident (K = 2, 3 slots): a booting sidecar loads the last two published, oldest first;
+    eviction oldest first, requests by run@N and by run + min_version, 409 listing the residents, the base
+    ungated, /v1/models; a version in use stays loaded until its request ends, and a load waits while every
+    slot is held."""
     run = lora.run
     engine = FakeEngine(BASE, token_delay_s=0.05)
     lora.publish(mutate(lora.views[-1], 1, 0.5))
+    lora.publish(mutate(lora.views[-1], 2, 0.5))
     sidecar = sc_start(engine, adapter_resident=2, engine_check_interval_s=0.2)
-    _resident(sidecar, [f"{run}@1"])
-    assert same_bits(engine.adapters[f"{run}@1"], lora.views[1])
+    _resident(sidecar, [f"{run}@1", f"{run}@2"])  # versions 0, 1, 2 published: the last K = 2 loaded at boot
+    for v in (1, 2):
+        assert same_bits(engine.adapters[f"{run}@{v}"], lora.views[v])
     assert engine.adapter_configs[f"{run}@1"] == lora.spec.config
     assert not list((tmp_path / "handoff").rglob("adapter_model.safetensors")), "the PEFT folder was not removed"
 
-    lora.publish(mutate(lora.views[-1], 2, 0.5))
-    _resident(sidecar, [f"{run}@1", f"{run}@2"])
     lora.publish(mutate(lora.views[-1], 3, 0.5))
     _resident(sidecar, [f"{run}@2", f"{run}@3"])
     wait_for(lambda: engine.loaded_adapters() == [f"{run}@2", f"{run}@3"], 10, "v1 unloaded")
@@ -192,6 +195,28 @@ def test_resident_set_routing_eviction_and_held_unload(sc_start, lora: AdapterPu
     assert health["status"] == "ok" and health["applied_version"] == 5
     fleet = lambda: httpx.get(f"{lora.client.url}/v1/runs/{run}/replicas").json()["replicas"]
     wait_for(lambda: [r["report"]["adapters"] for r in fleet()] == [[f"{run}@4", f"{run}@5"]], 10, "the fleet report")
+
+
+class _GoneVersion(BulletinClient):
+    """A bulletin client that finds no route to one version (as after gc), at our seam."""
+
+    gone = 1
+
+    def plan(self, run, from_version, to_version, *args, **kwargs):
+        if to_version == self.gone:
+            raise NotFoundError(f"run {run!r} has no route to version {to_version} (test)")
+        return super().plan(run, from_version, to_version, *args, **kwargs)
+
+
+def test_an_older_version_without_a_route_is_skipped_at_boot(sc_start, sc_bulletin, lora: AdapterPublisher) -> None:
+    run = lora.run
+    lora.publish(mutate(lora.views[-1], 1, 0.5))
+    lora.publish(mutate(lora.views[-1], 2, 0.5))
+    with _GoneVersion(sc_bulletin.url, retries=1, backoff_s=0.01) as client:
+        sidecar = sc_start(FakeEngine(BASE), client=client, adapter_resident=2, engine_check_interval_s=0.2)
+        _resident(sidecar, [f"{run}@2"])
+        assert [a[0] for m, a in sidecar.engine.calls if m == "load_adapter"] == [f"{run}@2"]
+        sidecar.stop()
 
 
 def test_failed_load_keeps_previous_and_restart_reloads(sc_start, lora: AdapterPublisher) -> None:
