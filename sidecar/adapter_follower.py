@@ -17,7 +17,7 @@ engine is never paused: adapters are loaded and unloaded while the base model an
    and sha256-checked, the version's tensors rebuilt in the sidecar's memory from the newest
    resident version's (or the plan's snapshot) with the codec's own decode and apply on raw bits,
    and checked against the manifest's checksums.
-4. **load**: the PEFT folder is written to the memory-backed hand-off folder, loaded by the
+4. **load** (:mod:`.adapter_slots`): the PEFT folder is written to the memory-backed hand-off folder, loaded by the
    engine's own LoRA loader under ``<run>@<N>`` and verified against the manifest's checksums
    (:meth:`~.engines.base.ServesAdapters.load_adapter`), then the folder is removed. Only then is
    the version resident (:class:`~.adapter_set.ResidentAdapters`). A failed load leaves the
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import shutil
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -41,12 +40,12 @@ from typing import Any
 from stitchboard.bulletin.client import BulletinClient
 from stitchboard.bulletin.errors import NotFoundError
 from stitchboard.proto.adapter import AdapterSpec, adapter_name
-from stitchboard.proto.schema import VersionManifest
 from stitchboard.proto.sidecar_wire import Refusal, SidecarState, SyncReport
 
-from .adapter_build import AdapterTensors, checksums_of, rebuild, write_peft_folder
+from .adapter_build import rebuild
 from .adapter_checks import check_engine_serves
 from .adapter_set import ResidentAdapters
+from .adapter_slots import AdapterSlots
 from .engines.base import EngineAdapter, ServesAdapters
 from .errors import AdapterRunRefusedError, EngineChangedError, LeaseNotHeldError, StagingError
 from .fetch import Fetcher
@@ -105,14 +104,14 @@ class AdapterFollower:
         self.refused: Refusal | None = None
         self.last_sync: SyncReport | None = None
         self.pause_by_route: dict[str, float] = {}  # adapters never pause the engine
-        self.last_failed_load: ErrorRecord | None = None
         self.instance: str | None = None  # the engine instance the resident versions serve in (None: boot)
         self._loaded_into: str | None = None  # the instance they were last loaded into and verified in
-        self._held: dict[int, AdapterTensors] = {}  # the loaded versions' tensors (plans start here; reloads)
-        self._manifests: dict[int, VersionManifest] = {}
-        self._busy = False
         self._floor = 0  # versions below it have no route left (gc): not loaded
-        self._folder = Path(settings.handoff_dir) / f"sidecar-{settings.port}" / "adapters"
+        self.slots = AdapterSlots(
+            settings.run, engine, self.resident, self.pools, self.status,
+            Path(settings.handoff_dir) / f"sidecar-{settings.port}" / "adapters",
+            settings.adapter_resident, settings.engine_check_interval_s,
+        )  # fmt: skip
 
     # -- what /health, the status route and the fleet report read ----------------------------
 
@@ -134,7 +133,7 @@ class AdapterFollower:
     @property
     def engine_busy(self) -> bool:
         """True while a load or unload works on the engine."""
-        return self._busy
+        return self.slots.busy
 
     async def check_engine(self) -> str | None:
         """None while the engine is the instance the resident versions were loaded into; else why not
@@ -153,7 +152,7 @@ class AdapterFollower:
     def health_body(self) -> dict[str, Any]:
         """``/health``'s ``adapters``: the resident set (:meth:`ResidentAdapters.body`), the run's
         ``base_model``, ``slots`` and the ``last_failed_load`` (None: none since the last load)."""
-        failed = self.last_failed_load
+        failed = self.slots.last_failed_load
         return {
             **self.resident.body(),
             "base_model": self.spec.base_model,
@@ -166,7 +165,7 @@ class AdapterFollower:
         self.lease.release()
         self.lease.close()
         self.pools.close()
-        shutil.rmtree(self._folder, ignore_errors=True)
+        self.slots.close()
 
     # -- main loop ---------------------------------------------------------------------------
 
@@ -208,7 +207,7 @@ class AdapterFollower:
             if not self.lease.held:
                 continue
             try:
-                reason = await self.lease.renew(lambda: self._busy)
+                reason = await self.lease.renew(lambda: self.slots.busy)
             except Exception:
                 log.exception("renewing the engine's lease failed")
                 continue
@@ -256,24 +255,23 @@ class AdapterFollower:
         assert isinstance(engine, ServesAdapters)  # check_engine_serves refused it otherwise
         self.status.unhealthy_reason = None
         loaded = set(await self.pools.engine(engine.loaded_adapters))
+        slots = self.slots
         for version in sorted(self.resident.retired) if not same else []:  # a new engine: not loaded again
-            self.resident.remove(version)
-            self._held.pop(version, None)
-            self._manifests.pop(version, None)
-        mine = {v: adapter_name(self.run_id, v) for v in self._held}
-        self._busy = True
+            slots.forget(version)
+        mine = {v: adapter_name(self.run_id, v) for v in slots.held}
+        slots.busy = True
         try:
             for version, name in sorted(mine.items()):  # an engine restart lost them: load and verify again
                 if same and name in loaded:  # loaded, verified and pinned in this very instance
                     continue
                 if name in loaded:  # loaded by another sidecar: unload, then load what this one verified
                     await self.pools.engine(engine.unload_adapter, name)
-                await self._load(version, self._held[version], self._manifests[version])
+                await slots.load(version, slots.held[version], slots.manifests[version])
             for name in sorted(loaded - set(mine.values())):  # this run's names of an earlier sidecar: not verified
                 if name.partition("@")[0] == self.run_id:
                     await self.pools.engine(engine.unload_adapter, name)
         finally:
-            self._busy = False
+            slots.busy = False
         self.instance = self._loaded_into = state.instance
         self.resident.set_ready(True)
         self.status.set_state("idle", "booted")
@@ -286,8 +284,8 @@ class AdapterFollower:
         than the newest resident, else long-poll the bulletin for one."""
         if await self.check_engine() is not None:
             return
-        await self._unload_unused()
-        newest = max(self._held) if self._held else None
+        await self.slots.unload_unused()
+        newest = self.slots.newest
         target = self.gate.target
         if target is None or (newest is not None and target <= newest):
             wait_s = min(self.settings.poll_wait_s, self.settings.engine_check_interval_s)
@@ -323,10 +321,11 @@ class AdapterFollower:
         """
         seen = time.perf_counter()
         self.status.set_state("staging", f"fetching adapter version {target}")
-        start = max(self._held) if self._held else None
+        slots = self.slots
+        start = slots.newest
         plan = await self.pools.io(self.client.plan, self.run_id, start, target)
         fetched = await self.pools.io(
-            self.fetcher.fetch, plan, self._manifests.get(start) if start is not None else None
+            self.fetcher.fetch, plan, slots.manifests.get(start) if start is not None else None
         )
         try:
             manifest = fetched.steps[-1].manifest if fetched.steps else None
@@ -339,17 +338,17 @@ class AdapterFollower:
                     f"version {target} of run {self.run_id!r} is not an adapter over the base this sidecar serves "
                     f"(base checksum {self.spec.base_checksum})"
                 )
-            tensors = await self.pools.io(rebuild, fetched, self._held)
+            tensors = await self.pools.io(rebuild, fetched, slots.held)
         finally:
             self.fetcher.discard()
-        await self._make_room()
-        self._busy = True
+        await slots.make_room()
+        slots.busy = True
         try:
-            await self._load(target, tensors, manifest)
+            await slots.load(target, tensors, manifest)
         finally:
-            self._busy = False
-        self._retire_past_k()
-        await self._unload_unused()
+            slots.busy = False
+        slots.retire_past_k()
+        await slots.unload_unused()
         total = time.perf_counter() - seen
         self.last_sync = SyncReport(
             from_version=start, to_version=target, bytes_fetched=fetched.bytes_fetched, stage_seconds=fetched.seconds,
@@ -366,63 +365,3 @@ class AdapterFollower:
             fetched.bytes_fetched,
             total,
         )
-
-    async def _load(self, version: int, tensors: AdapterTensors, manifest: VersionManifest) -> None:
-        # Write the PEFT folder, have the engine load and verify it, remove the folder; resident on success.
-        engine = self.engine
-        assert isinstance(engine, ServesAdapters)  # boot refused any other engine
-        name = adapter_name(self.run_id, version)
-        folder = self._folder / name
-        try:
-            await self.pools.io(write_peft_folder, folder, tensors, manifest.adapter.config if manifest.adapter else {})
-            await self.pools.engine(engine.load_adapter, name, str(folder), checksums_of(manifest))
-        except Exception as exc:
-            self.last_failed_load = self.status.error(exc, f"loading adapter {name}")
-            raise
-        finally:
-            await self.pools.io(shutil.rmtree, folder, True)
-        self.last_failed_load = None
-        self._held[version], self._manifests[version] = tensors, manifest
-        self.resident.add(version)
-
-    async def _make_room(self) -> None:
-        # A free slot for the next load. Retired versions no request uses are unloaded; if none, the
-        # oldest resident version no request uses is retired (the newest always stays); while every
-        # slot holds a version in use, the load waits (and /health says so).
-        engine = self.engine
-        assert isinstance(engine, ServesAdapters)
-        slots = await self.pools.engine(engine.adapter_slots)
-        while len(self.resident.refs) >= slots:
-            if not self.resident.unused_retired():
-                idle = [v for v in self.resident.versions[:-1] if self.resident.refs[v] == 0]
-                if idle:
-                    self.resident.retire(idle[0])
-            if self.resident.unused_retired():
-                await self._unload_unused()
-                continue
-            in_use = {adapter_name(self.run_id, v): n for v, n in sorted(self.resident.refs.items())}
-            self.resident.set_waiting(
-                f"every one of the engine's {slots} adapter slots holds a version admitted requests use "
-                f"({in_use}): the next load waits for one to end"
-            )
-            await self.resident.changed(self.settings.engine_check_interval_s)
-        self.resident.set_waiting(None)
-
-    def _retire_past_k(self) -> None:
-        # Versions past the newest adapter_resident get no new request (unloaded once unused).
-        for version in self.resident.versions[: -self.settings.adapter_resident]:
-            self.resident.retire(version)
-
-    async def _unload_unused(self) -> None:
-        engine = self.engine
-        if not isinstance(engine, ServesAdapters):
-            return
-        for version in self.resident.unused_retired():
-            self._busy = True
-            try:
-                await self.pools.engine(engine.unload_adapter, adapter_name(self.run_id, version))
-            finally:
-                self._busy = False
-            self.resident.remove(version)
-            self._held.pop(version, None)
-            self._manifests.pop(version, None)
