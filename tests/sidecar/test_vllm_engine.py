@@ -371,3 +371,15 @@ def test_tensor_parallel_3_patch_is_bit_exact_with_a_fresh_tp3_engine(smollm2_di
         assert patched == fresh.greedy()
     finally:
         fresh.stop()
+
+
+def test_a_plain_engine_serves_no_adapters_and_names_its_base_view(vllm_adapter, vllm_views, vllm_workdir):
+    """Without --enable-lora: no adapter slots, a load refused before vLLM is asked; base_names() are
+    the served view's names (tests/sidecar/test_vllm_lora.py covers the LoRA engine)."""
+    from stitchboard.sidecar.errors import AdapterLoadError
+
+    assert vllm_adapter.adapter_slots() == 0 and vllm_adapter.loaded_adapters() == []
+    with pytest.raises(AdapterLoadError) as off:
+        vllm_adapter.load_adapter("x@1", str(vllm_workdir), {"base_model.model.lm_head.lora_A.weight": "0" * 32})
+    assert off.value.details["cause"] == "LoraDisabled"
+    assert sorted(vllm_adapter.base_names()) == sorted(vllm_views[0])

@@ -40,16 +40,18 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 PROMPTS = ("The capital of France is", "def fibonacci(n):")
 
 
-def _peft_folder(model_dir: Path, folder: Path, seed: int) -> dict[str, str]:
-    """Save a PEFT LoRA adapter (r 8, alpha 12, random A and B from ``seed``, bf16) of the base
-    at ``model_dir`` to ``folder``; returns its tensors' xxh3-128 (PEFT name -> hex)."""
+def _peft_folder(model_dir: Path, folder: Path, seed: int, rank: int = 8) -> dict[str, str]:
+    """Save a PEFT LoRA adapter (rank ``rank``, alpha 1.5 x rank, random A and B from ``seed``, bf16)
+    of the base at ``model_dir`` to ``folder``; returns its tensors' xxh3-128 (PEFT name -> hex)."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
-    config = LoraConfig(r=8, lora_alpha=12, target_modules=TARGETS, lora_dropout=0.0, init_lora_weights=False)
+    config = LoraConfig(
+        r=rank, lora_alpha=1.5 * rank, target_modules=TARGETS, lora_dropout=0.0, init_lora_weights=False
+    )
     get_peft_model(base, config).save_pretrained(folder)
     return {name: checksum(t) for name, t in read_safetensors(folder / "adapter_model.safetensors")[1].items()}
 
@@ -77,11 +79,11 @@ def lora_engine(smollm2_dir: Path, lora_folder: Path) -> Iterator[VllmServer]:
 
 @pytest.fixture(scope="module")
 def adapters(smollm2_dir: Path, lora_folder: Path) -> dict[str, tuple[str, dict[str, str]]]:
-    """Two PEFT adapters ``x`` and ``y``: key -> (folder, checksums)."""
+    """PEFT adapters ``x``, ``y`` (rank 8) and ``wide`` (rank 32, above the engine's 16): key -> (folder, sums)."""
     out = {}
-    for key, seed in (("x", 1), ("y", 2)):
+    for key, seed, rank in (("x", 1, 8), ("y", 2, 8), ("wide", 3, 32)):
         folder = lora_folder / f"adapter-{key}"
-        out[key] = (str(folder), _peft_folder(smollm2_dir, folder, seed))
+        out[key] = (str(folder), _peft_folder(smollm2_dir, folder, seed, rank))
     return out
 
 
@@ -131,7 +133,10 @@ def test_wrong_checksum_is_refused_and_unloaded_while_another_keeps_serving(lora
     with pytest.raises(AdapterLoadError) as missing:
         engine.load_adapter("y@short", folder, {n: s for n, s in sums.items() if n != wrong})
     assert missing.value.details["cause"] == "TensorSetMismatch"
-    assert engine.loaded_adapters() == ["x@1"]
+    with pytest.raises(AdapterLoadError) as wide:  # rank 32 > --max-lora-rank 16: vLLM's loader refuses it
+        engine.load_adapter("wide@1", *adapters["wide"])
+    assert wide.value.details["cause"] == "EngineRefused" and wide.value.details["status"] != 200
+    assert engine.loaded_adapters() == ["x@1"] and "wide@1" not in _listed(lora_engine)
     assert _answers(lora_engine, "x@1") == before
 
 
