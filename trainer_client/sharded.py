@@ -173,6 +173,17 @@ class ShardedPublisher(PublisherCore):
 
     # -- the collectives ---------------------------------------------------------------------
 
+    def agree(self, value: T) -> T:
+        """Rank 0's ``value`` on every rank (a pickled broadcast over the publishers' group): for a decision the
+        ranks must take alike because it starts collectives (publish again after a failure, or not).
+
+        Collective: every rank of the publisher calls it, with no publish of this publisher in flight (its
+        exchanges use the same group). ``value`` must pickle.
+        """
+        box: list[Any] = [value]
+        dist.broadcast_object_list(box, group=self._control, group_src=0)
+        return cast(T, box[0])
+
     def _gather(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world
         dist.all_gather_object(out, obj, group=self._control)

@@ -8,10 +8,17 @@ version per optimizer step at ``on_step_end``, recording TRL's
 copy, the only part that blocks the step) and published in the background by the publisher's
 bounded worker (:meth:`Publisher.publish_async`), so the next step runs while it uploads.
 
-Ranks: rank 0 publishes. Under FSDP every rank joins the gather of the full state dict
-(``get_model_state_dict(full_state_dict=True, cpu_offload=True)``), which only rank 0 keeps; under
-DDP each rank holds the whole model and no collective is needed. Shard-local publish comes with
-the sharding issue (#32).
+Ranks: by default rank 0 publishes. Under FSDP every rank then joins the gather of the full state
+dict (``get_model_state_dict(full_state_dict=True, cpu_offload=True)``), which only rank 0 keeps;
+under DDP each rank holds the whole model and no collective is needed. With ``shard_local=True``
+(FSDP2 or tensor-parallel DTensor models) every rank makes a
+:class:`~stitchboard.trainer_client.shard_local.ShardLocalPublisher` and publishes the blocks it
+holds: no full tensor is gathered anywhere, the ranks exchange metadata and encoded changes only.
+Then every decision that starts a collective is taken alike on every rank: a step end first waits
+for the previous publish (so at most one publish is in flight, and every rank sees its outcome),
+and whether to retry a failed publish is rank 0's call, broadcast (:meth:`ShardedPublisher.agree`).
+A rollout asking :meth:`PublishCallback.version_for_step` then only waits; a failed publish is
+published again at the next step end.
 
 Faults (the bulletin or the network down), ``on_fault``:
 
@@ -47,6 +54,8 @@ from stitchboard.proto.errors import StitchError
 from ..errors import ResumeError
 from ..publish_result import PublishResult
 from ..publisher import Publisher
+from ..publisher_core import PublisherCore
+from ..sharded import ShardedPublisher
 
 log = logging.getLogger("stitchboard.trainer_client.trl")
 
@@ -86,6 +95,16 @@ def full_state_dict(model: torch.nn.Module) -> Mapping[str, torch.Tensor] | torc
     return {name: t for name, t in state.items() if isinstance(t, torch.Tensor)}
 
 
+def _committed(p: Published) -> int | None:
+    """The version ``p`` committed, read without settling it (None: failed or in flight)."""
+    future = p.future
+    if future is None:
+        return p.version
+    if not future.done() or future.exception() is not None:
+        return None
+    return future.result().version
+
+
 class PublishCallback(TrainerCallback):
     """Publishes the served view of the policy after every optimizer step (a ``TrainerCallback``).
 
@@ -97,9 +116,13 @@ class PublishCallback(TrainerCallback):
         retry_interval_s: pause between those retries, seconds (default 2).
         background: publish in the background (default); False: each publish commits before the
             step ends.
+        shard_local: every rank calls ``publisher`` (a factory) and publishes its own blocks with the
+            :class:`~stitchboard.trainer_client.shard_local.ShardLocalPublisher` it returns (see the module
+            docstring); default False: rank 0 publishes the gathered full state dict.
 
     Raises:
-        ValueError: an unknown ``on_fault``, or a timeout < 0.
+        ValueError: an unknown ``on_fault``, or a timeout < 0; ``shard_local`` with a publisher instance
+            instead of a factory, or a factory that returns no ``ShardedPublisher`` (at the first publish).
         ResumeError (``on_train_begin``): the trainer starts at a step behind the run's last version.
 
     The callback is the rollout's source of versions in the same process: :meth:`version_for_step`.
@@ -107,23 +130,27 @@ class PublishCallback(TrainerCallback):
 
     def __init__(
         self,
-        publisher: Publisher | Callable[[], Publisher],
+        publisher: Publisher | Callable[[], PublisherCore],
         *,
         on_fault: FaultPolicy = "block",
         block_timeout_s: float = 300.0,
         retry_interval_s: float = 2.0,
         background: bool = True,
+        shard_local: bool = False,
     ) -> None:
         if on_fault not in FAULT_POLICIES:
             raise ValueError(f"on_fault must be one of {FAULT_POLICIES}, got {on_fault!r}")
+        if shard_local and isinstance(publisher, Publisher):
+            raise ValueError("shard_local=True needs a factory every rank calls (lambda: ShardLocalPublisher(...))")
         if block_timeout_s < 0 or retry_interval_s < 0:
             raise ValueError(f"timeouts must be >= 0 s, got {block_timeout_s} and {retry_interval_s}")
         self._make = publisher if callable(publisher) and not isinstance(publisher, Publisher) else None
-        self.publisher: Publisher | None = publisher if isinstance(publisher, Publisher) else None
+        self.publisher: PublisherCore | None = publisher if isinstance(publisher, Publisher) else None
         self.on_fault: FaultPolicy = on_fault
         self.block_timeout_s = block_timeout_s
         self.retry_interval_s = retry_interval_s
         self.background = background
+        self.shard_local = shard_local
         self.published: list[Published] = []
         self.skipped_steps: list[int] = []
         self._lock = threading.Lock()
@@ -157,8 +184,9 @@ class PublishCallback(TrainerCallback):
         if found is None:
             return
         publisher, what, model = found
-        self._model, self._step = (None if is_sharded(model) else model), state.global_step
-        if self._settle(wait=False):
+        self._model = None if self.shard_local or is_sharded(model) else model  # republished by version_for_step
+        self._step = state.global_step
+        if self._settle(wait=self.shard_local):
             self._publish_blocking(publisher, what, state.global_step)  # block: the bulletin was down
         elif self.background:
             self._publish_async(publisher, what, state.global_step)
@@ -170,11 +198,13 @@ class PublishCallback(TrainerCallback):
     ) -> None:
         """Wait for the publishes in flight; publish the final weights again if one failed under ``block``, or
         under ``skip`` if the last step's failed (no next version carries it): once, logged if it fails."""
-        if not state.is_world_process_zero or self.publisher is None:
+        if not (state.is_world_process_zero or self.shard_local) or self.publisher is None:
             return
         model = kwargs.get("model")
         again = self._settle(wait=True) or (self.on_fault == "skip" and state.global_step in self.skipped_steps)
-        if again and model is not None and not is_sharded(model):  # no collective on rank 0 alone
+        if again and model is not None and self.shard_local:  # every rank: its own blocks
+            self._publish_blocking(self.publisher, model, state.global_step)
+        elif again and model is not None and not is_sharded(model):  # no collective on rank 0 alone
             self._publish_blocking(self.publisher, full_state_dict(model), state.global_step)
 
     # -- versions for the rollout ---------------------------------------------------------------
@@ -195,6 +225,10 @@ class PublishCallback(TrainerCallback):
                 future.exception(timeout=max(0.0, deadline - time.monotonic()))
             except TimeoutError:
                 return None
+        if self.shard_local:  # no collective here, and the outcomes stay for the step end to settle alike
+            with self._lock:
+                found = [_committed(p) for p in self.published if p.step >= step]
+            return next((v for v in found if v is not None), None)
         if self._settle(wait=False) and self.publisher is not None and self._model is not None:
             self._publish_blocking(self.publisher, self._model, self._step, deadline)
         with self._lock:
@@ -205,26 +239,38 @@ class PublishCallback(TrainerCallback):
 
     def _rank_zero_view(
         self, state: TrainerState, model: torch.nn.Module | None
-    ) -> tuple[Publisher, Mapping[str, torch.Tensor] | torch.nn.Module, torch.nn.Module] | None:
-        """On rank 0: the publisher, what to publish and the model; None elsewhere, without a model, or
-        without a publisher. Every rank calls it: under FSDP each joins the full-state-dict gather."""
+    ) -> tuple[PublisherCore, Mapping[str, torch.Tensor] | torch.nn.Module, torch.nn.Module] | None:
+        """On rank 0 (on every rank with ``shard_local``): the publisher, what to publish and the model; None
+        elsewhere, without a model, or without a publisher. Every rank calls it: under FSDP each joins the
+        full-state-dict gather (none with ``shard_local``: each publishes its own blocks of the model)."""
         if model is None:
             return None
+        if self.shard_local:
+            publisher = self._publisher(state.global_step)
+            return None if publisher is None else (publisher, model, model)
         what = full_state_dict(model)
         if not state.is_world_process_zero:
             return None
         publisher = self._publisher(state.global_step)
         return None if publisher is None else (publisher, what, model)
 
-    def _publisher(self, step: int) -> Publisher | None:
+    def _publisher(self, step: int) -> PublisherCore | None:
         if self.publisher is None and self._make is not None:
             try:
-                self.publisher = self._make()
+                made = self._make()
             except StitchError as exc:
                 self._fault(exc, step)
+                return None
+            if self.shard_local and not isinstance(made, ShardedPublisher):
+                made.close()
+                raise ValueError(
+                    f"shard_local=True: the publisher factory made a {type(made).__name__}; every rank needs a "
+                    "ShardLocalPublisher (lambda: ShardLocalPublisher(url, run, ...))"
+                )
+            self.publisher = made
         return self.publisher
 
-    def _check_resume(self, publisher: Publisher, step: int) -> None:
+    def _check_resume(self, publisher: PublisherCore, step: int) -> None:
         """Refuse a trainer at ``step`` behind the run's last version (resumed from an older checkpoint): its
         steps would meet the run's versions of those steps (other bits: refused) and its rollouts would get them.
 
@@ -292,7 +338,7 @@ class PublishCallback(TrainerCallback):
             self.published.insert(at, Published(step, None, lost))
         log.warning("step %d: committed as version %d after all (its answer was lost)", step, lost)
 
-    def _publish_async(self, publisher: Publisher, what: Any, step: int) -> None:
+    def _publish_async(self, publisher: PublisherCore, what: Any, step: int) -> None:
         for attempt in (1, 2):
             try:
                 future = publisher.publish_async(what, step=step)
@@ -304,23 +350,27 @@ class PublishCallback(TrainerCallback):
             self._record(Published(step, future))
             return
 
-    def _publish_blocking(self, publisher: Publisher, what: Any, step: int, deadline: float | None = None) -> None:
+    def _publish_blocking(self, publisher: PublisherCore, what: Any, step: int, deadline: float | None = None) -> None:
         """Publish now; under ``block`` retry an unreachable bulletin until ``block_timeout_s``, or until
         ``deadline`` (``time.monotonic()``) if sooner (a rollout's wait)."""
         deadline = min(time.monotonic() + self.block_timeout_s, deadline if deadline is not None else float("inf"))
         while True:
             try:
                 result = publisher.publish(what, step=step)
-            except UnavailableError as exc:
-                if self.on_fault == "block" and time.monotonic() + self.retry_interval_s < deadline:
+            except StitchError as exc:
+                retry = (
+                    isinstance(exc, UnavailableError)
+                    and self.on_fault == "block"
+                    and time.monotonic() + self.retry_interval_s < deadline
+                )
+                if self.shard_local and isinstance(publisher, ShardedPublisher):
+                    retry = publisher.agree(retry)  # rank 0's call: every rank publishes again, or none
+                if retry:
                     log.warning(
                         "step %d: bulletin unavailable (%s); retrying for up to %.0f s", step, exc, self.block_timeout_s
                     )
                     time.sleep(self.retry_interval_s)
                     continue
-                self._fault(exc, step)
-                return
-            except StitchError as exc:
                 self._fault(exc, step)
                 return
             self._record(Published(step, None, result.version, result=result))
