@@ -137,13 +137,14 @@ def layouts_from_json(obj: object, what: str) -> dict[str, Layout]:
     """
     if obj is None:
         return {}
-    bad = [n for n, parts in obj.items() if not _is_layout(parts)] if isinstance(obj, dict) else ["(not a map)"]
+    given: dict[Any, Any] = obj if isinstance(obj, dict) else {"(not a map)": None}
+    bad = [n for n, parts in given.items() if not _is_layout(parts)]
     if bad:
         raise ValueError(
             f"{what}: layouts must map tensor names to non-empty lists of [dim (0 or 1), start, stop] with "
             f"0 <= start < stop; {bad[0]!r} does not"
         )
-    return {str(n): tuple((int(d), int(a), int(b)) for d, a, b in parts) for n, parts in obj.items()}
+    return {str(n): tuple((int(d), int(a), int(b)) for d, a, b in parts) for n, parts in given.items()}
 
 
 def _is_layout(parts: object) -> bool:

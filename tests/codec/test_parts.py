@@ -230,3 +230,13 @@ def test_same_checksum_compares_the_algorithm_both_carry() -> None:
     assert parts.same_checksum(whole, {**whole, **parted}) and parts.same_checksum(parted, {**whole, **parted})
     assert not parts.same_checksum(whole, {"xxh3_128": "c" * 32, **parted})
     assert not parts.same_checksum(whole, parted)  # nothing in common: not shown equal
+
+
+def test_layouts_an_engine_call_names_are_read_or_refused_by_name() -> None:
+    """The layouts a sidecar hands to an engine's checksum call and snapshot load (JSON lists) come back as
+    tuples; a malformed one is refused naming the call and the tensor, before anything is hashed."""
+    assert parts.layouts_from_json(None, "stitch_checksums") == {}
+    assert parts.layouts_from_json({"w": [[0, 0, 3], [0, 3, 8]]}, "x") == {"w": ((0, 0, 3), (0, 3, 8))}
+    for bad in ({"w": []}, {"w": [[2, 0, 3]]}, {"w": [[0, 3, 3]]}, {"w": [[0, 0, "3"]]}, {"w": [[0, 1]]}, [1]):
+        with pytest.raises(ValueError, match="stitch_checksums: layouts must map"):
+            parts.layouts_from_json(bad, "stitch_checksums")
