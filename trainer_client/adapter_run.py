@@ -185,7 +185,13 @@ class AdapterRun:
         if self._full:
             raise _refuse("adapter", "adapter", "this publisher publishes a full run; publish adapters to a new run")
         if self.served != "bf16":
-            raise _refuse("served", self.served, "adapter runs are served bf16; publish with served='bf16'")
+            raise _refuse(
+                "served",
+                self.served,
+                "adapter runs are served bf16 over a bf16 base: an FP8 or NVFP4 base under a bf16 adapter is not "
+                "served (vLLM's LoRA layers over quantized linear layers are not verified here, and the base checksum "
+                "names the bf16 view); publish with served='bf16'",
+            )
         config = adapter_config(peft_model)
         spec = AdapterSpec(
             base_model=config["base_model_name_or_path"],

@@ -172,6 +172,15 @@ def test_publish_refuses_what_an_adapter_run_does_not_serve(bulletin, run: str, 
     assert bulletin.client().latest(run) is None  # nothing published
 
 
+@pytest.mark.parametrize("served", ["fp8", "nvfp4"])
+def test_a_quantized_served_base_under_a_bf16_adapter_is_refused_with_the_reason(bulletin, run, served) -> None:
+    with Publisher(bulletin.url, run, served=served) as publisher, pytest.raises(AdapterRefusedError) as caught:
+        publisher.publish(lora())
+    assert caught.value.details == {"field": "served", "value": served}
+    assert "FP8 or NVFP4 base under a bf16 adapter is not served" in caught.value.message
+    assert bulletin.client().latest(run) is None  # nothing published
+
+
 def test_publish_refuses_other_peft_types_a_missing_config_and_changes_between_versions(bulletin, run: str) -> None:
     with Publisher(bulletin.url, run) as publisher:
         loha = get_peft_model(tiny_llama(), LoHaConfig(r=2, target_modules=TARGETS))
