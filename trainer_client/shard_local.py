@@ -5,7 +5,9 @@ FSDP2/TP ``DTensor`` shards, declared Megatron-style blocks, whole tensors), dif
 kept copy of that block and encodes it as a part of the tensor's patch (:func:`stitchboard.proto.parts.encode_part`:
 positions in the block's own order, its own stream). What the ranks exchange, over the publishers' gloo group:
 
-* the pieces they hold (dtype, block, a whole tensor's digest; :func:`.local_shards.plan_layout` checks them);
+* the pieces they hold (dtype, block, a whole tensor's digest; :func:`.local_shards.plan_layout` checks them):
+  the records themselves at the first publish and whenever a rank's layout changes, otherwise only a key of
+  each rank's layout and its whole tensors' digests (what grows with the world size is sent once);
 * every part's base and target digests, so each tensor's ``xxh3_128_parts`` (the manifest's checksum of a
   sharded tensor, with its ``parts`` layout) is known on every rank without a gather;
 * the encoded streams of the changed blocks, sent point to point to the tensor's writer rank (the least loaded,
@@ -37,13 +39,14 @@ import math
 import pickle
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar, Unpack
 
 import numpy as np
 import torch
 import torch.distributed as dist
+import xxhash
 
 from stitchboard.proto import parts
 from stitchboard.proto.checkpoint import shard_groups, write_shards_streaming
@@ -86,6 +89,12 @@ class ShardView(ViewPart):
 
     pieces: Mapping[str, tuple[Piece, Placement | None]] = field(default_factory=dict)
     shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+
+
+def _layout_key(entries: Mapping[str, LocalEntry]) -> str:
+    """xxh3-128 of a rank's layout records without the whole tensors' digests (which change every version)."""
+    text = repr(sorted((n, e.dtype, e.local_shape, e.block) for n, e in entries.items()))
+    return xxhash.xxh3_128_hexdigest(text.encode())
 
 
 class _Agreed(Exception):
@@ -176,6 +185,11 @@ class ShardLocalPublisher(ShardedPublisher):
         self.placements = dict(placements or {})
         self._kept_blocks = {}  # name -> the block this rank keeps of it (a resumed view is whole: none)
         self._streaming = False  # inside publish(): pieces stay live until encoded
+        self._layout_keys: list[str | None] | None = None  # every rank's layout key at the last publish
+        self._records: list[dict[str, LocalEntry]] = []  # every rank's layout records at the last publish
+        #: How many publishes exchanged the ranks' full layout records (the first, and one whose layout changed);
+        #: the others exchanged a key per rank and the digests of whole tensors only.
+        self.layout_exchanges = 0
         super().__init__(url, run, token, group=group, **options)
 
     # -- the view: this rank's pieces ---------------------------------------------------------
@@ -243,8 +257,10 @@ class ShardLocalPublisher(ShardedPublisher):
             if view.error is not None
             else {n: self._entry(n, t, b, view.shapes[n]) for n, (t, b) in view.pieces.items()}
         )
-        gathered = self._gather((None if view.error is None else repr(view.error), entries))
-        failed = [r for r, (e, _) in enumerate(gathered) if e is not None]
+        whole = None if entries is None else {n: e.digest for n, e in entries.items() if e.block is None}
+        key = None if entries is None else _layout_key(entries)
+        gathered = self._gather((None if view.error is None else repr(view.error), key, whole))
+        failed = [r for r, (e, _, _) in enumerate(gathered) if e is not None]
         if failed:
             raise _Agreed(
                 PublishError(
@@ -253,8 +269,18 @@ class ShardLocalPublisher(ShardedPublisher):
                     ranks=failed,
                 )
             )
+        keys = [k for _, k, _ in gathered]
+        if keys != self._layout_keys:  # the first publish, or a rank's layout changed: the records themselves
+            self._records = self._gather(entries)
+            self.layout_exchanges += 1
+        else:  # the same layout on every rank: only the whole tensors' digests are new
+            self._records = [
+                {n: replace(e, digest=digests[n]) if e.block is None else e for n, e in records.items()}
+                for records, (_, _, digests) in zip(self._records, gathered, strict=True)
+            ]
+        self._layout_keys = keys
         try:
-            plan = plan_layout([e for _, e in gathered])  # the same records: the same result or error on every rank
+            plan = plan_layout(self._records)  # the same records: the same result or error on every rank
         except Exception as exc:
             raise _Agreed(exc) from exc
         mine = {

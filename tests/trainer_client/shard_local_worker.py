@@ -80,6 +80,7 @@ def fsdp(url: str, run: str, out: Path) -> None:
             opt.zero_grad()
             model(tokens).pow(2).mean().backward()
             opt.step()
+        assert pub.layout_exchanges == 1, "the layout did not change: its records are exchanged once"
 
 
 def smollm2(url: str, run: str, out: Path) -> None:
@@ -124,8 +125,10 @@ def tp(url: str, run: str, out: Path) -> None:
             opt.zero_grad()
             sum((p.full_tensor() ** 2).sum() * (i + 1) for i, p in enumerate(state.values())).backward()
             opt.step()
+        assert pub.layout_exchanges == 1  # the replicated norm's new digests went without its records
         with pytest.raises(PublishError, match="was sharded in the last version: the layout changed"):
             pub.publish_view(served_view(state))  # whole tensors now: no rank holds their old bits whole
+        assert pub.layout_exchanges == 2  # a changed layout: the records exchanged again
         assert [i.version for i in pub.client.versions(run)] == list(range(STEPS))
 
 
