@@ -306,6 +306,12 @@ def test_corrupted_bulletin_file_is_rejected_before_touching_the_engine(vllm_run
 def test_sidecar_killed_with_the_engine_paused_recovers(vllm_run_engine, vllm_run, vllm_sidecars, adapter):
     """Fault phase ``paused``: the sidecar dies right after pausing the engine, releasing nothing;
     the next one waits out the dead one's lease (TTL 20 s here), then resumes the engine and syncs."""
+    # The engine at the run's latest version first: tests run before this one (the engine-crash tests, as
+    # make test-left-out orders them) publish versions the session's engine did not apply, and the armed
+    # sidecar would pause (and die) catching up instead of at the version this test publishes.
+    catch_up = vllm_sidecars(vllm_run_engine.url)
+    catch_up.wait_applied(vllm_run.latest)
+    catch_up.stop()
     first = vllm_sidecars(vllm_run_engine.url, fault_phase="paused", lease_ttl_s=20)
     v = vllm_run.latest
     first.wait_applied(v)
