@@ -60,6 +60,7 @@ __all__ = [
     "pool",
     "row_layout",
     "same_checksum",
+    "tensor_checksum",
     "to_whole",
 ]  # XXH3_128_PARTS is the schema's, re-exported
 
@@ -125,6 +126,12 @@ def parts_checksum(blocks: Sequence[tuple[int, int, int, str]]) -> str:
 def layout_checksum(bits: np.ndarray, shape: Sequence[int], layout: Layout) -> str:
     """:data:`XXH3_128_PARTS` of a whole tensor (flat ``bits`` of ``shape``) cut by ``layout``."""
     return parts_checksum([(d, a, b, digest(block(bits, shape, d, a, b))) for d, a, b in layout])
+
+
+def tensor_checksum(bits: np.ndarray, shape: Sequence[int], layout: Layout | None) -> str:
+    """The checksum a whole tensor's flat ``bits`` (of ``shape``) are checked by: ``xxh3_128`` (``layout`` None),
+    or :data:`XXH3_128_PARTS` over ``layout`` (a tensor published in parts: ``VersionManifest.layouts()``)."""
+    return digest(bits) if layout is None else layout_checksum(bits, shape, layout)
 
 
 def layouts_from_json(obj: object, what: str) -> dict[str, Layout]:

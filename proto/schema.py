@@ -185,6 +185,11 @@ class TensorSpec(_Model):
             out.pop("parts", None)
         return out
 
+    def checksum(self) -> str:
+        """The checksum this tensor is checked by (hex): ``xxh3_128_parts`` over :attr:`parts` for a tensor
+        published in parts, else ``xxh3_128``."""
+        return self.checksums[XXH3_128 if self.parts is None else XXH3_128_PARTS]
+
     @model_validator(mode="after")
     def _parts(self) -> TensorSpec:
         if XXH3_128 not in self.checksums and (XXH3_128_PARTS not in self.checksums or self.parts is None):
@@ -399,13 +404,13 @@ class VersionManifest(_Model):
         """Tensor name -> its target checksum (hex digest).
 
         Args:
-            algorithm: None: each tensor's own, the one an engine checks it by (``xxh3_128_parts`` over
-                :meth:`layouts` for a tensor published in parts, else ``xxh3_128``); a name: that algorithm's,
-                KeyError if a tensor lacks it.
+            algorithm: None: each tensor's own, the one an engine checks it by (:meth:`TensorSpec.checksum`:
+                ``xxh3_128_parts`` over :meth:`layouts` for a tensor published in parts, else ``xxh3_128``); a
+                name: that algorithm's, KeyError if a tensor lacks it.
         """
         if algorithm is not None:
             return {t.name: t.checksums[algorithm] for t in self.tensors}
-        return {t.name: t.checksums[XXH3_128 if t.parts is None else XXH3_128_PARTS] for t in self.tensors}
+        return {t.name: t.checksum() for t in self.tensors}
 
     def layouts(self) -> dict[str, tuple[tuple[int, int, int], ...]]:
         """Tensor name -> its part layout ``((dim, start, stop), ...)``, for the tensors published in parts only:

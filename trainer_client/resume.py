@@ -17,10 +17,9 @@ from stitchboard.bulletin.client import BulletinClient
 from stitchboard.proto import parts
 from stitchboard.proto.apply import apply_patch
 from stitchboard.proto.checkpoint import load_checkpoint, save_checkpoint
-from stitchboard.proto.codec import checksum
 from stitchboard.proto.container import RawTensor
 from stitchboard.proto.decode import read_patch
-from stitchboard.proto.schema import XXH3_128, XXH3_128_PARTS, FileRef, TensorSpec, VersionManifest, is_checkpoint_file
+from stitchboard.proto.schema import FileRef, VersionManifest, is_checkpoint_file
 
 from .assets import Asset, check_same_assets
 from .encode_version import BaseTensor, sha256_file
@@ -45,12 +44,6 @@ class RebuiltVersion:
     assets: list[FileRef]
 
 
-def spec_checksum(spec: TensorSpec) -> str:
-    """A manifest tensor's checksum: its ``xxh3_128``, or ``xxh3_128_parts`` for a tensor published in parts by
-    several ranks (:mod:`.shard_local`; no process held it whole)."""
-    return spec.checksums[XXH3_128] if spec.parts is None else spec.checksums[XXH3_128_PARTS]
-
-
 def verify_view(manifest: VersionManifest, view: dict[str, RawTensor]) -> dict[str, str]:
     """Check ``view`` against every tensor of ``manifest`` (names, dtypes, shapes, xxh3-128).
 
@@ -69,8 +62,8 @@ def verify_view(manifest: VersionManifest, view: dict[str, RawTensor]) -> dict[s
         if (spec.dtype, tuple(spec.shape)) != (t.dtype, tuple(t.shape)):
             bad.append(name)
             continue
-        sums[name] = checksum(t) if spec.parts is None else parts.layout_checksum(t.bits, t.shape, tuple(spec.parts))
-        if sums[name] != spec_checksum(spec):
+        sums[name] = parts.tensor_checksum(t.bits, t.shape, None if spec.parts is None else tuple(spec.parts))
+        if sums[name] != spec.checksum():
             bad.append(name)
     if missing or extra or bad:
         raise ResumeError(
@@ -241,5 +234,5 @@ def resume_publisher(
         raise ValueError(f"resume must be 'rebuild' or 'anchor', got {mode!r}")
     if given is not None:
         check_same_assets(assets, given)
-    tensors = {t.name: BaseTensor(t.dtype, tuple(t.shape), spec_checksum(t)) for t in manifest.tensors}
+    tensors = {t.name: BaseTensor(t.dtype, tuple(t.shape), t.checksum()) for t in manifest.tensors}
     return PublishedVersion(latest, view, tensors, since), assets

@@ -40,7 +40,7 @@ from stitchboard.proto.apply import apply_patch
 from stitchboard.proto.codec import checksum
 from stitchboard.proto.container import RawTensor, read_safetensors
 from stitchboard.proto.decode import read_patch
-from stitchboard.proto.parts import Layout, layout_checksum
+from stitchboard.proto.parts import Layout, tensor_checksum
 from stitchboard.sidecar.engines.base import EngineState, LeaseGrant
 from stitchboard.sidecar.engines.lease import Lease
 from stitchboard.sidecar.errors import (
@@ -75,10 +75,7 @@ def fingerprint(view: dict[str, RawTensor]) -> str:
 def _sums(view: Mapping[str, RawTensor], names: list[str], layouts: Mapping[str, Layout] | None) -> dict[str, str]:
     """Each named tensor's xxh3-128, or its xxh3_128_parts over ``layouts[name]`` (a tensor published in parts)."""
     parted = layouts or {}
-    return {
-        n: checksum(view[n]) if n not in parted else layout_checksum(view[n].bits, view[n].shape, parted[n])
-        for n in names
-    }
+    return {n: tensor_checksum(view[n].bits, view[n].shape, parted.get(n)) for n in names}
 
 
 def copy_view(view: dict[str, RawTensor]) -> dict[str, RawTensor]:

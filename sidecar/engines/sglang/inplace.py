@@ -27,12 +27,11 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from stitchboard.proto.codec import checksum
 from stitchboard.proto.container import RawTensor, parse_safetensors
 from stitchboard.proto.decode import Patch, read_patch
 from stitchboard.proto.dtypes import bits_type
 from stitchboard.proto.errors import BaseMismatchError, PatchFormatError, TargetMismatchError, TensorSetMismatchError
-from stitchboard.proto.parts import Layout, digest_pair, layout_checksum, matches
+from stitchboard.proto.parts import Layout, digest_pair, layout_checksum, matches, tensor_checksum
 
 from ..write_core import PhaseHook, agreed, write_verified
 from .layout import SglangLayout
@@ -330,8 +329,7 @@ def load_snapshot(
                     f"{slots[n].dtype}{list(slots[n].shape)}",
                     name=n,
                 )
-            layout = parted.get(n)
-            if (checksum(t) if layout is None else layout_checksum(t.bits, t.shape, layout)) != checksums[n]:
+            if tensor_checksum(t.bits, t.shape, parted.get(n)) != checksums[n]:
                 raise TargetMismatchError(f"snapshot tensor {n!r} does not match the manifest checksum", name=n)
         uncovered = set(ranks.layout.runtime_params()) - {s.runtime_name for s in slots.values()}
         if uncovered:

@@ -36,7 +36,7 @@ from stitchboard.proto.errors import (
     TargetMismatchError,
     TensorSetMismatchError,
 )
-from stitchboard.proto.parts import Layout, digest, layout_checksum
+from stitchboard.proto.parts import Layout, layout_checksum, tensor_checksum
 
 from ..write_core import PhaseHook, agreed, write_verified
 from .layout import Placement, RuntimeLayout
@@ -171,9 +171,7 @@ def _read_snapshot(
     if uncovered:
         raise TensorSetMismatchError(f"snapshot leaves runtime parameters without data: {sorted(uncovered)[:3]}")
     for name, t in tensors.items():
-        layout = layouts.get(name)
-        have = digest(t.bits) if layout is None else layout_checksum(t.bits, t.shape, layout)
-        if have != checksums[name]:
+        if tensor_checksum(t.bits, t.shape, layouts.get(name)) != checksums[name]:
             raise TargetMismatchError(f"snapshot tensor {name!r} does not match the manifest checksum", name=name)
     return tensors, places, size
 
