@@ -118,15 +118,16 @@ def test_held_request_is_served_once_its_version_is_applied(vllm_run_engine, vll
 
 
 def _requests_across_a_commit(sidecar, run, model: str) -> int:
-    """A streamed and a plain request of 1,000 tokens through ``sidecar`` overlap the commit of
+    """A streamed and a plain request of 200 tokens through ``sidecar`` overlap the commit of
     the next version v + 1 and complete, whole, stamped start v, end v + 1; returns v + 1.
 
     The version is encoded and uploaded before the requests start and committed once both
     generate (:mod:`commit_overlap`), so only the sidecar's sync (staging ~0.5 s, pause ~0.1 s)
-    overlaps their 1,000 tokens. Should they still end first, the try shows nothing either way
-    and is repeated with the next version, at most 3 times.
+    overlaps their 200 tokens (~45 s on CI's 2 cores; the version was applied after 8 of them
+    there). Should they still end first, the try shows nothing either way and is repeated with
+    the next version, at most 3 times.
     """
-    tokens = 1000  # the engine's context is 1,024 tokens; the prompt takes 13
+    tokens = 200
     for attempt in range(3):
         v = run.latest
         sidecar.wait_applied(v)
@@ -150,7 +151,7 @@ def _requests_across_a_commit(sidecar, run, model: str) -> int:
         print(f"try {attempt + 1}: the requests ended first; trying again")
     else:
         pytest.fail(
-            "in 3 tries the requests never overlapped a commit: the sidecar's sync takes longer than 1,000 tokens"
+            f"in 3 tries the requests never overlapped a commit: the sidecar's sync takes longer than {tokens} tokens"
         )
     events = requests.events
     (usage,) = [e["usage"] for e in events if e.get("usage")]
