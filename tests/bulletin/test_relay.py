@@ -147,9 +147,9 @@ def test_200_concurrent_fetchers_cause_one_origin_get_per_blob(setup: Setup, tmp
         gets = setup.origin_blob_gets(at_least=before + len(blobs)) - before
         assert gets == len(blobs), (gets, fallbacks)
         # one token, one run: the bulletin's read check about once per AUTH_TTL (5 s), not once per request (over
-        # 1,000 with the auth cache off). A check that outlives nginx's 5 s cache lock lets the waiting misses through,
-        # so on a loaded machine a few windows add some each (13 in 13.6 s seen on a 2-core machine at load ~4): the
-        # bound is a tenth of the fetchers, far below one per request.
+        # 1,000 with the auth cache off). The check's cache lock waits STITCH_RELAY_FETCH_TIMEOUT, not nginx's 5 s
+        # default, which let every waiting miss through once a check outlived it (320 checks in 19 s on a loaded
+        # 2-core machine): the bound is a tenth of the fetchers, far below one per request.
         checks = setup.origin_gets(READ_CHECK_ROUTE) - checks_before
         assert 1 <= checks < fetchers // 10, (checks, elapsed_s)
         assert len(setup.relay.cached_files()) == len(blobs)
