@@ -162,6 +162,7 @@ class ShardLocalPublisher(ShardedPublisher):
         placements: the block each rank's plain tensors are (Megatron-style callers: checkpoint name ->
             :class:`~.local_shards.Placement` of this rank); DTensors carry their own; unnamed plain
             tensors are whole.
+        exchange_timeout_s: as :class:`~.sharded.ShardedPublisher`.
 
     Raises:
         ValueError: ``squash_depths`` given (this publisher makes no squashes).
@@ -178,6 +179,7 @@ class ShardLocalPublisher(ShardedPublisher):
         *,
         group: dist.ProcessGroup | None = None,
         placements: Mapping[str, Placement] | None = None,
+        exchange_timeout_s: float = 1800.0,
         **options: Unpack[PublisherOptions],
     ) -> None:
         if tuple(options.get("squash_depths", ())):
@@ -190,7 +192,7 @@ class ShardLocalPublisher(ShardedPublisher):
         #: How many publishes exchanged the ranks' full layout records (the first, and one whose layout changed);
         #: the others exchanged a key per rank and the digests of whole tensors only.
         self.layout_exchanges = 0
-        super().__init__(url, run, token, group=group, **options)
+        super().__init__(url, run, token, group=group, exchange_timeout_s=exchange_timeout_s, **options)
 
     # -- the view: this rank's pieces ---------------------------------------------------------
 

@@ -18,13 +18,17 @@ a lost commit answer, ``publish_async``) is :class:`~.publisher_core.PublisherCo
 The exchanges run over a gloo group of the publishing ranks of their own (not the training's),
 so a background publish (``publish_async``) never interleaves its collectives with the
 training's. A closed publisher leaves its group to the next publisher over the same ranks
-(:class:`_ControlGroups`).
+(:class:`_ControlGroups`). The group waits ``exchange_timeout_s`` for a peer: a rank that hangs
+(or dies) fails every rank's publish within that time instead of gloo's 30-minute default, and
+the publisher is then closed to further publishes (gloo closes the group's connections on a
+timeout): a new publisher resumes from what the bulletin holds.
 """
 
 from __future__ import annotations
 
 import pickle
 from collections.abc import Callable, Mapping
+from datetime import timedelta
 from typing import Any, TypeVar, Unpack, cast
 
 import torch
@@ -35,8 +39,10 @@ from stitchboard.proto.dtypes import DTYPE_SIZES
 from stitchboard.proto.schema import FileRef
 
 from .errors import PublishError
+from .publish_result import PublishResult
 from .publisher_core import AssetsArg, PublisherCore, PublisherOptions
 from .served_view import TORCH_DTYPE_NAMES, cast_served, checkpoint_state, gather_full, served_dtype
+from .stream import StreamedView
 from .version_parts import PublishedVersion, ViewPart
 
 T = TypeVar("T")
@@ -67,14 +73,20 @@ class _ControlGroups:
     """
 
     def __init__(self) -> None:
-        self._idle: dict[tuple[object, tuple[int, ...]], list[dist.ProcessGroup]] = {}
+        self._idle: dict[tuple[object, tuple[int, ...], float], list[dist.ProcessGroup]] = {}
 
-    def take(self, ranks: list[int]) -> dist.ProcessGroup:
-        idle = self._idle.get((dist.group.WORLD, tuple(ranks)))
-        return idle.pop() if idle else dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+    def take(self, ranks: list[int], timeout_s: float) -> dist.ProcessGroup:
+        idle = self._idle.get((dist.group.WORLD, tuple(ranks), timeout_s))
+        if idle:
+            return idle.pop()
+        timeout = timedelta(seconds=timeout_s)
+        group: dist.ProcessGroup = dist.new_group(
+            ranks, backend="gloo", use_local_synchronization=True, timeout=timeout
+        )
+        return group
 
-    def give_back(self, ranks: list[int], group: dist.ProcessGroup) -> None:
-        self._idle.setdefault((dist.group.WORLD, tuple(ranks)), []).append(group)
+    def give_back(self, ranks: list[int], timeout_s: float, group: dist.ProcessGroup) -> None:
+        self._idle.setdefault((dist.group.WORLD, tuple(ranks), timeout_s), []).append(group)
 
 
 _CONTROL_GROUPS = _ControlGroups()
@@ -89,6 +101,12 @@ def _portable(exc: Exception, rank: int) -> Exception:
     return exc
 
 
+def _exchange_failed(exc: BaseException) -> bool:
+    """Whether ``exc`` is the publishers' group failing (a peer past the timeout, or gone): torch raises a
+    ``DistError``, or for gloo's transport a plain ``RuntimeError`` naming gloo."""
+    return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "gloo" in str(exc))
+
+
 class ShardedPublisher(PublisherCore):
     """Publishes one version from all ranks of a process group; rank 0 commits.
 
@@ -101,13 +119,19 @@ class ShardedPublisher(PublisherCore):
         url, run, token: as :class:`~stitchboard.trainer_client.publisher.Publisher`.
         group: the process group (default: the world); must be initialized. Its ranks make a
             gloo group of their own for the publisher's exchanges (only they take part).
+        exchange_timeout_s: how long a rank waits for the others at an exchange (seconds; the
+            slowest rank's encode and upload of its part count against it, so leave room for an
+            anchor's upload). Past it, or when a peer dies, every rank's publish raises
+            PublishError and this publisher takes no further publish.
         options: the keyword arguments of ``Publisher`` (``encoding``, ``snapshot_every``,
             ``resume``, ``max_pending``...), with the same meaning; ``assets`` are read on rank
             0 only, and with ``resume="rebuild"`` every rank rebuilds the last version and keeps
             its own tensors of it at the first publish.
 
     Raises:
-        PublishError: ``torch.distributed`` is not initialized.
+        PublishError: ``torch.distributed`` is not initialized; from a publish: a peer hung past
+            ``exchange_timeout_s`` or died (the version may be committed if rank 0 had committed it:
+            a new publisher resumes from the bulletin), or this publisher failed so before.
         the errors of ``Publisher`` construction, on every rank when one rank fails (e.g.
             ``AssetsError`` from rank 0).
     """
@@ -121,19 +145,22 @@ class ShardedPublisher(PublisherCore):
         token: str | None = None,
         *,
         group: dist.ProcessGroup | None = None,
+        exchange_timeout_s: float = 1800.0,
         **options: Unpack[PublisherOptions],
     ) -> None:
         if not dist.is_initialized():
             raise PublishError("ShardedPublisher needs torch.distributed initialized (init_process_group)")
         self.group = group
         self._ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
-        self._control = _CONTROL_GROUPS.take(self._ranks)
+        self.exchange_timeout_s = float(exchange_timeout_s)
+        self._control = _CONTROL_GROUPS.take(self._ranks, self.exchange_timeout_s)
         self.rank, self.world = dist.get_rank(self._control), dist.get_world_size(self._control)
         self._group_returned = False
+        self._broken: str | None = None  # why the publishers' group failed; it takes no further exchange
         try:
             super().__init__(url, run, token, **options)
         except BaseException:
-            _CONTROL_GROUPS.give_back(self._ranks, self._control)  # every rank failed here (the ranks agree)
+            self._give_back_group()  # every rank failed here (the ranks agree)
             raise
 
     def close(self) -> None:
@@ -142,9 +169,46 @@ class ShardedPublisher(PublisherCore):
         try:
             super().close()
         finally:
-            if not self._group_returned:
-                self._group_returned = True
-                _CONTROL_GROUPS.give_back(self._ranks, self._control)
+            self._give_back_group()
+
+    def _give_back_group(self) -> None:
+        if not self._group_returned:
+            self._group_returned = True
+            if self._broken is None:  # a failed group's connections are closed: nobody may take it
+                _CONTROL_GROUPS.give_back(self._ranks, self.exchange_timeout_s, self._control)
+
+    def _publish_view(
+        self,
+        view: ViewPart | StreamedView,
+        step: int | None,
+        anchor: bool,
+        metadata: Mapping[str, Any] | None,
+        cast_s: float,
+    ) -> PublishResult:
+        publish = super()._publish_view
+        return self._exchanging(lambda: publish(view, step, anchor, metadata, cast_s))
+
+    def _exchanging(self, work: Callable[[], T]) -> T:
+        """Run ``work`` (which exchanges over the publishers' group); a failure of the group becomes a
+        PublishError, and this publisher takes no further exchange."""
+        if self._broken is not None:
+            raise PublishError(
+                f"run {self.run!r}: this publisher's exchanges failed before on rank {self.rank} ({self._broken}); "
+                "make a new publisher on every rank (it resumes from what the bulletin holds)",
+                rank=self.rank,
+            )
+        try:
+            return work()
+        except Exception as exc:
+            if not _exchange_failed(exc):
+                raise
+            self._broken = str(exc)[:500]
+            raise PublishError(
+                f"run {self.run!r}: rank {self.rank} lost the other publishing ranks ({self._broken}): a peer hung "
+                f"past exchange_timeout_s={self.exchange_timeout_s:g} or died. A version is committed only if rank 0 "
+                "committed it before; make a new publisher on every rank (it resumes from what the bulletin holds)",
+                rank=self.rank,
+            ) from exc
 
     # -- the view: whole tensors per rank ----------------------------------------------------
 
@@ -181,7 +245,7 @@ class ShardedPublisher(PublisherCore):
         exchanges use the same group). ``value`` must pickle.
         """
         box: list[Any] = [value]
-        dist.broadcast_object_list(box, group=self._control, group_src=0)
+        self._exchanging(lambda: dist.broadcast_object_list(box, group=self._control, group_src=0))
         return cast(T, box[0])
 
     def _gather(self, obj: Any) -> list[Any]:

@@ -15,6 +15,8 @@ run ``RUN-MODE`` with files in ``OUT_DIR/MODE`` (one mode: on ``RUN``, in ``OUT_
   second time the stages' embeddings differ and the publish is refused naming it (ReplicaMismatchError
   on both ranks, nothing committed); then they agree again and the next publish is that version.
 * ``dies``: rank 1 exits in the middle of version 1's upload; rank 0's publish fails and commits nothing.
+* ``hangs``: rank 1 hangs past the exchange timeout after its upload; both ranks' publishes fail, nothing is
+  committed, and new publishers publish the version.
 * ``after_death``: a fresh job (same run, ``resume="anchor"``) publishes the next version.
 * ``resized``: a job of another world size resumes that run with ``resume="rebuild"`` and publishes deltas
   (``publish``, then ``publish_async``).
@@ -28,6 +30,7 @@ import faulthandler
 import json
 import os
 import sys
+import time
 from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
@@ -169,10 +172,45 @@ def dies(url: str, run: str, out: Path) -> None:
                 os._exit(17)  # after its part is uploaded, before the ranks exchange what they uploaded
 
             module.upload_files = upload_then_die  # type: ignore[assignment]
-        with pytest.raises((PublishError, RuntimeError)):
+        with pytest.raises(PublishError, match="lost the other publishing ranks"):
             pub.publish(state, step=1)
         assert [i.version for i in pub.client.versions(run)] == [0]
     os._exit(0)  # the group lost rank 1: no barrier, no teardown (run this mode alone)
+
+
+def hangs(url: str, run: str, out: Path) -> None:
+    """Rank 1 hangs 3x the exchange timeout after its upload: rank 0's publish fails within the timeout (not gloo's
+    30 minutes), rank 1's once it wakes; neither publisher takes another publish, and a new one publishes."""
+    import stitchboard.trainer_client.shard_local as module
+
+    state = _sharded_state()
+    timeout_s = 5.0
+    real = module.upload_files
+
+    def upload_then_hang(*args: object, **kwargs: object) -> int:
+        uploaded = real(*args, **kwargs)  # type: ignore[arg-type]
+        time.sleep(3 * timeout_s)
+        return uploaded
+
+    with ShardLocalPublisher(url, run, exchange_timeout_s=timeout_s) as pub:
+        pub.publish(state, step=0)
+        state["w"].to_local().add_(0.25)
+        if dist.get_rank() == 1:
+            module.upload_files = upload_then_hang  # type: ignore[assignment]
+        started = time.monotonic()
+        with pytest.raises(PublishError, match=r"a peer hung past exchange_timeout_s=5 or died"):
+            pub.publish(state, step=1)
+        if dist.get_rank() == 0:
+            assert time.monotonic() - started < 2.5 * timeout_s, "rank 0 waited past the exchange timeout"
+        module.upload_files = real
+        with pytest.raises(PublishError, match="exchanges failed before"):
+            pub.publish(state, step=1)
+        assert [i.version for i in pub.client.versions(run)] == [0]
+    dist.barrier()  # the job meets again over its own group (intact): a new publisher's group waits the timeout only
+    with ShardLocalPublisher(url, run, exchange_timeout_s=timeout_s, resume="rebuild") as pub:
+        result = pub.publish(state, step=1)
+        assert result.version == 1
+        record(out, 1, served_view(state), result)
 
 
 def after_death(url: str, run: str, out: Path) -> None:
@@ -215,6 +253,7 @@ MODES = {
     "tp": tp,
     "pipeline": pipeline,
     "dies": dies,
+    "hangs": hangs,
     "after_death": after_death,
     "resized": resized,
 }

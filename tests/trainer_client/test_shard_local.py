@@ -1,6 +1,6 @@
 """Shard-local publish with 2 processes on the CPU (gloo): FSDP2 with uneven and empty shards through AdamW
 steps, TP DTensors (Shard(0), Shard(1), Replicate), a pipeline split with a tied embedding, refused replicas,
-a rank that dies mid-publish. Each version is pulled from the bulletin and compared bit for bit with the full
+a rank that dies or hangs mid-publish. Each version is pulled from the bulletin and compared bit for bit with the full
 weights gathered from the same ranks at the same step (shard_local_worker.py)."""
 
 from __future__ import annotations
@@ -78,6 +78,15 @@ def test_a_dead_rank_leaves_no_version_and_a_job_of_another_size_resumes(bulleti
     run_ranks(["resized", bulletin.url, run, str(tmp_path / "one")], tmp_path / "one", world=1, worker=WORKER)
     with bulletin.client() as client:
         _pulled_bit_exact(client, run, tmp_path / "one")
+
+
+def test_a_hung_rank_fails_every_rank_within_the_exchange_timeout(bulletin, run, tmp_path):
+    """Not gloo's 30 minutes: rank 0 gives up after exchange_timeout_s, the hung rank once it wakes; nothing is
+    committed, and new publishers on the same ranks publish the version bit-exact (shard_local_worker.hangs)."""
+    run_ranks(["hangs", bulletin.url, run, str(tmp_path)], tmp_path, worker=WORKER)
+    with bulletin.client() as client:
+        assert [i.version for i in client.versions(run)] == [0, 1]
+        _pulled_bit_exact(client, run, tmp_path)
 
 
 @pytest.mark.heavy  # SmolLM2-135M on 2 gloo ranks with FSDP2: ~1-2 minutes on the 2-core machine
