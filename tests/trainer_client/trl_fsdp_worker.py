@@ -5,8 +5,9 @@ set. Every rank calls the callback's hooks as the Trainer does (train begin, one
 train end); rank 0 then checks that versions 0 and 1 at the bulletin are the served views of the
 gathered full state dicts. ``MODE`` ``gather`` (default): only rank 0 made a publisher. ``shard_local``: every
 rank made a ShardLocalPublisher, the callback gathered no full state dict (its gather is made to fail), the
-sharded tensors' manifest entries carry parts, and a commit the bulletin refused once (the test's fault proxy)
-was retried on both ranks alike. Exits 0 on success.
+sharded tensors' manifest entries carry parts, a commit the bulletin refused once (the test's fault proxy)
+was retried on both ranks alike, and a trainer restarted behind the run is refused on both ranks alike.
+Exits 0 on success.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch.distributed.fsdp import fully_shard
 from transformers import LlamaConfig, LlamaForCausalLM, TrainerControl, TrainerState
 
 from stitchboard.bulletin.client import BulletinClient
+from stitchboard.trainer_client.errors import ResumeError
 from stitchboard.trainer_client.publisher import Publisher
 from stitchboard.trainer_client.resume import rebuild_version
 from stitchboard.trainer_client.served_view import served_view
@@ -36,6 +38,33 @@ def full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _no_gather(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     raise AssertionError("shard_local: the callback gathered the full state dict")
+
+
+def _restarted_behind_the_run(url: str, run: str, rank: int, model: torch.nn.Module) -> None:
+    """A trainer restarted from step 0's checkpoint is refused on every rank alike: rank 0 reads version 1's step
+    and the ranks agree on it (rank 1's reads fail here, so a rank reading for itself would raise something else)."""
+
+    def make() -> ShardLocalPublisher:
+        publisher = ShardLocalPublisher(url, run, encoding="xor", retries=0, backoff_s=0.01)
+        if rank == 1:
+
+            def unreadable(*args: object, **kwargs: object) -> None:
+                raise RuntimeError("rank 1 cannot read manifests")
+
+            publisher.client.manifest = unreadable  # type: ignore[method-assign,assignment]
+        return publisher
+
+    callback = PublishCallback(make, shard_local=True)
+    state, control = TrainerState(is_world_process_zero=rank == 0), TrainerControl()
+    try:
+        callback.on_train_begin(None, state, control, model=model)  # type: ignore[arg-type]
+    except ResumeError as exc:
+        assert (exc.details["version"], exc.details["version_step"], exc.details["trainer_step"]) == (1, 1, 0)
+    else:
+        raise AssertionError(f"rank {rank}: a trainer behind the run was not refused")
+    finally:
+        if callback.publisher is not None:
+            callback.publisher.close()
 
 
 def main() -> int:
@@ -95,6 +124,8 @@ def main() -> int:
         assert made == [] and callback.publisher is None and callback.published == []
     if callback.publisher is not None:
         callback.publisher.close()
+    if mode == "shard_local":
+        _restarted_behind_the_run(url, run, rank, model)
     dist.barrier()
     dist.destroy_process_group()
     return 0

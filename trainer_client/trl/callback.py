@@ -280,11 +280,7 @@ class PublishCallback(TrainerCallback):
         last = publisher.last_version
         if last is None:
             return
-        try:
-            last_step = publisher.client.manifest(publisher.run, last).metadata.get("step")
-        except UnavailableError as exc:  # a fault, not a conflict: the policy's, at the first step end
-            log.warning("run %s: could not read version %d's step to check the resume (%s)", publisher.run, last, exc)
-            return
+        last_step = self._recorded_step(publisher, last)
         if isinstance(last_step, int) and last_step > step:
             raise ResumeError(
                 f"run {publisher.run}: its last version {last} is at training step {last_step}, but the trainer "
@@ -296,6 +292,42 @@ class PublishCallback(TrainerCallback):
                 version_step=last_step,
                 trainer_step=step,
             )
+
+    def _recorded_step(self, publisher: PublisherCore, version: int) -> object:
+        """The training step recorded in ``version`` (None when the bulletin cannot answer now: a fault, not a
+        conflict, left to the fault policy at the first step end). With ``shard_local`` rank 0 reads it and every
+        rank takes its answer (:meth:`ShardedPublisher.agree`), so the ranks refuse or go on alike: a read that
+        failed on one rank only would leave the others waiting in the next exchange.
+
+        Raises:
+            ResumeError: with ``shard_local``, rank 0's read failed other than unavailable (on every rank).
+            the bulletin client's errors other than ``UnavailableError``, without ``shard_local``.
+        """
+        sharded = isinstance(publisher, ShardedPublisher)
+        answer: tuple[object, str | None] = (None, None)
+        failure: Exception | None = None
+        if not sharded or publisher.rank == 0:
+            try:
+                answer = (publisher.client.manifest(publisher.run, version).metadata.get("step"), None)
+            except UnavailableError as exc:
+                log.warning(
+                    "run %s: could not read version %d's step to check the resume (%s)", publisher.run, version, exc
+                )
+            except Exception as exc:
+                if not sharded:
+                    raise
+                failure, answer = exc, (None, repr(exc))
+        if isinstance(publisher, ShardedPublisher):
+            answer = publisher.agree(answer)
+        recorded, error = answer
+        if error is not None:
+            raise ResumeError(
+                f"run {publisher.run}: rank 0 could not read version {version}'s step to check the resume: {error}; "
+                "fix the bulletin's answer and start the trainer again",
+                run=publisher.run,
+                version=version,
+            ) from failure
+        return recorded
 
     def _fault(self, exc: BaseException, step: int) -> None:
         """Apply the policy to a failed publish of ``step`` that is not retried (raise, or log the skip)."""
