@@ -303,10 +303,10 @@ class PublishCallback(TrainerCallback):
             ResumeError: with ``shard_local``, rank 0's read failed other than unavailable (on every rank).
             the bulletin client's errors other than ``UnavailableError``, without ``shard_local``.
         """
-        sharded = isinstance(publisher, ShardedPublisher)
+        sharded = publisher if isinstance(publisher, ShardedPublisher) else None
         answer: tuple[object, str | None] = (None, None)
         failure: Exception | None = None
-        if not sharded or publisher.rank == 0:
+        if sharded is None or sharded.rank == 0:
             try:
                 answer = (publisher.client.manifest(publisher.run, version).metadata.get("step"), None)
             except UnavailableError as exc:
@@ -314,11 +314,11 @@ class PublishCallback(TrainerCallback):
                     "run %s: could not read version %d's step to check the resume (%s)", publisher.run, version, exc
                 )
             except Exception as exc:
-                if not sharded:
+                if sharded is None:
                     raise
                 failure, answer = exc, (None, repr(exc))
-        if isinstance(publisher, ShardedPublisher):
-            answer = publisher.agree(answer)
+        if sharded is not None:
+            answer = sharded.agree(answer)
         recorded, error = answer
         if error is not None:
             raise ResumeError(
