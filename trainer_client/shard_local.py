@@ -165,7 +165,8 @@ class ShardLocalPublisher(ShardedPublisher):
         exchange_timeout_s: as :class:`~.sharded.ShardedPublisher`.
 
     Raises:
-        ValueError: ``squash_depths`` given (this publisher makes no squashes).
+        ValueError: ``squash_depths`` given (this publisher makes no squashes), or ``exchange_timeout_s`` not
+            positive.
     """
 
     _kept_blocks: dict[str, Placement]

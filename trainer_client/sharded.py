@@ -129,6 +129,7 @@ class ShardedPublisher(PublisherCore):
             its own tensors of it at the first publish.
 
     Raises:
+        ValueError: ``exchange_timeout_s`` is not positive.
         PublishError: ``torch.distributed`` is not initialized; from a publish: a peer hung past
             ``exchange_timeout_s`` or died (the version may be committed if rank 0 had committed it:
             a new publisher resumes from the bulletin), or this publisher failed so before.
@@ -148,6 +149,8 @@ class ShardedPublisher(PublisherCore):
         exchange_timeout_s: float = 1800.0,
         **options: Unpack[PublisherOptions],
     ) -> None:
+        if not exchange_timeout_s > 0:  # also NaN
+            raise ValueError(f"exchange_timeout_s must be a positive number of seconds, got {exchange_timeout_s!r}")
         if not dist.is_initialized():
             raise PublishError("ShardedPublisher needs torch.distributed initialized (init_process_group)")
         self.group = group

@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 from stitchboard.proto.apply import apply_patch
 from stitchboard.proto.checkpoint import load_checkpoint
 from stitchboard.proto.decode import read_patch
 from stitchboard.trainer_client.resume import rebuild_version
-from stitchboard.trainer_client.sharded import assign_owners
+from stitchboard.trainer_client.shard_local import ShardLocalPublisher
+from stitchboard.trainer_client.sharded import ShardedPublisher, assign_owners
 from tests.trainer_client.ranks import run_ranks
 
 
@@ -22,6 +24,13 @@ def test_assign_owners_is_disjoint_and_balanced():
     loads = [sum(sizes[n] for n, r in owners.items() if r == rank) for rank in range(2)]
     assert sorted(loads) == [150, 150]
     assert assign_owners(sizes, 2) == owners  # same on every rank
+
+
+@pytest.mark.parametrize("publisher", [ShardedPublisher, ShardLocalPublisher])
+@pytest.mark.parametrize("timeout_s", [0.0, -1.0, float("nan")])
+def test_an_exchange_timeout_that_is_not_positive_is_refused_before_anything_starts(publisher, timeout_s):
+    with pytest.raises(ValueError, match=r"exchange_timeout_s must be a positive number of seconds"):
+        publisher("http://127.0.0.1:9", "run", exchange_timeout_s=timeout_s)  # no process group, no bulletin needed
 
 
 def test_two_ranks_publish_one_manifest_per_version(bulletin, run, tmp_path):
