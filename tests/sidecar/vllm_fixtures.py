@@ -44,6 +44,30 @@ def view_sums(view: dict[str, RawTensor]) -> dict[str, str]:
     return {n: checksum(t) for n, t in view.items()}
 
 
+#: SmolLM2-135M's linear layers (N, K) and how many it has of each: qkv, o, gate_up, down per layer, the tied head.
+SMOLLM2_LINEARS = {(960, 576): 30, (576, 576): 30, (3072, 576): 30, (576, 1536): 30, (49152, 576): 1}
+
+
+def smollm2_gemm_copies() -> int:
+    """How many SmolLM2 linears hold a GEMM copy of their weight on this host, so a step touching every tensor
+    re-packs them: the layers whose vLLM CPU dispatch (run here on a bf16 weight of their shape) still answers
+    with the old weight after the weight is overwritten in place. 0 where bf16 has no packed kernel (no AVX-512
+    BF16)."""
+    import types
+
+    import torch
+    from vllm.model_executor.layers import utils
+
+    count = 0
+    for shape, layers in SMOLLM2_LINEARS.items():
+        weight, x = torch.ones(shape, dtype=torch.bfloat16), torch.ones(1, shape[1], dtype=torch.bfloat16)
+        layer = types.SimpleNamespace(weight=weight, bias=None)
+        utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+        weight.zero_()
+        count += layers * bool(layer.cpu_linear(x, weight, None).any())
+    return count
+
+
 @pytest.fixture(scope="session")
 def vllm_views(smollm2_dir: Path) -> Views:
     """Served views of versions 0, 1, 2: the checkpoint, then after each of two real AdamW steps."""

@@ -24,6 +24,7 @@ block: a contiguous row range of the runtime parameter.
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -53,7 +54,7 @@ class Placement(TpSlice):
     Attributes:
         param: the runtime parameter (written in place; never reassigned).
         packed_by: modules holding a packed copy of ``param`` for their GEMM (vLLM CPU backend:
-            ``cpu_linear``; the tied ``lm_head`` included); re-packed after a write.
+            ``cpu_linear``; the tied ``lm_head`` included; :func:`holds_gemm_copy`); re-packed after a write.
         transposed: ``param`` is a 2-D parameter stored column-major (vLLM's FP8 linears: [K, N]
             with stride [1, K]); it is addressed through ``param.t()``, the row-major [N, K]
             tensor of the checkpoint's rows.
@@ -90,6 +91,26 @@ class Placement(TpSlice):
     def write_block(self, values: torch.Tensor) -> None:
         """Overwrite the whole block with ``values`` (``block_shape``, same element size)."""
         self.block().view(values.dtype).copy_(values)
+
+
+def holds_gemm_copy(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s CPU GEMM (vLLM CPU backend: ``cpu_linear``) holds a copy of its weight of its own.
+
+    vLLM's ``dispatch_cpu_unquantized_gemm`` (``vllm/model_executor/layers/utils.py``) gives a linear layer a
+    ``cpu_linear(x, weight, bias)`` that either packs the weight once and closes over the packed copy (oneDNN's
+    handler, sgl's ``convert_weight_packed``, zentorch's) or, where no packed kernel exists for the host (bf16
+    on a CPU without AVX-512 BF16: oneDNN refuses the primitive), is a plain function of its arguments, which
+    reads the live parameter at every call. Only the first kind must be re-packed after a write; re-packing
+    the second costs a failed primitive creation per layer (~1 ms) and changes nothing. The rule: a
+    ``cpu_linear`` that captures nothing (a Python function without a closure, or ``torch.nn.functional.linear``
+    itself) reads the live weight; anything else is taken to hold a copy.
+    """
+    fn = getattr(module, "cpu_linear", None)
+    if fn is None:
+        return False
+    if fn is torch.nn.functional.linear:
+        return False
+    return not (isinstance(fn, types.FunctionType) and fn.__closure__ is None)
 
 
 def _span_tiles(spans: tuple[tuple[int, int], ...]) -> int:
@@ -144,7 +165,7 @@ class RuntimeLayout:
         self._packers: dict[int, list[torch.nn.Module]] = {}
         for mod in model.modules():
             weight = getattr(mod, "weight", None)
-            if isinstance(weight, torch.Tensor) and hasattr(mod, "cpu_linear"):
+            if isinstance(weight, torch.Tensor) and holds_gemm_copy(mod):
                 self._packers.setdefault(id(weight), []).append(mod)
         self._cache: dict[str, Placement] = {}
         self._experts: ExpertResolver = experts if experts is not None else _NoExperts()

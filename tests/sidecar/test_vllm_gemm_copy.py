@@ -1,0 +1,54 @@
+"""Which vLLM CPU linears hold a GEMM copy of their weight (``layout.holds_gemm_copy``), against behaviour.
+
+Only a layer whose ``cpu_linear`` packed its weight once must be re-packed after a write; one that reads the
+live parameter at every call must not be (re-packing it costs a failed oneDNN primitive per layer on a host
+without AVX-512 BF16, and changes nothing). The rule is checked against what vLLM's own dispatch gives on this
+host: after the weight's memory is overwritten, a layer holding a copy still answers with the old weight.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from stitchboard.sidecar.engines.vllm.layout import holds_gemm_copy
+
+#: SmolLM2-135M's ``gate_up_proj`` shape (N, K): the dispatch path depends on the shape and dtype.
+SHAPES = [(3072, 576), (576, 576)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_rule_matches_what_vllms_dispatch_gives_on_this_host(shape: tuple[int, int]) -> None:
+    from vllm.model_executor.layers import utils
+
+    torch.manual_seed(0)
+    weight = torch.randn(shape, dtype=torch.bfloat16)
+    x = torch.randn(4, shape[1], dtype=torch.bfloat16)
+    layer = types.SimpleNamespace(weight=weight, bias=None)
+    utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+    before = layer.cpu_linear(x, weight, None).clone()
+    weight.copy_(torch.randn(shape, dtype=torch.bfloat16))  # written in place, as a patch writes it
+    after = layer.cpu_linear(x, weight, None)
+    reads_live = torch.equal(after, torch.nn.functional.linear(x, weight, None))
+    holds_old = torch.equal(after, before)
+    assert reads_live != holds_old, "the layer answered with neither the old nor the new weight"
+    assert holds_gemm_copy(layer) == holds_old  # type: ignore[arg-type]
+
+
+def test_closures_are_copies_and_plain_functions_read_the_live_weight() -> None:
+    packed = torch.zeros(2, 2)
+
+    def closure(x, weight, bias):  # the shape of a packed cpu_linear
+        return x @ packed
+
+    cases = {
+        "closure over a packed copy": (closure, True),
+        "plain function of its arguments": (lambda x, weight, bias: torch.nn.functional.linear(x, weight, bias), False),
+        "torch's linear itself": (torch.nn.functional.linear, False),
+        "an opaque object": ("packed elsewhere", True),
+    }
+    for what, (fn, holds) in cases.items():
+        assert holds_gemm_copy(types.SimpleNamespace(cpu_linear=fn)) is holds, what  # type: ignore[arg-type]
+    assert holds_gemm_copy(torch.nn.Linear(2, 2)) is False  # no cpu_linear: no copy
