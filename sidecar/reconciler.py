@@ -56,7 +56,7 @@ from stitchboard.proto.schema import VersionManifest
 from stitchboard.proto.sidecar_wire import COMMIT_STATES, Refusal, RouteKind, SidecarState, SyncReport
 
 from .claim import Claim
-from .engines.base import CountsOutputs, EngineAdapter, PausesKeepingCache, StageStep
+from .engines.base import CountsOutputs, EngineAdapter, PausesKeepingCache, StageStep, WaitsForStaging
 from .errors import (
     ApplyRefusedError,
     EngineChangedError,
@@ -542,7 +542,11 @@ class Reconciler:
                 StageStep([str(p) for p in s.paths], ends[i], s.version if i < len(deltas) - 1 else staged.to_version)
                 for i, s in enumerate(deltas)
             ]
-        await self.pools.engine(self.engine.stage_patches, steps)
+        engine = self.engine
+        if isinstance(engine, WaitsForStaging):  # polls wait in the engine while no request is in flight
+            await self.pools.engine(engine.stage_patches_waiting, steps, lambda: self.gate.in_flight == 0)
+        else:
+            await self.pools.engine(engine.stage_patches, steps)
         seconds = time.perf_counter() - start
         self.metrics.engine_stage_seconds.observe(seconds)
         return True, seconds

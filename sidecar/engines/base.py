@@ -231,6 +231,18 @@ class CountsOutputs(Protocol):
 
 
 @runtime_checkable
+class WaitsForStaging(Protocol):
+    """An engine whose staging can be waited for inside the engine, which then schedules nothing: worth it
+    while no request is in flight, when the staging would otherwise share the host's cores with the
+    engine's answers to fast polls (vLLM: ``stitch_staged``'s ``wait_s``)."""
+
+    def stage_patches_waiting(self, steps: Sequence[StageStep], idle: Callable[[], bool]) -> dict[str, Any]:
+        """As :meth:`EngineAdapter.stage_patches`; each poll waits in the engine (up to a bound the engine
+        sets) while ``idle()`` says no request is in flight, and returns at once otherwise."""
+        ...
+
+
+@runtime_checkable
 class PausesKeepingCache(Protocol):
     """An engine that can pause without dropping its prefix cache: a version-salted commit
     (:mod:`stitchboard.sidecar.salt`) may then keep the cache instead of flushing it."""

@@ -33,6 +33,7 @@ class BusyEngine:
     def __init__(self, ready_after: int | None) -> None:
         self.ready_after = ready_after
         self.calls: list[str] = []
+        self.waits: list[float] = []  # each stitch_staged poll's wait_s
 
     def app(self) -> FastAPI:
         app = FastAPI()
@@ -42,6 +43,8 @@ class BusyEngine:
             body = await request.json()
             method, args = body["method"], json.loads(body["args"][0])
             self.calls.append(method)
+            if method == "stitch_staged":
+                self.waits.append(args.get("wait_s", 0))
             answer: dict = {"ok": True, "state": {"version": 0, "phase": "idle", "instance": "busy"}}
             if "owner" in args:  # the adapter names its lease's owner in every call
                 answer["lease"] = {"holder": args["owner"], "expires_in_s": float(args.get("ttl_s", 60.0))}
@@ -83,6 +86,23 @@ def test_a_staging_poll_waits_behind_an_engine_step_longer_than_a_control_call(b
     report = adapter.stage_patches([(["/handoff/v1.patch"], 0, 1)], poll_s=0.0)
     assert report["bytes"] == 10
     assert engine.calls.count("stitch_staged") == 2
+
+
+def test_polls_wait_in_the_engine_only_while_no_request_is_in_flight(busy):
+    """The sidecar's ``idle()`` is asked before each poll: the first two find requests in flight (no wait,
+    ``poll_s`` apart), the next ones none (each waits in the worker up to ``IDLE_WAIT_S``)."""
+    from stitchboard.sidecar.engines.base import WaitsForStaging
+    from stitchboard.sidecar.engines.vllm.adapter import IDLE_WAIT_S
+    from stitchboard.sidecar.engines.vllm.worker import MAX_STAGED_WAIT_S
+
+    engine, adapter = busy(ready_after=4, apply_timeout_s=60.0)
+    assert isinstance(adapter, WaitsForStaging) and 0 < IDLE_WAIT_S <= MAX_STAGED_WAIT_S
+    answers = iter([False, False, True, True])
+    report = adapter.stage_patches_waiting([(["/handoff/v1.patch"], 0, 1)], lambda: next(answers), poll_s=0.0)
+    assert report["bytes"] == 10
+    assert engine.waits == [0, 0, IDLE_WAIT_S, IDLE_WAIT_S]
+    adapter.stage_patches([(["/handoff/v1.patch"], 0, 1)], poll_s=0.0)  # the plain call never waits in the engine
+    assert engine.waits[4:] == [0]
 
 
 def test_a_staging_that_never_ends_still_fails_at_the_apply_timeout(busy):

@@ -179,7 +179,7 @@ def test_chain_staged_while_serving_commits_bit_exact(
     engine not paused), then committed in a pause with the GEMM copies packed while staging. The
     answers equal those after loading version 2's snapshot, which re-packs every linear layer from
     the written weights through vLLM's own dispatch."""
-    from stitchboard.sidecar.errors import EngineStateError
+    from stitchboard.sidecar.errors import ApplyRefusedError, EngineStateError
 
     _bring_to(vllm_adapter, vllm_snapshot, 0)
     with pytest.raises(EngineStateError, match="no staged update"):
@@ -209,6 +209,9 @@ def test_chain_staged_while_serving_commits_bit_exact(
         diff_views(vllm_views[1], vllm_views[2]).changed_tensors
     )
     assert staged["repacked_modules"] == smollm2_gemm_copies() and staged["tensors"] == len(touched)
+    for wait_s in (-1, 60, "1"):  # a poll may wait in the worker only a bounded number of seconds
+        with pytest.raises(ApplyRefusedError, match="wait_s must be"):
+            vllm_adapter._checked("stitch_staged", {"wait_s": wait_s})
     vllm_adapter.pause()
     try:
         report = vllm_adapter.commit_staged(2)

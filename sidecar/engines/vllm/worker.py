@@ -105,6 +105,9 @@ log = logging.getLogger("stitchboard.sidecar.engines.vllm.worker")
 
 #: Timeout of a collective of stitchboard's TP group (how long the others wait for a rank that died or hangs).
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
+#: The longest a ``stitch_staged`` call may wait in the worker for the staging, seconds (the engine schedules
+#: nothing meanwhile).
+MAX_STAGED_WAIT_S = 2.0
 #: This worker process's instance id (``state.instance``): new in every process, so a restarted
 #: engine never looks like the one whose weights the sidecar verified.
 INSTANCE_ID = uuid.uuid4().hex
@@ -338,13 +341,25 @@ class StitchWorkerExtension:
 
     def stitch_staged(self, request: str = "{}") -> dict[str, Any]:
         """``{"ok": true, "state", "staging": {"state": "running" | "ready", ...}}``, or the
-        staging's error (a refusal: the engine was not touched)."""
+        staging's error (a refusal: the engine was not touched).
+
+        ``wait_s`` (optional, seconds in [0, :data:`MAX_STAGED_WAIT_S`]): wait that long at most for a running
+        staging to end before answering. The engine schedules nothing meanwhile, so the sidecar asks it only
+        while no request is in flight: the staging threads then have the host's cores to themselves, where
+        polls every few ms would each take the worker's GIL and keep vLLM's message queues spinning (a reader
+        busy-loops for a second after every call, ``shm_broadcast``'s ``busy_loop_s``).
+        """
 
         def run(args: dict[str, Any]) -> dict[str, Any]:
             if self._stitch_job is None:
                 raise EngineStateError(
                     "nothing is staged: call stitch_stage first", held=self._stitch_version, phase=self._stitch_phase
                 )
+            wait_s = args.get("wait_s", 0)
+            if type(wait_s) not in (int, float) or not 0 <= wait_s <= MAX_STAGED_WAIT_S:
+                raise ValueError(f"wait_s must be a number of seconds in [0, {MAX_STAGED_WAIT_S}], got {wait_s!r}")
+            if wait_s:
+                self._stitch_job.thread.join(wait_s)
             return {"staging": self._stitch_job.status()}
 
         return self._stitch_call(request, run)
