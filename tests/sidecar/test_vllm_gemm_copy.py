@@ -45,6 +45,7 @@ def test_closures_are_copies_and_plain_functions_read_the_live_weight() -> None:
 
     cases = {
         "closure over a packed copy": (closure, True),
+        "a packed copy held as a default argument": (lambda x, weight, bias, _packed=packed: x @ _packed, True),
         "plain function of its arguments": (lambda x, weight, bias: torch.nn.functional.linear(x, weight, bias), False),
         "torch's linear itself": (torch.nn.functional.linear, False),
         "an opaque object": ("packed elsewhere", True),
@@ -52,3 +53,26 @@ def test_closures_are_copies_and_plain_functions_read_the_live_weight() -> None:
     for what, (fn, holds) in cases.items():
         assert holds_gemm_copy(types.SimpleNamespace(cpu_linear=fn)) is holds, what  # type: ignore[arg-type]
     assert holds_gemm_copy(torch.nn.Linear(2, 2)) is False  # no cpu_linear: no copy
+
+
+class _LoraWrapper(torch.nn.Module):
+    """As vLLM's ``BaseLayerWithLoRA``: unknown attributes come from the wrapped ``base_layer``."""
+
+    def __init__(self, base_layer: torch.nn.Module) -> None:
+        super().__init__()
+        self.base_layer = base_layer
+
+    def __getattr__(self, name: str) -> object:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.base_layer, name)
+
+
+def test_a_lora_wrapper_is_not_a_second_holder_of_its_base_layers_copy() -> None:
+    base = torch.nn.Linear(2, 2)
+    packed = torch.zeros(2, 2)
+    base.cpu_linear = lambda x, weight, bias: x @ packed  # type: ignore[assignment]
+    wrapper = _LoraWrapper(base)
+    assert wrapper.cpu_linear is base.cpu_linear  # the wrapper seems to have one
+    assert holds_gemm_copy(base) and not holds_gemm_copy(wrapper)

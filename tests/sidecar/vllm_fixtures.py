@@ -48,11 +48,9 @@ def view_sums(view: dict[str, RawTensor]) -> dict[str, str]:
 SMOLLM2_LINEARS = {(960, 576): 30, (576, 576): 30, (3072, 576): 30, (576, 1536): 30, (49152, 576): 1}
 
 
-def smollm2_gemm_copies() -> int:
-    """How many SmolLM2 linears hold a GEMM copy of their weight on this host, so a step touching every tensor
-    re-packs them: the layers whose vLLM CPU dispatch (run here on a bf16 weight of their shape) still answers
-    with the old weight after the weight is overwritten in place. 0 where bf16 has no packed kernel (no AVX-512
-    BF16)."""
+def _smollm2_gemm_copies() -> int:
+    """How many SmolLM2 linears hold a GEMM copy of their weight on this host: those whose vLLM CPU dispatch (run
+    here on a bf16 weight of their shape) still answers with the old weight after it is overwritten in place."""
     import types
 
     import torch
@@ -66,6 +64,14 @@ def smollm2_gemm_copies() -> int:
         weight.zero_()
         count += layers * bool(layer.cpu_linear(x, weight, None).any())
     return count
+
+
+def assert_repacked(repacked_modules: int) -> None:
+    """An engine's report of a SmolLM2 update touching every linear re-packed the linears holding a GEMM copy on this
+    host: none where bf16 has no packed kernel (no AVX-512 BF16), else at least one per such linear (the tied
+    embedding may hold one of its own beside the head's)."""
+    copies = _smollm2_gemm_copies()
+    assert repacked_modules >= copies if copies else repacked_modules == 0, (repacked_modules, copies)
 
 
 @pytest.fixture(scope="session")

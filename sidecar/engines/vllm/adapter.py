@@ -262,9 +262,10 @@ class VllmEngine(LoraCalls):
         self, steps: Sequence[tuple[Sequence[str], int, int]], idle: Callable[[], bool], poll_s: float = 0.02
     ) -> dict[str, Any]:
         """:meth:`stage_patches`, whose polls wait in the worker up to :data:`IDLE_WAIT_S` for the staging while
-        ``idle()`` (no request in flight; a request arriving meanwhile starts at most that much later), and
-        return at once, ``poll_s`` apart, otherwise. Measured on SmolLM2 on the 2-core CPU host: the staging's
-        threads spent 0.8-1.1 s where 20 ms polls made them spend 1.0-2.4 s (``docs/benchmarks.md``)."""
+        ``idle()`` (no request in flight through this sidecar; a request arriving meanwhile, or one sent to the
+        engine another way, starts at most that much later), and return at once, ``poll_s`` apart, otherwise.
+        Measured on SmolLM2 on the 2-core CPU host: the staging's threads spent 0.8-1.1 s where 20 ms polls
+        made them spend 1.0-2.4 s (``docs/benchmarks.md``)."""
         t = time.perf_counter()
         body = {
             "steps": [{"paths": list(paths), "from_version": start, "to_version": end} for paths, start, end in steps]
@@ -273,7 +274,8 @@ class VllmEngine(LoraCalls):
         while True:
             # vLLM answers collective_rpc between engine steps: while it generates, a poll waits up
             # to a step, under load longer than a control call may; it may take what the staging has left.
-            left = self.apply_timeout_s - (time.perf_counter() - t)
+            polled = time.perf_counter()
+            left = self.apply_timeout_s - (polled - t)
             wait_s = IDLE_WAIT_S if idle() else 0.0
             results = self._checked("stitch_staged", {"wait_s": wait_s}, max(left, self.timeout_s + wait_s))
             if all((r.staging or {}).get("state") == "ready" for r in results):
@@ -283,8 +285,7 @@ class VllmEngine(LoraCalls):
                     f"staging versions {steps[0][1]}->{steps[-1][2]} did not finish within {self.apply_timeout_s} s",
                     path="/collective_rpc",
                 )
-            if not wait_s:
-                time.sleep(poll_s)
+            time.sleep(max(0.0, poll_s - (time.perf_counter() - polled)))  # a worker that did not wait: poll_s apart
 
     def commit_staged(self, to_version: int) -> dict[str, Any]:
         """Write the staged update ending at ``to_version`` into the live weights and verify.

@@ -94,7 +94,7 @@ class Placement(TpSlice):
 
 
 def holds_gemm_copy(module: torch.nn.Module) -> bool:
-    """Whether ``module``'s CPU GEMM (vLLM CPU backend: ``cpu_linear``) holds a copy of its weight of its own.
+    """Whether ``module``'s own CPU GEMM (vLLM CPU backend: ``cpu_linear``) holds a copy of its weight.
 
     vLLM's ``dispatch_cpu_unquantized_gemm`` (``vllm/model_executor/layers/utils.py``) gives a linear layer a
     ``cpu_linear(x, weight, bias)`` that either packs the weight once and closes over the packed copy (oneDNN's
@@ -102,15 +102,17 @@ def holds_gemm_copy(module: torch.nn.Module) -> bool:
     on a CPU without AVX-512 BF16: oneDNN refuses the primitive), is a plain function of its arguments, which
     reads the live parameter at every call. Only the first kind must be re-packed after a write; re-packing
     the second costs a failed primitive creation per layer (~1 ms) and changes nothing. The rule: a
-    ``cpu_linear`` that captures nothing (a Python function without a closure, or ``torch.nn.functional.linear``
-    itself) reads the live weight; anything else is taken to hold a copy.
+    ``cpu_linear`` that captures nothing (a Python function without a closure or default arguments, or
+    ``torch.nn.functional.linear`` itself) reads the live weight; anything else is taken to hold a copy.
+
+    Only the module's own attribute counts: a LoRA layer (``--enable-lora``) forwards unknown attributes to
+    its ``base_layer``, whose GEMM is the one called, and must not be packed a second time.
     """
-    fn = getattr(module, "cpu_linear", None)
-    if fn is None:
+    fn = vars(module).get("cpu_linear")
+    if fn is None or fn is torch.nn.functional.linear:
         return False
-    if fn is torch.nn.functional.linear:
-        return False
-    return not (isinstance(fn, types.FunctionType) and fn.__closure__ is None)
+    captures = not isinstance(fn, types.FunctionType) or fn.__closure__ or fn.__defaults__ or fn.__kwdefaults__
+    return bool(captures)
 
 
 def _span_tiles(spans: tuple[tuple[int, int], ...]) -> int:
