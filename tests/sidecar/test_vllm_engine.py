@@ -11,6 +11,7 @@ gathered whole tensors) but for one ``xor`` step, the fast encoding.
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 from pathlib import Path
 
@@ -179,7 +180,7 @@ def test_chain_staged_while_serving_commits_bit_exact(
     engine not paused), then committed in a pause with the GEMM copies packed while staging. The
     answers equal those after loading version 2's snapshot, which re-packs every linear layer from
     the written weights through vLLM's own dispatch."""
-    from stitchboard.sidecar.errors import ApplyRefusedError, EngineStateError
+    from stitchboard.sidecar.errors import EngineStateError
 
     _bring_to(vllm_adapter, vllm_snapshot, 0)
     with pytest.raises(EngineStateError, match="no staged update"):
@@ -211,8 +212,14 @@ def test_chain_staged_while_serving_commits_bit_exact(
     assert_repacked(staged["repacked_modules"])
     assert staged["tensors"] == len(touched)
     for wait_s in (-1, 60, "1"):  # a poll may wait in the worker only a bounded number of seconds
-        with pytest.raises(ApplyRefusedError, match="wait_s must be"):
-            vllm_adapter._checked("stitch_staged", {"wait_s": wait_s})
+        r = httpx.post(
+            f"{vllm_engine.url}/collective_rpc",
+            json={"method": "stitch_staged", "args": [json.dumps({"wait_s": wait_s})]},
+            timeout=120,
+        )
+        (refused,) = r.json()["results"]
+        assert not refused["ok"] and refused["error"]["type"] == "ValueError", refused
+        assert "wait_s must be" in refused["error"]["message"], refused
     vllm_adapter.pause()
     try:
         report = vllm_adapter.commit_staged(2)
@@ -270,8 +277,6 @@ def test_state_changing_worker_calls_are_refused_without_the_lease(
     """The worker's state-changing methods, called directly, refuse a caller that holds no live
     lease (no owner, or another's) and change nothing; a take by another owner is refused naming
     the holder and its time left; read-only calls need no lease."""
-    import json
-
     _bring_to(vllm_adapter, vllm_snapshot, 0)
     holder = vllm_adapter.known_lease().owner
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from stitchboard.sidecar.engines.vllm.layout import holds_gemm_copy
+from tests.sidecar.vllm_fixtures import dispatched_linear
 
 #: SmolLM2-135M's ``gate_up_proj`` shape (N, K): the dispatch path depends on the shape and dtype.
 SHAPES = [(3072, 576), (576, 576)]
@@ -21,19 +22,7 @@ SHAPES = [(3072, 576), (576, 576)]
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_the_rule_matches_what_vllms_dispatch_gives_on_this_host(shape: tuple[int, int]) -> None:
-    from vllm.model_executor.layers import utils
-
-    torch.manual_seed(0)
-    weight = torch.randn(shape, dtype=torch.bfloat16)
-    x = torch.randn(4, shape[1], dtype=torch.bfloat16)
-    layer = types.SimpleNamespace(weight=weight, bias=None)
-    utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
-    before = layer.cpu_linear(x, weight, None).clone()
-    weight.copy_(torch.randn(shape, dtype=torch.bfloat16))  # written in place, as a patch writes it
-    after = layer.cpu_linear(x, weight, None)
-    reads_live = torch.equal(after, torch.nn.functional.linear(x, weight, None))
-    holds_old = torch.equal(after, before)
-    assert reads_live != holds_old, "the layer answered with neither the old nor the new weight"
+    layer, holds_old = dispatched_linear(shape)  # asserts the layer answers with the old or the new weight
     assert holds_gemm_copy(layer) == holds_old  # type: ignore[arg-type]
 
 

@@ -12,9 +12,11 @@ the trainer SDK publishes from real AdamW steps, and ``stitchboard sidecar run``
 
 from __future__ import annotations
 
+import functools
 import shutil
 import tempfile
 import time
+import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -48,22 +50,31 @@ def view_sums(view: dict[str, RawTensor]) -> dict[str, str]:
 SMOLLM2_LINEARS = {(960, 576): 30, (576, 576): 30, (3072, 576): 30, (576, 1536): 30, (49152, 576): 1}
 
 
-def _smollm2_gemm_copies() -> int:
-    """How many SmolLM2 linears hold a GEMM copy of their weight on this host: those whose vLLM CPU dispatch (run
-    here on a bf16 weight of their shape) still answers with the old weight after it is overwritten in place."""
-    import types
-
+def dispatched_linear(shape: tuple[int, int]) -> tuple[types.SimpleNamespace, bool]:
+    """vLLM's CPU GEMM dispatch run here on a bf16 weight of ``shape`` (N, K): the layer it gives, and whether that
+    layer holds a copy of the weight (after the weight is overwritten in place it still answers with the old one;
+    otherwise it must answer with the new one)."""
     import torch
     from vllm.model_executor.layers import utils
 
-    count = 0
-    for shape, layers in SMOLLM2_LINEARS.items():
-        weight, x = torch.ones(shape, dtype=torch.bfloat16), torch.ones(1, shape[1], dtype=torch.bfloat16)
-        layer = types.SimpleNamespace(weight=weight, bias=None)
-        utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
-        weight.zero_()
-        count += layers * bool(layer.cpu_linear(x, weight, None).any())
-    return count
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(shape, dtype=torch.bfloat16, generator=generator)
+    x = torch.randn(4, shape[1], dtype=torch.bfloat16, generator=generator)
+    layer = types.SimpleNamespace(weight=weight, bias=None)
+    utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+    before = layer.cpu_linear(x, weight, None).clone()
+    weight.copy_(torch.randn(shape, dtype=torch.bfloat16, generator=generator))  # written in place, as a patch writes
+    after = layer.cpu_linear(x, weight, None)
+    reads_live = torch.equal(after, torch.nn.functional.linear(x, weight, None))
+    holds_old = torch.equal(after, before)
+    assert reads_live != holds_old, f"the {shape} layer answered with neither the old nor the new weight"
+    return layer, holds_old
+
+
+@functools.cache
+def _smollm2_gemm_copies() -> int:
+    """How many SmolLM2 linears hold a GEMM copy of their weight on this host (:func:`dispatched_linear`)."""
+    return sum(layers * dispatched_linear(shape)[1] for shape, layers in SMOLLM2_LINEARS.items())
 
 
 def assert_repacked(repacked_modules: int) -> None:
