@@ -10,6 +10,8 @@ engines share lives here:
   whole tensor (:meth:`TpSlice.local_block`), and the whole tensor reassembled from every rank's
   block (:meth:`TpSlice.gather_whole`, an all-gather over the TP group's gloo group) to checksum;
 * :func:`agreed`: a rank-local step whose failure every rank learns before its next collective;
+* :func:`bit_accessors` and :func:`write_read_back`: scattered writes of raw bits, each chunk read
+  back as it is written (the verification of a staged update, see :func:`write_read_back`);
 * :func:`write_verified`: write -> fault hook -> verify -> undo -> ``ApplyFailedError``.
 
 Tensors may live on a GPU: every host copy is explicit (``.cpu()`` before ``.numpy()``) and
@@ -56,6 +58,16 @@ BITS: dict[int, torch.dtype] = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 
 PhaseHook = Callable[[str], None]
 #: ``agreed(step, what)`` over one rank's TP group (:func:`agreed` bound to the group).
 Agreed = Callable[[Callable[[], T], str], T]
+#: ``scatter(index, values)``: write raw bits ``values`` at flat ``index`` (int64) of a tensor, in place.
+Scatter = Callable[[np.ndarray, np.ndarray], None]
+#: ``gather(index)``: a copy of the raw bits at flat ``index`` (int64) of a tensor.
+Gather = Callable[[np.ndarray], np.ndarray]
+#: Elements written, then read back, per chunk of :func:`write_read_back`: their cache lines
+#: (~1 MiB at one changed element per line) are still in the core's L2 cache when read back. Writing
+#: and reading back 1.73 M scattered elements of 269 MB on one thread (numpy, AMD EPYC with 2 MiB
+#: L2 per core): 33-37 ms with the read-back after all writes, 17.5-20.5 ms in 16 Ki chunks (4 Ki:
+#: 18.5-23.7 ms, 64 Ki: 26-32 ms); 14 ms on two threads.
+READ_BACK_CHUNK = 16384
 
 
 @dataclass(frozen=True)
@@ -155,6 +167,52 @@ class TpSlice:
     def checksum(self, block: torch.Tensor, group: object | None) -> str:
         """xxh3-128 hex digest of the whole tensor (:meth:`gather_whole`'s bytes; collective with a group)."""
         return xxhash.xxh3_128_hexdigest(self.gather_whole(block, group).data)
+
+
+def bit_accessors(flat: torch.Tensor) -> tuple[Scatter, Gather]:
+    """``(scatter, gather)`` over ``flat``, a flat raw-bits view of a live parameter (int16 for
+    bf16...): numpy on the parameter's memory on the CPU (no torch call per chunk), else each
+    chunk's index and values copied to ``flat``'s device (and gathered bits back to the host)."""
+    if flat.device.type == "cpu":
+        view = flat.numpy()
+        return view.__setitem__, view.take
+
+    def scatter(index: np.ndarray, values: np.ndarray) -> None:
+        flat[torch.from_numpy(index).to(flat.device)] = torch.from_numpy(values).to(flat.device)
+
+    def gather(index: np.ndarray) -> np.ndarray:
+        return flat[torch.from_numpy(index).to(flat.device)].cpu().numpy()
+
+    return scatter, gather
+
+
+def write_read_back(name: str, accessors: tuple[Scatter, Gather], index: np.ndarray, new: np.ndarray) -> None:
+    """Write ``new`` at ``index`` chunk by chunk (:data:`READ_BACK_CHUNK` elements), reading each
+    chunk back at once.
+
+    This is how a staged update is verified (SGLang's and vLLM's commits): staging checked the
+    base checksum of a copy of the live tensor and the target checksum of that copy with the
+    steps applied, so once every written element reads back as its new bits the live tensor holds
+    the target, provided nothing else wrote it between staging and the commit. Each engine's
+    staging states why nothing did (a staged update is dropped by every other write of the
+    engine's extension, and the engine's own weight routes are not proxied).
+
+    Args:
+        name: the checkpoint tensor, for the error.
+        accessors: :func:`bit_accessors` of the tensor's live raw bits.
+        index: int64 [k] flat indices; new: the raw bits [k] (the accessors' integer dtype).
+
+    Raises:
+        TargetMismatchError: a chunk did not read back as the new bits (the chunks before it are written).
+    """
+    scatter, gather = accessors
+    for lo in range(0, index.size, READ_BACK_CHUNK):
+        chunk, bits = index[lo : lo + READ_BACK_CHUNK], new[lo : lo + READ_BACK_CHUNK]
+        scatter(chunk, bits)
+        if not np.array_equal(gather(chunk), bits):
+            raise TargetMismatchError(
+                f"tensor {name!r}: the written elements do not read back as the new bits", name=name
+            )
 
 
 def agreed(group: object | None, step: Callable[[], T], what: str) -> T:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from stitchboard.sidecar.engines.sglang import inplace
+from stitchboard.sidecar.engines import write_core
 from stitchboard.sidecar.engines.sglang.inplace import Ranks, _Write, commit
 from stitchboard.sidecar.engines.sglang.slot import Slot
 from stitchboard.sidecar.errors import ApplyFailedError
@@ -32,7 +32,7 @@ def _writes(seed: int) -> tuple[list[_Write], np.ndarray]:
 
 
 def test_written_elements_are_read_back_chunk_by_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(inplace, "READ_BACK_CHUNK", 100)  # several chunks per tensor
+    monkeypatch.setattr(write_core, "READ_BACK_CHUNK", 100)  # several chunks per tensor
     writes, before = _writes(1)
     phases: list[str] = []
     timing = commit(Ranks(layout=None, group=None), writes, phases.append, "writing 1->2", verify="written")  # type: ignore[arg-type]
@@ -46,7 +46,7 @@ def test_written_elements_are_read_back_chunk_by_chunk(monkeypatch: pytest.Monke
 
 
 def test_a_chunk_that_does_not_read_back_restores_every_old_bit(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(inplace, "READ_BACK_CHUNK", 100)
+    monkeypatch.setattr(write_core, "READ_BACK_CHUNK", 100)
     writes, before = _writes(2)
     real_accessors, calls = Slot.accessors, []
 

@@ -22,9 +22,9 @@ from stitchboard.proto.container import RawTensor
 from stitchboard.proto.diff import diff_views
 from stitchboard.proto.errors import BaseMismatchError, PatchFormatError, TargetMismatchError
 from stitchboard.proto.schema import XXH3_128
+from stitchboard.sidecar.engines.vllm.experts import ExpertPlacement
 from stitchboard.sidecar.engines.vllm.layout import Placement
 from stitchboard.sidecar.engines.vllm.update import (
-    StagedPatch,
     commit_staged,
     stage_patches,
 )
@@ -165,23 +165,57 @@ class _Linear(torch.nn.Module):
         self.cpu_linear = "packed from the base"
 
 
-def test_a_failed_verification_restores_bits_and_gemm_copies(tmp_path):
-    """The commit writes, swaps GEMM copies, verifies; a mismatch puts the old bits and copies back."""
+def test_a_write_that_does_not_read_back_restores_bits_and_gemm_copies(tmp_path, monkeypatch):
+    """The commit writes (each chunk read back), swaps GEMM copies; a lost write puts the old bits and copies back."""
     views = [_view(0)]
     views.append(_view(1, views[0]))
     layout = _Layout(views[0])
     io = WeightIO(layout, None, repack=False)
     staged = stage_patches(io, _files(tmp_path, views))
     linear = _Linear()
-    broken = StagedPatch(
-        staged.from_version, staged.to_version, staged.writes, [(linear, "packed from the target")], staged.report
-    )
-    broken.writes[-1].new = broken.writes[-1].new ^ 1  # the last tensor would not reach its target
+    staged = dataclasses.replace(staged, packs=[(linear, "packed from the target")])
+    last = staged.writes[-1].placement.name
+    real = Placement.accessors
+
+    def losing(self: Placement) -> tuple:
+        # the last tensor's write loses its first element (as if another writer raced it)
+        scatter, gather = real(self)
+        if self.name != last:
+            return scatter, gather
+        return (lambda index, values: scatter(index[1:], values[1:])), gather
+
+    monkeypatch.setattr(Placement, "accessors", losing)
     phases = []
     with pytest.raises(ApplyFailedError) as failed:
-        commit_staged(io, broken, phases.append)
+        commit_staged(io, staged, phases.append)
     assert failed.value.details["cause"] == TargetMismatchError.type and failed.value.details["restored"] is True
-    assert isinstance(failed.value.__cause__, TargetMismatchError)
-    assert phases == ["staged", "half-written", "written-unverified"]
+    assert failed.value.details["name"] == last and "do not read back" in str(failed.value)
+    assert phases == ["staged", "half-written"]
     _assert_holds(layout, views[0])
     assert linear.cpu_linear == "packed from the base"
+
+
+def test_accessors_refuse_a_block_that_is_a_copy():
+    """A placement whose block_bits gathers a copy must say how it writes: writes into the copy would be lost."""
+
+    class Gathered(Placement):
+        def block_bits(self, data=None):
+            return super().block_bits(data).clone()
+
+    param = torch.nn.Parameter(torch.zeros(4, 4, dtype=torch.bfloat16), requires_grad=False)
+    with pytest.raises(TypeError, match="is a copy"):
+        Gathered("w", "w", "BF16", (4, 4), 0, ((0, 4),), 0, 0, param, ()).accessors()
+
+
+def test_expert_accessors_write_and_read_through_the_map():
+    """An expert block is gathered through its map; its accessors write and read the packed parameter there."""
+    param = torch.nn.Parameter(torch.zeros(2, 6, dtype=torch.bfloat16), requires_grad=False)
+    flat = torch.tensor([7, 1, 10, 4, 0, 9], dtype=torch.int64)  # the block's element i lives at flat[i]
+    p = ExpertPlacement("e", "w13", "BF16", (2, 3), 0, ((0, 2),), 0, 0, param, (), flat=flat)
+    scatter, gather = p.accessors()
+    index, bits = np.array([0, 2, 5]), np.array([11, 22, 33], dtype=np.int16)
+    scatter(index, bits)
+    assert gather(index).tolist() == [11, 22, 33]
+    assert p.block_bits()[torch.from_numpy(index)].tolist() == [11, 22, 33]
+    live = param.data.view(torch.int16).reshape(-1)
+    assert live[flat[torch.from_numpy(index)]].tolist() == [11, 22, 33] and int(live.count_nonzero()) == 3

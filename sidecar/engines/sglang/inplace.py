@@ -33,7 +33,7 @@ from stitchboard.proto.dtypes import bits_type
 from stitchboard.proto.errors import BaseMismatchError, PatchFormatError, TargetMismatchError, TensorSetMismatchError
 from stitchboard.proto.parts import Layout, digest_pair, layout_checksum, matches, tensor_checksum
 
-from ..write_core import PhaseHook, agreed, write_verified
+from ..write_core import PhaseHook, agreed, write_read_back, write_verified
 from .layout import SglangLayout
 from .slot import Slot
 
@@ -230,25 +230,8 @@ def _scatter(w: _Write) -> None:
     w.slot.scatter(w.index, w.new)
 
 
-#: Elements written, then read back, per chunk of :func:`_scatter_read_back`: their cache lines
-#: (~1 MiB at one changed element per line) are still in the core's L2 cache when read back. Writing
-#: and reading back 1.73 M scattered elements of 269 MB on one thread (numpy, AMD EPYC with 2 MiB
-#: L2 per core): 33-37 ms with the read-back after all writes, 17.5-20.5 ms in 16 Ki chunks (4 Ki:
-#: 18.5-23.7 ms, 64 Ki: 26-32 ms); 14 ms on two threads.
-READ_BACK_CHUNK = 16384
-
-
 def _scatter_read_back(w: _Write) -> None:
-    # Writes ``w`` chunk by chunk, each chunk read back at once; raises TargetMismatchError when
-    # a chunk does not read back as the new bits.
-    scatter, gather = w.slot.accessors()
-    for lo in range(0, w.index.size, READ_BACK_CHUNK):
-        index, new = w.index[lo : lo + READ_BACK_CHUNK], w.new[lo : lo + READ_BACK_CHUNK]
-        scatter(index, new)
-        if not np.array_equal(gather(index), new):
-            raise TargetMismatchError(
-                f"tensor {w.slot.name!r}: the written elements do not read back as the new bits", name=w.slot.name
-            )
+    write_read_back(w.slot.name, w.slot.accessors(), w.index, w.new)
 
 
 def commit(ranks: Ranks, writes: list[_Write], hook: PhaseHook, what: str, verify: str = "full") -> dict:

@@ -8,13 +8,12 @@ is what they share, so neither imports the other at run time.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from ..write_core import BITS, TpSlice
+from ..write_core import BITS, Gather, Scatter, TpSlice, bit_accessors
 from ..write_core import DTYPE_NAMES as DTYPE_NAMES_ALL
 
 #: torch dtype -> safetensors dtype name of the dtypes SGLang's slots address (floating point).
@@ -62,21 +61,10 @@ class Slot(TpSlice):
         """Write ``values`` at flat ``index`` of the live parameter, in place."""
         self.accessors()[0](index, values)
 
-    def accessors(self) -> tuple[Callable[[np.ndarray, np.ndarray], None], Callable[[np.ndarray], np.ndarray]]:
+    def accessors(self) -> tuple[Scatter, Gather]:
         """(scatter, gather) as :meth:`scatter` and :meth:`gather`, bound to one view of the live
-        parameter: for many chunks of one tensor (on the CPU, no torch call per chunk)."""
-        flat = self.flat_bits()
-        if flat.device.type == "cpu":
-            view = flat.numpy()
-            return view.__setitem__, view.take
-
-        def scatter(index: np.ndarray, values: np.ndarray) -> None:
-            flat[torch.from_numpy(index).to(flat.device)] = torch.from_numpy(values).to(flat.device)
-
-        def gather(index: np.ndarray) -> np.ndarray:
-            return flat[torch.from_numpy(index).to(flat.device)].cpu().numpy()
-
-        return scatter, gather
+        parameter: for many chunks of one tensor (:func:`~..write_core.bit_accessors`)."""
+        return bit_accessors(self.flat_bits())
 
     def bits(self) -> torch.Tensor:
         """This rank's block of the live parameter as raw integer bits, [rows, cols]: a view

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from ...errors import UnmappedTensorError
+from ..write_core import Gather, Scatter, bit_accessors
 from .layout import BITS_TORCH, TORCH_DTYPE_NAMES, Placement
 
 #: Experts classes whose packing is derived from ``cpu_prepack_moe_weight`` (vLLM CPU build).
@@ -79,6 +80,12 @@ class ExpertPlacement(Placement):
     def write_bits(self, index: torch.Tensor, values: torch.Tensor) -> None:
         """Write raw bits at flat block indices ``index`` into the packed parameter."""
         self._bits(None)[self.flat.to(self.param.device)[index]] = values
+
+    def accessors(self) -> tuple[Scatter, Gather]:
+        """``(scatter, gather)`` at flat block indices, through the map into the packed parameter."""
+        scatter, gather = bit_accessors(self._bits(None))
+        to_param = self.flat.cpu().numpy()
+        return (lambda index, values: scatter(to_param[index], values)), (lambda index: gather(to_param[index]))
 
     def write_block(self, values: torch.Tensor) -> None:
         """Write the whole block (``block_shape``, any dtype of the parameter's element size)."""

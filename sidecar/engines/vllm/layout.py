@@ -31,7 +31,7 @@ from typing import Protocol
 import torch
 
 from ...errors import UnmappedTensorError
-from ..write_core import BITS, DTYPE_NAMES, TpSlice
+from ..write_core import BITS, DTYPE_NAMES, Gather, Scatter, TpSlice, bit_accessors
 from .formats import refuse_unservable
 
 #: torch dtype -> safetensors dtype name; element size -> raw-bits integer dtype (:mod:`..write_core`).
@@ -87,6 +87,19 @@ class Placement(TpSlice):
     def write_bits(self, index: torch.Tensor, values: torch.Tensor) -> None:
         """Write raw bits ``values`` at flat indices ``index`` of :meth:`block_bits`, in place."""
         self.block_bits()[index] = values
+
+    def accessors(self) -> tuple[Scatter, Gather]:
+        """``(scatter, gather)`` of raw bits at flat indices of :meth:`block_bits` in the live parameter (numpy
+        index and bits; :func:`.write_core.bit_accessors`).
+
+        Raises:
+            TypeError: :meth:`block_bits` is not a view of the parameter (a subclass that gathers its block must
+                override this, or the writes would land in a copy).
+        """
+        flat = self.block_bits()
+        if flat.untyped_storage().data_ptr() != self.param.data.untyped_storage().data_ptr():
+            raise TypeError(f"tensor {self.name!r}: {type(self).__name__}.block_bits is a copy; override accessors")
+        return bit_accessors(flat)
 
     def write_block(self, values: torch.Tensor) -> None:
         """Overwrite the whole block with ``values`` (``block_shape``, same element size)."""
