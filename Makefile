@@ -1,8 +1,9 @@
 # One-command entry points; each creates or refreshes .venv in the repo root first.
 #   make demo   - the main job: `stitchboard demo` (a real RL loop synced into a real vLLM, checked bit for bit);
 #                 `make demo ENGINE=sglang` runs it against SGLang (creating .venv-sglang too)
-#   make test   - the whole test suite: its three tiers in turn (docs/testing.md)
-#   make test-fast   - the tests that start no engine (needs only .venv); test-engine, test-heavy: the others
+#   make test   - the whole test suite: its four tiers in turn (docs/testing.md)
+#   make test-fast   - the tests that run in pytest's own processes (needs only .venv); test-slow (real training
+#                      and processes, no engine), test-engine, test-heavy: the others
 #   make bench  - every benchmark (prints figures)
 #   make lint   - ruff (lint + format check), mypy and the docs build (mkdocs --strict), as CI runs them
 PYTHON ?= python3.11
@@ -11,7 +12,7 @@ PY := $(VENV)/bin/python
 ENGINE ?= vllm
 STAMP := $(VENV)/.installed
 
-.PHONY: venv venv-sglang venv-verl example-verl test test-fast test-engine test-heavy test-left-out demo example-trl example-watch bench lint clean
+.PHONY: venv venv-sglang venv-verl example-verl test test-fast test-slow test-no-engine test-engine test-heavy test-left-out demo example-trl example-watch bench lint clean
 .PHONY: compose-deps compose-check compose-smoke
 
 venv: $(STAMP)
@@ -98,22 +99,34 @@ $(VERL_STAMP): pyproject.toml Makefile
 	touch $(VERL_STAMP)
 
 # The tiers (marks set from each test's fixtures by tests/support/tiers.py; docs/testing.md): fast
-# (no engine: needs only .venv), engine (real vLLM / SGLang servers), heavy (the costliest oracles:
-# TP > 1, the demo). `make test` runs all three, each its own pytest session, and stops at the
-# first that fails; .ci/run runs them as separate stages (every one, timed).
+# (in pytest's own processes: needs only .venv), slow (real SmolLM2 training, or processes of its own:
+# servers, CLIs, trainer ranks, a browser; no engine), engine (real vLLM / SGLang servers), heavy (the
+# costliest oracles: TP > 1, the demo). `make test` runs them in three pytest sessions (fast and slow
+# together, over the same workers: one session packs the slow modules beside the fast ones), and stops
+# at the first that fails; .ci/run runs them as separate stages (every one, timed).
 PYTEST := $(PY) -m pytest -q --durations=25
-FAST_TIER := not engine and not heavy
+FAST_TIER := not slow and not engine and not heavy
+SLOW_TIER := slow and not engine and not heavy
+NO_ENGINE := not engine and not heavy
 ENGINE_TIER := engine and not heavy
-# the fast tier over 3 pytest-xdist workers, each module on one worker (docs/testing.md: N and mode measured)
-FAST_XDIST := -n 3 --dist loadscope
+# the fast and slow tiers over 3 pytest-xdist workers, each module on one worker (docs/testing.md: N and mode
+# measured)
+XDIST := -n 3 --dist loadscope
 
 test: venv venv-sglang venv-verl
-	$(PYTEST) -m "$(FAST_TIER)" $(FAST_XDIST)
+	$(PYTEST) -m "$(NO_ENGINE)" $(XDIST)
 	$(PYTEST) -m "$(ENGINE_TIER)"
 	$(PYTEST) -m heavy
 
 test-fast: venv
-	$(PYTEST) -m "$(FAST_TIER)" $(FAST_XDIST)
+	$(PYTEST) -m "$(FAST_TIER)" $(XDIST)
+
+test-slow: venv
+	$(PYTEST) -m "$(SLOW_TIER)" $(XDIST)
+
+# the fast and slow tiers in one session (what .ci/run and `make test` run)
+test-no-engine: venv
+	$(PYTEST) -m "$(NO_ENGINE)" $(XDIST)
 
 # the engine tier includes verl's checkpoint-engine test (tests/sidecar/test_verl_vllm.py), run in .venv-verl;
 # ENGINE_ARGS: extra pytest arguments (.ci/run deselects .ci/engine-left-out.txt with it)

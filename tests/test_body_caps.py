@@ -46,6 +46,9 @@ from tests.sidecar.fake_engine import FakeEngine
 from tests.sidecar.sidecar_helpers import wait_for
 from tests.support.pythonpath import REPO, repo_on_pythonpath
 
+#: Starts processes of its own (docs/testing.md, the slow tier).
+pytestmark = pytest.mark.slow
+
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 #: Every cap in these tests: above one uvicorn message (64 KiB buffered + one 256 KiB socket read),
 #: so that "at most 2x the cap" leaves room for the message that passes it.

@@ -11,7 +11,12 @@ import subprocess
 import sys
 from importlib.metadata import entry_points
 
+import pytest
+
 from stitchboard.proto.cli import GROUP, extra_of
+
+#: Starts processes of its own (docs/testing.md, the slow tier).
+pytestmark = pytest.mark.slow
 
 
 def run_without(module: str, *argv: str) -> subprocess.CompletedProcess[str]:

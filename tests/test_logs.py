@@ -25,6 +25,9 @@ from stitchboard.sidecar.settings import SidecarSettings
 from tests.bulletin.bulletin_helpers import ThreadServer
 from tests.sidecar.sidecar_helpers import Publisher, make_view, mutate, wait_for
 
+#: Starts processes of its own (docs/testing.md, the slow tier).
+pytestmark = pytest.mark.slow
+
 RUN, REPLICA = "run-logs", "replica-logs"
 CLI = [sys.executable, "-c", "from stitchboard.proto.cli import main; main()"]
 # The sidecar's process: the tests' third engine kind (registered at the registry seam, served in a thread),

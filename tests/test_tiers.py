@@ -10,11 +10,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from stitchboard.demo.engines import stitchboard_cli
 from stitchboard.sidecar.engines.sglang.launch import sglang_command
 from stitchboard.sidecar.engines.vllm.launch import FP8_SERVER_MODULE, vllm_command
 from tests.support.fork_start import forked_argv
 from tests.support.tiers import TIER_FIXTURES, EngineStart, engine_start
+
+#: Starts processes of its own (docs/testing.md, the slow tier).
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -150,10 +155,20 @@ def test_marked():
 @pytest.mark.heavy
 def test_marked_demo():
     subprocess.run(DEMO, check=True)
+
+def test_fast_starts_a_process():
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+
+def test_fast_probes_the_host():
+    subprocess.run(["uname", "-m"], check=True, capture_output=True)
+
+@pytest.mark.slow
+def test_slow_starts_a_process():
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
 """
 
 
-def test_engine_starts_without_their_marks_fail_the_test(tmp_path: Path, monkeypatch):
+def test_engine_and_process_starts_without_their_marks_fail_the_test(tmp_path: Path, monkeypatch):
     (tmp_path / "test_guarded.py").write_text(GUARDED)
     fake = tmp_path / "bin" / "stitchboard"  # `stitchboard demo` as the guard sees it: argv only
     fake.parent.mkdir()
@@ -171,6 +186,9 @@ def test_engine_starts_without_their_marks_fail_the_test(tmp_path: Path, monkeyp
         "test_demo_without_heavy": "FAILED",
         "test_marked": "PASSED",
         "test_marked_demo": "PASSED",
+        "test_fast_starts_a_process": "FAILED",
+        "test_fast_probes_the_host": "PASSED",  # a library's probe (tiers.LIBRARY_PROBES)
+        "test_slow_starts_a_process": "PASSED",
     }, out[-6000:]
     for refusal in (
         "test_unmarked_vllm started vLLM TP 1 without the mark(s) engine:",
@@ -178,6 +196,7 @@ def test_engine_starts_without_their_marks_fail_the_test(tmp_path: Path, monkeyp
         "test_unmarked_fixture started SGLang TP 1 without the mark(s) engine:",
         "test_tp2_without_heavy started SGLang TP 2 without the mark(s) heavy",
         "test_demo_without_heavy started demo without the mark(s) heavy",
+        "test_fast_starts_a_process started a process without the mark slow",
     ):
         assert refusal in out, (refusal, out[-6000:])
     assert "engine starts: 2 (SGLang TP 1 x1, demo x1)" in out  # the refused ones never ran

@@ -14,6 +14,11 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
+#: Starts processes of its own (docs/testing.md, the slow tier).
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 STRICT_PACKAGES = {"stitchboard.proto.*", "stitchboard.bulletin.*", "stitchboard.trainer_client.*"}
 #: --strict's flags that mypy reads only from the global section.

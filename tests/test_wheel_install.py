@@ -25,6 +25,11 @@ import tomllib
 import zipfile
 from pathlib import Path
 
+import pytest
+
+#: Starts processes of its own (docs/testing.md, the slow tier).
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 SETUPTOOLS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
 #: ``stitchboard.<part>`` -> its folder in the tree, for the top-level parts.

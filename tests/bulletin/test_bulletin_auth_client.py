@@ -192,6 +192,7 @@ def test_client_reports_an_unreachable_bulletin():
         BulletinClient(f"http://127.0.0.1:{port}", retries=1, backoff_s=0.001).latest("r")
 
 
+@pytest.mark.slow  # starts a process (docs/testing.md, the slow tier)
 def test_client_and_versions_cli_do_not_import_fastapi():
     import subprocess
     import sys

@@ -11,6 +11,9 @@ from stitchboard.bulletin.client import BulletinClient
 from stitchboard.proto.schema import canonical_json
 from tests.bulletin.bulletin_helpers import ProcessServer, make_manifest, upload_version
 
+#: Starts processes of its own (docs/testing.md, the slow tier).
+pytestmark = pytest.mark.slow
+
 
 def _race(urls: list[str], run: str, bodies: list[bytes]) -> list[httpx.Response]:
     barrier = threading.Barrier(len(urls))

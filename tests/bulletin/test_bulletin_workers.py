@@ -24,6 +24,9 @@ from tests.bulletin.bulletin_helpers import upload_version
 from tests.sidecar.sidecar_helpers import wait_for
 from tests.support.worker_procs import socket_owner, worker_pids
 
+#: Starts processes of its own (docs/testing.md, the slow tier).
+pytestmark = pytest.mark.slow
+
 RUN = "workers-run"
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import uuid
 
 import httpx
+import pytest
 
 from stitchboard.bulletin.fleet_client import FleetClient
 from stitchboard.bulletin.settings import BulletinSettings, TokenGrant
@@ -15,6 +16,9 @@ from tests.bulletin.bulletin_helpers import ThreadServer
 from tests.bulletin.fleet_helpers import start_sidecar
 from tests.sidecar.fake_engine import FakeEngine
 from tests.sidecar.sidecar_helpers import Publisher, make_view, wait_for
+
+#: Starts processes of its own (docs/testing.md, the slow tier).
+pytestmark = pytest.mark.slow
 
 TOKENS = {
     "pub": TokenGrant(scopes=["publish"]),

@@ -19,6 +19,9 @@ from stitchboard.demo.browser import browser_page
 from tests.bulletin.bulletin_helpers import ThreadServer
 from tests.support.app_server import AppServer
 
+#: Starts processes of its own (docs/testing.md, the slow tier).
+pytestmark = pytest.mark.slow
+
 TOKENS = {"viewer": TokenGrant(scopes=["read"]), "attacker": TokenGrant(scopes=["read"], runs=["attackers-run"])}
 
 

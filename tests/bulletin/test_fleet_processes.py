@@ -21,6 +21,9 @@ from tests.bulletin.fleet_helpers import FleetSidecar, start_sidecar
 from tests.sidecar.fake_engine import FakeEngine
 from tests.sidecar.sidecar_helpers import Publisher, make_view, wait_for
 
+#: Starts processes of its own (docs/testing.md, the slow tier).
+pytestmark = pytest.mark.slow
+
 LEASE_S = 3.0
 
 

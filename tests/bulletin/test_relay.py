@@ -29,7 +29,8 @@ from tests.bulletin.bulletin_helpers import ThreadServer
 from tests.bulletin.relay_nginx import NGINX, NO_NGINX, Nginx
 from tests.trainer_client.toy import ToyTrainer
 
-pytestmark = pytest.mark.skipif(NGINX is None, reason=NO_NGINX)
+#: Starts nginx and processes of its own (docs/testing.md, the slow tier).
+pytestmark = [pytest.mark.skipif(NGINX is None, reason=NO_NGINX), pytest.mark.slow]
 
 RUN, OTHER_RUN = "relay-run", "relay-other"
 TOKENS = {

@@ -11,7 +11,8 @@ import pytest
 from tests.benchmarks import bench_relay
 from tests.bulletin.relay_nginx import NGINX, NO_NGINX
 
-pytestmark = pytest.mark.skipif(NGINX is None, reason=NO_NGINX)
+#: Starts nginx and processes of its own (docs/testing.md, the slow tier).
+pytestmark = [pytest.mark.skipif(NGINX is None, reason=NO_NGINX), pytest.mark.slow]
 
 
 def test_bench_relay_counts_one_origin_get_per_blob_through_the_relay(capsys) -> None:

@@ -70,6 +70,7 @@ def test_a_relay_gets_the_bytes_where_others_get_a_presigned_redirect(request, t
         server.stop()
 
 
+@pytest.mark.slow  # starts a process (docs/testing.md, the slow tier)
 @pytest.mark.skipif(NGINX is None, reason=NO_NGINX)
 def test_the_nginx_relay_caches_blobs_of_a_presigning_bulletin(request, tmp_path) -> None:
     """Through deploy/relay's nginx, a presigning bulletin's blob is fetched once as bytes and then served from the

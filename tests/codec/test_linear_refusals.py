@@ -138,6 +138,7 @@ def _one_line_error(proc: subprocess.CompletedProcess) -> str:
     return proc.stderr
 
 
+@pytest.mark.slow  # starts a process (docs/testing.md, the slow tier)
 @pytest.mark.parametrize("where", ["header", "metadata", "index"])
 def test_cli_inspect_and_apply_give_one_line_errors_on_deep_json(tmp_path: Path, where):
     base = {"model.w": raw("BF16", (4,), np.arange(4))}
@@ -151,6 +152,7 @@ def test_cli_inspect_and_apply_give_one_line_errors_on_deep_json(tmp_path: Path,
     assert not (tmp_path / "out.safetensors").exists()
 
 
+@pytest.mark.slow  # starts a process (docs/testing.md, the slow tier)
 def test_cli_apply_into_a_missing_folder_is_a_one_line_error(tmp_path: Path):
     base = {"model.w": raw("BF16", (4,), np.arange(4))}
     target = {"model.w": raw("BF16", (4,), np.arange(4) + 1)}

@@ -14,6 +14,9 @@ from stitchboard.proto.checkpoint import INDEX_NAME, load_checkpoint, save_check
 
 from .helpers import copy_view, raw, same_bits
 
+#: Starts processes of its own (docs/testing.md, the slow tier).
+pytestmark = pytest.mark.slow
+
 CLI = [sys.executable, "-c", "from stitchboard.proto.cli import main; main()"]
 
 

@@ -13,6 +13,9 @@ import pytest
 from stitchboard.demo.errors import DemoError
 from stitchboard.demo.processes import ManagedProcess, _ephemeral_low, free_port
 
+#: Starts processes of its own (docs/testing.md, the slow tier).
+pytestmark = pytest.mark.slow
+
 
 def test_free_port_is_bindable_and_below_the_kernels_ephemeral_range():
     low = _ephemeral_low()

@@ -142,8 +142,9 @@ def test_command_writes_its_files_and_summary_line(tmp_path: Path) -> None:
     assert "| cond, cache tier |" in text and "| public |" in text and "| measured |" in text
 
 
+@pytest.mark.slow  # starts a process (docs/testing.md, the slow tier)
 def test_validation_against_a_real_bulletin() -> None:
-    # The smallest meaningful scale: 50 fetchers, one round. The fast tier runs on 2 cores beside other xdist
+    # The smallest meaningful scale: 50 fetchers, one round. The slow tier runs on 2 cores beside other xdist
     # workers and jobs (three copies of this test at once read as low as 0.49), so this bound is 3x: it catches a broken
     # model (a unit off, a cost left out) while the 25 % claim is held by the full run in docs/scale.md.
     v = validate(fetchers=50, blobs=2, blob_bytes=1 << 20, solo_rounds=20, repeats=1)

@@ -21,6 +21,9 @@ from tests.deploy.deploy_helpers import (
     secret_env_file,
 )
 
+#: Starts processes of its own (docs/testing.md, the slow tier).
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def compose(tmp_path_factory) -> dict[str, Any]:

@@ -9,7 +9,12 @@ import re
 import subprocess
 import tomllib
 
+import pytest
+
 from tests.deploy.deploy_helpers import DOCKER_DIR, DOCKERFILES, REPO, find_tool
+
+#: Starts processes of its own (docs/testing.md, the slow tier).
+pytestmark = pytest.mark.slow
 
 #: Every Dockerfile of the repository: the product images and the compose check's S3 server.
 ALL_DOCKERFILES = [*DOCKERFILES, *sorted((REPO / "deploy" / "compose").glob("*.Dockerfile"))]

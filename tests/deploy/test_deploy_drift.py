@@ -45,6 +45,9 @@ from tests.deploy.deploy_helpers import (
     split_command,
 )
 
+#: Starts processes of its own (docs/testing.md, the slow tier).
+pytestmark = pytest.mark.slow
+
 #: Image name -> Dockerfile, as the compose file and the manifests name them.
 IMAGES = {
     "stitchboard/bulletin": "bulletin.Dockerfile",

@@ -20,6 +20,9 @@ from safetensors.numpy import load_file, save_file
 from stitchboard.demo.processes import free_port
 from tests.deploy.deploy_helpers import SCRIPTS
 
+#: Starts processes of its own (docs/testing.md, the slow tier).
+pytestmark = pytest.mark.slow
+
 BIN = Path(sys.executable).parent
 
 

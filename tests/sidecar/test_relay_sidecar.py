@@ -16,6 +16,7 @@ def _metric(sidecar, name: str, **labels: str) -> float:
     return registry.get_sample_value(name, labels) or 0.0
 
 
+@pytest.mark.slow  # starts a process (docs/testing.md, the slow tier)
 @pytest.mark.skipif(NGINX is None, reason=NO_NGINX)
 def test_a_sidecar_syncs_through_its_relay_and_reports_it(sc_bulletin, sc_publisher, sc_start, tmp_path):
     """Every blob of the versions comes through the relay (nginx's cache holds them); /health lists the relay up

@@ -8,6 +8,7 @@ import sys
 import time
 
 import httpx
+import pytest
 from typer.testing import CliRunner
 
 from stitchboard.demo.processes import free_port
@@ -29,6 +30,7 @@ def test_replica_id_option_is_checked_like_its_setting(monkeypatch):
     assert "replica_id" in result.output
 
 
+@pytest.mark.slow  # starts a process (docs/testing.md, the slow tier)
 def test_process_serves_status_while_the_engine_is_down(sc_bulletin, sc_publisher, tmp_path):
     port = free_port()
     env = {

@@ -15,6 +15,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+#: Starts processes of its own (docs/testing.md, the slow tier).
+pytestmark = pytest.mark.slow
+
 WORKER = Path(__file__).with_name("tp_agree_worker.py")
 
 

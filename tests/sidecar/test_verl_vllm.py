@@ -35,6 +35,9 @@ from tests.sidecar.sidecar_helpers import AppServer
 from tests.sidecar.vllm_fixtures import SidecarProcess, load_checkpoint_as_version_0
 from tests.support.vllm_server import VllmServer
 
+#: Starts processes of its own (docs/testing.md, the slow tier).
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 VERL_PYTHON = ROOT / ".venv-verl" / "bin" / "python"
 DRIVER = ROOT / "examples" / "verl" / "verl_driver.py"

@@ -51,6 +51,7 @@ def test_missing_or_broken_config_is_not_fp8(tmp_path: Path):
     assert not is_fp8_channel_checkpoint(tmp_path)
 
 
+@pytest.mark.slow  # starts a process (docs/testing.md, the slow tier)
 def test_importing_the_server_module_turns_onednn_off():
     code = (
         f"import torch; assert torch.backends.mkldnn.enabled; import {FP8_SERVER_MODULE}; "

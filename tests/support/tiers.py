@@ -1,4 +1,4 @@
-"""The test tiers (marks ``engine``, ``heavy``, ``slow``) and the guard on engine starts: a pytest plugin.
+"""The test tiers (marks ``engine``, ``heavy``, ``slow``) and the guard on process starts: a pytest plugin.
 
 Runs in the pytest process (``tests/conftest.py`` loads it); docs/testing.md describes the tiers.
 
@@ -13,8 +13,11 @@ The guard (:func:`engine_start`, a :func:`sys.addaudithook` on ``subprocess.Pope
 every process start goes through: the server helpers, the demo's process starter, the CLI): a
 vLLM or SGLang server, or ``stitchboard demo``, started by a test without the ``engine`` mark
 (or, with TP > 1 or for the demo, without ``heavy``) is refused before it runs
-(:class:`UnmarkedEngineStart`), and the test fails even if it caught that error. The starts
-seen are summed up at the end of the session (kind, TP, count).
+(:class:`UnmarkedEngineStart`); any other process started by a test with neither ``slow`` nor
+``engine`` is refused too (:class:`UnmarkedProcessStart`: the fast tier runs in its workers'
+processes only). The test fails even if it caught the error. The engine starts seen are summed
+up at the end of the session (kind, TP, count). ``multiprocessing`` starts (torch.distributed
+ranks) raise no audit event: the modules that spawn ranks carry ``slow`` themselves.
 """
 
 from __future__ import annotations
@@ -36,9 +39,11 @@ from tests.support.fork_start import MODULES
 #: Fixtures that put every test whose closure holds them in a tier: ``"<file>::<fixture name>"``
 #: (the file defining the fixture function, from the repository root) -> the marks. ``engine``:
 #: the fixture starts or holds a real vLLM/SGLang server; ``heavy``: one of the costliest
-#: oracles; ``slow``: needs the SmolLM2 checkpoint (built once, ~25 s).
+#: oracles; ``slow``: needs the SmolLM2 checkpoint (built once, ~25 s) or starts processes.
 TIER_FIXTURES: dict[str, tuple[str, ...]] = {
     "tests/conftest.py::smollm2_dir": ("slow",),
+    # a real S3 server (Ceph radosgw: monitor, OSD and gateway processes)
+    "tests/support/radosgw.py::radosgw": ("slow",),
     # the session's vLLM (TP 1, extension, SmolLM2), and every fixture built on it (vllm_adapter, vllm_run_engine)
     "tests/sidecar/vllm_fixtures.py::vllm_engine": ("engine",),
     # fresh plain vLLM engines of versions 0-2 of SmolLM2 (the bit-exact oracle)
@@ -61,7 +66,10 @@ TIER_FIXTURES: dict[str, tuple[str, ...]] = {
 TIER_MARKS = {
     "engine": "starts or uses a real vLLM or SGLang server, or runs the demo (set from the fixtures in TIER_FIXTURES)",
     "heavy": "one of the costliest oracles: an engine at TP > 1, the demo (`make test-heavy` runs them)",
-    "slow": "needs the SmolLM2 checkpoint, and usually real training steps (set from the smollm2_dir fixture)",
+    "slow": (
+        "trains SmolLM2 (set from the smollm2_dir fixture) or with a framework's trainer, or starts processes of its "
+        "own: servers, CLIs, trainer ranks, a browser, a wheel build (`make test-slow` runs those without engines)"
+    ),
 }
 
 
@@ -70,6 +78,15 @@ class UnmarkedEngineStart(RuntimeError):
 
     Mark the test (``@pytest.mark.engine``, and ``heavy`` for TP > 1 or the demo), or start the
     engine from a fixture listed in :data:`TIER_FIXTURES` (adding it there if it is new).
+    """
+
+
+class UnmarkedProcessStart(RuntimeError):
+    """A test of the fast tier (neither ``slow`` nor ``engine``) started a process.
+
+    The fast tier runs in its workers' processes only (servers on loopback threads). Mark the test
+    (or its module: ``pytestmark = pytest.mark.slow``) ``slow``, or start the process from a fixture
+    listed in :data:`TIER_FIXTURES` with ``slow``.
     """
 
 
@@ -88,6 +105,11 @@ class EngineStart:
     def __str__(self) -> str:
         return self.kind if self.kind == "demo" else f"{self.kind} TP {self.tp}"
 
+
+#: Programs libraries start to probe the host, not processes a test starts: ``file`` (``platform.architecture``,
+#: which TRL and vLLM imports call), a compiler's ``--version`` (torch's C++ builder), ``ldconfig``
+#: (``ctypes.util``), ``uname``. A fast test may set them off; the guard lets them through.
+LIBRARY_PROBES = frozenset({"file", "g++", "gcc", "c++", "cc", "ldconfig", "uname"})
 
 _SERVER_MODULES = {MODULES["vllm"]: "vLLM", FP8_SERVER_MODULE: "vLLM", MODULES["sglang"]: "SGLang"}
 _TP_FLAGS = {"vLLM": "--tensor-parallel-size", "SGLang": "--tp"}
@@ -143,10 +165,20 @@ class _Guard:
         if event != "subprocess.Popen":
             return
         start = engine_start(args[1])
-        if start is None:
-            return
         item = self.item
         where = item.nodeid if item is not None else "outside any test"
+        if start is None:
+            words = _words(args[1])
+            probe = bool(words) and Path(words[0]).name in LIBRARY_PROBES
+            if item is not None and not probe and not any(item.get_closest_marker(m) for m in ("slow", "engine")):
+                message = (
+                    f"{where} started a process without the mark slow: mark the test or its module slow, or start it "
+                    f"from a fixture listed with slow in tests/support/tiers.py TIER_FIXTURES (docs/testing.md); "
+                    f"command: {shlex.join(_words(args[1]))[:300]}"
+                )
+                self.refused[where].append(message)
+                raise UnmarkedProcessStart(message)
+            return
         missing = [m for m in start.needs if item is None or item.get_closest_marker(m) is None]
         if missing:
             message = (

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 
+import pytest
 from typer.testing import CliRunner
 
 from stitchboard.bulletin.retention import collect_garbage
@@ -17,6 +18,9 @@ from stitchboard.trainer_client.publisher import Publisher
 from stitchboard.trainer_client.resume import rebuild_version
 from tests.support.pythonpath import repo_on_pythonpath
 from tests.trainer_client.toy import ToyTrainer, assert_same_view, view_of
+
+#: Starts processes of its own (docs/testing.md, the slow tier).
+pytestmark = pytest.mark.slow
 
 KILLED_TRAINER = """
 import os, signal

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from stitchboard.bulletin.client import BulletinClient
@@ -18,6 +19,9 @@ from tests.support.pythonpath import repo_on_pythonpath
 from tests.trainer_client.miles_writer import MilesWriter
 from tests.trainer_client.toy import assert_same_view
 from tests.trainer_client.watch_frameworks import bf16_state, llama_step, tiny_llama, write_shards
+
+#: Starts processes of its own (docs/testing.md, the slow tier).
+pytestmark = pytest.mark.slow
 
 
 def test_watch_layout_miles_publishes_each_folder_on_the_one_before(bulletin, run, tmp_path):

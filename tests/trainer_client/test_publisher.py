@@ -30,8 +30,9 @@ from tests.trainer_client.publisher_scenarios import (
 from tests.trainer_client.ranks import run_ranks
 from tests.trainer_client.toy import ToyTrainer, assert_same_view, view_of
 
-#: The publishers the shared scenarios run against: ``Publisher`` here, ``ShardedPublisher`` on 2 ranks.
-SIDES = ["publisher", "sharded"]
+#: The publishers the shared scenarios run against: ``Publisher`` here, ``ShardedPublisher`` on 2 ranks (processes:
+#: the slow tier).
+SIDES = ["publisher", pytest.param("sharded", marks=pytest.mark.slow)]
 
 
 def play(side: str, scenario: Callable[[Side, str, str, Path], None], url: str, run: str, tmp_path: Path) -> None:

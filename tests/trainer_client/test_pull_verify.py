@@ -79,6 +79,7 @@ def test_pull_verifies_what_it_wrote(bulletin, bulletin_store, run, tmp_path, da
         verify_pulled(rebuilt, tmp_path / "pulled")
 
 
+@pytest.mark.slow  # starts a process (docs/testing.md, the slow tier)
 def test_pull_imports_no_torch():
     """The compose stack's boot step runs ``stitchboard pull`` in the sidecar image, which has no torch
     (deploy/docker/stitch-boot-weights.sh): the command's imports (a full run's and an adapter run's) must not need it.

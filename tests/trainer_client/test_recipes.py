@@ -147,6 +147,7 @@ def test_fp8_bits_equal_compressed_tensors(base: dict[str, RawTensor]):
         assert torch.equal(codes.view(torch.uint8), ct_codes.view(torch.uint8))
 
 
+@pytest.mark.slow  # torch's inductor compiles in processes of its own (docs/testing.md, the slow tier)
 def test_nvfp4_bits_equal_compressed_tensors(base: dict[str, RawTensor]):
     pytest.importorskip("compressed_tensors")
     from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor  # type: ignore[import-untyped]

@@ -17,6 +17,9 @@ from stitchboard.proto.schema import XXH3_128, XXH3_128_PARTS
 from stitchboard.trainer_client.resume import rebuild_version
 from tests.trainer_client.ranks import run_ranks
 
+#: Starts processes of its own (docs/testing.md, the slow tier).
+pytestmark = pytest.mark.slow
+
 WORKER = Path(__file__).with_name("shard_local_worker.py")
 
 

@@ -16,6 +16,9 @@ from stitchboard.trainer_client.shard_local import ShardLocalPublisher
 from stitchboard.trainer_client.sharded import ShardedPublisher, assign_owners
 from tests.trainer_client.ranks import run_ranks
 
+#: Starts processes of its own (docs/testing.md, the slow tier).
+pytestmark = pytest.mark.slow
+
 
 def test_assign_owners_is_disjoint_and_balanced():
     sizes = {f"t{i}": s for i, s in enumerate([100, 90, 50, 40, 10, 10])}

@@ -12,6 +12,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+#: Starts processes of its own (docs/testing.md, the slow tier).
+pytestmark = pytest.mark.slow
+
 LINE = re.compile(
     r"view_memory: view_mb=(\d+) stream_rss_over_view=(\d+\.\d{3}) whole_rss_over_view=(\d+\.\d{3}) "
     r"bit_exact=(true|false)"

@@ -157,6 +157,7 @@ def stack(tmp_path: Path) -> Iterator[SimpleNamespace]:
     client.close()
 
 
+@pytest.mark.slow  # TRL's rollout worker is a child process (docs/testing.md, the slow tier)
 def test_async_grpo_publishes_every_sync_bit_exact(stack, cpu_async_grpo, tmp_path: Path) -> None:
     from datasets import Dataset
 

@@ -25,6 +25,9 @@ from stitchboard.trainer_client.trl.callback import PublishCallback
 from tests.support.fault_proxy import FaultProxy, Rule
 from tests.trainer_client.trl_tiny import grpo_trainer
 
+#: Trains with TRL's GRPOTrainer: real training steps (docs/testing.md, the slow tier).
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("trl")
 
 

@@ -14,6 +14,9 @@ import pytest
 from tests.support.fault_proxy import FaultProxy, Rule
 from tests.support.pythonpath import repo_on_pythonpath
 
+#: Starts processes of its own (docs/testing.md, the slow tier).
+pytestmark = pytest.mark.slow
+
 WORKER = Path(__file__).with_name("trl_fsdp_worker.py")
 
 

@@ -37,6 +37,9 @@ from tests.trainer_client.trl_tiny import (
     tiny_tokenizer,
 )
 
+#: Trains with TRL's GRPOTrainer: real training steps (docs/testing.md, the slow tier).
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("trl")
 
 

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 from typer.testing import CliRunner
 
 from stitchboard.bulletin.client import BulletinClient
@@ -18,6 +19,9 @@ from tests.bulletin.bulletin_helpers import free_socket
 from tests.support.pythonpath import repo_on_pythonpath
 from tests.trainer_client.toy import ToyTrainer, assert_same_view, view_of
 from tests.trainer_client.watch_frameworks import bf16_state, tiny_llama, write_hf_checkpoint, write_prime_rl
+
+#: Starts processes of its own (docs/testing.md, the slow tier).
+pytestmark = pytest.mark.slow
 
 
 def _watch(url: str, run: str, root: Path, *extra: str) -> subprocess.Popen:
