@@ -30,11 +30,15 @@ import sys
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 
 from stitchboard.sidecar.engines.vllm.launch import FP8_SERVER_MODULE
 from tests.support.fork_start import MODULES
+
+#: A ``subprocess.Popen`` command, as the audit event passes it.
+Argv = str | bytes | os.PathLike | Sequence[str | bytes | os.PathLike]
 
 #: Fixtures that put every test whose closure holds them in a tier: ``"<file>::<fixture name>"``
 #: (the file defining the fixture function, from the repository root) -> the marks. ``engine``:
@@ -115,7 +119,7 @@ _SERVER_MODULES = {MODULES["vllm"]: "vLLM", FP8_SERVER_MODULE: "vLLM", MODULES["
 _TP_FLAGS = {"vLLM": "--tensor-parallel-size", "SGLang": "--tp"}
 
 
-def engine_start(argv: str | bytes | os.PathLike | Sequence[str | bytes | os.PathLike]) -> EngineStart | None:
+def engine_start(argv: Argv) -> EngineStart | None:
     """What ``argv`` (a ``subprocess.Popen`` command, any prefix such as ``nice -n 5`` allowed) starts:
     a vLLM or SGLang server (``python -m <server module>``, or through tests/support/fork_start.py),
     ``stitchboard demo``, or None for anything else."""
@@ -136,7 +140,7 @@ def engine_start(argv: str | bytes | os.PathLike | Sequence[str | bytes | os.Pat
     return None
 
 
-def _words(argv: str | bytes | os.PathLike | Sequence[str | bytes | os.PathLike]) -> list[str]:
+def _words(argv: Argv) -> list[str]:
     """A ``Popen`` command as words (a shell command line split at whitespace: enough to recognise it)."""
     if isinstance(argv, (str, bytes, os.PathLike)):
         return os.fsdecode(argv).split()
@@ -164,31 +168,38 @@ class _Guard:
         """The audit hook: checks every ``subprocess.Popen`` (args: executable, argv, cwd, env)."""
         if event != "subprocess.Popen":
             return
-        start = engine_start(args[1])
-        item = self.item
-        where = item.nodeid if item is not None else "outside any test"
+        start, item = engine_start(args[1]), self.item
         if start is None:
             words = _words(args[1])
-            probe = bool(words) and Path(words[0]).name in LIBRARY_PROBES
-            if item is not None and not probe and not any(item.get_closest_marker(m) for m in ("slow", "engine")):
-                message = (
-                    f"{where} started a process without the mark slow: mark the test or its module slow, or start it "
-                    f"from a fixture listed with slow in tests/support/tiers.py TIER_FIXTURES (docs/testing.md); "
-                    f"command: {shlex.join(_words(args[1]))[:300]}"
+            if item is None or (words and Path(words[0]).name in LIBRARY_PROBES):
+                return
+            if not any(item.get_closest_marker(m) for m in ("slow", "engine")):
+                self._refuse(
+                    UnmarkedProcessStart,
+                    "a process without the mark slow: mark the test or its module slow, or start it from a fixture "
+                    "listed with slow",
+                    args[1],
                 )
-                self.refused[where].append(message)
-                raise UnmarkedProcessStart(message)
             return
         missing = [m for m in start.needs if item is None or item.get_closest_marker(m) is None]
         if missing:
-            message = (
-                f"{where} started {start} without the mark(s) {', '.join(missing)}: mark the test, or start the engine "
-                f"from a fixture listed in tests/support/tiers.py TIER_FIXTURES (docs/testing.md); command: "
-                f"{shlex.join(_words(args[1]))[:300]}"
+            self._refuse(
+                UnmarkedEngineStart,
+                f"{start} without the mark(s) {', '.join(missing)}: mark the test, or start the engine from a fixture "
+                "listed",
+                args[1],
             )
-            self.refused[where].append(message)
-            raise UnmarkedEngineStart(message)
         self.starts[str(start)] += 1
+
+    def _refuse(self, error: type[RuntimeError], what: str, argv: Argv) -> NoReturn:
+        """Record and raise ``error``: the running test started ``what`` (its fix ends the sentence)."""
+        where = self.item.nodeid if self.item is not None else "outside any test"
+        message = (
+            f"{where} started {what} in tests/support/tiers.py TIER_FIXTURES (docs/testing.md); command: "
+            f"{shlex.join(_words(argv))[:300]}"
+        )
+        self.refused[where].append(message)
+        raise error(message)
 
 
 _GUARD = _Guard()
