@@ -78,8 +78,6 @@ class _Write:
     index: torch.Tensor  # int64 [k], flat into block_bits(), on the parameter's device
     new: torch.Tensor  # bits [k]
     old: torch.Tensor  # bits [k]
-    target: str  # xxh3-128 of the full tensor after the write, or its xxh3_128_parts over ``layout``
-    layout: Layout | None = None  # the part layout of a patch carrying only xxh3_128_parts
 
 
 @dataclass
@@ -278,7 +276,7 @@ def stage_patches(io: WeightIO, steps: Sequence[Step]) -> StagedPatch:
             spent["check_s"] += time.perf_counter() - t
             index = torch.from_numpy(_union(touched))
             old = p.block_bits()[index.to(param.device)]
-            writes.append(_Write(p, index.to(param.device), view[index].to(param.device), old, target, parted))
+            writes.append(_Write(p, index.to(param.device), view[index].to(param.device), old))
             written = True
         if written and io.repack:
             t = time.perf_counter()
