@@ -20,7 +20,8 @@ from pydantic import Field, field_validator, model_validator
 
 from .codec import PatchEntry
 from .errors import SchemaError
-from .schema import SCHEMA_VERSION, XXH3_128, Encoding, FileRef, VersionManifest, _Model, check_run_id
+from .parts import same_checksum
+from .schema import SCHEMA_VERSION, Encoding, FileRef, VersionManifest, _Model, check_run_id
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
@@ -108,7 +109,8 @@ def check_patch_lineage(
     """Check that patch files take the view of ``base`` to the view of ``target``, by their indexes alone.
 
     Every listed tensor must be in both versions with the entry's dtype and shape, carry the base
-    version's checksum as its base and the target version's as its target, and appear in one file
+    version's checksum as its base and the target version's as its target (``xxh3_128``, or
+    ``xxh3_128_parts`` for a tensor a shard-local publish wrote in parts), and appear in one file
     only; every tensor whose checksum differs between the versions must be listed. Values are not
     decoded (a ``cond`` stream decodes only on its base); the engine checks them on its bits.
 
@@ -126,7 +128,7 @@ def check_patch_lineage(
             "only an anchor leads across that"
         )
     before, after = base.checksums(), target.checksums()
-    specs = target.tensor_map()
+    specs, base_specs = target.tensor_map(), base.tensor_map()
     touched: set[str] = set()
     for path, entries in files:
         for name, entry in entries.items():
@@ -137,9 +139,9 @@ def check_patch_lineage(
                 )
             if name in touched:
                 raise SchemaError(f"{what}: tensor {name!r} appears in two patch files")
-            if entry.base.get(XXH3_128) != before[name]:
+            if not same_checksum(entry.base, base_specs[name].checksums):  # xxh3_128, or a sharded tensor's parts
                 raise SchemaError(f"{what}: {path}: tensor {name!r}'s base checksum is not version {base.version}'s")
-            if entry.target.get(XXH3_128) != after[name]:
+            if not same_checksum(entry.target, spec.checksums):
                 raise SchemaError(
                     f"{what}: {path}: tensor {name!r}'s target checksum is not version {target.version}'s"
                 )

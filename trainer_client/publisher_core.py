@@ -584,7 +584,7 @@ class PublisherCore(ABC):
             self._squasher.after_commit(
                 manifest,
                 old,
-                view.tensors,
+                self._published.view or {},  # this rank's tensors of the new view (a shard-local one's: its pieces)
                 {n: t.checksum for n, t in last.tensors.items()} if last else {},
                 self._exchange,
                 self._on_committer,

@@ -27,7 +27,9 @@ writes it into its snapshot shard (the anchor's only tensor traffic, once per ``
 
 Memory per rank: its pieces of the new view, its kept blocks, and one whole tensor while an anchor is written.
 ``publish_async`` takes the pieces at once (no collective in the caller's thread) and compares the layouts in
-publish order. Squashes are not made by this publisher (``squash_depths`` must stay off). Resume: ``"rebuild"``
+publish order. Squashes (``squash_depths``): each rank squashes its own pieces and a sharded tensor's parts meet at
+its writer (:mod:`.shard_squash`); a publish with squashes casts the pieces when it takes the view instead of
+streaming them (memory per rank: its kept pieces and its new ones). Resume: ``"rebuild"``
 rebuilds the last version on every rank and each cuts its blocks from it at the first publish (any world size;
 each rank holds the whole view for that publish), ``"anchor"`` makes the next version an anchor; a layout that
 changes between versions without a resume is refused naming the tensor.
@@ -61,6 +63,7 @@ from .local_shards import LocalEntry, Placement, TensorLayoutPlan, cast_piece, e
 from .publish_result import PublishResult
 from .publisher_core import PublisherOptions
 from .served_view import TORCH_DTYPE_NAMES, checkpoint_state, served_dtype
+from .shard_squash import PartDigests, ShardSquasher
 from .sharded import ShardedPublisher
 from .stream import StreamedView, TensorChange
 from .uploads import upload_assets, upload_files
@@ -69,8 +72,6 @@ from .version_parts import EncodeReport, PublishedVersion, RankPart, ViewPart
 K = TypeVar("K")
 S = TypeVar("S")
 
-#: (dim, start, stop, base digest, target digest) of one part, as the ranks exchange it.
-PartDigests = tuple[int, int, int, str, str]
 #: A rank's piece of a tensor: cast to its served form, or the live tensor (a streamed publish casts it later).
 Piece = RawTensor | torch.Tensor
 
@@ -165,8 +166,7 @@ class ShardLocalPublisher(ShardedPublisher):
         exchange_timeout_s: as :class:`~.sharded.ShardedPublisher`.
 
     Raises:
-        ValueError: ``squash_depths`` given (this publisher makes no squashes), or ``exchange_timeout_s`` not
-            positive.
+        ValueError: ``exchange_timeout_s`` not positive, or a squash depth below 2.
     """
 
     _kept_blocks: dict[str, Placement]
@@ -183,8 +183,6 @@ class ShardLocalPublisher(ShardedPublisher):
         exchange_timeout_s: float = 1800.0,
         **options: Unpack[PublisherOptions],
     ) -> None:
-        if tuple(options.get("squash_depths", ())):
-            raise ValueError("ShardLocalPublisher makes no squashes: leave squash_depths off")
         self.placements = dict(placements or {})
         self._kept_blocks = {}  # name -> the block this rank keeps of it (a resumed view is whole: none)
         self._streaming = False  # inside publish(): pieces stay live until encoded
@@ -194,6 +192,10 @@ class ShardLocalPublisher(ShardedPublisher):
         #: the others exchanged a key per rank and the digests of whole tensors only.
         self.layout_exchanges = 0
         super().__init__(url, run, token, group=group, exchange_timeout_s=exchange_timeout_s, **options)
+        self._squasher = ShardSquasher(
+            self.client, self.run, self.rank, self._squasher.depths, self.encoding,
+            gather=self._gather, swap=self._swap, layout=lambda: (self._now.plan, self._writers(self._now.plan)),
+        )  # fmt: skip
 
     # -- the view: this rank's pieces ---------------------------------------------------------
 
@@ -220,8 +222,9 @@ class ShardLocalPublisher(ShardedPublisher):
     ) -> PublishResult:
         """As :meth:`ShardedPublisher.publish`, streamed: a delta casts each piece when it is diffed and keeps only
         its changed elements (memory: the kept blocks, one piece, the changes); the changes are written into the
-        kept blocks after the commit. The model must not change until this returns."""
-        self._streaming = True
+        kept blocks after the commit. The model must not change until this returns. With squashes the pieces are
+        cast when the view is taken (the squashes' records need the kept pieces as they were)."""
+        self._streaming = not self._squasher.depths
         try:
             return super().publish(model_or_state_dict, step, anchor, metadata)
         finally:

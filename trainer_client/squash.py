@@ -350,23 +350,10 @@ class Squasher:
     ) -> SquashManifest | None:
         target = manifest.version
         what = f"squash {base} -> {target} of run {self.run!r}"
-
-        def encode() -> tuple[bytes | None, tuple[int, int] | None]:
-            try:
-                meta = {"run": self.run, "version": str(target), "base_version": str(base), "squash": "true"}
-                data, changed = encode_squash(self.views, base, new, manifest.checksums(), self.encoding, meta)
-            except PatchError as exc:  # wrong bits: never uploaded, every rank skips it
-                log.error(
-                    "%s failed its check against this trainer's views (%s): not uploaded; the chain serves", what, exc
-                )
-                return None, None
-            except Exception:  # a derived object: log, and every rank skips it
-                log.exception("%s: encoding failed; the chain serves instead", what)
-                return None, None
-            return data, (len(data), changed)
-
-        data, sizes = exchange(f"encoding {what}", encode)
-        if data is None or any(s is None for s in sizes):
+        meta = {"run": self.run, "version": str(target), "base_version": str(base), "squash": "true"}
+        data, every = self._encode(what, base, manifest, new, meta, exchange)
+        sizes = [s for s in every if s is not None]
+        if data is None or len(sizes) < len(every):
             return None
         total, changed = sum(s[0] for s in sizes), sum(s[1] for s in sizes)
         chain = self.views.chain_bytes(base)
@@ -400,3 +387,30 @@ class Squasher:
         self.stored.append((base, target))
         log.info("run %s: squash %d -> %d stored (%d bytes, chain %d)", self.run, base, target, total, chain)
         return squash
+
+    def _encode(
+        self,
+        what: str,
+        base: int,
+        manifest: VersionManifest,
+        new: Mapping[str, RawTensor],
+        metadata: Mapping[str, str],
+        exchange: Exchange,
+    ) -> tuple[bytes | None, list[tuple[int, int] | None]]:
+        """This rank's squash file from ``base`` to ``manifest``'s version (None: skipped), and every rank's
+        (file bytes, changed elements), None for a rank that skipped it (logged there); every rank calls it."""
+
+        def encode() -> tuple[bytes | None, tuple[int, int] | None]:
+            try:
+                data, changed = encode_squash(self.views, base, new, manifest.checksums(), self.encoding, metadata)
+            except PatchError as exc:  # wrong bits: never uploaded, every rank skips it
+                log.error(
+                    "%s failed its check against this trainer's views (%s): not uploaded; the chain serves", what, exc
+                )
+                return None, None
+            except Exception:  # a derived object: log, and every rank skips it
+                log.exception("%s: encoding failed; the chain serves instead", what)
+                return None, None
+            return data, (len(data), changed)
+
+        return exchange(f"encoding {what}", encode)

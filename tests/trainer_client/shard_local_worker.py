@@ -11,6 +11,9 @@ run ``RUN-MODE`` with files in ``OUT_DIR/MODE`` (one mode: on ``RUN``, in ``OUT_
 * ``tp``: a model whose weights are DTensors placed ``Shard(0)`` and ``Shard(1)`` (tensor parallel) and a
   replicated norm; the same publishes and references; then the whole view given to ``publish_view`` is refused
   (the layout changed: no rank holds the sharded tensors' old bits whole).
+* ``squash``: the ``tp`` model with squashes of depth 2 (each rank squashes its own pieces; a sharded tensor's
+  parts meet at its writer); before the last version rank 1's record of its blocks is made wrong, so that
+  version's squash is skipped on both ranks (the writer's check) and the version stands.
 * ``pipeline``: two pipeline stages, each holding its own layers whole and both the tied embedding; the
   second time the stages' embeddings differ and the publish is refused naming it (ReplicaMismatchError
   on both ranks, nothing committed); then they agree again and the next publish is that version.
@@ -135,6 +138,27 @@ def tp(url: str, run: str, out: Path) -> None:
         assert [i.version for i in pub.client.versions(run)] == list(range(STEPS))
 
 
+def squash(url: str, run: str, out: Path) -> None:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    full = {"col.weight": torch.randn(12, 10), "row.weight": torch.randn(9, 12), "norm.weight": torch.ones(12)}
+    placements = {"col.weight": [Shard(0)], "row.weight": [Shard(1)], "norm.weight": [Replicate()]}
+    state = {n: torch.nn.Parameter(distribute_tensor(t, mesh, placements[n])) for n, t in full.items()}
+    opt = torch.optim.AdamW(list(state.values()), lr=1e-2)
+    with ShardLocalPublisher(url, run, snapshot_every=10, squash_depths=(2,)) as pub:
+        for step in range(5):
+            if step == 4 and dist.get_rank() == 1:  # version 3's record of rank 1's blocks: wrong old bits
+                for at, old in pub._squasher.views._records[-1].changes.values():
+                    old[: min(1, len(at))] ^= 1
+            reference = served_view(state)
+            result = pub.publish(state, step=step)
+            record(out, result.version, reference, result)
+            opt.zero_grad()
+            sum((p.full_tensor() ** 2).sum() * (i + 1) for i, p in enumerate(state.values())).backward()
+            opt.step()
+        assert pub._squasher.stored == [(0, 2), (1, 3)], pub._squasher.stored  # 2 -> 4 skipped on both ranks
+
+
 def pipeline(url: str, run: str, out: Path) -> None:
     """Stage r holds layer r whole and the tied embedding; every tensor whole on its holders."""
     rank = dist.get_rank()
@@ -251,6 +275,7 @@ MODES = {
     "smollm2": smollm2,
     "fsdp": fsdp,
     "tp": tp,
+    "squash": squash,
     "pipeline": pipeline,
     "dies": dies,
     "hangs": hangs,

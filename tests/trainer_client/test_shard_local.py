@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from stitchboard.proto.apply import apply_patch
 from stitchboard.proto.checkpoint import load_checkpoint
 from stitchboard.proto.decode import read_patch
 from stitchboard.proto.schema import XXH3_128, XXH3_128_PARTS
@@ -36,8 +37,8 @@ def _pulled_bit_exact(client, run: str, out: Path) -> list[dict]:
     return results
 
 
-def test_fsdp_tp_and_pipeline_versions_pull_bit_exact(bulletin, run, tmp_path):
-    run_ranks(["fsdp,tp,pipeline", bulletin.url, run, str(tmp_path)], tmp_path, worker=WORKER)
+def test_fsdp_tp_squash_and_pipeline_versions_pull_bit_exact(bulletin, run, tmp_path):
+    run_ranks(["fsdp,tp,squash,pipeline", bulletin.url, run, str(tmp_path)], tmp_path, worker=WORKER)
     with bulletin.client() as client:
         results = _pulled_bit_exact(client, f"{run}-fsdp", tmp_path / "fsdp")
         assert [(r["version"], r["snapshot"]) for r in results] == [(0, True), (1, False), (2, False), (3, True)]
@@ -59,6 +60,30 @@ def test_fsdp_tp_and_pipeline_versions_pull_bit_exact(bulletin, run, tmp_path):
         assert specs["col.weight"].parts == [(0, 0, 6), (0, 6, 12)]
         assert specs["row.weight"].parts == [(1, 0, 6), (1, 6, 12)]
         assert specs["norm.weight"].parts is None and XXH3_128 in specs["norm.weight"].checksums  # replicated: once
+
+        _pulled_bit_exact(client, f"{run}-squash", tmp_path / "squash")
+        specs = client.manifest(f"{run}-squash", 4).tensor_map()
+        squashes = {(s.base_version, s.target_version): s for s in client.squashes(f"{run}-squash")}
+        assert set(squashes) == {(0, 2), (1, 3)}  # 2 -> 4 failed the writer's check (rank 1's wrong record)
+        for (base, target), squash in squashes.items():  # one file per rank; together: base -> target, bit for bit
+            assert sorted(f.path for f in squash.files) == [
+                f"squash-v{base}-v{target}-r{r}.safetensors" for r in (0, 1)
+            ]
+            view = rebuild_version(client, f"{run}-squash", base).view
+            entries = {}
+            for f in squash.files:
+                path = client.download_blob(f"{run}-squash", f.sha256, tmp_path / "sq" / f.path, f.size_bytes)
+                patch = read_patch(path.read_bytes())
+                entries.update(patch.entries)
+                apply_patch(view, patch)
+            assert {n: e.layout for n, e in entries.items() if e.layout} == {
+                "col.weight": ((0, 0, 6), (0, 6, 12)),
+                "row.weight": ((1, 0, 6), (1, 6, 12)),
+            }  # each sharded tensor's parts in one entry, assembled by its writer
+            assert "norm.weight" in entries and not entries["norm.weight"].layout  # replicated: whole, once
+            for name, t in load_checkpoint(tmp_path / "squash" / f"ref-{target}").items():
+                assert np.array_equal(view[name].bits, t.bits), (base, target, name)
+        assert specs["col.weight"].parts == [(0, 0, 6), (0, 6, 12)]
 
         _pulled_bit_exact(client, f"{run}-pipeline", tmp_path / "pipeline")
         assert [i.version for i in client.versions(f"{run}-pipeline")] == [0, 1]  # the refused publish left nothing
