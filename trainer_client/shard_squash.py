@@ -88,9 +88,17 @@ class ShardSquasher(Squasher):
         exchange: Exchange,
         on_committer: OnCommitter,
     ) -> list[Any]:
-        """As :meth:`.Squasher.after_commit`; pieces whose block changed since the last version (a resumed or
-        re-laid-out job) restart the records, as a changed tensor set does."""
-        if old is not None and any(n in old and tuple(old[n].shape) != tuple(t.shape) for n, t in new.items()):
+        """As :meth:`.Squasher.after_commit`; when any rank's pieces differ from its last ones in names or shapes
+        (a resumed or re-laid-out job) every rank restarts its records, as a changed tensor set does: the ranks
+        decide it together (a rank with other records than the others would leave them in another collective)."""
+        if not self.depths:
+            return []
+        same = (
+            old is not None
+            and set(old) == set(new)
+            and all(tuple(old[n].shape) == tuple(t.shape) for n, t in new.items())
+        )
+        if not all(self._gather(same)):
             old = None
         return super().after_commit(manifest, old, new, old_checksums, exchange, on_committer)
 
@@ -129,10 +137,17 @@ class ShardSquasher(Squasher):
             log.error("%s %s: not uploaded; the chain serves", what, failed[0][1])
             return None, [None] * len(every)
         received = {(n, e.part.start): e for n, e in blocks.items() if e.part.count}
-        for data in self._swap(payloads, [sizes.get(self.rank, 0) for _, _, sizes in every]):
-            received.update(pickle.loads(data))  # this job's own ranks, over its own gloo group
+        swapped: Exception | None = None
+        try:
+            for data in self._swap(payloads, [sizes.get(self.rank, 0) for _, _, sizes in every]):
+                received.update(pickle.loads(data))  # this job's own ranks, over its own gloo group
+        except Exception as exc:  # noqa: BLE001 - logged in assemble; every rank must still reach the exchange
+            swapped = exc
 
         def assemble() -> tuple[bytes | None, tuple[int, int] | None]:
+            if swapped is not None:
+                log.error("%s: receiving the ranks' blocks failed on rank %d (%r)", what, self.rank, swapped)
+                return None, None
             try:
                 for name in moved:
                     if plan[name].owner < 0 and writers[name] == self.rank:

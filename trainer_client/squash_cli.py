@@ -24,7 +24,7 @@ from stitchboard.proto.apply import apply_to_copy
 from stitchboard.proto.container import RawTensor
 from stitchboard.proto.decode import read_patch
 from stitchboard.proto.logs import LogFormat, LogFormatOption, configure_logging
-from stitchboard.proto.schema import Encoding
+from stitchboard.proto.schema import Encoding, VersionManifest
 from stitchboard.proto.squash_schema import SquashManifest
 
 from .resume import rebuild_version
@@ -63,7 +63,8 @@ def rebuild_squashes(
         The records stored now (a squash not smaller than its chain is not stored).
 
     Raises:
-        ValueError: a depth below 2. NotFoundError: the run has no version.
+        ValueError: a depth below 2, or a version holding tensors in parts (a shard-local publish, whose
+            squashes its publisher makes: ``squash_depths``). NotFoundError: the run has no version.
         BulletinError, PatchError, ResumeError: the stored versions cannot be rebuilt.
     """
     depths = check_depths(depths)
@@ -74,6 +75,7 @@ def rebuild_squashes(
     start = max(numbers[0], first_target - max(depths))
     have = {(s.base_version, s.target_version) for s in client.squashes(run)}
     rebuilt = rebuild_version(client, run, start, workdir)
+    _whole(run, rebuilt.manifest)
     squasher = Squasher(client, run, 0, depths, encoding)
     squasher.views.start(rebuilt.manifest)
     view: dict[str, RawTensor] = rebuilt.view
@@ -82,6 +84,7 @@ def rebuild_squashes(
     with tempfile.TemporaryDirectory(prefix="stitchboard-squash-", dir=workdir) as tmp:
         for version in [v for v in numbers if v > start]:
             manifest = client.manifest(run, version)
+            _whole(run, manifest)
             if version != previous.version + 1 or manifest.layout() != previous.layout():
                 view, previous = (
                     rebuild_version(client, run, version, workdir).view,
@@ -104,6 +107,18 @@ def rebuild_squashes(
                 squasher.views.record(manifest, view, new, previous.checksums())
             view, previous = new, manifest
     return out
+
+
+def _whole(run: str, manifest: VersionManifest) -> None:
+    """Refuse a version with tensors in parts: its squashes' entries must be parted as its tensors are, which only
+    the shard-local publisher that wrote them makes (``squash_depths``)."""
+    parted = sorted(manifest.layouts())
+    if parted:
+        raise ValueError(
+            f"run {run!r} version {manifest.version} holds tensors in parts ({parted[:3]}, a shard-local publish): "
+            "its squashes are made by its publisher (ShardLocalPublisher(..., squash_depths=...)); "
+            "`stitchboard squash rebuild` makes them for runs published whole"
+        )
 
 
 def _depths(text: str) -> tuple[int, ...]:
@@ -176,7 +191,7 @@ def rebuild(
     try:
         with BulletinClient(bulletin, token, retries=5, backoff_s=0.5) as client:
             stored = rebuild_squashes(client, run, _depths(depths), since, cast(Encoding, encoding))
-    except (StitchError, OSError) as exc:
+    except (StitchError, OSError, ValueError) as exc:
         raise _fail(exc) from exc
     for s in stored:
         typer.echo(f"{s.base_version} -> {s.target_version}\t{s.size_bytes}")

@@ -15,13 +15,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from stitchboard.proto import parts
 from stitchboard.proto.apply import apply_to_copy
-from stitchboard.proto.codec import checksum
+from stitchboard.proto.codec import checksum, encode_tensor, encoded_from_parts
 from stitchboard.proto.container import RawTensor
 from stitchboard.proto.decode import read_patch
 from stitchboard.proto.dtypes import DTYPE_SIZES
-from stitchboard.proto.errors import BaseMismatchError
+from stitchboard.proto.errors import BaseMismatchError, SchemaError
 from stitchboard.proto.schema import TensorSpec, VersionManifest, VersionStats
+from stitchboard.proto.squash_schema import check_patch_lineage
 from stitchboard.trainer_client.squash import RecentViews, encode_squash
 from tests.codec.test_cond_codec import stepped, weight_like
 
@@ -142,3 +144,59 @@ def test_a_squash_is_refused_on_any_other_base(encoding):
         with pytest.raises(BaseMismatchError):
             apply_to_copy(held, patch)
         assert same_bits(held, views[wrong]), "nothing was written"
+
+
+def _spec(name: str, t: RawTensor, layout: tuple[tuple[int, int, int], ...] | None, both: bool = False) -> TensorSpec:
+    """A manifest entry of ``t``: ``xxh3_128`` (and, with ``both``, ``xxh3_128_parts`` too), or in parts."""
+    sums = {"xxh3_128_parts": parts.layout_checksum(t.bits, t.shape, layout)} if layout else {}
+    if not layout or both:
+        sums["xxh3_128"] = checksum(t)
+    return TensorSpec(name=name, dtype=t.dtype, shape=list(t.shape), checksums=sums, parts=None if both else layout)
+
+
+def _lineage_manifest(version: int, specs: list[TensorSpec]) -> VersionManifest:
+    return VersionManifest(
+        run_id="r", version=FIRST + version, base_version=FIRST + version - 1, snapshot=False, tensors=specs,
+        files=[], stats=VersionStats(changed_elements=0, total_elements=sum(int(np.prod(t.shape)) for t in specs),
+        encoded_bytes=0),
+    )  # fmt: skip
+
+
+def test_a_squash_lineage_is_checked_by_the_checksum_each_manifest_names():
+    """check_patch_lineage takes a tensor in parts by its ``xxh3_128_parts`` and a whole one by its ``xxh3_128``
+    only: an entry of the other kind, or of another version, is refused naming the tensor."""
+    rng = np.random.default_rng(0)
+    a = RawTensor("BF16", (4, 6), weight_like("BF16", 24, rng))
+    b = RawTensor("BF16", (4, 6), stepped("BF16", a.bits, rng, 0.5, 0.0))
+    c = RawTensor("BF16", (4, 6), stepped("BF16", b.bits, rng, 0.5, 0.0))
+    layout = ((0, 0, 2), (0, 2, 4))
+    blocks = [
+        parts.encode_part(
+            RawTensor("BF16", (), parts.block(a.bits, a.shape, *cut)),
+            RawTensor("BF16", (), parts.block(c.bits, c.shape, *cut)),
+            *cut,
+            "xor",
+        )
+        for cut in layout
+    ]
+    parted = encoded_from_parts("w", "BF16", a.shape, blocks).entry
+    whole = encode_tensor("w", a, c, "xor").entry
+    for kind, entry in (("parts", parted), ("whole", whole)):
+        lay = layout if kind == "parts" else None
+        base, target = _lineage_manifest(0, [_spec("w", a, lay)]), _lineage_manifest(2, [_spec("w", c, lay)])
+        check_patch_lineage([("f", {"w": entry})], base, target)  # the right entry of its own kind
+        other = _lineage_manifest(1, [_spec("w", b, lay)])  # version 1 is not the base
+        with pytest.raises(SchemaError, match="tensor 'w''s base checksum is not version 11's"):
+            check_patch_lineage([("f", {"w": entry})], other, target)
+        with pytest.raises(SchemaError, match="tensor 'w''s target checksum is not version 11's"):
+            check_patch_lineage([("f", {"w": entry})], base, other.model_copy(update={"version": FIRST + 1}))
+    cross = [
+        (parted, _spec("w", a, None), _spec("w", c, None)),  # in parts, against whole tensors
+        (whole, _spec("w", a, layout), _spec("w", c, layout)),  # whole, against tensors in parts
+        (parted, _spec("w", a, layout, both=True), _spec("w", c, layout, both=True)),  # whole specs with both sums
+    ]
+    for entry, base_spec, target_spec in cross:
+        with pytest.raises(SchemaError, match="tensor 'w''s base checksum is not version 10's"):
+            check_patch_lineage(
+                [("f", {"w": entry})], _lineage_manifest(0, [base_spec]), _lineage_manifest(2, [target_spec])
+            )

@@ -12,8 +12,10 @@ run ``RUN-MODE`` with files in ``OUT_DIR/MODE`` (one mode: on ``RUN``, in ``OUT_
   replicated norm; the same publishes and references; then the whole view given to ``publish_view`` is refused
   (the layout changed: no rank holds the sharded tensors' old bits whole).
 * ``squash``: the ``tp`` model with squashes of depth 2 (each rank squashes its own pieces; a sharded tensor's
-  parts meet at its writer); before the last version rank 1's record of its blocks is made wrong, so that
-  version's squash is skipped on both ranks (the writer's check) and the version stands.
+  parts meet at its writer), trained so that rank 1's rows of ``col.weight`` never change (a part with no
+  change); before version 4 rank 1's record of its blocks is made wrong (the writer's check refuses squash
+  2 -> 4), before version 5 the record of the replicated norm on its owner (that rank's own check refuses
+  3 -> 5): both are skipped on both ranks and the versions stand.
 * ``pipeline``: two pipeline stages, each holding its own layers whole and both the tied embedding; the
   second time the stages' embeddings differ and the publish is refused naming it (ReplicaMismatchError
   on both ranks, nothing committed); then they agree again and the next publish is that version.
@@ -144,19 +146,23 @@ def squash(url: str, run: str, out: Path) -> None:
     full = {"col.weight": torch.randn(12, 10), "row.weight": torch.randn(9, 12), "norm.weight": torch.ones(12)}
     placements = {"col.weight": [Shard(0)], "row.weight": [Shard(1)], "norm.weight": [Replicate()]}
     state = {n: torch.nn.Parameter(distribute_tensor(t, mesh, placements[n])) for n, t in full.items()}
-    opt = torch.optim.AdamW(list(state.values()), lr=1e-2)
+    opt = torch.optim.AdamW(list(state.values()), lr=1e-2, weight_decay=0.0)  # no gradient: no change
     with ShardLocalPublisher(url, run, snapshot_every=10, squash_depths=(2,)) as pub:
-        for step in range(5):
-            if step == 4 and dist.get_rank() == 1:  # version 3's record of rank 1's blocks: wrong old bits
-                for at, old in pub._squasher.views._records[-1].changes.values():
+        for step in range(6):
+            changes = pub._squasher.views._records[-1].changes if step >= 4 else {}  # the last version's record
+            for name, (at, old) in changes.items():  # wrong old bits: rank 1's blocks, then the norm's owner's
+                if (step == 4 and dist.get_rank() == 1 and name != "norm.weight") or (
+                    step == 5 and name == "norm.weight"
+                ):
                     old[: min(1, len(at))] ^= 1
             reference = served_view(state)
             result = pub.publish(state, step=step)
             record(out, result.version, reference, result)
             opt.zero_grad()
-            sum((p.full_tensor() ** 2).sum() * (i + 1) for i, p in enumerate(state.values())).backward()
+            col, row, norm = (p.full_tensor() for p in state.values())
+            ((col[:6] ** 2).sum() + 2 * (row**2).sum() + 3 * (norm**2).sum()).backward()  # col's rows 6-11 stay
             opt.step()
-        assert pub._squasher.stored == [(0, 2), (1, 3)], pub._squasher.stored  # 2 -> 4 skipped on both ranks
+        assert pub._squasher.stored == [(0, 2), (1, 3)], pub._squasher.stored  # 2 -> 4, 3 -> 5 skipped alike
 
 
 def pipeline(url: str, run: str, out: Path) -> None:

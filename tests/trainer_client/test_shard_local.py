@@ -6,6 +6,7 @@ weights gathered from the same ranks at the same step (shard_local_worker.py).""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ from stitchboard.proto.checkpoint import load_checkpoint
 from stitchboard.proto.decode import read_patch
 from stitchboard.proto.schema import XXH3_128, XXH3_128_PARTS
 from stitchboard.trainer_client.resume import rebuild_version
+from stitchboard.trainer_client.squash_cli import rebuild_squashes
 from tests.trainer_client.ranks import run_ranks
 
 #: Starts processes of its own (docs/testing.md, the slow tier).
@@ -58,13 +60,21 @@ def test_fsdp_tp_squash_and_pipeline_versions_pull_bit_exact(bulletin, run, tmp_
         results = _pulled_bit_exact(client, f"{run}-tp", tmp_path / "tp")
         specs = client.manifest(f"{run}-tp", 1).tensor_map()
         assert specs["col.weight"].parts == [(0, 0, 6), (0, 6, 12)]
+        with pytest.raises(ValueError, match=r"holds tensors in parts \(\['col.weight', 'row.weight'\]"):
+            rebuild_squashes(client, f"{run}-squash", (2,))  # its publisher makes them, not `squash rebuild`
         assert specs["row.weight"].parts == [(1, 0, 6), (1, 6, 12)]
         assert specs["norm.weight"].parts is None and XXH3_128 in specs["norm.weight"].checksums  # replicated: once
 
         _pulled_bit_exact(client, f"{run}-squash", tmp_path / "squash")
         specs = client.manifest(f"{run}-squash", 4).tensor_map()
         squashes = {(s.base_version, s.target_version): s for s in client.squashes(f"{run}-squash")}
-        assert set(squashes) == {(0, 2), (1, 3)}  # 2 -> 4 failed the writer's check (rank 1's wrong record)
+        assert set(squashes) == {(0, 2), (1, 3)}  # 2 -> 4 and 3 -> 5 failed their checks (wrong records)
+        logs = "".join((tmp_path / f"rank{r}.stderr").read_text() for r in (0, 1))
+        assert re.search(r"squash 2 -> 4 of run .* failed its check on its writer rank \d \(tensor '(col|row).weight': "
+                         r"the ranks' rebuilt blocks are not the base version's\)", logs), logs[-3000:]  # fmt: skip
+        assert re.search(r"squash 3 -> 5 of run .* failed its check against rank \d's views \(.*norm.weight", logs), (
+            logs[-3000:]
+        )
         for (base, target), squash in squashes.items():  # one file per rank; together: base -> target, bit for bit
             assert sorted(f.path for f in squash.files) == [
                 f"squash-v{base}-v{target}-r{r}.safetensors" for r in (0, 1)
@@ -81,9 +91,12 @@ def test_fsdp_tp_squash_and_pipeline_versions_pull_bit_exact(bulletin, run, tmp_
                 "row.weight": ((1, 0, 6), (1, 6, 12)),
             }  # each sharded tensor's parts in one entry, assembled by its writer
             assert "norm.weight" in entries and not entries["norm.weight"].layout  # replicated: whole, once
+            assert [p.count > 0 for p in entries["col.weight"].parts] == [True, False]  # rank 1's rows: no change
             for name, t in load_checkpoint(tmp_path / "squash" / f"ref-{target}").items():
                 assert np.array_equal(view[name].bits, t.bits), (base, target, name)
         assert specs["col.weight"].parts == [(0, 0, 6), (0, 6, 12)]
+        with pytest.raises(ValueError, match=r"holds tensors in parts \(\['col.weight', 'row.weight'\]"):
+            rebuild_squashes(client, f"{run}-squash", (2,))  # its publisher makes them, not `squash rebuild`
 
         _pulled_bit_exact(client, f"{run}-pipeline", tmp_path / "pipeline")
         assert [i.version for i in client.versions(f"{run}-pipeline")] == [0, 1]  # the refused publish left nothing
