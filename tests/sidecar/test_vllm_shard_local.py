@@ -1,7 +1,8 @@
 """Real vLLM follows a run published shard-local by two gloo ranks (SmolLM2 under FSDP2, real AdamW steps:
 tests/trainer_client/shard_local_worker.py), whose sharded tensors carry only ``xxh3_128_parts`` over their parts:
 the anchor loads verified by those checksums (a wrong one is refused before any write), a sidecar takes the version
-the engine records by them and applies the next two versions, and the engine then holds the last version's bits.
+the engine records by them and applies the next two versions in one squash made by the ranks (its sharded tensors'
+parts assembled by their writer ranks), and the engine then holds the last version's bits.
 
 One engine start at most: the session's vLLM (tests/sidecar/vllm_fixtures.py), brought back to the checkpoint
 after.
@@ -68,8 +69,11 @@ def test_vllm_follows_a_run_published_shard_local_by_two_ranks(
         sidecar = SidecarProcess(SimpleNamespace(bulletin=bulletin, run=run), vllm_engine.url, tmp_path, {})
         status = sidecar.wait_applied(2, timeout_s=300)
         assert (status["last_sync"]["from_version"], status["last_sync"]["anchor"]) == (0, False), (
-            "version 0 is taken by its parts checksums and the deltas applied, not the anchor loaded again"
+            "version 0 is taken by its parts checksums and the update applied, not the anchor loaded again"
         )
+        (squash,) = client.squashes(run)
+        assert (squash.base_version, squash.target_version) == (0, 2)
+        assert status["last_sync"]["bytes_fetched"] == squash.size_bytes, "the sidecar took the squash, not the chain"
         names = sorted(t.name for t in last.tensors)
         assert engine.checksums(names, last.layouts()) == last.checksums(), "vLLM does not hold version 2's bits"
         assert engine.checksums(names, last.layouts()) != first.checksums()

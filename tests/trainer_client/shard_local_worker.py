@@ -7,7 +7,8 @@ run ``RUN-MODE`` with files in ``OUT_DIR/MODE`` (one mode: on ``RUN``, in ``OUT_
 * ``fsdp``: a small model with uneven and empty row shards (FSDP2 over gloo on the CPU), AdamW steps,
   a :class:`ShardLocalPublisher` publish after each (an anchor at 0 and 3); rank 0 writes each version's
   reference served view, gathered from the same ranks at the same step, into ``OUT_DIR/ref-{version}``.
-* ``smollm2``: SmolLM2-135M under FSDP2 (``SMOLLM2_DIR``), real AdamW steps, a publish per step.
+* ``smollm2``: SmolLM2-135M under FSDP2 (``SMOLLM2_DIR``), real AdamW steps, a publish per step, squashes of
+  depth 2.
 * ``tp``: a model whose weights are DTensors placed ``Shard(0)`` and ``Shard(1)`` (tensor parallel) and a
   replicated norm; the same publishes and references; then the whole view given to ``publish_view`` is refused
   (the layout changed: no rank holds the sharded tensors' old bits whole).
@@ -104,7 +105,7 @@ def smollm2(url: str, run: str, out: Path) -> None:
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-6)
     tokens = torch.randint(0, 1000, (2, 32), generator=torch.Generator().manual_seed(0))
-    with ShardLocalPublisher(url, run, snapshot_every=10) as pub:
+    with ShardLocalPublisher(url, run, snapshot_every=10, squash_depths=(2,)) as pub:
         for step in range(3):
             reference = served_view(model)  # the full weights, gathered from the same ranks at this step
             result = pub.publish(model, step=step)

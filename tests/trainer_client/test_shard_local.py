@@ -39,6 +39,23 @@ def _pulled_bit_exact(client, run: str, out: Path) -> list[dict]:
     return results
 
 
+def _squash_bit_exact(client, run: str, base: int, target: int, out: Path) -> dict:
+    """Squash ``base -> target`` of ``run`` (one file per rank) applied to version ``base`` rebuilt from the bulletin
+    gives the reference the ranks saved for ``target``, bit for bit; its entries by tensor name."""
+    squash = next(s for s in client.squashes(run) if (s.base_version, s.target_version) == (base, target))
+    assert sorted(f.path for f in squash.files) == [f"squash-v{base}-v{target}-r{r}.safetensors" for r in (0, 1)]
+    view = rebuild_version(client, run, base).view
+    entries = {}
+    for f in squash.files:
+        path = client.download_blob(run, f.sha256, out / "downloads" / f.path, f.size_bytes)
+        patch = read_patch(path.read_bytes())
+        entries.update(patch.entries)
+        apply_patch(view, patch)  # base and target checksums checked as it is applied
+    for name, t in load_checkpoint(out / f"ref-{target}").items():
+        assert np.array_equal(view[name].bits, t.bits), (base, target, name)
+    return entries
+
+
 def test_fsdp_tp_squash_and_pipeline_versions_pull_bit_exact(bulletin, run, tmp_path):
     run_ranks(["fsdp,tp,squash,pipeline", bulletin.url, run, str(tmp_path)], tmp_path, worker=WORKER)
     with bulletin.client() as client:
@@ -60,8 +77,6 @@ def test_fsdp_tp_squash_and_pipeline_versions_pull_bit_exact(bulletin, run, tmp_
         results = _pulled_bit_exact(client, f"{run}-tp", tmp_path / "tp")
         specs = client.manifest(f"{run}-tp", 1).tensor_map()
         assert specs["col.weight"].parts == [(0, 0, 6), (0, 6, 12)]
-        with pytest.raises(ValueError, match=r"holds tensors in parts \(\['col.weight', 'row.weight'\]"):
-            rebuild_squashes(client, f"{run}-squash", (2,))  # its publisher makes them, not `squash rebuild`
         assert specs["row.weight"].parts == [(1, 0, 6), (1, 6, 12)]
         assert specs["norm.weight"].parts is None and XXH3_128 in specs["norm.weight"].checksums  # replicated: once
 
@@ -75,25 +90,14 @@ def test_fsdp_tp_squash_and_pipeline_versions_pull_bit_exact(bulletin, run, tmp_
         assert re.search(r"squash 3 -> 5 of run .* failed its check against rank \d's views \(.*norm.weight", logs), (
             logs[-3000:]
         )
-        for (base, target), squash in squashes.items():  # one file per rank; together: base -> target, bit for bit
-            assert sorted(f.path for f in squash.files) == [
-                f"squash-v{base}-v{target}-r{r}.safetensors" for r in (0, 1)
-            ]
-            view = rebuild_version(client, f"{run}-squash", base).view
-            entries = {}
-            for f in squash.files:
-                path = client.download_blob(f"{run}-squash", f.sha256, tmp_path / "sq" / f.path, f.size_bytes)
-                patch = read_patch(path.read_bytes())
-                entries.update(patch.entries)
-                apply_patch(view, patch)
+        for base, target in squashes:
+            entries = _squash_bit_exact(client, f"{run}-squash", base, target, tmp_path / "squash")
             assert {n: e.layout for n, e in entries.items() if e.layout} == {
                 "col.weight": ((0, 0, 6), (0, 6, 12)),
                 "row.weight": ((1, 0, 6), (1, 6, 12)),
             }  # each sharded tensor's parts in one entry, assembled by its writer
             assert "norm.weight" in entries and not entries["norm.weight"].layout  # replicated: whole, once
             assert [p.count > 0 for p in entries["col.weight"].parts] == [True, False]  # rank 1's rows: no change
-            for name, t in load_checkpoint(tmp_path / "squash" / f"ref-{target}").items():
-                assert np.array_equal(view[name].bits, t.bits), (base, target, name)
         assert specs["col.weight"].parts == [(0, 0, 6), (0, 6, 12)]
         with pytest.raises(ValueError, match=r"holds tensors in parts \(\['col.weight', 'row.weight'\]"):
             rebuild_squashes(client, f"{run}-squash", (2,))  # its publisher makes them, not `squash rebuild`
@@ -141,3 +145,6 @@ def test_smollm2_under_fsdp2_through_adamw_steps_pulls_bit_exact(bulletin, run, 
         specs = client.manifest(run, 2).tensor_map()
         assert "lm_head.weight" not in specs  # tied: published once, as the embedding
         assert specs["model.embed_tokens.weight"].parts == [(0, 0, 24576), (0, 24576, 49152)]
+        assert [(s.base_version, s.target_version) for s in client.squashes(run)] == [(0, 2)]
+        entries = _squash_bit_exact(client, run, 0, 2, tmp_path)
+        assert entries["model.embed_tokens.weight"].layout == ((0, 0, 24576), (0, 24576, 49152))
