@@ -185,10 +185,15 @@ class TensorSpec(_Model):
             out.pop("parts", None)
         return out
 
-    def checksum(self) -> str:
-        """The checksum this tensor is checked by (hex): ``xxh3_128_parts`` over :attr:`parts` for a tensor
+    @property
+    def algorithm(self) -> str:
+        """The checksum algorithm this tensor is checked by: ``xxh3_128_parts`` (over :attr:`parts`) for a tensor
         published in parts, else ``xxh3_128``."""
-        return self.checksums[XXH3_128 if self.parts is None else XXH3_128_PARTS]
+        return XXH3_128 if self.parts is None else XXH3_128_PARTS
+
+    def checksum(self) -> str:
+        """The checksum this tensor is checked by (hex digest, in :attr:`algorithm`)."""
+        return self.checksums[self.algorithm]
 
     @model_validator(mode="after")
     def _parts(self) -> TensorSpec:

@@ -20,17 +20,7 @@ from pydantic import Field, field_validator, model_validator
 
 from .codec import PatchEntry
 from .errors import SchemaError
-from .schema import (
-    SCHEMA_VERSION,
-    XXH3_128,
-    XXH3_128_PARTS,
-    Encoding,
-    FileRef,
-    TensorSpec,
-    VersionManifest,
-    _Model,
-    check_run_id,
-)
+from .schema import SCHEMA_VERSION, Encoding, FileRef, VersionManifest, _Model, check_run_id
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
@@ -112,12 +102,6 @@ class SquashList(_Model):
     squashes: list[SquashManifest]
 
 
-def _algorithm(spec: TensorSpec) -> str:
-    """The checksum a manifest checks a tensor by (:meth:`TensorSpec.checksum`): ``xxh3_128_parts`` for a tensor
-    published in parts, else ``xxh3_128``."""
-    return XXH3_128 if spec.parts is None else XXH3_128_PARTS
-
-
 def check_patch_lineage(
     files: Iterable[tuple[str, Mapping[str, PatchEntry]]], base: VersionManifest, target: VersionManifest
 ) -> None:
@@ -154,9 +138,9 @@ def check_patch_lineage(
                 )
             if name in touched:
                 raise SchemaError(f"{what}: tensor {name!r} appears in two patch files")
-            if entry.base.get(_algorithm(base_specs[name])) != before[name]:
+            if entry.base.get(base_specs[name].algorithm) != before[name]:
                 raise SchemaError(f"{what}: {path}: tensor {name!r}'s base checksum is not version {base.version}'s")
-            if entry.target.get(_algorithm(spec)) != after[name]:
+            if entry.target.get(spec.algorithm) != after[name]:
                 raise SchemaError(
                     f"{what}: {path}: tensor {name!r}'s target checksum is not version {target.version}'s"
                 )

@@ -23,12 +23,13 @@ published by one of them (largest first to the least loaded holder).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from stitchboard.proto.codec import checksum
+from stitchboard.proto import parts
+from stitchboard.proto.codec import EncodedTensor, checksum, encoded_from_parts
 from stitchboard.proto.container import RawTensor
 
 from .errors import ReplicaMismatchError, ServedViewError
@@ -271,3 +272,36 @@ def plan_layout(by_rank: Sequence[Mapping[str, LocalEntry]]) -> dict[str, Tensor
         layout[name] = TensorLayoutPlan(e.dtype, e.local_shape, (), rank, e.digest)
     _check_fp8_scales(layout)
     return dict(sorted(layout.items()))
+
+
+#: (dim, start, stop, base digest, target digest) of one rank's block of a tensor, as the ranks exchange it.
+PartDigests = tuple[int, int, int, str, str]
+
+
+def ordered_digests(name: str, by_rank: Iterable[Mapping[str, PartDigests]]) -> list[PartDigests]:
+    """Every rank's :data:`PartDigests` of tensor ``name`` (ranks holding no block of it have none), in block order."""
+    return sorted((digests[name] for digests in by_rank if name in digests), key=lambda d: d[1])
+
+
+def digests_checksum(ordered: Sequence[PartDigests], target: bool) -> str:
+    """The tensor's ``xxh3_128_parts`` before (``target`` False) or after, from its blocks' digests in order."""
+    return parts.parts_checksum([(d[0], d[1], d[2], d[4] if target else d[3]) for d in ordered])
+
+
+def entry_of_blocks(
+    name: str,
+    t: TensorLayoutPlan,
+    ordered: Sequence[PartDigests],
+    encoded: Mapping[tuple[str, int], parts.EncodedBlock],
+) -> EncodedTensor:
+    """A sharded tensor's patch entry, assembled on its writer rank: each block's encoding from ``encoded`` (by
+    ``(name, start)``), a part with no change (count 0, its digests) for a block absent from it.
+
+    Raises:
+        ValueError: no block has a change.
+    """
+    blocks = [
+        encoded.get((name, d[1])) or parts.EncodedBlock(parts.Part(d[0], d[1], d[2], 0, d[3], d[4], 0), b"", b"")
+        for d in ordered
+    ]
+    return encoded_from_parts(name, t.dtype, t.shape, blocks)

@@ -52,18 +52,30 @@ import xxhash
 
 from stitchboard.proto import parts
 from stitchboard.proto.checkpoint import shard_groups, write_shards_streaming
-from stitchboard.proto.codec import EncodedTensor, build_patch, encode_tensor, encoded_from_parts
+from stitchboard.proto.codec import EncodedTensor, build_patch, encode_tensor
 from stitchboard.proto.container import RawTensor
 from stitchboard.proto.dtypes import DTYPE_SIZES, bits_type
 from stitchboard.proto.schema import XXH3_128, FileRef, TensorSpec
 
 from .encode_version import BaseTensor, EncodedPart, bytes_ref, file_ref
 from .errors import PublishError
-from .local_shards import LocalEntry, Placement, TensorLayoutPlan, cast_piece, entry_of, local_pieces, plan_layout
+from .local_shards import (
+    LocalEntry,
+    PartDigests,
+    Placement,
+    TensorLayoutPlan,
+    cast_piece,
+    digests_checksum,
+    entry_of,
+    entry_of_blocks,
+    local_pieces,
+    ordered_digests,
+    plan_layout,
+)
 from .publish_result import PublishResult
 from .publisher_core import PublisherOptions
 from .served_view import TORCH_DTYPE_NAMES, checkpoint_state, served_dtype
-from .shard_squash import PartDigests, ShardSquasher
+from .shard_squash import ShardSquasher
 from .sharded import ShardedPublisher
 from .stream import StreamedView, TensorChange
 from .uploads import upload_assets, upload_files
@@ -365,15 +377,10 @@ class ShardLocalPublisher(ShardedPublisher):
         for name, t in plan.items():
             if t.owner >= 0:
                 continue
-            ordered = sorted((d for _, ds, _ in every if name in ds for d in [ds[name]]), key=lambda d: d[1])
-            sums[name] = parts.parts_checksum([(d[0], d[1], d[2], d[4]) for d in ordered])
+            ordered = ordered_digests(name, (ds for _, ds, _ in every))
+            sums[name] = digests_checksum(ordered, target=True)
             if writers[name] == self.rank and any(d[3] != d[4] for d in ordered):
-                blocks = [
-                    changed.get((name, d[1]))
-                    or parts.EncodedBlock(parts.Part(d[0], d[1], d[2], 0, d[3], d[4], 0), b"", b"")
-                    for d in ordered
-                ]
-                whole.append(encoded_from_parts(name, t.dtype, t.shape, blocks))
+                whole.append(entry_of_blocks(name, t, ordered, changed))
         self._now = _Now(plan, mine, sums, changes, kept)
         patch = None if last is None else build_patch(whole, self.encoding, self._patch_metadata(version))
         part = EncodedPart(

@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import pickle
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
 from typing import Any
 
 from stitchboard.bulletin.client import BulletinClient
@@ -42,13 +43,11 @@ from stitchboard.proto.decode import read_patch
 from stitchboard.proto.errors import BaseMismatchError, PatchError, TargetMismatchError
 from stitchboard.proto.schema import Encoding, VersionManifest
 
-from .local_shards import TensorLayoutPlan
+from .local_shards import PartDigests, TensorLayoutPlan, digests_checksum, entry_of_blocks, ordered_digests
 from .squash import Exchange, OnCommitter, Squasher
 
 log = logging.getLogger("stitchboard.trainer_client")
 
-#: (dim, start, stop, base digest, target digest) of one rank's block of a tensor, as the ranks exchange it.
-PartDigests = tuple[int, int, int, str, str]
 #: The layout of the version just published: its plan and each tensor's writer rank.
 Layout = tuple[Mapping[str, TensorLayoutPlan], Mapping[str, int]]
 
@@ -151,7 +150,7 @@ class ShardSquasher(Squasher):
             try:
                 for name in moved:
                     if plan[name].owner < 0 and writers[name] == self.rank:
-                        ordered = sorted((ds[name] for _, ds, _ in every if name in ds), key=lambda d: d[1])
+                        ordered = ordered_digests(name, (ds for _, ds, _ in every))
                         whole.append(self._assemble(name, plan[name], ordered, received, base_sums, target_sums))
                 data = build_patch(whole, self.encoding, metadata)
             except PatchError as exc:
@@ -202,10 +201,7 @@ class ShardSquasher(Squasher):
             enc_block = parts.encode_part(old[name], new[name], block.dim, block.start, block.stop, self.encoding)
             blocks[name] = enc_block
             if enc_block.part.count:
-                rows = int(new[name].shape[0])
-                alone = parts.Part(
-                    0, 0, rows, *(getattr(enc_block.part, f) for f in ("count", "base", "target", "bytes"))
-                )
+                alone = replace(enc_block.part, dim=0, start=0, stop=int(new[name].shape[0]))
                 shape = tuple(int(d) for d in new[name].shape)
                 checked.append(
                     encoded_from_parts(
@@ -231,12 +227,8 @@ class ShardSquasher(Squasher):
             BaseMismatchError, TargetMismatchError: the blocks' digests do not combine to the base version's or the
                 latest version's checksum of the tensor.
         """
-        if parts.parts_checksum([(d[0], d[1], d[2], d[3]) for d in ordered]) != base_sums[name]:
+        if digests_checksum(ordered, target=False) != base_sums[name]:
             raise BaseMismatchError(f"tensor {name!r}: the ranks' rebuilt blocks are not the base version's")
-        if parts.parts_checksum([(d[0], d[1], d[2], d[4]) for d in ordered]) != target_sums[name]:
+        if digests_checksum(ordered, target=True) != target_sums[name]:
             raise TargetMismatchError(f"tensor {name!r}: the ranks' blocks are not the latest version's")
-        encoded = [
-            received.get((name, d[1])) or parts.EncodedBlock(parts.Part(d[0], d[1], d[2], 0, d[3], d[4], 0), b"", b"")
-            for d in ordered
-        ]
-        return encoded_from_parts(name, t.dtype, t.shape, encoded)
+        return entry_of_blocks(name, t, ordered, received)
