@@ -82,27 +82,6 @@ def checksum(t: RawTensor) -> str:
     return xxhash.xxh3_128_hexdigest(t.bits.data.cast("B") if t.bits.size else b"")
 
 
-def patched_checksum(t: RawTensor, positions: np.ndarray, values: np.ndarray, chunk: int = 1 << 18) -> str:
-    """:func:`checksum` of ``t`` with ``values`` written at ``positions``, without writing ``t``.
-
-    Args:
-        t: the tensor (not modified).
-        positions: int64 [k], strictly increasing flat indices < ``t.numel``.
-        values: ``t.bits.dtype`` [k], the new bits.
-        chunk: elements copied and hashed at a time.
-    """
-    hasher = xxhash.xxh3_128()
-    bits = t.bits
-    buf = np.empty(min(chunk, bits.size), dtype=bits.dtype)
-    cuts = np.searchsorted(positions, np.arange(0, bits.size + chunk, chunk)).tolist()
-    for k, lo in enumerate(range(0, bits.size, chunk)):
-        part = buf[: min(chunk, bits.size - lo)]
-        part[:] = bits[lo : lo + part.size]
-        part[positions[cuts[k] : cuts[k + 1]] - lo] = values[cuts[k] : cuts[k + 1]]
-        hasher.update(part.data.cast("B"))
-    return hasher.hexdigest()
-
-
 @dataclass(frozen=True)
 class PatchEntry:
     """Metadata of one changed tensor in a patch (one element of the ``__index__`` list).

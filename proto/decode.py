@@ -39,13 +39,13 @@ from .codec import (
     PAYLOAD_KEY,
     PatchEntry,
     checksum,
-    patched_checksum,
     payload_layout,
     payload_size,
 )
 from .container import RawTensor, load_json, parse_safetensors, parse_safetensors_header
 from .dtypes import DTYPE_SIZES, MAX_NUMEL, bits_type, numel_of
 from .errors import BaseMismatchError, PatchFormatError, SchemaError, TargetMismatchError, TensorSetMismatchError
+from .patched_digest import patched_checksum
 from .schema import XXH3_128, check_digest, check_path
 
 #: Largest decompressed index accepted (about 100 k tensors).
@@ -191,7 +191,7 @@ class Patch:
                 return np.empty(0, dtype=np.int64), np.empty(0, dtype=bits.dtype)
             held = RawTensor(entry.dtype, (bits.size,), bits)
             local, values = cond_codec.decode(stream, held, part.count, what)
-            if patched_checksum(held, local, values) != part.target:
+            if patched_checksum(bits, (bits.size,), local, values) != part.target:
                 raise TargetMismatchError(
                     f"{what} decodes to bits without its target digest (a corrupt stream); nothing was written"
                 )
@@ -230,7 +230,7 @@ class Patch:
         at = self._stream_at[name]
         stream = self._decompressed()[at : at + entry.gap_bytes]
         positions, values = cond_codec.decode(stream, base, entry.count, f"{self._what}: tensor {name!r}")
-        if patched_checksum(base, positions, values) != entry.target[XXH3_128]:
+        if patched_checksum(base.bits, base.shape, positions, values) != entry.target[XXH3_128]:
             raise TargetMismatchError(
                 f"tensor {name!r} of {self._what} decodes to bits that do not match its target checksum (a corrupt "
                 "stream); nothing was written"

@@ -10,9 +10,9 @@ order, and the same bits (NaN payloads, ``-0.0`` and ``+0.0`` are told apart: in
 
 On the host, from the kept tensor (which the publisher holds there anyway) and those changes:
 
-* the target checksum (xxh3-128): :func:`~stitchboard.proto.codec.patched_checksum` hashes the kept tensor with the
-  new bits spliced in, chunk by chunk; it is computed here because xxh3 has no torch kernel and the host already
-  holds every other bit of the target;
+* the target checksum (xxh3-128): :func:`~stitchboard.proto.patched_digest.patched_checksum` hashes the kept tensor
+  with the new bits spliced in, chunk by chunk; it is computed here because xxh3 has no torch kernel and the host
+  already holds every other bit of the target;
 * ``xor`` / ``overwrite``: the varint gaps (:func:`varint_gaps`, byte for byte the C kernel's LEB128) and values
   (``old XOR new`` with ``old`` read from the host's kept tensor, or the new bits); no full-tensor scan at all;
 * ``cond``, and a tensor coded in row parts (larger than the publisher's ``part_bytes``): the range coder and the
@@ -40,10 +40,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from stitchboard.proto.codec import EncodedTensor, PatchEncoding, PatchEntry, checksum, encode_tensor, patched_checksum
+from stitchboard.proto.codec import EncodedTensor, PatchEncoding, PatchEntry, checksum, encode_tensor
 from stitchboard.proto.container import RawTensor
 from stitchboard.proto.dtypes import bits_type
 from stitchboard.proto.parts import row_layout
+from stitchboard.proto.patched_digest import patched_checksum
 from stitchboard.proto.schema import XXH3_128
 
 #: Element size in bytes -> the signed torch integer dtype the bits are compared as (torch has no wide unsigned ops).
@@ -211,7 +212,7 @@ class DeviceDiffer:
                 part_bytes=part_bytes,
             )
         else:
-            target_sum = patched_checksum(RawTensor(kept.dtype, (flat_kept.size,), flat_kept), positions, values)
+            target_sum = patched_checksum(flat_kept, (flat_kept.size,), positions, values)
             coded = values ^ flat_kept[positions] if encoding == "xor" else values
             entry = PatchEntry(
                 name, kept.dtype, tuple(kept.shape), count, len(gaps), {XXH3_128: kept_checksum}, {XXH3_128: target_sum}
