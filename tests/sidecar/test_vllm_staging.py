@@ -115,6 +115,43 @@ def test_a_chain_of_steps_is_staged_without_writing_then_committed_bit_exact(tmp
     assert report["write_s"] >= 0 and report["verify_s"] >= 0
 
 
+@pytest.mark.parametrize("encoding", ["cond", "xor", "overwrite"])
+@pytest.mark.parametrize("part_bytes", [None, 64])
+def test_one_step_is_staged_on_the_live_parameters_then_committed_bit_exact(
+    tmp_path, monkeypatch, encoding, part_bytes
+):
+    """One step at TP = 1 with no GEMM copy stages every tensor on the live bits (no host copy of a parameter):
+    the target checksum, ``xxh3_128`` or over row parts of 64 bytes, is that of the bits the delta makes."""
+    from stitchboard.sidecar.engines.vllm import update
+
+    live, original = [], update.stage_live
+
+    def counted(io, p, *rest):
+        live.append(p.name)
+        return original(io, p, *rest)
+
+    monkeypatch.setattr(update, "stage_live", counted)
+    views = [_view(0)]
+    views.append(_view(1, views[0]))
+    encoded = [encode_tensor(n, views[0][n], views[1][n], encoding, part_bytes=part_bytes) for n in SHAPES]
+    path = tmp_path / "v1.patch"
+    path.write_bytes(build_patch([e for e in encoded if e is not None], encoding))
+    layout = _Layout(views[0])
+    io = WeightIO(layout, None, repack=False)
+    staged = stage_patches(io, [([str(path)], 0, 1)])
+    _assert_holds(layout, views[0])  # staging writes nothing
+    assert sorted(live) == sorted(SHAPES)
+    assert staged.report["rank_elements"] == sum(int((views[0][n].bits != views[1][n].bits).sum()) for n in SHAPES)
+    commit_staged(io, staged, lambda phase: None)
+    _assert_holds(layout, views[1])
+    if encoding == "overwrite":  # staged again on its target: every tensor already current, nothing to write
+        again = stage_patches(io, [([str(path)], 0, 1)])
+        assert again.report["tensors_already_current"] == len(SHAPES) and not again.writes
+    else:
+        with pytest.raises(BaseMismatchError, match="step 0->1"):
+            stage_patches(io, [([str(path)], 0, 1)])
+
+
 def test_a_step_from_another_base_is_refused_at_staging(tmp_path):
     views = [_view(0)]
     views.append(_view(1, views[0]))

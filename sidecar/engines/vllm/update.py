@@ -16,7 +16,13 @@ while the engine keeps generating):
    ``cond`` delta is decoded there against the whole tensor as the copy holds it after the
    previous step (the bytes just hashed: with TP > 1 gathered from every rank's copy, so each
    rank decodes the whole tensor and keeps its slice), and its decoded bits are checked against
-   the step's target checksum before they are applied;
+   the step's target checksum before they are applied. **On the live bits**: a parameter whose
+   tensors each take one step, at TP = 1, with no GEMM copy to pack, is staged without a host
+   copy (:func:`.staged_tensor.stage_live`): the base checksum is taken on the live bits (a view on the CPU),
+   a ``cond`` delta decodes on them, and the target checksum is that of the live bits with the
+   delta spliced in chunk by chunk (:func:`~stitchboard.proto.patched_digest.patched_checksum`;
+   a one-stream ``cond`` decode checks it itself). On SmolLM2 (vLLM-CPU, one real step, 240 of
+   272 tensors) this took the engine's staging from 0.67 to 0.33 s (``docs/benchmarks.md``);
 3. keep, per tensor, the written positions (the union over steps), their old and new bits
    (patch-sized), and on vLLM's CPU backend the GEMM copies of the updated parameter, packed
    from the host copy by vLLM's own CPU GEMM dispatch (oneDNN / sgl ``cpu_linear``; the tied
@@ -31,7 +37,7 @@ the old GEMM copies, so the engine holds either the base or the target, never a 
 Why: on the CPU backend re-packing every linear of SmolLM2-135M took ~200 ms, the largest part
 of the pause, and a real RL step touches every linear (``tests/benchmarks/bench_apply.py``).
 Memory while a patch is staged: one host copy per staging thread (at TP = 1 two parameters are staged
-side by side, :data:`STAGING_THREADS`) of the parameter it processes, plus
+side by side, :data:`STAGING_THREADS`) of the parameter it processes (none on the live bits), plus
 the new GEMM copies of every touched linear (about the linear weights' size on CPU; none on GPU).
 """
 
@@ -52,15 +58,15 @@ import numpy as np
 import torch
 
 from stitchboard.proto.codec import PatchEntry
-from stitchboard.proto.container import RawTensor
-from stitchboard.proto.decode import Patch, TensorDelta
+from stitchboard.proto.decode import TensorDelta
 from stitchboard.proto.dtypes import bits_type
-from stitchboard.proto.errors import BaseMismatchError, PatchFormatError, TargetMismatchError
+from stitchboard.proto.errors import PatchFormatError
 from stitchboard.proto.parts import XXH3_128_PARTS, Layout, digest_pair, matches
 from stitchboard.proto.schema import XXH3_128
 
 from ..write_core import PhaseHook, write_read_back, write_verified
 from .layout import BITS_TORCH, Placement
+from .staged_tensor import NUMPY_OF, StagedWrite, Step, StepDelta, not_base, not_target, parted_layout, stage_live
 from .weights import WeightIO, placements_for, read_patches
 
 log = logging.getLogger("stitchboard.sidecar.engines.vllm.update")
@@ -68,16 +74,6 @@ log = logging.getLogger("stitchboard.sidecar.engines.vllm.update")
 #: Threads staging runtime parameters side by side at TP = 1 (decode, checksums, GEMM packing), at most one per
 #: core; each holds one host copy of the parameter it stages.
 STAGING_THREADS = min(2, os.cpu_count() or 1)
-#: One step of a staged plan: ``(patch file paths, from_version, to_version)``.
-Step = tuple[Sequence[str], int, int]
-
-
-@dataclass
-class _Write:
-    placement: Placement
-    index: torch.Tensor  # int64 [k], flat into block_bits(), on the parameter's device
-    new: torch.Tensor  # bits [k]
-    old: torch.Tensor  # bits [k]
 
 
 @dataclass
@@ -93,40 +89,14 @@ class StagedPatch:
 
     from_version: int
     to_version: int
-    writes: list[_Write] = field(repr=False)
+    writes: list[StagedWrite] = field(repr=False)
     packs: list[tuple[torch.nn.Module, Callable]] = field(repr=False)
     report: dict
 
 
-@dataclass(frozen=True)
-class _StepDelta:
-    """One tensor's delta in one step: decoded when read (``delta``; ``xor``, ``overwrite``) or,
-    for ``cond``, by :meth:`on` against its base while staging."""
-
-    patch: Patch
-    entry: PatchEntry
-    delta: TensorDelta | None
-
-    def on(self, base: np.ndarray) -> TensorDelta:
-        """The decoded delta; ``base``: the whole tensor's raw bytes, already matched to the entry's base checksum.
-
-        Raises:
-            PatchFormatError: a malformed ``cond`` stream.
-            TargetMismatchError: a ``cond`` stream decoding to bits without the target checksum.
-        """
-        if self.delta is not None:
-            return self.delta
-        tensor = RawTensor(self.entry.dtype, self.entry.shape, base.view(bits_type(self.entry.dtype)))
-        return self.patch.delta(self.entry.name, tensor, base_verified=True)
-
-
-#: numpy dtype of each raw-bits torch dtype (:data:`.layout.BITS_TORCH`).
-_NUMPY_OF = {torch.uint8: np.uint8, torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64}
-
-
 def _apply_step(view: torch.Tensor, delta: TensorDelta, index: np.ndarray, selected: np.ndarray) -> None:
     """Apply one step's delta to this rank's block ``view`` (host bits, flat) in place."""
-    values = torch.from_numpy(np.ascontiguousarray(delta.values[selected]).view(_NUMPY_OF[view.dtype]))
+    values = torch.from_numpy(np.ascontiguousarray(delta.values[selected]).view(NUMPY_OF[view.dtype]))
     at = torch.from_numpy(index)
     view[at] = (view[at] ^ values) if delta.encoding == "xor" else values
 
@@ -160,20 +130,20 @@ def _pack(placement: Placement, host_param: torch.Tensor) -> list[tuple[torch.nn
 
 def _read_steps(
     io: WeightIO, steps: Sequence[Step]
-) -> tuple[list[dict[str, _StepDelta]], list[str], dict[str, Placement], int]:
+) -> tuple[list[dict[str, StepDelta]], list[str], dict[str, Placement], int]:
     """Read, decode (but ``cond``) and map every step's files: per step name -> delta, the names
     in order, their placements, and the files' total bytes (rank-local; see :func:`stage_patches`)."""
     for (_, _, end), (_, start, _) in itertools.pairwise(steps):
         if start != end:
             raise ValueError(f"steps are not consecutive: one ends at version {end}, the next starts at {start}")
-    chain: list[dict[str, _StepDelta]] = []
+    chain: list[dict[str, StepDelta]] = []
     size = 0
     for paths, _, _ in steps:
         patches, step_bytes = read_patches(paths)
         chain.append({})
         for patch in patches:
             decoded = {} if patch.encoding == "cond" else patch.deltas()
-            chain[-1].update({n: _StepDelta(patch, entry, decoded.get(n)) for n, entry in patch.entries.items()})
+            chain[-1].update({n: StepDelta(patch, entry, decoded.get(n)) for n, entry in patch.entries.items()})
         size += step_bytes
     names = sorted({n for deltas in chain for n in deltas})
     first = {n: next(d for d in chain if n in d)[n].entry for n in names}
@@ -216,10 +186,21 @@ def stage_patches(io: WeightIO, steps: Sequence[Step]) -> StagedPatch:
     for n in names:
         by_param.setdefault(places[n].runtime_name, []).append(n)
 
-    def one_group(group: list[str]) -> tuple[list[_Write], list[tuple[torch.nn.Module, Callable]], int, dict]:
+    def in_place(group: list[str]) -> bool:
+        """Whether the group stages on the live parameter with no host copy: one step per tensor, TP = 1 (no
+        gather) and no GEMM copy to pack from an updated copy."""
+        one_step = all(sum(n in deltas for deltas in chain) == 1 for n in group)
+        return one_step and io.tp_group is None and not (io.repack and places[group[0]].packed_by)
+
+    def one_group(group: list[str]) -> tuple[list[StagedWrite], list[tuple[torch.nn.Module, Callable]], int, dict]:
         """Stage the tensors of one runtime parameter: (writes, GEMM copies, tensors already current, seconds)."""
         spent = dict.fromkeys(("check_s", "decode_s", "build_s", "pack_s"), 0.0)
-        writes: list[_Write] = []
+        if in_place(group):
+            found = [(n, next(i for i, d in enumerate(chain) if n in d)) for n in group]
+            staged = [stage_live(io, places[n], chain[i][n], steps[i], spent) for n, i in found]
+            live = [w for w in staged if w is not None]
+            return live, [], len(staged) - len(live), spent
+        writes: list[StagedWrite] = []
         packs: list[tuple[torch.nn.Module, Callable]] = []
         current = 0
         t = time.perf_counter()
@@ -257,26 +238,19 @@ def stage_patches(io: WeightIO, steps: Sequence[Step]) -> StagedPatch:
                 ):
                     continue
                 else:
-                    raise BaseMismatchError(
-                        f"tensor {n!r} is not the base of step {steps[step][1]}->{steps[step][2]} (xxh3 {have} != "
-                        f"{want})",
-                        name=n,
-                    )
+                    raise not_base(n, entry, have, want, steps[step])
             last = [d[n] for d in chain if n in d][-1].entry
-            parted = None if XXH3_128 in last.target else last.layout  # a sharded publish's patch: parts only
             if not touched:
                 current += 1
                 continue
             t = time.perf_counter()
-            target, got = _target_of(io, p, block, last, parted)
+            target, got = _target_of(io, p, block, last, parted_layout(last))
             if got != target:
-                raise TargetMismatchError(
-                    f"tensor {n!r}: applying the steps to the engine's bits does not give the target checksum", name=n
-                )
+                raise not_target(n)
             spent["check_s"] += time.perf_counter() - t
             index = torch.from_numpy(_union(touched))
             old = p.block_bits()[index.to(param.device)]
-            writes.append(_Write(p, index.to(param.device), view[index].to(param.device), old))
+            writes.append(StagedWrite(p, index.to(param.device), view[index].to(param.device), old))
             written = True
         if written and io.repack:
             t = time.perf_counter()

@@ -1,0 +1,130 @@
+"""One tensor's staged update in a vLLM worker: its write, its delta per step, and its staging on the live bits.
+
+Runs inside the engine's worker process, called by :func:`.update.stage_patches` (see there for the order of
+staging and commit). :func:`stage_live` stages a tensor that takes one step at TP = 1 without a host copy of its
+parameter.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from stitchboard.proto.codec import PatchEntry
+from stitchboard.proto.container import RawTensor
+from stitchboard.proto.decode import Patch, TensorDelta
+from stitchboard.proto.dtypes import bits_type
+from stitchboard.proto.errors import BaseMismatchError, TargetMismatchError
+from stitchboard.proto.parts import XXH3_128_PARTS, Layout, digest_pair, matches
+from stitchboard.proto.patched_digest import patched_checksum
+from stitchboard.proto.schema import XXH3_128
+
+from .layout import Placement
+from .weights import WeightIO
+
+#: One step of a staged plan: ``(patch file paths, from_version, to_version)``.
+Step = tuple[Sequence[str], int, int]
+#: numpy dtype of each raw-bits torch dtype (:data:`.layout.BITS_TORCH`).
+NUMPY_OF = {torch.uint8: np.uint8, torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64}
+
+
+@dataclass
+class StagedWrite:
+    """One tensor's write of a staged update: flat positions of its block with their old and new bits."""
+
+    placement: Placement
+    index: torch.Tensor  # int64 [k], flat into block_bits(), on the parameter's device
+    new: torch.Tensor  # bits [k]
+    old: torch.Tensor  # bits [k]
+
+
+@dataclass(frozen=True)
+class StepDelta:
+    """One tensor's delta in one step: decoded when read (``delta``; ``xor``, ``overwrite``) or,
+    for ``cond``, by :meth:`on` against its base while staging."""
+
+    patch: Patch
+    entry: PatchEntry
+    delta: TensorDelta | None
+
+    def on(self, base: np.ndarray) -> TensorDelta:
+        """The decoded delta; ``base``: the whole tensor's raw bytes, already matched to the entry's base checksum.
+
+        Raises:
+            PatchFormatError: a malformed ``cond`` stream.
+            TargetMismatchError: a ``cond`` stream decoding to bits without the target checksum.
+        """
+        if self.delta is not None:
+            return self.delta
+        tensor = RawTensor(self.entry.dtype, self.entry.shape, base.view(bits_type(self.entry.dtype)))
+        return self.patch.delta(self.entry.name, tensor, base_verified=True)
+
+
+def parted_layout(entry: PatchEntry) -> Layout | None:
+    """The layout a tensor's target checksum is over: None for ``xxh3_128``, its parts' layout when the patch
+    carries only ``xxh3_128_parts`` (a sharded publish's patch)."""
+    return None if XXH3_128 in entry.target else entry.layout
+
+
+def not_base(name: str, entry: PatchEntry, have: str, want: str, step: Step) -> BaseMismatchError:
+    """The refusal of tensor ``name`` whose bits (checksum ``have``) are not ``step``'s base (``want``)."""
+    return BaseMismatchError(
+        f"tensor {name!r} is not the base of step {step[1]}->{step[2]} (xxh3 {have} != {want})", name=name
+    )
+
+
+def not_target(name: str) -> TargetMismatchError:
+    """The refusal of tensor ``name`` whose steps applied to the engine's bits miss the target checksum."""
+    return TargetMismatchError(
+        f"tensor {name!r}: applying the steps to the engine's bits does not give the target checksum", name=name
+    )
+
+
+def stage_live(
+    io: WeightIO, p: Placement, step_delta: StepDelta, step: Step, spent: dict[str, float]
+) -> StagedWrite | None:
+    """Stage one tensor's single step on the live parameter, read only (TP = 1): its base checksum, its delta
+    (a ``cond`` one decoded on the live bits) and the target checksum of the bits the delta makes
+    (:func:`~stitchboard.proto.patched_digest.patched_checksum`: no copy of the tensor). Returns its write, or
+    None for an ``overwrite`` tensor already at the target. Adds its seconds to ``spent``.
+
+    Raises:
+        BaseMismatchError, TargetMismatchError, PatchFormatError: as :func:`stage_patches`.
+    """
+    entry = step_delta.entry
+    t = time.perf_counter()
+    base = io.tensor_bytes(p)  # the live bits on the CPU (a view), a host copy of them on a GPU
+    bits = base.view(bits_type(entry.dtype))
+    have, want = digest_pair(bits, entry.shape, entry.base, entry.layout)
+    spent["check_s"] += time.perf_counter() - t
+    if have != want:
+        if step_delta.patch.encoding == "overwrite" and matches(bits, entry.shape, entry.target, entry.layout):
+            return None
+        raise not_base(entry.name, entry, have, want, step)
+    t = time.perf_counter()
+    delta = step_delta.on(base)
+    spent["decode_s"] += time.perf_counter() - t
+    xor = delta.encoding == "xor"
+    if delta.encoding != "cond" or entry.parts is not None:  # a one-stream cond decode checked its xxh3_128 itself
+        t = time.perf_counter()
+        layout = parted_layout(entry)
+        got = patched_checksum(bits, entry.shape, delta.positions, delta.values, xor=xor, layout=layout)
+        if got != entry.target[XXH3_128 if layout is None else XXH3_128_PARTS]:
+            raise not_target(entry.name)
+        spent["check_s"] += time.perf_counter() - t
+    t = time.perf_counter()
+    old = bits[delta.positions]  # the live bits there (numpy: no torch kernel, no OpenMP team in the worker)
+    new = old ^ delta.values.view(bits.dtype) if xor else delta.values.view(bits.dtype)
+    _, index = p.select(delta.positions)  # TP = 1: every position, in the block's coordinates
+    live = p.block_bits()
+
+    def there(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a).view(NUMPY_OF[live.dtype])).to(live.device)
+
+    write = StagedWrite(p, torch.from_numpy(index).to(live.device), there(new), there(old))
+    spent["build_s"] += time.perf_counter() - t
+    return write
