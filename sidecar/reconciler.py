@@ -544,10 +544,17 @@ class Reconciler:
             ]
         engine = self.engine
         if isinstance(engine, WaitsForStaging):  # polls wait in the engine while no request is in flight
-            await self.pools.engine(engine.stage_patches_waiting, steps, lambda: self.gate.in_flight == 0)
+            report = await self.pools.engine(engine.stage_patches_waiting, steps, lambda: self.gate.in_flight == 0)
         else:
-            await self.pools.engine(engine.stage_patches, steps)
+            report = await self.pools.engine(engine.stage_patches, steps)
         seconds = time.perf_counter() - start
+        log.info(
+            "staged versions %s->%s in the engine in %.3f s: %s",
+            steps[0].from_version,
+            steps[-1].to_version,
+            seconds,
+            ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in sorted(report.items())),
+        )
         self.metrics.engine_stage_seconds.observe(seconds)
         return True, seconds
 

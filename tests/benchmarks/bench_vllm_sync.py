@@ -7,8 +7,9 @@ SmolLM2-135M and a ``stitchboard sidecar run`` subprocess in front of it:
 
 1. **idle**: ``--publishes`` real AdamW steps (:class:`tests.support.training.CpuTrainer`, batch
    1 x 32 tokens) published by the trainer SDK to a bulletin on loopback; each timed from the
-   start of ``Publisher.publish`` (encode, upload, commit) to the sidecar reporting the version
-   applied, and from the commit (the call's return).
+   start of ``Publisher.publish`` (encode, upload, commit) to the end of the sidecar's sync that
+   applied the version (its ``last_sync.finished_at``, read from its status), and from the commit
+   (the call's return).
 2. **streams**: the same with ``--streams`` concurrent greedy completions of ``--tokens`` tokens
    each (``ignore_eos``, distinct prompts) sent through the sidecar and re-issued as each
    finishes; the step itself is trained while they run (unmeasured). Before each publish one
@@ -123,11 +124,16 @@ def _publishes(run, sidecar, count: int, probe=None) -> dict[str, list]:
         run.train()
         if probe is not None:
             out["probe"].append(probe())
-        t0 = time.perf_counter()
+        w0, t0 = time.time(), time.perf_counter()
         v = run.publish()
         t1 = time.perf_counter()
         status = sidecar.wait_status(lambda s, v=v: s["applied_version"] == v, f"version {v} applied", 900)
-        t2 = time.perf_counter()
+        sync = status["last_sync"]
+        if sync["to_version"] != v:
+            raise AssertionError(f"the sidecar's last sync is to version {sync['to_version']}, not {v}")
+        # Applied when the sidecar's sync finished (its Unix time; this host's clock), not when a status poll
+        # (every 0.1 s) saw it.
+        t2 = t0 + (sync["finished_at"] - w0)
         out["from_start"].append(t2 - t0)
         out["from_commit"].append(t2 - t1)
         out["bytes"].append(run.client.manifest(run.run, v).stats.encoded_bytes)
