@@ -109,7 +109,8 @@ def block(bits: np.ndarray, shape: Sequence[int], dim: int, start: int, stop: in
     rows, cols = grid(shape)
     if dim == 0:
         return bits[start * cols : stop * cols]
-    return np.ascontiguousarray(bits.reshape(rows, cols)[:, start:stop]).reshape(-1)
+    # A copy even when the columns are contiguous (one row, or every column): callers may write it.
+    return np.array(bits.reshape(rows, cols)[:, start:stop], order="C", copy=True).reshape(-1)
 
 
 def digest(bits: np.ndarray) -> str:

@@ -1,6 +1,7 @@
 """The checksum a tensor would have with a delta applied, computed without a copy of the tensor.
 
-Runs wherever a delta is checked before it is written (engine workers staging a patch). A patch states each
+Runs wherever a delta's target is checked without writing its base: engine workers staging a patch on the live
+bits, the patch reader checking a decoded ``cond`` delta, the trainer's device differ. A patch states each
 tensor's target checksum; the usual way to check it is to copy the base, apply the delta to the copy and hash
 the copy, which costs a whole tensor of fresh memory per tensor staged (at ~1 % density every tensor of a real
 RL step changes: for SmolLM2-135M that is 269 MB of first-touch pages per version). Here the base is read
@@ -83,10 +84,16 @@ def patched_checksum(
     Raises:
         ValueError: ``positions`` and ``values`` differ in length, or ``bits`` is not flat and contiguous.
     """
-    if positions.shape != values.shape or bits.ndim != 1 or not bits.flags.c_contiguous:
+    if (
+        positions.shape != values.shape
+        or values.itemsize != bits.itemsize
+        or bits.ndim != 1
+        or not bits.flags.c_contiguous
+    ):
         raise ValueError(
-            f"patched_checksum: {positions.size} positions for {values.size} values over bits of shape {bits.shape}"
-            " (want equal counts over flat, contiguous bits)"
+            f"patched_checksum: {positions.size} positions for {values.size} values of {values.itemsize} bytes over "
+            f"bits of shape {bits.shape} and {bits.itemsize} bytes (want equal counts and element sizes over flat, "
+            "contiguous bits)"
         )
     values = values.view(bits.dtype)
     if layout is None:
@@ -98,7 +105,7 @@ def patched_checksum(
             lo, hi = np.searchsorted(positions, [start * cols, stop * cols])
             d = _digest_range(bits[start * cols : stop * cols], start * cols, positions[lo:hi], values[lo:hi], xor)
         else:
-            copy = block(bits, shape, dim, start, stop)
+            copy = block(bits, shape, dim, start, stop)  # a copy of the columns, never a view of ``bits``
             col = positions % cols
             inside = np.flatnonzero((col >= start) & (col < stop))
             width = stop - start

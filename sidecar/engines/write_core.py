@@ -191,8 +191,8 @@ def write_read_back(name: str, accessors: tuple[Scatter, Gather], index: np.ndar
     chunk back at once.
 
     This is how a staged update is verified (SGLang's and vLLM's commits): staging checked the
-    base checksum of a copy of the live tensor and the target checksum of that copy with the
-    steps applied, so once every written element reads back as its new bits the live tensor holds
+    base checksum of the live tensor (or a copy of it) and the target checksum of the bits the
+    steps make from it, so once every written element reads back as its new bits the live tensor holds
     the target, provided nothing else wrote it between staging and the commit. Each engine's
     staging states why nothing did (a staged update is dropped by every other write of the
     engine's extension, and the engine's own weight routes are not proxied).

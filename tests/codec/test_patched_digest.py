@@ -58,9 +58,31 @@ def test_chunks_smaller_than_the_tensor_are_stitched_by_the_streaming_state(monk
     )
 
 
+@pytest.mark.parametrize("shape", [(1, 8), (8,), (4, 6)])
+def test_a_column_block_that_is_contiguous_is_still_copied(shape: tuple[int, ...]) -> None:
+    """A one-row tensor, a 1-D one or a part spanning every column makes a contiguous column block; the delta is
+    spliced into a copy of it, never into the base (the engine's live bits)."""
+    rng = np.random.default_rng(5)
+    numel = int(np.prod(shape))
+    cols = numel // shape[0]
+    base = rng.integers(0, 2**15, size=numel, dtype=np.int16)
+    kept = base.copy()
+    positions = np.arange(0, numel, 3, dtype=np.int64)
+    values = (base[positions] ^ 0x55).astype(np.int16)
+    applied = base.copy()
+    applied[positions] = values
+    for layout in (((1, 0, cols),), ((1, 0, cols // 2), (1, cols // 2, cols))):
+        assert patched_checksum(base, shape, positions, values, layout=layout) == tensor_checksum(
+            applied, shape, layout
+        )
+        assert np.array_equal(base, kept), layout
+
+
 def test_mismatched_inputs_are_refused() -> None:
     bits = np.zeros(10, dtype=np.int16)
     with pytest.raises(ValueError, match="2 positions for 1 values"):
         patched_checksum(bits, (10,), np.array([1, 2]), np.array([1], dtype=np.int16), xor=False)
     with pytest.raises(ValueError, match="flat, contiguous"):
         patched_checksum(bits.reshape(2, 5), (2, 5), np.array([1]), np.array([1], dtype=np.int16), xor=False)
+    with pytest.raises(ValueError, match="element sizes"):
+        patched_checksum(bits, (10,), np.array([1, 2]), np.array([1, 2], dtype=np.int8))

@@ -23,7 +23,7 @@ from stitchboard.proto.parts import XXH3_128_PARTS, Layout, digest_pair, matches
 from stitchboard.proto.patched_digest import patched_checksum
 from stitchboard.proto.schema import XXH3_128
 
-from .layout import Placement
+from .layout import BITS_TORCH, Placement
 from .weights import WeightIO
 
 #: One step of a staged plan: ``(patch file paths, from_version, to_version)``.
@@ -117,14 +117,16 @@ def stage_live(
             raise not_target(entry.name)
         spent["check_s"] += time.perf_counter() - t
     t = time.perf_counter()
-    old = bits[delta.positions]  # the live bits there (numpy: no torch kernel, no OpenMP team in the worker)
-    new = old ^ delta.values.view(bits.dtype) if xor else delta.values.view(bits.dtype)
-    _, index = p.select(delta.positions)  # TP = 1: every position, in the block's coordinates
-    live = p.block_bits()
+    selected, index = p.select(delta.positions)  # the positions this rank's block holds, in its coordinates
+    at = delta.positions[selected]
+    old = bits[at]  # the live bits there (numpy: no torch kernel, no OpenMP team in the worker)
+    values = delta.values.view(bits.dtype)[selected]
+    new = old ^ values if xor else values
+    device, numpy_bits = p.param.device, NUMPY_OF[BITS_TORCH[p.param.element_size()]]
 
     def there(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a).view(NUMPY_OF[live.dtype])).to(live.device)
+        return torch.from_numpy(np.ascontiguousarray(a).view(numpy_bits)).to(device)
 
-    write = StagedWrite(p, torch.from_numpy(index).to(live.device), there(new), there(old))
+    write = StagedWrite(p, torch.from_numpy(index).to(device), there(new), there(old))
     spent["build_s"] += time.perf_counter() - t
     return write

@@ -297,8 +297,9 @@ def commit_staged(io: WeightIO, staged: StagedPatch, hook: PhaseHook) -> dict:
     install its GEMM copies; or restore (:func:`.write_core.write_verified`).
 
     The read-back is the verification (:func:`.write_core.write_read_back`): :func:`stage_patches`
-    checked every touched tensor's base checksum on a host copy of the live parameter and its
-    target checksum on that copy with the steps applied, and nothing writes the weights between
+    checked every touched tensor's base checksum on the live bits (or a host copy of them) and its
+    target checksum on the bits the steps make (that copy with the steps applied, or the live bits
+    with the one step spliced in), and nothing writes the weights between
     staging and commit. The worker drops a staged update before any other write of its own
     (``stitch_apply_patch``, ``stitch_load_snapshot``, a new ``stitch_stage``), commits only on the
     version it was staged from, and vLLM's own weight routes are not proxied by the sidecar (the
