@@ -39,7 +39,7 @@ from stitchboard.bulletin.app import create_app as create_bulletin
 from stitchboard.bulletin.body_caps import ANY_METHOD, NO_BODY, BodyBudget, BodyCaps
 from stitchboard.bulletin.client import BulletinClient
 from stitchboard.bulletin.settings import BulletinSettings
-from stitchboard.demo.processes import free_socket
+from stitchboard.demo.processes import free_port
 from stitchboard.sidecar.app import create_app as create_sidecar
 from stitchboard.sidecar.settings import SidecarSettings
 from tests.sidecar.fake_engine import FakeEngine
@@ -140,19 +140,12 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.stderr.close()
 
 
-def _port() -> int:
-    sock = free_socket()
-    port = sock.getsockname()[1]
-    sock.close()
-    return port
-
-
 @pytest.fixture(scope="module")
 def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Service, Service]]:
     """The bulletin (tokens configured) and a sidecar over the fake engine, each its own process,
     caps at :data:`CAP`."""
     tmp = tmp_path_factory.mktemp("caps")
-    b_port, s_port = _port(), _port()
+    b_port, s_port = free_port(), free_port()
     b_env = {
         **os.environ,
         **BULLETIN_CAPS,

@@ -19,7 +19,7 @@ from stitchboard.bulletin.app import create_app
 from stitchboard.bulletin.client import BulletinClient
 from stitchboard.bulletin.http_protocol import CoalescingHttpToolsProtocol
 from stitchboard.bulletin.settings import BulletinSettings
-from stitchboard.demo.processes import free_socket
+from stitchboard.demo.processes import free_port
 from stitchboard.proto.schema import FileRef, TensorSpec, VersionManifest, VersionStats
 from tests.support.app_server import AppServer
 
@@ -57,9 +57,7 @@ class ProcessServer:
     """``stitchboard bulletin serve`` in a subprocess (for race and kill/restart tests)."""
 
     def __init__(self, settings: BulletinSettings) -> None:
-        sock = free_socket()
-        self.port = sock.getsockname()[1]
-        sock.close()
+        self.port = free_port()  # below the ephemeral range: no other process's own socket takes it first
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, **S3_ENV}
         for name, value in settings.model_dump(exclude={"tokens", "host", "port"}).items():

@@ -11,16 +11,14 @@ from collections.abc import Iterator
 import pytest
 from moto.server import ThreadedMotoServer
 
-from tests.bulletin.bulletin_helpers import S3_ENV, Backend, ThreadServer, free_socket, make_backend
+from tests.bulletin.bulletin_helpers import S3_ENV, Backend, ThreadServer, free_port, make_backend
 from tests.support.radosgw import radosgw  # noqa: F401 - the session's radosgw, a fixture
 
 
 @pytest.fixture(scope="session")
 def moto_endpoint() -> Iterator[str]:
     """A real S3 endpoint over HTTP on loopback (moto's threaded server)."""
-    sock = free_socket()
-    port = sock.getsockname()[1]
-    sock.close()
+    port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     yield f"http://127.0.0.1:{port}"

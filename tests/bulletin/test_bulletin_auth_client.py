@@ -183,11 +183,9 @@ def test_client_retries_5xx_and_transport_errors_but_never_4xx():
 
 
 def test_client_reports_an_unreachable_bulletin():
-    from tests.bulletin.bulletin_helpers import free_socket
+    from tests.bulletin.bulletin_helpers import free_port
 
-    sock = free_socket()
-    port = sock.getsockname()[1]
-    sock.close()
+    port = free_port()  # nothing listens on it
     with pytest.raises(UnavailableError, match="unreachable after 2 attempts"):
         BulletinClient(f"http://127.0.0.1:{port}", retries=1, backoff_s=0.001).latest("r")
 

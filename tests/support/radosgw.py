@@ -43,7 +43,7 @@ import httpx
 import pytest
 from botocore.config import Config
 
-from stitchboard.demo.processes import free_socket
+from stitchboard.demo.processes import free_port
 
 #: The programs a start runs (all from Debian's ``radosgw``, ``ceph-mon``, ``ceph-osd`` and their dependencies).
 BINARIES = ("ceph-mon", "ceph-osd", "radosgw", "radosgw-admin", "monmaptool", "ceph")
@@ -97,13 +97,6 @@ rgw frontends = beast endpoint=127.0.0.1:{rgw_port} tcp_nodelay=1
 def missing_binaries() -> list[str]:
     """The programs of :data:`BINARIES` not on ``PATH`` (empty when radosgw can start here)."""
     return [b for b in BINARIES if shutil.which(b) is None]
-
-
-def _free_port() -> int:
-    sock = free_socket()
-    port = int(sock.getsockname()[1])
-    sock.close()
-    return port
 
 
 @dataclass
@@ -172,7 +165,7 @@ def start_radosgw(root: Path | None = None, timeout_s: float = START_TIMEOUT_S) 
     started = time.monotonic()
     root = Path(tempfile.mkdtemp(prefix="stitch-radosgw-")) if root is None else root
     rgw = RadosGW(
-        endpoint=f"http://127.0.0.1:{_free_port()}",
+        endpoint=f"http://127.0.0.1:{free_port()}",
         access_key_id=f"AK{uuid.uuid4().hex[:18].upper()}",
         secret_access_key=uuid.uuid4().hex + uuid.uuid4().hex[:8],
         root=root,
@@ -191,7 +184,7 @@ def _start(rgw: RadosGW, deadline: float) -> None:
     for sub in ("run", "log", "mon", "osd", "rgw"):
         (root / sub).mkdir(parents=True, exist_ok=True)
     conf = root / "ceph.conf"
-    mon_port = _free_port()
+    mon_port = free_port()
     conf.write_text(_CONF.format(fsid=fsid, mon_port=mon_port, root=root, rgw_port=rgw.endpoint.rsplit(":", 1)[1]))
     c = ["-c", str(conf)]
 

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from stitchboard.bulletin.client import BulletinClient
 from stitchboard.proto.cli import build_app
 from stitchboard.trainer_client.resume import rebuild_version
-from tests.bulletin.bulletin_helpers import free_socket
+from tests.bulletin.bulletin_helpers import free_port
 from tests.support.pythonpath import repo_on_pythonpath
 from tests.trainer_client.toy import ToyTrainer, assert_same_view, view_of
 from tests.trainer_client.watch_frameworks import bf16_state, tiny_llama, write_hf_checkpoint, write_prime_rl
@@ -51,9 +51,7 @@ def test_killed_and_started_again_it_publishes_nothing_twice(bulletin, run, tmp_
         trainer.step()
         views[step] = view_of(trainer.model)
         write_prime_rl(root, step, bf16_state(trainer.model))
-    sock = free_socket()
-    port = sock.getsockname()[1]
-    sock.close()
+    port = free_port()
     with BulletinClient(bulletin.url) as client:
         first = _watch(bulletin.url, run, root, "--layout", "prime-rl", "--metrics-port", str(port))
         try:
