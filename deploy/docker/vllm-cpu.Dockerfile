@@ -25,11 +25,13 @@ RUN PIP_CONSTRAINT=constraints.txt pip wheel --no-cache-dir --no-deps --wheel-di
 FROM ${BASE_IMAGE}
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 # The CPU-engine settings the tests and the demo start vLLM with (stitchboard.sidecar.engines.vllm.launch):
-# OpenMP threads that sleep while they wait, a 1 GiB KV cache, the dev routes the sidecar drives.
+# OpenMP threads that sleep while they wait, message-queue readers that nap instead of spinning after a call
+# (stitchboard's vLLM plugin, sidecar/engines/vllm/queue_nap.py), a 1 GiB KV cache, the dev routes the sidecar drives.
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     OMP_WAIT_POLICY=PASSIVE \
+    STITCH_VLLM_QUEUE_NAP_S=0.0005 \
     VLLM_CPU_KVCACHE_SPACE=1 \
     VLLM_SERVER_DEV_MODE=1
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \

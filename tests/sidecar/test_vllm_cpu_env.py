@@ -1,5 +1,7 @@
-"""A CPU engine's OpenMP threads sleep while they wait (``OMP_WAIT_POLICY=PASSIVE``), in a real
-vLLM server as the tests, benchmarks and demo start it (sidecar/engines/launch.py).
+"""A CPU engine's OpenMP threads sleep while they wait (``OMP_WAIT_POLICY=PASSIVE``), and its
+message-queue readers nap instead of spinning after a call (``STITCH_VLLM_QUEUE_NAP_S``,
+sidecar/engines/vllm/queue_nap.py), in a real vLLM server as the tests, benchmarks and demo
+start it (sidecar/engines/launch.py).
 
 Spinning OpenMP threads of vLLM's worker held cores that its own main thread and the engine
 core needed on the 2-core hosts: 11 of 40 commit pauses took 0.15-0.49 s against a median of
@@ -8,10 +10,13 @@ core needed on the 2-core hosts: 11 of 40 commit pauses took 0.15-0.49 s against
 
 from __future__ import annotations
 
+import time
+
 import psutil
 
 from stitchboard.sidecar.engines.launch import CPU_ENGINE_ENV, engine_env
 from stitchboard.sidecar.engines.vllm.launch import vllm_env
+from stitchboard.sidecar.engines.vllm.queue_nap import NAP_FLAG_LINE
 from tests.support.vllm_server import VllmServer
 
 
@@ -32,3 +37,27 @@ def test_a_real_cpu_vllm_server_loads_openmp_with_passive_threads(vllm_engine: V
     assert server.environ().get("OMP_WAIT_POLICY") == "PASSIVE"
     assert any("libgomp" in m.path for m in server.memory_maps())
     assert len(server.children(recursive=True)) >= 2, "expected the engine core and the worker"
+
+
+def test_after_a_call_the_engine_core_and_worker_nap_instead_of_spinning(vllm_engine: VllmServer):
+    """vLLM's queue readers would spin on ``sched_yield`` for a second after the call (the worker's and the
+    engine core's: about a core each on an idle host); napping, they spend a small part of that second on the
+    CPU. Each of the three processes says it has the nap in the engine log."""
+    from stitchboard.sidecar.engines.vllm.adapter import VllmEngine
+
+    children = psutil.Process(vllm_engine.proc.pid).children(recursive=True)
+
+    def cpu_s() -> float:
+        return sum(sum(p.cpu_times()[:2]) for p in children)
+
+    adapter = VllmEngine(vllm_engine.url, timeout_s=120)
+    try:
+        adapter.state()  # a collective_rpc: the engine core sends it to the worker and reads its answer
+        before = cpu_s()
+        time.sleep(0.8)
+        spent = cpu_s() - before
+    finally:
+        adapter.close()
+    assert spent < 0.3, f"the engine core and worker spent {spent:.2f} CPU-s in the 0.8 s after a call"
+    lines = vllm_engine.log_path.read_text(errors="replace").count(NAP_FLAG_LINE)
+    assert lines >= 3, f"{lines} processes say they have the nap; expected the server, engine core and worker"

@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 
 from ..launch import cpu_host, engine_env
+from .queue_nap import CPU_NAP_S, NAP_ENV
 
 #: The worker extension class, for ``--worker-extension-cls``.
 WORKER_EXTENSION = "stitchboard.sidecar.vllm_worker.StitchWorkerExtension"
@@ -108,8 +109,9 @@ def vllm_command(
 
 def vllm_env(tensor_parallel_size: int = 1, cpu: bool | None = None, lora: bool = False) -> dict[str, str]:
     """Environment variables for :func:`vllm_command` (to add to the current environment): the
-    dev routes on; on the CPU also :func:`..launch.engine_env`, a 1 GiB KV cache and, with TP > 1,
-    no OpenMP thread binding; with ``lora``, :data:`LORA_ENV` (adapters loaded at run time).
+    dev routes on; on the CPU also :func:`..launch.engine_env`, a 1 GiB KV cache, message-queue
+    readers that nap instead of spinning (:data:`.queue_nap.NAP_ENV`) and, with
+    TP > 1, no OpenMP thread binding; with ``lora``, :data:`LORA_ENV` (adapters loaded at run time).
 
     Args:
         tensor_parallel_size: as given to :func:`vllm_command`.
@@ -120,6 +122,7 @@ def vllm_env(tensor_parallel_size: int = 1, cpu: bool | None = None, lora: bool 
     if cpu_host() if cpu is None else cpu:
         env.update(engine_env(cpu=True))  # OpenMP threads that sleep while they wait (see ..launch)
         env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+        env[NAP_ENV] = CPU_NAP_S  # queue readers nap, not spin, on a core the staging and the trainer need
         if tensor_parallel_size > 1:
             env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
     return env
