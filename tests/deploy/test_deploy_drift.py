@@ -154,8 +154,10 @@ def accepted_env(role: str) -> set[str]:
         names = command_envvars(cli_command(["publish"])) | {"STITCH_DEMO_CACHE"}
         source = TRAINER_EXAMPLE.read_text()
         return {n for n in names if n in source or n == "STITCH_DEMO_CACHE"}
-    if role == "vllm":
-        return set()
+    if role == "vllm":  # stitchboard's vLLM plugin, in every vLLM process
+        from stitchboard.sidecar.engines.vllm.queue_nap import NAP_ENV
+
+        return {NAP_ENV}
     raise AssertionError(role)
 
 
