@@ -15,6 +15,7 @@ from stitchboard.bulletin.app import create_app
 from stitchboard.bulletin.settings import BulletinSettings, ignored_env_names
 from stitchboard.demo.smollm2 import CHECKPOINT_NAME, default_checkpoint_dir
 from stitchboard.proto.env import RENAMED_ENV, LegacyEnvWarning, env_setting
+from stitchboard.sidecar.engines.vllm.queue_nap import NAP_ENV
 from stitchboard.sidecar.settings import SidecarSettings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,10 +89,11 @@ def test_settings_page_roles_table_names_every_prefix_variable_and_legacy_name()
         SidecarSettings.model_config["env_prefix"],
         "STITCH_BOOT_",
         "STITCH_ENGINE_",
+        NAP_ENV.removesuffix("QUEUE_NAP_S"),  # stitchboard's vLLM plugin, in vLLM's processes
         "STITCH_DEMO_",
     ]
     assert [cells[1] for cells in rows] == [f"`{p}`" for p in prefixes], "one row per role, in this order"
-    for name in [*RENAMED_ENV, *RENAMED_ENV.values(), *engine]:
+    for name in [*RENAMED_ENV, *RENAMED_ENV.values(), *engine, NAP_ENV]:
         assert f"`{name}`" in section, f"the settings table does not name {name}"
     for new, legacy in RENAMED_ENV.items():
         cells = next(c for c in rows if f"`{new}`" in c[3])
