@@ -34,6 +34,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from stitchboard.proto.env import env_setting
+
 #: Seconds a vLLM message-queue reader sleeps between checks in its busy window (unset: vLLM's own yields).
 NAP_ENV = "STITCH_VLLM_QUEUE_NAP_S"
 #: The nap on a CPU host, seconds: a fraction of a CPU decode step (tens of ms for SmolLM2 on 2 cores).
@@ -52,7 +54,7 @@ def nap_s(environ: Mapping[str, str] | None = None) -> float | None:
     Raises:
         QueueNapSettingError: not a number in (0, 0.1]; names the variable and the value.
     """
-    value = (os.environ if environ is None else environ).get(NAP_ENV, "").strip()
+    value = (env_setting(NAP_ENV, environ) or "").strip()
     if not value:
         return None
     try:
