@@ -1,14 +1,16 @@
 /*
  * The `cond` patch encoding's C extension (byte format: proto/cond_codec.py):
  *
- * encode(base, target, itemsize, class_shift, class_bits, sign_magnitude) -> (count, stream)
- * decode(base, stream, positions_out, values_out, itemsize, class_shift, class_bits, sign_magnitude)
+ * encode(base, target, itemsize, class_shift, class_bits, sign_magnitude[, one_by_one]) -> (count, stream)
+ * decode(base, stream, positions_out, values_out, itemsize, class_shift, class_bits, sign_magnitude[, one_by_one])
  *
  * Both run without the GIL. Every element's class is a bit field of its base bits (the exponent
  * of a float). Changed positions are coded as gaps within their class's subsequence, values as
  * the signed step between base and target in the monotone integer order of the bit patterns,
  * with the range coder of _rangecoder.h and the context model of _condmodel.h. This file holds
- * the value coding, the per-dtype loops over the elements and the Python entry points.
+ * the value coding, the per-dtype loops over the elements and the Python entry points; the same
+ * loops counting classes 64 elements at a time are in _condblocks.h (used where the host has
+ * them, `blocks`; `one_by_one` asks for these loops instead: same streams, same results).
  *
  * decode validates while it decodes: the class counts must add up to `count`, every gap must
  * land inside its class and the stream must end exactly after its last change; any violation
@@ -217,8 +219,13 @@ static int reserve(changes_t *ch) {
 typedef int (*scan_fn)(const void *, const void *, Py_ssize_t, uint64_t *, changes_t *);
 typedef Py_ssize_t (*walk_fn)(const void *, Py_ssize_t, int, uint64_t *, uint64_t *, dec_t *, model_t *, int64_t *, void *, Py_ssize_t, const char **);
 
-/* One pair of loops per class field in use (cond_codec.LAYOUTS), so shifts and masks are constants. */
-#define KERNEL(SUFFIX, T, SHIFT, BITS) DEFINE_LOOPS(SUFFIX, T, SHIFT, ((1u << BITS) - 1))
+#include "_condblocks.h" /* the walk and the scan in blocks of 64 elements: bwalk_*, bscan_* */
+
+/* One set of loops per class field in use (cond_codec.LAYOUTS), so shifts and masks are constants. */
+#define KERNEL(SUFFIX, T, SHIFT, BITS)                                                                             \
+    DEFINE_LOOPS(SUFFIX, T, SHIFT, ((1u << BITS) - 1))                                                             \
+    DEFINE_BLOCK_WALK(SUFFIX, T, SHIFT, ((1u << BITS) - 1))                                                        \
+    DEFINE_BLOCK_SCAN(SUFFIX, T, SHIFT, ((1u << BITS) - 1))
 KERNEL(u8, uint8_t, 0, 0)
 KERNEL(e8m0, uint8_t, 0, 8)
 KERNEL(e4m3, uint8_t, 3, 4)
@@ -233,13 +240,15 @@ KERNEL(f64, uint64_t, 52, 8)
 
 static const struct {
     unsigned itemsize, shift, bits;
-    scan_fn scan;
-    walk_fn walk;
+    scan_fn scan, bscan;
+    walk_fn walk, bwalk;
 } kernels[] = {
-    {1, 0, 0, scan_u8, walk_u8},       {1, 0, 8, scan_e8m0, walk_e8m0}, {1, 3, 4, scan_e4m3, walk_e4m3},
-    {1, 2, 5, scan_e5m2, walk_e5m2},   {2, 0, 0, scan_u16, walk_u16},   {2, 10, 5, scan_f16, walk_f16},
-    {2, 7, 8, scan_bf16, walk_bf16},   {4, 0, 0, scan_u32, walk_u32},   {4, 23, 8, scan_f32, walk_f32},
-    {8, 0, 0, scan_u64, walk_u64},     {8, 52, 8, scan_f64, walk_f64},
+    {1, 0, 0, scan_u8, BSCAN(u8), walk_u8, BWALK(u8)},       {1, 0, 8, scan_e8m0, BSCAN(e8m0), walk_e8m0, BWALK(e8m0)},
+    {1, 3, 4, scan_e4m3, BSCAN(e4m3), walk_e4m3, BWALK(e4m3)}, {1, 2, 5, scan_e5m2, BSCAN(e5m2), walk_e5m2, BWALK(e5m2)},
+    {2, 0, 0, scan_u16, BSCAN(u16), walk_u16, BWALK(u16)},    {2, 10, 5, scan_f16, BSCAN(f16), walk_f16, BWALK(f16)},
+    {2, 7, 8, scan_bf16, BSCAN(bf16), walk_bf16, BWALK(bf16)}, {4, 0, 0, scan_u32, BSCAN(u32), walk_u32, BWALK(u32)},
+    {4, 23, 8, scan_f32, BSCAN(f32), walk_f32, BWALK(f32)},   {8, 0, 0, scan_u64, BSCAN(u64), walk_u64, BWALK(u64)},
+    {8, 52, 8, scan_f64, BSCAN(f64), walk_f64, BWALK(f64)},
 };
 
 static int parse_layout(layout_t *L, Py_ssize_t itemsize, int shift, int class_bits, int sm) {
@@ -258,10 +267,11 @@ static int parse_layout(layout_t *L, Py_ssize_t itemsize, int shift, int class_b
     return -1;
 }
 
-static int encode_tensor(const void *a, const void *b, Py_ssize_t n, const layout_t *L, enc_t *e, Py_ssize_t *count_out) {
+static int encode_tensor(const void *a, const void *b, Py_ssize_t n, const layout_t *L, int one_by_one, enc_t *e, Py_ssize_t *count_out) {
     uint64_t seen[MAX_CLASSES] = {0}, first[MAX_CLASSES], changes[MAX_CLASSES] = {0};
     workspace_t *w = workspace_get();
-    if (!w || kernels[L->kernel].scan(a, b, n, seen, &w->ch)) return -1;
+    const scan_fn scan = block_walk_ok && n >= 64 && !one_by_one ? kernels[L->kernel].bscan : kernels[L->kernel].scan;
+    if (!w || scan(a, b, n, seen, &w->ch)) return -1;
     model_t *m = w->model;
     const changes_t *ch = &w->ch;
     const Py_ssize_t k = (Py_ssize_t)ch->len;
@@ -295,7 +305,7 @@ static int encode_tensor(const void *a, const void *b, Py_ssize_t n, const layou
 }
 
 static const char *decode_tensor(const void *a, Py_ssize_t n, const unsigned char *data, size_t len, const layout_t *L, int64_t *pos,
-                                 void *vals, Py_ssize_t count, int *oom) {
+                                 void *vals, Py_ssize_t count, int one_by_one, int *oom) {
     uint64_t next[MAX_CLASSES];
     const char *err = NULL;
     workspace_t *w = workspace_get();
@@ -317,7 +327,8 @@ static const char *decode_tensor(const void *a, Py_ssize_t n, const unsigned cha
         had = left[c] != 0;
     }
     if (!err && total != (uint64_t)count) err = "the class counts add up to less than the index's count";
-    const Py_ssize_t k = err ? 0 : kernels[L->kernel].walk(a, n, (int)L->sm, next, left, &d, m, pos, vals, count, &err);
+    const walk_fn walk = block_walk_ok && n >= 64 && !one_by_one ? kernels[L->kernel].bwalk : kernels[L->kernel].walk;
+    const Py_ssize_t k = err ? 0 : walk(a, n, (int)L->sm, next, left, &d, m, pos, vals, count, &err);
     if (err) return err;
     if (k < count) return "a gap runs past the end of its class";
     /* The encoder flushes the low end of its final interval, so a canonical stream leaves code 0. */
@@ -328,8 +339,8 @@ static const char *decode_tensor(const void *a, Py_ssize_t n, const unsigned cha
 static PyObject *condcoder_encode(PyObject *self, PyObject *args) {
     Py_buffer a, b;
     Py_ssize_t itemsize;
-    int shift, class_bits, sm;
-    if (!PyArg_ParseTuple(args, "y*y*niip", &a, &b, &itemsize, &shift, &class_bits, &sm)) return NULL;
+    int shift, class_bits, sm, one_by_one = 0;
+    if (!PyArg_ParseTuple(args, "y*y*niip|p", &a, &b, &itemsize, &shift, &class_bits, &sm, &one_by_one)) return NULL;
     layout_t L;
     PyObject *result = NULL;
     if (parse_layout(&L, itemsize, shift, class_bits, sm) < 0) goto done;
@@ -341,7 +352,7 @@ static PyObject *condcoder_encode(PyObject *self, PyObject *args) {
     Py_ssize_t count = 0;
     int failed;
     Py_BEGIN_ALLOW_THREADS
-    failed = encode_tensor(a.buf, b.buf, a.len / itemsize, &L, &e, &count);
+    failed = encode_tensor(a.buf, b.buf, a.len / itemsize, &L, one_by_one, &e, &count);
     Py_END_ALLOW_THREADS
     if (failed) PyErr_NoMemory();
     else result = Py_BuildValue("ny#", count, e.data ? (char *)e.data : "", (Py_ssize_t)e.len);
@@ -355,8 +366,8 @@ done:
 static PyObject *condcoder_decode(PyObject *self, PyObject *args) {
     Py_buffer a, s, pos, vals;
     Py_ssize_t itemsize;
-    int shift, class_bits, sm;
-    if (!PyArg_ParseTuple(args, "y*y*w*w*niip", &a, &s, &pos, &vals, &itemsize, &shift, &class_bits, &sm)) return NULL;
+    int shift, class_bits, sm, one_by_one = 0;
+    if (!PyArg_ParseTuple(args, "y*y*w*w*niip|p", &a, &s, &pos, &vals, &itemsize, &shift, &class_bits, &sm, &one_by_one)) return NULL;
     layout_t L;
     const char *err = NULL;
     int oom = 0, bad_args = parse_layout(&L, itemsize, shift, class_bits, sm) < 0;
@@ -368,7 +379,7 @@ static PyObject *condcoder_decode(PyObject *self, PyObject *args) {
     }
     if (!bad_args && count > 0) {
         Py_BEGIN_ALLOW_THREADS
-        err = decode_tensor(a.buf, a.len / itemsize, s.buf, (size_t)s.len, &L, pos.buf, vals.buf, count, &oom);
+        err = decode_tensor(a.buf, a.len / itemsize, s.buf, (size_t)s.len, &L, pos.buf, vals.buf, count, one_by_one, &oom);
         Py_END_ALLOW_THREADS
     } else if (!bad_args && s.len != 0) {
         err = "a tensor without changes has a coded stream";
@@ -387,9 +398,12 @@ static PyObject *condcoder_decode(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"encode", condcoder_encode, METH_VARARGS, "encode(base, target, itemsize, class_shift, class_bits, sign_magnitude) -> (count, stream)"},
+    {"encode", condcoder_encode, METH_VARARGS,
+     "encode(base, target, itemsize, class_shift, class_bits, sign_magnitude, one_by_one=False) -> (count, stream) "
+     "(one_by_one: count classes one element at a time, not in blocks)"},
     {"decode", condcoder_decode, METH_VARARGS,
-     "decode(base, stream, positions_out_int64, values_out, itemsize, class_shift, class_bits, sign_magnitude): decode and validate"},
+     "decode(base, stream, positions_out_int64, values_out, itemsize, class_shift, class_bits, sign_magnitude, one_by_one=False): "
+     "decode and validate (one_by_one: count classes one element at a time, not in blocks)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -398,6 +412,9 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_condcoder", "Base-c
 PyMODINIT_FUNC PyInit__condcoder(void) {
     rc_init();
     init_layout();
+    block_walk_init();
     if (pthread_key_create(&workspace_key, workspace_free)) return PyErr_NoMemory();
-    return PyModule_Create(&module);
+    PyObject *mod = PyModule_Create(&module);
+    if (mod && PyModule_AddIntConstant(mod, "blocks", block_walk_ok) < 0) Py_CLEAR(mod);
+    return mod;
 }
