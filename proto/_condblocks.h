@@ -207,7 +207,7 @@ static void block_walk_init(void) {}
                     const unsigned j = (unsigned)__builtin_ctzll(changed), c = cb[j];                               \
                     const int h = hot_of[c];                                                                       \
                     ch->rank[ch->len] = h < 0 ? cold_rank[j] : seen[c] + (uint64_t)__builtin_popcountll(mh[h] & below(j)); \
-                    ch->old[ch->len] = a[i + j];                                                                   \
+                    ch->old[ch->len] = a[i + j], ch->pos[ch->len] = (uint64_t)(i + j);                             \
                     ch->new_[ch->len++] = b[i + j];                                                                \
                 }                                                                                                  \
             }                                                                                                      \
@@ -217,7 +217,8 @@ static void block_walk_init(void) {}
             const unsigned c = (unsigned)((a[i] >> (SHIFT)) & (CMASK));                                            \
             if (a[i] != b[i]) {                                                                                    \
                 if (ch->cap == ch->len && reserve(ch)) return -1;                                                  \
-                ch->rank[ch->len] = seen[c], ch->old[ch->len] = a[i], ch->new_[ch->len++] = b[i];                  \
+                ch->rank[ch->len] = seen[c], ch->old[ch->len] = a[i], ch->pos[ch->len] = (uint64_t)i;          \
+                ch->new_[ch->len++] = b[i];                                                                        \
             }                                                                                                      \
             seen[c]++;                                                                                             \
         }                                                                                                          \

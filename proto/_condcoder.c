@@ -1,7 +1,8 @@
 /*
  * The `cond` patch encoding's C extension (byte format: proto/cond_codec.py):
  *
- * encode(base, target, itemsize, class_shift, class_bits, sign_magnitude[, one_by_one]) -> (count, stream)
+ * encode(base, target, itemsize, class_shift, class_bits, sign_magnitude[, one_by_one[, with_change]])
+ *     -> (count, stream[, gaps, values]: the change record, as _bitdiff.diff gives it)
  * decode(base, stream, positions_out, values_out, itemsize, class_shift, class_bits, sign_magnitude[, one_by_one])
  *
  * Both run without the GIL. Every element's class is a bit field of its base bits (the exponent
@@ -125,7 +126,9 @@ static int reserve(changes_t *ch) {
     if (o) ch->old = o;
     uint64_t *w = realloc(ch->new_, cap * sizeof(uint64_t));
     if (w) ch->new_ = w;
-    if (!r || !o || !w) return -1;
+    uint64_t *p = realloc(ch->pos, cap * sizeof(uint64_t));
+    if (p) ch->pos = p;
+    if (!r || !o || !w || !p) return -1;
     ch->cap = cap;
     return 0;
 }
@@ -160,7 +163,7 @@ static int reserve(changes_t *ch) {
         const uint64_t cmask = CMASK;                                                                              \
         Py_ssize_t i = 0;                                                                                          \
         size_t at = ch->len, cap = ch->cap;                                                                        \
-        uint64_t *restrict rank = ch->rank, *restrict old = ch->old, *restrict new_ = ch->new_;                    \
+        uint64_t *restrict rank = ch->rank, *restrict old = ch->old, *restrict new_ = ch->new_, *restrict pos = ch->pos; \
         for (; i < n; i += PER) {                                                                                  \
             const unsigned here = n - i < PER ? (unsigned)(n - i) : PER;                                           \
             uint64_t wa = 0, wb = 0;                                                                               \
@@ -177,12 +180,13 @@ static int reserve(changes_t *ch) {
                 if (cap - at < PER) {                                                                              \
                     ch->len = at;                                                                                  \
                     if (reserve(ch)) return -1;                                                                    \
-                    cap = ch->cap, rank = ch->rank, old = ch->old, new_ = ch->new_;                                \
+                    cap = ch->cap, rank = ch->rank, old = ch->old, new_ = ch->new_, pos = ch->pos;              \
                 }                                                                                                  \
                 for (unsigned j = 0; j < PER; j++) { /* branch-free: write every element, keep the changed ones */  \
                     uint64_t r = 0;                                                                                \
                     for (unsigned l = 0; l < PER; l++) r += lane[l][c[j]] + (l < j && c[l] == c[j]);               \
                     rank[at] = r;                                                                                  \
+                    pos[at] = (uint64_t)i + j;                                                                     \
                     old[at] = (T)(wa >> (j * W));                                                                  \
                     new_[at] = (T)(wb >> (j * W));                                                                 \
                     at += (T)(wa >> (j * W)) != (T)(wb >> (j * W));                                                \
@@ -336,11 +340,32 @@ static const char *decode_tensor(const void *a, Py_ssize_t n, const unsigned cha
     return NULL;
 }
 
+/*
+ * The change record of the tensor this thread just encoded, as _bitdiff.diff(base, target, itemsize, False)
+ * gives it: the positions as LEB128 varint gaps (gap_i = pos_i - pos_{i-1} - 1) and the new bits (itemsize
+ * bytes each, little-endian). Both malloc'd (the caller frees them); -1 when out of memory.
+ */
+static int change_record(unsigned itemsize, unsigned char **gaps, size_t *gaps_len, unsigned char **vals) {
+    const changes_t *ch = &((workspace_t *)pthread_getspecific(workspace_key))->ch;
+    unsigned char *g = *gaps = malloc(10 * ch->len + 1), *v = *vals = malloc(itemsize * ch->len + 1);
+    if (!g || !v) return -1;
+    uint64_t next = 0; /* the first position the next gap counts from */
+    for (size_t j = 0; j < ch->len; j++) {
+        uint64_t gap = ch->pos[j] - next;
+        next = ch->pos[j] + 1;
+        for (; gap >= 0x80; gap >>= 7) *g++ = (unsigned char)(gap | 0x80);
+        *g++ = (unsigned char)gap;
+        memcpy(v + itemsize * j, &ch->new_[j], itemsize);
+    }
+    *gaps_len = (size_t)(g - *gaps);
+    return 0;
+}
+
 static PyObject *condcoder_encode(PyObject *self, PyObject *args) {
     Py_buffer a, b;
     Py_ssize_t itemsize;
-    int shift, class_bits, sm, one_by_one = 0;
-    if (!PyArg_ParseTuple(args, "y*y*niip|p", &a, &b, &itemsize, &shift, &class_bits, &sm, &one_by_one)) return NULL;
+    int shift, class_bits, sm, one_by_one = 0, with_change = 0;
+    if (!PyArg_ParseTuple(args, "y*y*niip|pp", &a, &b, &itemsize, &shift, &class_bits, &sm, &one_by_one, &with_change)) return NULL;
     layout_t L;
     PyObject *result = NULL;
     if (parse_layout(&L, itemsize, shift, class_bits, sm) < 0) goto done;
@@ -350,13 +375,21 @@ static PyObject *condcoder_encode(PyObject *self, PyObject *args) {
     }
     enc_t e = {0};
     Py_ssize_t count = 0;
+    unsigned char *gaps = NULL, *vals = NULL;
+    size_t gaps_len = 0;
     int failed;
     Py_BEGIN_ALLOW_THREADS
     failed = encode_tensor(a.buf, b.buf, a.len / itemsize, &L, one_by_one, &e, &count);
+    if (!failed && with_change) failed = change_record((unsigned)itemsize, &gaps, &gaps_len, &vals);
     Py_END_ALLOW_THREADS
     if (failed) PyErr_NoMemory();
+    else if (with_change)
+        result = Py_BuildValue("ny#y#y#", count, e.data ? (char *)e.data : "", (Py_ssize_t)e.len, (char *)gaps, (Py_ssize_t)gaps_len,
+                               (char *)vals, count * itemsize);
     else result = Py_BuildValue("ny#", count, e.data ? (char *)e.data : "", (Py_ssize_t)e.len);
     free(e.data);
+    free(gaps);
+    free(vals);
 done:
     PyBuffer_Release(&a);
     PyBuffer_Release(&b);
@@ -399,8 +432,9 @@ static PyObject *condcoder_decode(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"encode", condcoder_encode, METH_VARARGS,
-     "encode(base, target, itemsize, class_shift, class_bits, sign_magnitude, one_by_one=False) -> (count, stream) "
-     "(one_by_one: count classes one element at a time, not in blocks)"},
+     "encode(base, target, itemsize, class_shift, class_bits, sign_magnitude, one_by_one=False, with_change=False) -> "
+     "(count, stream) or, with_change, (count, stream, varint gaps, new values) as _bitdiff.diff(base, target, "
+     "itemsize, False) gives them (one_by_one: count classes one element at a time, not in blocks)"},
     {"decode", condcoder_decode, METH_VARARGS,
      "decode(base, stream, positions_out_int64, values_out, itemsize, class_shift, class_bits, sign_magnitude, one_by_one=False): "
      "decode and validate (one_by_one: count classes one element at a time, not in blocks)"},

@@ -59,9 +59,9 @@ static void init_layout(void) {
     model_bytes = sizeof(model_t) + at * sizeof(bit_t);
 }
 
-/* The changed elements of a tensor, in position order: rank within its class, old and new bits. */
+/* The changed elements of a tensor, in position order: rank within its class, old and new bits, position. */
 typedef struct {
-    uint64_t *rank, *old, *new_;
+    uint64_t *rank, *old, *new_, *pos;
     size_t len, cap;
 } changes_t;
 
@@ -79,6 +79,7 @@ static void workspace_free(void *p) {
     free(w->ch.rank);
     free(w->ch.old);
     free(w->ch.new_);
+    free(w->ch.pos);
     free(w);
 }
 

@@ -121,6 +121,22 @@ def encode(base: RawTensor, target: RawTensor) -> tuple[int, bytes]:
     )
 
 
+def encode_keeping_change(base: RawTensor, target: RawTensor) -> tuple[int, bytes, bytes, bytes]:
+    """:func:`encode`, and the change record its scan found on the way: (count, stream, the changed positions as
+    varint gaps, their new bits), the last two as ``_bitdiff.diff(base, target, itemsize, False)`` gives them."""
+    lay = LAYOUTS[base.dtype]
+    return _condcoder.encode(
+        base.bits,
+        target.bits,
+        DTYPE_SIZES[base.dtype],
+        lay.class_shift,
+        lay.class_bits,
+        lay.sign_magnitude,
+        False,
+        True,
+    )
+
+
 def decode(stream: np.ndarray, base: RawTensor, count: int, what: str) -> tuple[np.ndarray, np.ndarray]:
     """Decode and validate one tensor's stream against its base.
 

@@ -5,7 +5,8 @@ A delta needs, of the new served view, only what differs from the kept view (the
 against the kept tensor with the codec's per-tensor encoder (:func:`~stitchboard.proto.codec.encode_tensor`,
 exactly what the whole-view diff runs, so the patch file is byte-identical), and keeps of it only its
 checksum and its changed positions and bits (:class:`TensorChange`: the ``overwrite`` coder's varint gaps and
-values, ~3 bytes per changed bf16 element); the new tensor is then dropped. A tensor the kept view lacks (a
+values, ~3 bytes per changed bf16 element; taken from the encoder's own scan where it has one, a tensor coded as
+one stream, else by a second compare pass); the new tensor is then dropped. A tensor the kept view lacks (a
 new name, dtype or shape) is kept whole: it joins the kept view. Memory: the kept view, one new tensor, and
 the changes (~1.5 % of a bf16 view at 1 % changed elements). A tensor given as a torch tensor on a GPU is diffed
 there (:mod:`.device_diff`: the same positions and bits, only the changes copied to the host); the rest on the host.
@@ -251,10 +252,14 @@ class ViewStreamer:
             base_checksum=self.base.tensors[name].checksum,
             target_checksum=self._checksums[name],
             part_bytes=self.part_bytes,
+            keep_change=True,
         )
         if encoded is not None:
             self._encoded.append(encoded)
-            self._changes[name] = TensorChange.between(kept, t)
+            change = encoded.change  # found by the encoder's scan (one stream), else a second compare pass
+            self._changes[name] = (
+                TensorChange(encoded.entry.count, *change) if change else TensorChange.between(kept, t)
+            )
 
     def _take_on_device(self, name: str, kept: RawTensor, t: torch.Tensor) -> None:
         assert self.base is not None  # _kept_as found a base tensor

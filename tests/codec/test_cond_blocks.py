@@ -1,4 +1,5 @@
-"""The ``cond`` coder's class counting in blocks of 64 elements (proto/_condblocks.h) against one element at a time.
+"""The ``cond`` coder's class counting in blocks of 64 elements (proto/_condblocks.h) against one element at a time,
+and the change record its scan hands the publisher.
 
 Both ways must code the same stream and decode the same positions and values, or the same refusal of a
 corrupt stream: the block walk is only a faster way to find each change's rank. Inputs cover every
@@ -15,10 +16,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stitchboard.proto import _condcoder
+from stitchboard.proto import _bitdiff, _condcoder
+from stitchboard.proto.codec import encode_tensor
 from stitchboard.proto.cond_codec import LAYOUTS
 from stitchboard.proto.dtypes import DTYPE_SIZES, bits_type
 
+from .helpers import raw
 from .test_cond_codec import stepped, weight_like
 
 KERNELS = ["BF16", "F16", "F32", "F64", "F8_E4M3", "F8_E5M2", "F8_E8M0", "U8", "I16", "I32", "I64"]
@@ -114,3 +117,44 @@ def test_corrupt_streams_are_refused_alike(seed: int, dtype: str, n: int, frac: 
     count = max(0, count + count_delta)
     blocks = decoded(dtype, base, bytes(bad), count, one_by_one=False)
     assert blocks == decoded(dtype, base, bytes(bad), count, one_by_one=True)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    dtype=st.sampled_from(KERNELS),
+    n=st.sampled_from([1, 63, 64, 65, 1000, 4160]),
+    frac=st.sampled_from([0.0, 0.01, 0.3, 1.0]),
+    one_by_one=st.booleans(),
+)
+def test_the_change_record_is_the_one_a_compare_pass_finds(seed, dtype, n, frac, one_by_one):
+    """``with_change``: the scan's changed positions and new bits, as ``_bitdiff.diff`` finds them alone."""
+    rng = np.random.default_rng(seed)
+    base = weight_like(dtype, n, rng)
+    target = stepped(dtype, base, rng, frac, big=0.05)
+    layout = LAYOUTS[dtype]
+    args = (DTYPE_SIZES[dtype], layout.class_shift, layout.class_bits, layout.sign_magnitude, one_by_one)
+    count, stream, gaps, values = _condcoder.encode(base, target, *args, True)
+    assert (count, stream) == _condcoder.encode(base, target, *args)
+    assert (count, gaps, values) == _bitdiff.diff(base, target, DTYPE_SIZES[dtype], False)
+
+
+@pytest.mark.parametrize(
+    ("encoding", "part_bytes", "kept"),
+    [("cond", None, True), ("overwrite", None, True), ("xor", None, False), ("cond", 256, False)],
+)
+def test_encode_tensor_keeps_the_change_where_its_encoder_finds_it(encoding, part_bytes, kept):
+    rng = np.random.default_rng(5)
+    base = weight_like("BF16", 64 * 64, rng)
+    target = stepped("BF16", base, rng, 0.05, big=0.0)
+    encoded = encode_tensor(
+        "w",
+        raw("BF16", (64, 64), base),
+        raw("BF16", (64, 64), target),
+        encoding,
+        part_bytes=part_bytes,
+        keep_change=True,
+    )
+    assert encoded is not None
+    want = _bitdiff.diff(base, target, 2, False)
+    assert encoded.change == ((want[1], want[2]) if kept else None)
