@@ -8,8 +8,10 @@ element of the whole patch file for our encodings (``cond``, ``xor``, ``overwrit
 same run and computed the same way, two baselines: int32 flat index + bf16 value uncompressed,
 and whole-tensor XOR compressed with zstd level 1; encode and decode (read + apply + both
 checksum passes) time of ``cond`` and ``xor`` relative to one ``Tensor.copy_`` of the served
-view into preallocated tensors. Then the same sizes for short held-out pairs: two layers of the
-steps after the timed ones, one pair three steps apart. ``--contexts`` adds, every 10th step,
+view into preallocated tensors. For the last step, the ``cond`` coder's own encode and decode on
+one thread with classes counted in blocks of 64 elements (the default) against one element at a
+time, in seconds. Then the same sizes for short held-out pairs: two layers of the steps after the
+timed ones, one pair three steps apart. ``--contexts`` adds, every 10th step,
 the zero-order cost of the changes under richer contexts than ``cond``'s (see
 :func:`context_costs`). Targets (issue "Codec v2"): ``cond`` median <= 0.75 and every step
 <= 0.9 bytes per changed element, <= 0.8 on the held-out pairs; encode <= 10x and decode
@@ -23,6 +25,7 @@ import functools
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import astuple
 
 import numpy as np
 import torch
@@ -31,10 +34,13 @@ from rich.console import Console
 from rich.table import Table
 
 from stitchboard.demo.smollm2 import build_smollm2_checkpoint
+from stitchboard.proto import _condcoder
 from stitchboard.proto.apply import apply_patch
+from stitchboard.proto.cond_codec import LAYOUTS
 from stitchboard.proto.container import RawTensor
 from stitchboard.proto.decode import read_patch
 from stitchboard.proto.diff import ViewDiff, diff_views
+from stitchboard.proto.dtypes import DTYPE_SIZES
 from tests.support.training import CpuTrainer
 
 #: The layers of the held-out pairs.
@@ -163,6 +169,29 @@ def context_costs(base: dict[str, RawTensor], target: dict[str, RawTensor]) -> d
     return {label: v / 8 / changed_total for label, v in bits.items()}
 
 
+def class_counting(base: dict[str, RawTensor], target: dict[str, RawTensor]) -> dict[str, float]:
+    """Seconds (best of 3, one thread, every tensor one stream) of the ``cond`` coder's encode and decode, counting
+    classes in blocks of 64 elements (``proto/_condblocks.h``; the default where ``_condcoder.blocks``) and one
+    element at a time (``one_by_one``): keys ``encode``, ``decode`` and ``<key> one by one``."""
+    args = {n: (DTYPE_SIZES[t.dtype], *astuple(LAYOUTS[t.dtype])) for n, t in base.items()}
+    coded = {n: _condcoder.encode(base[n].bits, target[n].bits, *args[n]) for n in base}
+
+    def encode(one_by_one: bool) -> None:
+        for n, t in base.items():
+            _condcoder.encode(t.bits, target[n].bits, *args[n], one_by_one)
+
+    def decode(one_by_one: bool) -> None:
+        for n, (count, stream) in coded.items():
+            positions, values = np.empty(count, np.int64), np.empty(count, base[n].bits.dtype)
+            _condcoder.decode(base[n].bits, stream, positions, values, *args[n], one_by_one)
+
+    out = {}
+    for name, fn in (("encode", encode), ("decode", decode)):
+        out[name] = best_of(functools.partial(fn, False))
+        out[f"{name} one by one"] = best_of(functools.partial(fn, True))
+    return out
+
+
 def measure(
     prev: dict[str, torch.Tensor],
     cur: dict[str, torch.Tensor],
@@ -228,6 +257,7 @@ def main() -> None:
         )
         if args.contexts and step % 10 == 0:
             contexts.append((step, context_costs(raw_view(prev), raw_view(cur))))
+        before_last = prev
         prev, sums = {k: v.clone() for k, v in cur.items()}, diffs["cond"].target_checksums
     console.print(table)
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
@@ -239,6 +269,14 @@ def main() -> None:
         f"idx+val {med['iv']:.3f}, xor+zstd {med['xz']:.3f}; "
         f"cond encode {med['cond enc']:.1f}x / decode {med['cond dec']:.1f}x one copy (targets 10x, 12x), "
         f"xor {med['xor enc']:.1f}x / {med['xor dec']:.1f}x"
+    )
+    last = raw_view(before_last)
+    counting = class_counting(last, raw_view(prev))
+    console.print(
+        f"cond class counting, last step, one thread ({'blocks' if _condcoder.blocks else 'no blocks'} on this host): "
+        f"decode {counting['decode']:.3f} s in blocks vs {counting['decode one by one']:.3f} s one by one "
+        f"({counting['decode one by one'] / counting['decode']:.2f}x), encode {counting['encode']:.3f} s vs "
+        f"{counting['encode one by one']:.3f} s ({counting['encode one by one'] / counting['encode']:.2f}x)"
     )
     held = held_out(trainer, prev, console)
     if contexts:
