@@ -17,6 +17,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "_varint.h"
+
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "stitchboard's bitdiff kernel assumes a little-endian machine"
 #endif
@@ -60,27 +62,14 @@ static int make_room(growbuf *gaps, growbuf *vals, unsigned char **g, unsigned c
 }
 
 /*
- * Append changed element j (value bits OLD_, NEW_) to the local cursors g (varint gaps) and v
+ * Append changed element j (value bits OLD_, NEW_) to the local cursors g (varint gaps, put_gap) and v
  * (values). The cursors are plain locals whose address is taken only on the rare grow path, so
- * the compiler keeps them in registers across the byte stores. Gaps below 16384 (nearly all)
- * are written as one or two bytes without a data-dependent branch.
+ * the compiler keeps them in registers across the byte stores.
  */
 #define EMIT(J, OLD_, NEW_)                                                                       \
     do {                                                                                          \
         if ((gend - g < 10 || vend - v < 8) && make_room(gaps, vals, &g, &gend, &v, &vend)) return -1; \
-        uint64_t gap_ = (uint64_t)((int64_t)(J) - prev - 1);                                      \
-        if (gap_ < 0x4000) {                                                                      \
-            const unsigned two_ = gap_ >= 0x80;                                                   \
-            g[0] = (unsigned char)((gap_ & 0x7F) | (two_ << 7));                                  \
-            g[1] = (unsigned char)(gap_ >> 7);                                                    \
-            g += 1 + two_;                                                                        \
-        } else {                                                                                  \
-            while (gap_ >= 0x80) {                                                                \
-                *g++ = (unsigned char)(gap_ | 0x80);                                              \
-                gap_ >>= 7;                                                                       \
-            }                                                                                     \
-            *g++ = (unsigned char)gap_;                                                           \
-        }                                                                                         \
+        g = put_gap(g, (uint64_t)((int64_t)(J) - prev - 1));                                      \
         const __typeof__(*a) val_ = use_xor ? (__typeof__(*a))((OLD_) ^ (NEW_)) : (NEW_);         \
         memcpy(v, &val_, sizeof val_);                                                           \
         v += sizeof val_;                                                                         \

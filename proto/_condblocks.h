@@ -33,9 +33,11 @@
 #define HOT_SAMPLE_BLOCKS 64 /* blocks of 64 elements sampled, evenly spaced, to pick them */
 #define HOT_MIN_SHARE 128    /* a hot class holds at least 1/HOT_MIN_SHARE of the sample */
 
+#if BLOCK_WALK
 typedef struct {
     unsigned n;
     unsigned cls[HOT_MAX];
+    __m128i lanes[HOT_MAX]; /* cls[h] in every byte */
 } hot_t;
 
 /* Pick the hot classes from a histogram of the sampled elements' classes (most elements first). */
@@ -46,12 +48,19 @@ static void hot_from_counts(hot_t *hot, uint32_t counts[MAX_CLASSES], uint32_t s
         for (unsigned c = 1; c < MAX_CLASSES; c++)
             if (counts[c] > counts[best]) best = c;
         if (counts[best] == 0 || (uint64_t)counts[best] * HOT_MIN_SHARE < sampled) break;
+        hot->lanes[hot->n] = _mm_set1_epi8((char)best);
         hot->cls[hot->n++] = best;
         counts[best] = 0;
     }
 }
 
-#if BLOCK_WALK
+static int block_walk_ok;
+
+static void block_walk_init(void) {
+    __builtin_cpu_init();
+    block_walk_ok = __builtin_cpu_supports("popcnt") != 0;
+}
+
 /* The 64-bit mask of the bytes of cb[0..63] (in v) equal to the byte in every lane of b. */
 static inline __attribute__((always_inline)) uint64_t eq_mask(const __m128i v[4], __m128i b) {
     return (uint64_t)(uint16_t)_mm_movemask_epi8(_mm_cmpeq_epi8(v[0], b)) |
@@ -84,6 +93,16 @@ static inline __attribute__((always_inline)) void load64(const uint8_t *p, __m12
     for (unsigned r = 0; r < 4; r++) v[r] = _mm_load_si128((const __m128i *)(p + 16 * r));
 }
 
+/* The hot classes' masks (mh[h]) of a block whose classes are the 64 bytes at cb (16-byte aligned); returns the
+ * mask of the elements of any hot class. */
+static inline __attribute__((always_inline)) uint64_t hot_masks(const hot_t *hot, const uint8_t *cb, uint64_t mh[HOT_MAX]) {
+    __m128i v[4];
+    load64(cb, v);
+    uint64_t covered = 0;
+    for (unsigned h = 0; h < hot->n; h++) covered |= mh[h] = eq_mask(v, hot->lanes[h]);
+    return covered;
+}
+
 /* hot = the hot classes of the n elements at a (type T), sampled in HOT_SAMPLE_BLOCKS blocks evenly spaced. */
 #define PICK_HOT(hot, a, n, SHIFT, CMASK)                                                                          \
     do {                                                                                                           \
@@ -96,17 +115,13 @@ static inline __attribute__((always_inline)) void load64(const uint8_t *p, __m12
 
 /* Bits 0 .. p-1 (p <= 64). */
 static inline __attribute__((always_inline)) uint64_t below(unsigned p) { return p >= 64 ? UINT64_MAX : ((uint64_t)1 << p) - 1; }
-
-static int block_walk_ok;
-
-static void block_walk_init(void) {
-    __builtin_cpu_init();
-    block_walk_ok = __builtin_cpu_supports("popcnt") != 0;
-}
 #else
 static const int block_walk_ok = 0;
 static void block_walk_init(void) {}
 #endif
+
+/* Whether a tensor of n elements is walked or scanned in blocks (one_by_one: asked not to). */
+static inline int in_blocks(Py_ssize_t n, int one_by_one) { return block_walk_ok && n >= 64 && !one_by_one; }
 
 #if BLOCK_WALK
 /*
@@ -126,16 +141,12 @@ static void block_walk_init(void) {}
         Py_ssize_t k = 0, i = 0;                                                                                   \
         hot_t hot;                                                                                                 \
         PICK_HOT(hot, a, n, SHIFT, CMASK);                                                                         \
-        __m128i hb[HOT_MAX];                                                                                       \
-        for (unsigned h = 0; h < hot.n; h++) hb[h] = _mm_set1_epi8((char)hot.cls[h]);                             \
         for (; i + 64 <= n; i += 64) {                                                                             \
             for (unsigned j = 0; j < 64; j++) cb[j] = (uint8_t)((a[i + j] >> (SHIFT)) & (CMASK));                  \
-            __m128i v[4];                                                                                             \
-            load64(cb, v);                                                                                         \
-            uint64_t mh[HOT_MAX], covered = 0;                                                                     \
+            uint64_t mh[HOT_MAX];                                                                                  \
+            const uint64_t covered = hot_masks(&hot, cb, mh);                                                      \
             unsigned cand[HOT_MAX];                                                                                \
             for (unsigned h = 0; h < hot.n; h++) {                                                                 \
-                covered |= mh[h] = eq_mask(v, hb[h]);                                                              \
                 cand[h] = first_change(mh[h], next[hot.cls[h]] - seen[hot.cls[h]]);                                \
             }                                                                                                      \
             uint64_t cold = ~covered;                                                                              \
@@ -180,9 +191,8 @@ static void block_walk_init(void) {}
         int hot_of[MAX_CLASSES];                                                                                   \
         hot_t hot;                                                                                                 \
         PICK_HOT(hot, a, n, SHIFT, CMASK);                                                                         \
-        __m128i hb[HOT_MAX];                                                                                       \
         for (unsigned c = 0; c < MAX_CLASSES; c++) seen[c] = 0, hot_of[c] = -1;                                    \
-        for (unsigned h = 0; h < hot.n; h++) hb[h] = _mm_set1_epi8((char)hot.cls[h]), hot_of[hot.cls[h]] = (int)h; \
+        for (unsigned h = 0; h < hot.n; h++) hot_of[hot.cls[h]] = (int)h;                                          \
         const __m128i zero = _mm_setzero_si128();                                                                  \
         Py_ssize_t i = 0;                                                                                          \
         for (; i + 64 <= n; i += 64) {                                                                             \
@@ -190,12 +200,10 @@ static void block_walk_init(void) {}
                 cb[j] = (uint8_t)((a[i + j] >> (SHIFT)) & (CMASK));                                                \
                 ne[j] = a[i + j] != b[i + j];                                                                      \
             }                                                                                                      \
-            __m128i v[4];                                                                                             \
-            load64(cb, v);                                                                                         \
-            __m128i d[4];                                                                                             \
+            uint64_t mh[HOT_MAX];                                                                                  \
+            const uint64_t covered = hot_masks(&hot, cb, mh);                                                      \
+            __m128i d[4];                                                                                          \
             load64(ne, d);                                                                                         \
-            uint64_t mh[HOT_MAX], covered = 0;                                                                     \
-            for (unsigned h = 0; h < hot.n; h++) covered |= mh[h] = eq_mask(v, hb[h]);                             \
             uint64_t changed = ~eq_mask(d, zero);                                                                  \
             for (uint64_t cold = ~covered; cold; cold &= cold - 1) {                                               \
                 const unsigned j = (unsigned)__builtin_ctzll(cold);                                                \

@@ -30,6 +30,7 @@
 
 #include "_rangecoder.h"
 #include "_condmodel.h"
+#include "_varint.h"
 
 #define END UINT64_MAX /* "no further change in this class" */
 
@@ -274,7 +275,7 @@ static int parse_layout(layout_t *L, Py_ssize_t itemsize, int shift, int class_b
 static int encode_tensor(const void *a, const void *b, Py_ssize_t n, const layout_t *L, int one_by_one, enc_t *e, Py_ssize_t *count_out) {
     uint64_t seen[MAX_CLASSES] = {0}, first[MAX_CLASSES], changes[MAX_CLASSES] = {0};
     workspace_t *w = workspace_get();
-    const scan_fn scan = block_walk_ok && n >= 64 && !one_by_one ? kernels[L->kernel].bscan : kernels[L->kernel].scan;
+    const scan_fn scan = in_blocks(n, one_by_one) ? kernels[L->kernel].bscan : kernels[L->kernel].scan;
     if (!w || scan(a, b, n, seen, &w->ch)) return -1;
     model_t *m = w->model;
     const changes_t *ch = &w->ch;
@@ -331,7 +332,7 @@ static const char *decode_tensor(const void *a, Py_ssize_t n, const unsigned cha
         had = left[c] != 0;
     }
     if (!err && total != (uint64_t)count) err = "the class counts add up to less than the index's count";
-    const walk_fn walk = block_walk_ok && n >= 64 && !one_by_one ? kernels[L->kernel].bwalk : kernels[L->kernel].walk;
+    const walk_fn walk = in_blocks(n, one_by_one) ? kernels[L->kernel].bwalk : kernels[L->kernel].walk;
     const Py_ssize_t k = err ? 0 : walk(a, n, (int)L->sm, next, left, &d, m, pos, vals, count, &err);
     if (err) return err;
     if (k < count) return "a gap runs past the end of its class";
@@ -351,10 +352,8 @@ static int change_record(unsigned itemsize, unsigned char **gaps, size_t *gaps_l
     if (!g || !v) return -1;
     uint64_t next = 0; /* the first position the next gap counts from */
     for (size_t j = 0; j < ch->len; j++) {
-        uint64_t gap = ch->pos[j] - next;
+        g = put_gap(g, ch->pos[j] - next);
         next = ch->pos[j] + 1;
-        for (; gap >= 0x80; gap >>= 7) *g++ = (unsigned char)(gap | 0x80);
-        *g++ = (unsigned char)gap;
         memcpy(v + itemsize * j, &ch->new_[j], itemsize);
     }
     *gaps_len = (size_t)(g - *gaps);

@@ -109,32 +109,26 @@ LAYOUTS: dict[str, CondLayout] = {
 }
 
 
+def coder_args(dtype: str) -> tuple[int, int, int, bool]:
+    """The arguments ``_condcoder.encode`` and ``decode`` take after the buffers for a dtype: (itemsize in bytes,
+    class_shift, class_bits, sign_magnitude) from :data:`LAYOUTS` (raises KeyError for an unknown dtype)."""
+    lay = LAYOUTS[dtype]
+    return DTYPE_SIZES[dtype], lay.class_shift, lay.class_bits, lay.sign_magnitude
+
+
 def encode(base: RawTensor, target: RawTensor) -> tuple[int, bytes]:
     """Code the changes from ``base`` to ``target`` (same dtype and shape; bits aligned).
 
     Returns:
         (number of changed elements, the tensor's coded stream; empty when nothing changed).
     """
-    lay = LAYOUTS[base.dtype]
-    return _condcoder.encode(
-        base.bits, target.bits, DTYPE_SIZES[base.dtype], lay.class_shift, lay.class_bits, lay.sign_magnitude
-    )
+    return _condcoder.encode(base.bits, target.bits, *coder_args(base.dtype))
 
 
 def encode_keeping_change(base: RawTensor, target: RawTensor) -> tuple[int, bytes, bytes, bytes]:
     """:func:`encode`, and the change record its scan found on the way: (count, stream, the changed positions as
     varint gaps, their new bits), the last two as ``_bitdiff.diff(base, target, itemsize, False)`` gives them."""
-    lay = LAYOUTS[base.dtype]
-    return _condcoder.encode(
-        base.bits,
-        target.bits,
-        DTYPE_SIZES[base.dtype],
-        lay.class_shift,
-        lay.class_bits,
-        lay.sign_magnitude,
-        False,
-        True,
-    )
+    return _condcoder.encode(base.bits, target.bits, *coder_args(base.dtype), False, True)
 
 
 def decode(stream: np.ndarray, base: RawTensor, count: int, what: str) -> tuple[np.ndarray, np.ndarray]:
@@ -152,20 +146,10 @@ def decode(stream: np.ndarray, base: RawTensor, count: int, what: str) -> tuple[
     Raises:
         PatchFormatError: the stream is malformed (see the module docstring).
     """
-    lay = LAYOUTS[base.dtype]
     positions = np.empty(count, dtype=np.int64)
     values = np.empty(count, dtype=base.bits.dtype)
     try:
-        _condcoder.decode(
-            base.bits,
-            stream,
-            positions,
-            values,
-            DTYPE_SIZES[base.dtype],
-            lay.class_shift,
-            lay.class_bits,
-            lay.sign_magnitude,
-        )
+        _condcoder.decode(base.bits, stream, positions, values, *coder_args(base.dtype))
     except ValueError as exc:
         raise PatchFormatError(f"{what}: {exc}") from None
     return positions, values

@@ -25,7 +25,6 @@ import functools
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import astuple
 
 import numpy as np
 import torch
@@ -36,11 +35,10 @@ from rich.table import Table
 from stitchboard.demo.smollm2 import build_smollm2_checkpoint
 from stitchboard.proto import _condcoder
 from stitchboard.proto.apply import apply_patch
-from stitchboard.proto.cond_codec import LAYOUTS
+from stitchboard.proto.cond_codec import coder_args
 from stitchboard.proto.container import RawTensor
 from stitchboard.proto.decode import read_patch
 from stitchboard.proto.diff import ViewDiff, diff_views
-from stitchboard.proto.dtypes import DTYPE_SIZES
 from tests.support.training import CpuTrainer
 
 #: The layers of the held-out pairs.
@@ -173,7 +171,7 @@ def class_counting(base: dict[str, RawTensor], target: dict[str, RawTensor]) -> 
     """Seconds (best of 3, one thread, every tensor one stream) of the ``cond`` coder's encode and decode, counting
     classes in blocks of 64 elements (``proto/_condblocks.h``; the default where ``_condcoder.blocks``) and one
     element at a time (``one_by_one``): keys ``encode``, ``decode`` and ``<key> one by one``."""
-    args = {n: (DTYPE_SIZES[t.dtype], *astuple(LAYOUTS[t.dtype])) for n, t in base.items()}
+    args = {n: coder_args(t.dtype) for n, t in base.items()}
     coded = {n: _condcoder.encode(base[n].bits, target[n].bits, *args[n]) for n in base}
 
     def encode(one_by_one: bool) -> None:

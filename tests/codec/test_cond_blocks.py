@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from stitchboard.proto import _bitdiff, _condcoder
 from stitchboard.proto.codec import encode_tensor
-from stitchboard.proto.cond_codec import LAYOUTS
+from stitchboard.proto.cond_codec import coder_args
 from stitchboard.proto.dtypes import DTYPE_SIZES, bits_type
 
 from .helpers import raw
@@ -42,28 +42,14 @@ def base_bits(dtype: str, n: int, mix: str, rng: np.random.Generator) -> np.ndar
 
 
 def coded(dtype: str, base: np.ndarray, target: np.ndarray, one_by_one: bool) -> tuple[int, bytes]:
-    layout = LAYOUTS[dtype]
-    return _condcoder.encode(
-        base, target, DTYPE_SIZES[dtype], layout.class_shift, layout.class_bits, layout.sign_magnitude, one_by_one
-    )
+    return _condcoder.encode(base, target, *coder_args(dtype), one_by_one)
 
 
 def decoded(dtype: str, base: np.ndarray, stream: bytes, count: int, one_by_one: bool) -> tuple | str:
     """(positions, values) or the refusal's message."""
-    layout = LAYOUTS[dtype]
     positions, values = np.empty(count, np.int64), np.empty(count, bits_type(dtype))
     try:
-        _condcoder.decode(
-            base,
-            stream,
-            positions,
-            values,
-            DTYPE_SIZES[dtype],
-            layout.class_shift,
-            layout.class_bits,
-            layout.sign_magnitude,
-            one_by_one,
-        )
+        _condcoder.decode(base, stream, positions, values, *coder_args(dtype), one_by_one)
     except ValueError as exc:
         return str(exc)
     return positions.tobytes(), values.tobytes()
@@ -132,8 +118,7 @@ def test_the_change_record_is_the_one_a_compare_pass_finds(seed, dtype, n, frac,
     rng = np.random.default_rng(seed)
     base = weight_like(dtype, n, rng)
     target = stepped(dtype, base, rng, frac, big=0.05)
-    layout = LAYOUTS[dtype]
-    args = (DTYPE_SIZES[dtype], layout.class_shift, layout.class_bits, layout.sign_magnitude, one_by_one)
+    args = (*coder_args(dtype), one_by_one)
     count, stream, gaps, values = _condcoder.encode(base, target, *args, True)
     assert (count, stream) == _condcoder.encode(base, target, *args)
     assert (count, gaps, values) == _bitdiff.diff(base, target, DTYPE_SIZES[dtype], False)
