@@ -16,7 +16,8 @@ deterministic, so the same weights give the same version with the same bytes.
 Memory: the last published view is kept on the host, one copy (2 bytes per bf16 element:
 269 MB for SmolLM2-135M, 16 GB for an 8B model) plus its checksums (~100 bytes per tensor).
 :meth:`Publisher.publish` and :meth:`Publisher.stream_view` take a delta tensor by tensor
-(:mod:`.stream`): the kept view, one new tensor and the changed positions and bits (~1.5 % of the
+(:mod:`.stream`; small tensors one per CPU at a time, :mod:`.stream_workers`): the kept view, one new
+tensor and the changed positions and bits (~1.5 % of the
 view at 1 % changed elements), anchors included (their shards are written one tensor at a time);
 after the commit the changes are written into the kept view in place. They take the whole new view
 instead (one more copy until it is committed) for version 0, after ``resume="anchor"``, with
@@ -62,6 +63,7 @@ from .served_view import (
     served_view,
 )
 from .stream import StreamedView, ViewStreamer
+from .stream_workers import take_in_parallel
 from .tied_head import fold_tied_head, ties_of_config, ties_of_module
 from .version_parts import ViewPart
 
@@ -215,12 +217,9 @@ class Publisher(PublisherCore):
         state = checkpoint_state(model_or_state_dict, self._tied_of(model_or_state_dict))  # the tied head folded
         return self._streamed(((name, state[name]) for name in sorted(state)), tied=False)
 
-    def _served_pairs(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]]
-    ) -> Iterator[tuple[str, RawTensor | torch.Tensor]]:
-        """The served tensors of a stream, one input tensor at a time (cast, then the per-tensor recipe): host
-        copies, or, for a tensor on a device other than the CPU (and a recipe that runs there), fresh tensors on that
-        device, which the streamer diffs where they live (:mod:`.device_diff`)."""
+    def _served_inputs(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """A stream's inputs by checkpoint name, each name once, a ``DTensor`` gathered (on the calling thread, in
+        stream order: a collective)."""
         seen: set[str] = set()
         for raw_name, tensor in named_tensors:
             name = checkpoint_name(raw_name)
@@ -229,13 +228,16 @@ class Publisher(PublisherCore):
                     f"{raw_name!r} and another tensor both map to checkpoint name {name!r}", name=name
                 )
             seen.add(name)
-            full = gather_full(tensor)
-            if on_device(full) and self.served.on_device:
-                cast_t = cast_served_where_it_lives(name, full, self.dtypes, self.default_dtype)
-                yield from self.served.apply_tensor(name, cast_t, TORCH_DTYPE_NAMES[cast_t.dtype]).items()
-                continue
-            cast = cast_served(name, full, self.dtypes, self.default_dtype)
-            yield from self.served.apply({name: cast}).items()
+            yield name, gather_full(tensor)
+
+    def _served_of(self, name: str, full: torch.Tensor) -> Iterable[tuple[str, RawTensor | torch.Tensor]]:
+        """One input's served tensors (cast, then the per-tensor recipe): host copies, or, for a tensor on a device
+        other than the CPU (and a recipe that runs there), fresh tensors on that device, which the streamer diffs
+        where they live (:mod:`.device_diff`)."""
+        if on_device(full) and self.served.on_device:
+            cast_t = cast_served_where_it_lives(name, full, self.dtypes, self.default_dtype)
+            return self.served.apply_tensor(name, cast_t, TORCH_DTYPE_NAMES[cast_t.dtype]).items()
+        return self.served.apply({name: cast_served(name, full, self.dtypes, self.default_dtype)}).items()
 
     @functools.cached_property
     def _device_differ(self) -> DeviceDiffer:
@@ -247,14 +249,16 @@ class Publisher(PublisherCore):
         streamer = ViewStreamer(
             self._published, self.encoding, tied, device=self._device_differ, part_bytes=self.part_bytes
         )
-        return self._noted(_stream_into(streamer, self._served_pairs(named_tensors)))
+        alone_bytes = 2 * (self.part_bytes or PART_BYTES)  # a float32 master of a tensor coded in row parts
+        return self._noted(take_in_parallel(streamer, self._served_inputs(named_tensors), self._served_of, alone_bytes))
 
     def stream_view(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> StreamedView:
         """The served view of a stream of ``(name, tensor)`` pairs as its delta from the kept view, for
         :meth:`publish_view`: each tensor is cast and given the run's recipe as it arrives, diffed against the
         kept tensor and dropped (:mod:`.stream`); the tied head is folded as :meth:`view_of_stream` does.
 
-        Memory: the kept view plus one tensor and the changed positions and bits. Where a delta cannot be
+        Memory: the kept view plus one tensor (or one small tensor per CPU, taken on worker threads:
+        :mod:`.stream_workers`) and the changed positions and bits. Where a delta cannot be
         streamed (see the module docstring: version 0, ``resume="anchor"``, squashes, ``nvfp4``), the result
         holds the whole new view (:meth:`view_of_stream`). A publish whose commit answer was lost is settled
         first (its version adopted if the bulletin holds it). Its ``checksums`` are the new view's; publish it

@@ -7,8 +7,9 @@ exactly what the whole-view diff runs, so the patch file is byte-identical), and
 checksum and its changed positions and bits (:class:`TensorChange`: the ``overwrite`` coder's varint gaps and
 values, ~3 bytes per changed bf16 element; taken from the encoder's own scan where it has one, a tensor coded as
 one stream, else by a second compare pass); the new tensor is then dropped. A tensor the kept view lacks (a
-new name, dtype or shape) is kept whole: it joins the kept view. Memory: the kept view, one new tensor, and
-the changes (~1.5 % of a bf16 view at 1 % changed elements). A tensor given as a torch tensor on a GPU is diffed
+new name, dtype or shape) is kept whole: it joins the kept view. Memory: the kept view, one new tensor (one small
+one per CPU where :mod:`.stream_workers` takes them on worker threads), and the changes (~1.5 % of a bf16 view
+at 1 % changed elements). A tensor given as a torch tensor on a GPU is diffed
 there (:mod:`.device_diff`: the same positions and bits, only the changes copied to the host); the rest on the host.
 
 The kept view stays untouched until the version is committed (a failed or retried publish diffs against it
@@ -20,6 +21,7 @@ before it is written. An anchor's shards are written one tensor at a time from t
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -195,6 +197,8 @@ class ViewStreamer:
         self._changes: dict[str, TensorChange] = {}
         self._whole: dict[str, RawTensor] = {}
         self._heads: dict[str, RawTensor] = {}
+        self._names: set[str] = set()
+        self._names_lock = threading.Lock()
 
     def _kept(self, name: str, t: RawTensor) -> RawTensor | None:
         return self._kept_as(name, t.dtype, tuple(t.shape))
@@ -214,12 +218,17 @@ class ViewStreamer:
         the kept view holds its name, dtype and shape (only its changes come to the host); any other torch tensor
         is copied to the host first.
 
+        Safe to call from several threads at once for host tensors (:mod:`.stream_workers`); a tensor on a GPU is
+        given from one thread only.
+
         Raises:
             CheckpointNameError: ``name`` was already given.
             ServedViewError: a torch tensor's dtype has no safetensors name.
         """
-        if name in self._layout or name in self._heads:
-            raise CheckpointNameError(f"tensor {name!r} appears twice in the streamed view", name=name)
+        with self._names_lock:
+            if name in self._names:
+                raise CheckpointNameError(f"tensor {name!r} appears twice in the streamed view", name=name)
+            self._names.add(name)
         if isinstance(t, torch.Tensor):
             kept = self._kept_as(name, TORCH_DTYPE_NAMES.get(t.dtype), tuple(t.shape))
             if on_device(t) and kept is not None and not (self.tied and name in TIED_HEADS):
