@@ -215,7 +215,7 @@ class Publisher(PublisherCore):
         if not self._can_stream():
             return None
         state = checkpoint_state(model_or_state_dict, self._tied_of(model_or_state_dict))  # the tied head folded
-        return self._streamed(((name, state[name]) for name in sorted(state)), tied=False)
+        return self._streamed(((name, state[name]) for name in sorted(state)), tied=False, stable=True)
 
     def _served_inputs(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """A stream's inputs by checkpoint name, each name once, a ``DTensor`` gathered (on the calling thread, in
@@ -245,12 +245,17 @@ class Publisher(PublisherCore):
         lasts as long as this publisher."""
         return DeviceDiffer(keep_on_device=self.device_kept_view)
 
-    def _streamed(self, named_tensors: Iterable[tuple[str, torch.Tensor]], tied: bool | None) -> StreamedView:
+    def _streamed(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], tied: bool | None, stable: bool
+    ) -> StreamedView:
+        """The streamed delta of ``named_tensors`` (``stable``: tensors that keep their memory while the stream
+        runs, a model's own, so their casts run on the stream's workers too: :mod:`.stream_workers`)."""
         streamer = ViewStreamer(
             self._published, self.encoding, tied, device=self._device_differ, part_bytes=self.part_bytes
         )
         alone_bytes = 2 * (self.part_bytes or PART_BYTES)  # a float32 master of a tensor coded in row parts
-        return self._noted(take_in_parallel(streamer, self._served_inputs(named_tensors), self._served_of, alone_bytes))
+        inputs = self._served_inputs(named_tensors)
+        return self._noted(take_in_parallel(streamer, inputs, self._served_of, alone_bytes, cast_on_workers=stable))
 
     def stream_view(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> StreamedView:
         """The served view of a stream of ``(name, tensor)`` pairs as its delta from the kept view, for
@@ -276,7 +281,7 @@ class Publisher(PublisherCore):
         self.flush()
         self._resolve_pending()
         if self._can_stream():
-            return self._streamed(named_tensors, self._tied)
+            return self._streamed(named_tensors, self._tied, stable=False)  # a generator may reuse a yielded tensor
         return _stream_into(ViewStreamer(None, self.encoding, tied=False), self.view_of_stream(named_tensors).items())
 
     def stream_raw_view(self, named_raw: Iterable[tuple[str, RawTensor]]) -> StreamedView:

@@ -15,7 +15,10 @@ What runs where:
 - a larger one waits for the running ones and is taken alone on the calling thread: its served form is coded in
   row parts on every core already (:func:`~stitchboard.proto.codec.encode_tensor`), and at most one large tensor
   is held at a time, as before;
-- a tensor on a GPU is taken on the calling thread too (its diff runs on the device, :mod:`.device_diff`).
+- a tensor on a GPU is taken on the calling thread too (its diff runs on the device, :mod:`.device_diff`);
+- inputs from a producer that may reuse their memory once it yields the next (``cast_on_workers=False``: a
+  framework's weight generator given to ``stream_view``) are cast on the calling thread before the next is read,
+  and only their diff and encode run on the workers.
 
 The result is the same streamed view, byte for byte, as taking the tensors one by one: the patch lists its tensors
 in name order whatever order they were taken in (:func:`~stitchboard.proto.codec.build_patch`).
@@ -68,6 +71,8 @@ def take_in_parallel(
     inputs: Iterable[tuple[str, torch.Tensor]],
     served_of: ServedOf,
     alone_bytes: int,
+    *,
+    cast_on_workers: bool = True,
 ) -> StreamedView:
     """Feed ``streamer`` every served tensor of ``inputs``, several tensors at a time, and finish it.
 
@@ -80,6 +85,9 @@ def take_in_parallel(
             on a worker thread for a CPU tensor of at most ``alone_bytes``, else on the calling thread.
         alone_bytes: an input tensor larger than this (``numel * element_size``) is taken alone on the calling
             thread.
+        cast_on_workers: run ``served_of`` on the workers too; False: on the calling thread, so each input is
+            copied (cast) before the next one is read, for a producer that may reuse an input's memory once it
+            yields the next (a framework's weight generator); the workers then only diff and encode.
 
     Returns:
         ``streamer.finish()``.
@@ -93,6 +101,10 @@ def take_in_parallel(
         for served_name, t in served_of(name, full):
             streamer.add(served_name, t)
 
+    def add(served: list[tuple[str, RawTensor | torch.Tensor]]) -> None:
+        for served_name, t in served:
+            streamer.add(served_name, t)
+
     pool = _executor()
     running: deque[Future[None]] = deque()
     try:
@@ -104,7 +116,10 @@ def take_in_parallel(
                 continue
             while len(running) >= (1 + QUEUED) * workers():
                 running.popleft().result()
-            running.append(pool.submit(take, name, full))
+            if cast_on_workers:
+                running.append(pool.submit(take, name, full))
+            else:
+                running.append(pool.submit(add, list(served_of(name, full))))
         while running:
             running.popleft().result()
     finally:

@@ -263,3 +263,24 @@ def test_stream_view_of_a_stream_is_the_delta_publish_takes_of_the_model(bulleti
         weight = trainer.model.state_dict()["1.weight"]
         with pytest.raises(CheckpointNameError, match="both map to checkpoint name '1.weight'"):
             pub.stream_view([("module.1.weight", weight), ("1.weight", weight)])
+
+
+def test_stream_view_casts_each_tensor_before_reading_the_next(bulletin, run) -> None:
+    """A weight generator may hand every tensor of a shape in one reused buffer (refilled for the next): the stream
+    copies each one before it asks for the next, so the delta is the model's."""
+    trainer = ToyTrainer()
+    with Publisher(bulletin.url, run) as pub:
+        pub.publish(trainer.model)
+        trainer.step()
+        buffers: dict[tuple[int, ...], torch.Tensor] = {}
+
+        def reusing():
+            for name, t in trainer.model.state_dict().items():
+                buf = buffers.setdefault(tuple(t.shape), torch.empty_like(t))
+                buf.copy_(t)
+                yield name, buf
+
+        streamed = pub.stream_view(reusing())
+        taken = pub._stream_of(trainer.model)
+        assert taken is not None and streamed.part(META) == taken.part(META) and streamed.checksums == taken.checksums
+        assert len(buffers) < len(trainer.model.state_dict())  # some buffers were reused

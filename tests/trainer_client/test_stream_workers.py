@@ -139,3 +139,29 @@ def test_a_name_given_twice_by_two_workers_is_refused_by_name() -> None:
     streamer = ViewStreamer(_base(masters), "cond", tied=False)
     with pytest.raises(CheckpointNameError, match="shared.bias"):
         take_in_parallel(streamer, iter(_stepped(masters).items()), served_of, ALONE)
+
+
+def test_a_producer_that_reuses_one_buffer_is_cast_before_its_next_tensor_is_read() -> None:
+    """A weight generator that yields every tensor in the same buffer (filled anew for each): with
+    ``cast_on_workers=False`` each is cast on the calling thread before the next fill, so the view is the one the
+    tensors make one at a time."""
+    g = torch.Generator().manual_seed(5)
+    masters = {f"layers.{i}.weight": torch.randn(64, 32, generator=g) for i in range(24)}
+    base, new = _base(masters), _stepped(masters)
+    expected = ViewStreamer(base, "cond", tied=False)
+    for name, t in new.items():
+        expected.add(name, cast_served(name, t))
+
+    def reusing():
+        buf = torch.empty(64, 32)
+        for name, t in new.items():
+            buf.copy_(t)
+            yield name, buf
+
+    def slow_cast(name: str, t: torch.Tensor) -> list[tuple[str, RawTensor | torch.Tensor]]:
+        time.sleep(0.002)  # the workers lag behind the producer
+        return _cast(name, t)
+
+    streamer = ViewStreamer(base, "cond", tied=False)
+    got = take_in_parallel(streamer, reusing(), slow_cast, ALONE, cast_on_workers=False)
+    assert got.part(META) == expected.finish().part(META)
