@@ -63,7 +63,7 @@ from .served_view import (
     served_view,
 )
 from .stream import StreamedView, ViewStreamer
-from .stream_workers import take_in_parallel
+from .stream_workers import SMALL_BYTES, take_in_parallel
 from .tied_head import fold_tied_head, ties_of_config, ties_of_module
 from .version_parts import ViewPart
 
@@ -253,17 +253,16 @@ class Publisher(PublisherCore):
         streamer = ViewStreamer(
             self._published, self.encoding, tied, device=self._device_differ, part_bytes=self.part_bytes
         )
-        alone_bytes = 2 * (self.part_bytes or PART_BYTES)  # a float32 master of a tensor coded in row parts
         inputs = self._served_inputs(named_tensors)
-        return self._noted(take_in_parallel(streamer, inputs, self._served_of, alone_bytes, cast_on_workers=stable))
+        return self._noted(take_in_parallel(streamer, inputs, self._served_of, SMALL_BYTES, cast_on_workers=stable))
 
     def stream_view(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> StreamedView:
         """The served view of a stream of ``(name, tensor)`` pairs as its delta from the kept view, for
         :meth:`publish_view`: each tensor is cast and given the run's recipe as it arrives, diffed against the
         kept tensor and dropped (:mod:`.stream`); the tied head is folded as :meth:`view_of_stream` does.
 
-        Memory: the kept view plus one tensor (or one small tensor per CPU, taken on worker threads:
-        :mod:`.stream_workers`) and the changed positions and bits. Where a delta cannot be
+        Memory: the kept view plus one tensor (or up to 32 tensors of at most 4 MiB, cast before the worker threads
+        take them: :mod:`.stream_workers`) and the changed positions and bits. Where a delta cannot be
         streamed (see the module docstring: version 0, ``resume="anchor"``, squashes, ``nvfp4``), the result
         holds the whole new view (:meth:`view_of_stream`). A publish whose commit answer was lost is settled
         first (its version adopted if the bulletin holds it). Its ``checksums`` are the new view's; publish it

@@ -7,9 +7,9 @@ exactly what the whole-view diff runs, so the patch file is byte-identical), and
 checksum and its changed positions and bits (:class:`TensorChange`: the ``overwrite`` coder's varint gaps and
 values, ~3 bytes per changed bf16 element; taken from the encoder's own scan where it has one, a tensor coded as
 one stream, else by a second compare pass); the new tensor is then dropped. A tensor the kept view lacks (a
-new name, dtype or shape) is kept whole: it joins the kept view. Memory: the kept view, one new tensor (one small
-one per CPU where :mod:`.stream_workers` takes them on worker threads), and the changes (~1.5 % of a bf16 view
-at 1 % changed elements). A tensor given as a torch tensor on a GPU is diffed
+new name, dtype or shape) is kept whole: it joins the kept view. Memory: the kept view, one new tensor (or a few
+small ones where :mod:`.stream_workers` takes them on worker threads), and the changes (~1.5 % of a bf16 view at
+1 % changed elements). A tensor given as a torch tensor on a GPU is diffed
 there (:mod:`.device_diff`: the same positions and bits, only the changes copied to the host); the rest on the host.
 
 The kept view stays untouched until the version is committed (a failed or retried publish diffs against it

@@ -9,12 +9,14 @@ calling thread gathers the next inputs (a ``DTensor``'s ``full_tensor()`` is a c
 thread, in stream order).
 
 What runs where:
-- a tensor of at most ``alone_bytes`` input bytes is cast and taken on a worker, :func:`workers` at a time, with
-  up to :data:`QUEUED` more inputs handed over per worker so none waits for the calling thread (memory: the kept
-  view plus that many small tensors; SmolLM2 on 2 cores: stream 0.27 -> 0.22-0.24 s, same process, alternating);
-- a larger one waits for the running ones and is taken alone on the calling thread: its served form is coded in
-  row parts on every core already (:func:`~stitchboard.proto.codec.encode_tensor`), and at most one large tensor
-  is held at a time, as before;
+- a tensor of at most ``alone_bytes`` input bytes (the publisher passes :data:`SMALL_BYTES`) is cast and taken on
+  a worker, :func:`workers` at a time, with up to :data:`QUEUED` more inputs handed over per worker so none waits
+  for the calling thread (SmolLM2 on 2 cores: stream 0.27 -> 0.22-0.24 s, same process, alternating). Memory: the
+  kept view plus one cast per worker; with ``cast_on_workers=False`` up to ``(1 + QUEUED) * workers()`` casts
+  (at most 32 MiB on 2 CPUs, 128 MiB on 8 or more);
+- a larger one waits for the running ones and is taken alone on the calling thread, so at most one large tensor is
+  held at a time, as before (with the publisher's row parts it is coded on every core,
+  :func:`~stitchboard.proto.codec.encode_tensor`; with ``part_bytes=None`` on one);
 - a tensor on a GPU is taken on the calling thread too (its diff runs on the device, :mod:`.device_diff`);
 - inputs from a producer that may reuse their memory once it yields the next (``cast_on_workers=False``: a
   framework's weight generator given to ``stream_view``) are cast on the calling thread before the next is read,
@@ -39,19 +41,34 @@ from stitchboard.proto.container import RawTensor
 from .device_diff import on_device
 from .stream import StreamedView, ViewStreamer
 
-__all__ = ["QUEUED", "take_in_parallel", "workers"]
+__all__ = ["QUEUED", "SMALL_BYTES", "take_in_parallel", "workers"]
 
 #: Inputs handed to the pool per worker beyond the one it runs: a worker that finishes a tensor starts the next
 #: without waiting for the calling thread to get the GIL back.
 QUEUED = 3
+
+#: Input bytes up to which the publisher takes a tensor on a worker: twice the default row-part size
+#: (:data:`.link.PART_BYTES`), a float32 master of a tensor served in one bf16 part; whatever ``part_bytes`` is.
+SMALL_BYTES = 4 << 20
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
 
 def workers() -> int:
-    """Tensors a stream takes at once: one per CPU, at most 8."""
-    return max(1, min(8, os.cpu_count() or 1))
+    """Tensors a stream takes at once: one per CPU this process may run on, at most 8."""
+    usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    return max(1, min(8, len(usable)))
+
+
+def _forget_pool() -> None:
+    """In a forked child: the parent's pool threads do not exist there; the next stream starts a new pool."""
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
 
 
 def _executor() -> ThreadPoolExecutor:
@@ -93,8 +110,10 @@ def take_in_parallel(
         ``streamer.finish()``.
 
     Raises:
-        Whatever ``inputs``, ``served_of`` or the streamer raise (the first one, after every running tensor has
-        stopped: the streamer is then dropped, and the kept view was never written).
+        Whatever ``inputs``, ``served_of`` or the streamer raise: the first error the calling thread meets (an
+        error of ``inputs`` before that of a worker still queued for it), after the tensors not started are
+        cancelled and the running ones have stopped; the streamer is then dropped, and the kept view was never
+        written.
     """
 
     def take(name: str, full: torch.Tensor) -> None:
@@ -105,7 +124,7 @@ def take_in_parallel(
         for served_name, t in served:
             streamer.add(served_name, t)
 
-    pool = _executor()
+    pool, window = _executor(), (1 + QUEUED) * workers()
     running: deque[Future[None]] = deque()
     try:
         for name, full in inputs:
@@ -114,7 +133,7 @@ def take_in_parallel(
                     running.popleft().result()
                 take(name, full)
                 continue
-            while len(running) >= (1 + QUEUED) * workers():
+            while len(running) >= window:
                 running.popleft().result()
             if cast_on_workers:
                 running.append(pool.submit(take, name, full))
@@ -123,5 +142,7 @@ def take_in_parallel(
         while running:
             running.popleft().result()
     finally:
-        wait(running)  # on an error: no worker may still write the streamer
+        for future in running:  # on an error: nothing more starts, and no worker may still write the streamer
+            future.cancel()
+        wait(running)
     return streamer.finish()

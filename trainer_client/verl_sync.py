@@ -114,9 +114,10 @@ class StepPublisher:
         committer: whether this process commits (verl's ``is_master``: rank 0); the others consume the stream only.
 
     The publisher is made on first use and kept (its view is the base of the next delta). Memory on rank 0: the
-    kept view (2 bytes per bf16 element) plus one streamed tensor and the changed positions and bits, each tensor
-    diffed as it arrives (:meth:`Publisher.stream_view`; the first step, with no kept view yet, holds the new view
-    whole); on other ranks one streamed tensor.
+    kept view (2 bytes per bf16 element) plus one streamed tensor (or up to 32 of at most 4 MiB, waiting for the
+    worker threads that diff them) and the changed positions and bits, each tensor cast as it arrives
+    (:meth:`Publisher.stream_view`; the first step, with no kept view yet, holds the new view whole); on other
+    ranks one streamed tensor.
     """
 
     def __init__(self, options: VerlOptions, committer: bool) -> None:

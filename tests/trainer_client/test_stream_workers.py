@@ -3,6 +3,7 @@ time, large tensors on the calling thread, and an error that stops the stream on
 
 from __future__ import annotations
 
+import multiprocessing
 import threading
 import time
 
@@ -110,6 +111,7 @@ def test_an_error_on_a_worker_is_raised_after_every_worker_stopped() -> None:
 
 
 def test_an_error_reading_the_inputs_stops_the_stream_after_the_workers() -> None:
+    """The sixth input fails to arrive (a collective): queued tensors are cancelled, running ones finish first."""
     masters = _masters()
     taken: list[str] = []
 
@@ -127,7 +129,10 @@ def test_an_error_reading_the_inputs_stops_the_stream_after_the_workers() -> Non
     streamer = ViewStreamer(_base(masters), "cond", tied=False)
     with pytest.raises(RuntimeError, match="collective"):
         take_in_parallel(streamer, inputs(), served_of, ALONE)
-    assert sorted(taken) == sorted(list(masters)[:5])  # every input before it, and each one finished
+    settled = list(taken)
+    time.sleep(0.05)
+    assert taken == settled  # a tensor not started when it failed was cancelled; the running ones had finished
+    assert set(list(masters)[:2]) <= set(settled) <= set(list(masters)[:5])  # the large ones were taken in place
 
 
 def test_a_name_given_twice_by_two_workers_is_refused_by_name() -> None:
@@ -165,3 +170,52 @@ def test_a_producer_that_reuses_one_buffer_is_cast_before_its_next_tensor_is_rea
     streamer = ViewStreamer(base, "cond", tied=False)
     got = take_in_parallel(streamer, reusing(), slow_cast, ALONE, cast_on_workers=False)
     assert got.part(META) == expected.finish().part(META)
+
+
+def test_tensors_still_queued_when_the_stream_fails_are_never_taken() -> None:
+    """Twelve inputs arrive (two large ones first), then the thirteenth fails: the small ones still waiting for a
+    worker are cancelled rather than cast, diffed and coded for a stream that is dropped."""
+    masters = _masters()
+    taken: list[str] = []
+
+    def inputs():
+        for i, (name, t) in enumerate(_stepped(masters).items()):
+            if i == 12:
+                raise RuntimeError("the collective gathering the next tensor failed")
+            yield name, t
+
+    def served_of(name: str, t: torch.Tensor) -> list[tuple[str, RawTensor | torch.Tensor]]:
+        time.sleep(0.05)
+        taken.append(name)
+        return _cast(name, t)
+
+    streamer = ViewStreamer(_base(masters), "cond", tied=False)
+    with pytest.raises(RuntimeError, match="collective"):
+        take_in_parallel(streamer, inputs(), served_of, ALONE)
+    assert len(taken) < 12  # some of the ten small ones never ran
+
+
+def _stream_in_child(queue) -> None:
+    masters = _masters()
+    streamer = ViewStreamer(_base(masters), "cond", tied=False)
+    view = take_in_parallel(streamer, iter(_stepped(masters).items()), _cast, ALONE)
+    queue.put(view.part(META).changed_elements)
+
+
+def test_a_process_forked_after_a_stream_streams_with_a_pool_of_its_own() -> None:
+    """The parent's pool threads do not exist in a forked child: its stream starts a new pool instead of queueing
+    tensors for threads that never run them."""
+    masters = _masters()
+    parent = take_in_parallel(
+        ViewStreamer(_base(masters), "cond", tied=False), iter(_stepped(masters).items()), _cast, ALONE
+    )
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_stream_in_child, args=(queue,))
+    child.start()
+    try:
+        assert queue.get(timeout=60) == parent.part(META).changed_elements
+    finally:
+        child.join(timeout=10)
+        if child.is_alive():
+            child.kill()
