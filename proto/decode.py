@@ -21,10 +21,8 @@ before anything is written.
 from __future__ import annotations
 
 import itertools
-import os
 import struct
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,6 +45,7 @@ from .dtypes import DTYPE_SIZES, MAX_NUMEL, bits_type, numel_of
 from .errors import BaseMismatchError, PatchFormatError, SchemaError, TargetMismatchError, TensorSetMismatchError
 from .patched_digest import patched_checksum
 from .schema import XXH3_128, check_digest, check_path
+from .threads import thread_map
 
 #: Largest decompressed index accepted (about 100 k tensors).
 MAX_INDEX_BYTES = 64 * 1024**2
@@ -258,12 +257,8 @@ class Patch:
                 f"{self._what}: a cond patch decodes against its base: pass the current bits of its tensors"
             )
         order = sorted(self.entries, key=lambda n: -self.entries[n].numel)
-        with ThreadPoolExecutor(max_workers=threads or min(8, os.cpu_count() or 1)) as pool:
-            decoded = dict(
-                zip(
-                    order, pool.map(lambda n: self.delta(n, bases[n], base_verified=bases_verified), order), strict=True
-                )
-            )
+        deltas = thread_map(lambda n: self.delta(n, bases[n], base_verified=bases_verified), order, threads)
+        decoded = dict(zip(order, deltas, strict=True))
         return {name: decoded[name] for name in self.entries}
 
 

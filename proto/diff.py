@@ -6,14 +6,13 @@ and xxhash release the GIL, so on an N-core host up to N tensors are encoded at 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from .codec import DEFAULT_LEVEL, EncodedTensor, PatchEncoding, build_patch, checksum, encode_tensor
 from .container import RawTensor
 from .errors import TensorSetMismatchError
+from .threads import thread_map
 
 
 @dataclass(frozen=True)
@@ -101,8 +100,7 @@ def diff_views(
         )
         return name, target_sum, enc
 
-    with ThreadPoolExecutor(max_workers=threads or min(8, os.cpu_count() or 1)) as pool:
-        results = list(pool.map(one, order))
+    results = thread_map(one, order, threads)
     encoded = [e for _, _, e in results if e is not None]
     return ViewDiff(
         patch=build_patch(encoded, encoding, metadata, level),

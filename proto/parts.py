@@ -23,8 +23,6 @@ block's bits in its row-major order; it needs no whole tensor in one place, only
 from __future__ import annotations
 
 import itertools
-import os
-import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -38,6 +36,7 @@ from .container import RawTensor
 from .dtypes import DTYPE_SIZES
 from .errors import PatchFormatError
 from .schema import XXH3_128, XXH3_128_PARTS, Encoding
+from .threads import SharedPool
 
 __all__ = [
     "PART_KEYS",
@@ -70,18 +69,13 @@ Layout = tuple[tuple[int, int, int], ...]
 PART_KEYS = frozenset({"dim", "start", "stop", "count", "base", "target", "bytes"})
 
 
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
+_PART_THREADS = SharedPool("stitch-parts")
 
 
 def pool() -> ThreadPoolExecutor:
-    """The process's threads for part encoding and decoding: one per CPU, at most 8 (the C coders
-    release the GIL while they run). Never submit to it from one of its own tasks."""
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="stitch-parts")
-        return _pool
+    """The process's threads for part encoding and decoding (:class:`~.threads.SharedPool`: one per usable CPU, at
+    most 8; the C coders release the GIL while they run). Never submit to it from one of its own tasks."""
+    return _PART_THREADS()
 
 
 def grid(shape: Sequence[int]) -> tuple[int, int]:

@@ -10,12 +10,10 @@ retried publish is the same version with the same bytes.
 from __future__ import annotations
 
 import hashlib
-import os
-from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import numpy as np
 
@@ -24,11 +22,9 @@ from stitchboard.proto.codec import EncodedTensor, build_patch, checksum, encode
 from stitchboard.proto.container import RawTensor
 from stitchboard.proto.diff import diff_views
 from stitchboard.proto.schema import XXH3_128, Encoding, FileRef, TensorSpec, VersionManifest, VersionStats
+from stitchboard.proto.threads import thread_map
 
 from .link import PART_BYTES
-
-A = TypeVar("A")
-B = TypeVar("B")
 
 #: The role of a file in a manifest (see :class:`~stitchboard.proto.schema.FileRef`).
 FileRole = Literal["patch", "snapshot", "asset"]
@@ -67,15 +63,10 @@ class EncodedPart:
     tensor_set_changed: bool
 
 
-def _pool_map(fn: Callable[[A], B], items: Iterable[A]) -> list[B]:
-    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        return list(pool.map(fn, items))
-
-
 def checksums_of(view: Mapping[str, RawTensor]) -> dict[str, str]:
     """name -> xxh3-128 hex digest of every tensor (hashed in a thread pool)."""
     names = sorted(view)
-    return dict(zip(names, _pool_map(lambda n: checksum(view[n]), names), strict=True))
+    return dict(zip(names, thread_map(lambda n: checksum(view[n]), names), strict=True))
 
 
 def encode_part(
@@ -138,7 +129,7 @@ def encode_part(
             name, flipped, t, "overwrite", base_checksum=base[name].checksum, target_checksum=sums[name]
         )
 
-    encoded = [e for e in _pool_map(whole, common) if e is not None]
+    encoded = [e for e in thread_map(whole, common) if e is not None]
     return EncodedPart(
         build_patch(encoded, "overwrite", metadata),
         "overwrite",

@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, MutableMapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +40,7 @@ from stitchboard.proto.decode import read_patch
 from stitchboard.proto.errors import BaseMismatchError, PatchError, TargetMismatchError
 from stitchboard.proto.schema import XXH3_128, Encoding, FileRef, VersionManifest, canonical_json
 from stitchboard.proto.squash_schema import MIN_SQUASH_SPAN, SquashManifest
+from stitchboard.proto.threads import thread_map
 
 from .encode_version import bytes_ref
 
@@ -87,11 +86,6 @@ class _Record:
     base_digest: str
     encoded_bytes: int
     changes: dict[str, tuple[np.ndarray, np.ndarray]]
-
-
-def _pool_map(fn: Callable[[str], Any], names: list[str]) -> list[Any]:
-    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        return list(pool.map(fn, names))
 
 
 class RecentViews:
@@ -148,7 +142,7 @@ class RecentViews:
             at = np.flatnonzero(old[name].bits != new[name].bits)
             return at, old[name].bits[at]
 
-        changes = dict(zip(moved, _pool_map(reverse, moved), strict=True))
+        changes = dict(zip(moved, thread_map(reverse, moved), strict=True))
         self._records.append(
             _Record(manifest.version, dict(old_checksums), self.latest_digest, manifest.stats.encoded_bytes, changes)
         )
@@ -188,7 +182,7 @@ class RecentViews:
                     bits[at] = old
             return RawTensor(t.dtype, tuple(t.shape), bits)
 
-        return dict(zip(names, _pool_map(rebuild, names), strict=True))
+        return dict(zip(names, thread_map(rebuild, names), strict=True))
 
 
 def encode_squash(
@@ -219,7 +213,7 @@ def encode_squash(
     base_sums, _ = views.base_of(base)
     old = views.view_at(base, latest)
     names = sorted(n for n in old if base_sums[n] != target_checksums[n])
-    encoded = _pool_map(
+    encoded = thread_map(
         lambda n: encode_tensor(
             n, old[n], latest[n], encoding, base_checksum=base_sums[n], target_checksum=target_checksums[n]
         ),
@@ -270,7 +264,7 @@ def check_squash(
         if entry.target.get(XXH3_128) != target_checksums.get(name):
             raise TargetMismatchError(f"the squash's entry for tensor {name!r} names another target checksum")
     unlisted = [n for n in old if n not in patch.entries]  # changed since the base, and back
-    sums = dict(zip(unlisted, _pool_map(lambda n: checksum(old[n]), unlisted), strict=True))
+    sums = dict(zip(unlisted, thread_map(lambda n: checksum(old[n]), unlisted), strict=True))
     wrong = sorted(n for n in unlisted if sums[n] != base_checksums[n] or base_checksums[n] != target_checksums[n])
     missed = sorted(n for n in latest if n not in old and base_checksums[n] != target_checksums[n])
     if wrong or missed:

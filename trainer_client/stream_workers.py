@@ -4,15 +4,16 @@
 the codec's diff and encode. Each of these runs in torch or in C with the GIL released, and most tensors of a model
 are small (SmolLM2-135M: 272 tensors, 271 under 2 MB served), so a stream taken on the calling thread alone keeps
 one core busy (measured on this project's 2-core CI host: 0.48 s of CPU in a 0.44 s publish with torch held to one
-thread). :func:`take_in_parallel` casts and takes :func:`workers` tensors at once on its own threads, while the
+thread). :func:`take_in_parallel` casts and takes one tensor per CPU at once on its own threads (a
+:class:`~stitchboard.proto.threads.SharedPool` of :func:`~stitchboard.proto.threads.cpu_threads`), while the
 calling thread gathers the next inputs (a ``DTensor``'s ``full_tensor()`` is a collective: it stays on the calling
 thread, in stream order).
 
 What runs where:
 - a tensor of at most ``alone_bytes`` input bytes (the publisher passes :data:`SMALL_BYTES`) is cast and taken on
-  a worker, :func:`workers` at a time, with up to :data:`QUEUED` more inputs handed over per worker so none waits
+  a worker, one per CPU at a time, with up to :data:`QUEUED` more inputs handed over per worker so none waits
   for the calling thread (SmolLM2 on 2 cores: stream 0.27 -> 0.22-0.24 s, same process, alternating). Memory: the
-  kept view plus one cast per worker; with ``cast_on_workers=False`` up to ``(1 + QUEUED) * workers()`` casts
+  kept view plus one cast per worker; with ``cast_on_workers=False`` up to ``(1 + QUEUED) * cpu_threads()`` casts
   (at most 32 MiB on 2 CPUs, 128 MiB on 8 or more);
 - a larger one waits for the running ones and is taken alone on the calling thread, so at most one large tensor is
   held at a time, as before (with the publisher's row parts it is coded on every core,
@@ -28,20 +29,19 @@ in name order whatever order they were taken in (:func:`~stitchboard.proto.codec
 
 from __future__ import annotations
 
-import os
-import threading
 from collections import deque
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 
 import torch
 
 from stitchboard.proto.container import RawTensor
+from stitchboard.proto.threads import SharedPool, cpu_threads
 
 from .device_diff import on_device
 from .stream import StreamedView, ViewStreamer
 
-__all__ = ["QUEUED", "SMALL_BYTES", "take_in_parallel", "workers"]
+__all__ = ["QUEUED", "SMALL_BYTES", "take_in_parallel"]
 
 #: Inputs handed to the pool per worker beyond the one it runs: a worker that finishes a tensor starts the next
 #: without waiting for the calling thread to get the GIL back.
@@ -51,33 +51,8 @@ QUEUED = 3
 #: (:data:`.link.PART_BYTES`), a float32 master of a tensor served in one bf16 part; whatever ``part_bytes`` is.
 SMALL_BYTES = 4 << 20
 
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-
-
-def workers() -> int:
-    """Tensors a stream takes at once: one per CPU this process may run on, at most 8."""
-    usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
-    return max(1, min(8, len(usable)))
-
-
-def _forget_pool() -> None:
-    """In a forked child: the parent's pool threads do not exist there; the next stream starts a new pool."""
-    global _pool, _pool_lock
-    _pool, _pool_lock = None, threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_pool)
-
-
-def _executor() -> ThreadPoolExecutor:
-    """The process's stream threads (shared by its publishers; their tasks never submit to it)."""
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=workers(), thread_name_prefix="stitch-stream")
-        return _pool
+#: The process's stream threads (shared by its publishers; their tasks submit to the part threads, never to these).
+_STREAM_THREADS = SharedPool("stitch-stream")
 
 
 ServedOf = Callable[[str, torch.Tensor], Iterable[tuple[str, RawTensor | torch.Tensor]]]
@@ -116,15 +91,14 @@ def take_in_parallel(
         written.
     """
 
-    def take(name: str, full: torch.Tensor) -> None:
-        for served_name, t in served_of(name, full):
-            streamer.add(served_name, t)
-
-    def add(served: list[tuple[str, RawTensor | torch.Tensor]]) -> None:
+    def add(served: Iterable[tuple[str, RawTensor | torch.Tensor]]) -> None:
         for served_name, t in served:
             streamer.add(served_name, t)
 
-    pool, window = _executor(), (1 + QUEUED) * workers()
+    def take(name: str, full: torch.Tensor) -> None:
+        add(served_of(name, full))
+
+    pool, window = _STREAM_THREADS(), (1 + QUEUED) * cpu_threads()
     running: deque[Future[None]] = deque()
     try:
         for name, full in inputs:

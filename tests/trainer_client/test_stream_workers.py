@@ -6,17 +6,19 @@ from __future__ import annotations
 import multiprocessing
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
 
 from stitchboard.proto.codec import checksum
 from stitchboard.proto.container import RawTensor
+from stitchboard.proto.threads import cpu_threads
 from stitchboard.trainer_client.encode_version import BaseTensor
 from stitchboard.trainer_client.errors import CheckpointNameError
 from stitchboard.trainer_client.served_view import cast_served
 from stitchboard.trainer_client.stream import ViewStreamer
-from stitchboard.trainer_client.stream_workers import QUEUED, take_in_parallel, workers
+from stitchboard.trainer_client.stream_workers import QUEUED, ServedOf, take_in_parallel
 from stitchboard.trainer_client.version_parts import PublishedVersion
 
 META = {"run": "r", "version": "1", "base_version": "0"}
@@ -47,6 +49,25 @@ def _base(masters: dict[str, torch.Tensor]) -> PublishedVersion:
 
 def _cast(name: str, t: torch.Tensor) -> list[tuple[str, RawTensor | torch.Tensor]]:
     return [(name, cast_served(name, t))]
+
+
+def _failing_after(masters: dict[str, torch.Tensor], count: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """The stepped masters' first ``count`` inputs, then a collective that fails to bring the next."""
+    for i, (name, t) in enumerate(_stepped(masters).items()):
+        if i == count:
+            raise RuntimeError("the collective gathering the next tensor failed")
+        yield name, t
+
+
+def _recording(taken: list[str], seconds: float) -> ServedOf:
+    """:func:`_cast` after ``seconds``, each name appended to ``taken`` once its cast is made."""
+
+    def served_of(name: str, t: torch.Tensor) -> list[tuple[str, RawTensor | torch.Tensor]]:
+        time.sleep(seconds)
+        taken.append(name)
+        return _cast(name, t)
+
+    return served_of
 
 
 @pytest.mark.parametrize("encoding", ["cond", "xor"])
@@ -87,7 +108,7 @@ def test_large_tensors_are_taken_on_the_calling_thread_alone_and_small_ones_on_w
         assert seen[name] == (threading.current_thread().name, 1), name  # alone: nothing else running
     small = [thread for name, (thread, _) in seen.items() if name.startswith("layers.")]
     assert all(thread.startswith("stitch-stream") for thread in small)
-    assert max(n for _, n in seen.values()) <= workers()
+    assert max(n for _, n in seen.values()) <= cpu_threads()
 
 
 def test_an_error_on_a_worker_is_raised_after_every_worker_stopped() -> None:
@@ -107,28 +128,16 @@ def test_an_error_on_a_worker_is_raised_after_every_worker_stopped() -> None:
     settled = list(finished)
     time.sleep(0.05)
     assert finished == settled  # nothing handed over before the raise still runs after it
-    assert len(settled) <= 11 + (1 + QUEUED) * workers()  # the 11 inputs before it, at most a window after it
+    assert len(settled) <= 11 + (1 + QUEUED) * cpu_threads()  # the 11 inputs before it, at most a window after it
 
 
 def test_an_error_reading_the_inputs_stops_the_stream_after_the_workers() -> None:
     """The sixth input fails to arrive (a collective): queued tensors are cancelled, running ones finish first."""
     masters = _masters()
     taken: list[str] = []
-
-    def inputs():
-        for i, (name, t) in enumerate(_stepped(masters).items()):
-            if i == 5:
-                raise RuntimeError("the collective gathering the next tensor failed")
-            yield name, t
-
-    def served_of(name: str, t: torch.Tensor) -> list[tuple[str, RawTensor | torch.Tensor]]:
-        time.sleep(0.01)
-        taken.append(name)
-        return _cast(name, t)
-
     streamer = ViewStreamer(_base(masters), "cond", tied=False)
     with pytest.raises(RuntimeError, match="collective"):
-        take_in_parallel(streamer, inputs(), served_of, ALONE)
+        take_in_parallel(streamer, _failing_after(masters, 5), _recording(taken, 0.01), ALONE)
     settled = list(taken)
     time.sleep(0.05)
     assert taken == settled  # a tensor not started when it failed was cancelled; the running ones had finished
@@ -177,21 +186,9 @@ def test_tensors_still_queued_when_the_stream_fails_are_never_taken() -> None:
     worker are cancelled rather than cast, diffed and coded for a stream that is dropped."""
     masters = _masters()
     taken: list[str] = []
-
-    def inputs():
-        for i, (name, t) in enumerate(_stepped(masters).items()):
-            if i == 12:
-                raise RuntimeError("the collective gathering the next tensor failed")
-            yield name, t
-
-    def served_of(name: str, t: torch.Tensor) -> list[tuple[str, RawTensor | torch.Tensor]]:
-        time.sleep(0.05)
-        taken.append(name)
-        return _cast(name, t)
-
     streamer = ViewStreamer(_base(masters), "cond", tied=False)
     with pytest.raises(RuntimeError, match="collective"):
-        take_in_parallel(streamer, inputs(), served_of, ALONE)
+        take_in_parallel(streamer, _failing_after(masters, 12), _recording(taken, 0.05), ALONE)
     assert len(taken) < 12  # some of the ten small ones never ran
 
 
