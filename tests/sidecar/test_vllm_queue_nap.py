@@ -45,10 +45,14 @@ from stitchboard.sidecar.engines.vllm.queue_nap import set_queue_nap
 set_queue_nap()  # a second load changes nothing
 reader = SpinCondition(True, zmq.Context(), "ipc:///tmp/stitch-queue-nap-probe")
 reader.last_read = time.monotonic()  # inside its busy window: 200 waits
+naps, sleep = [], time.sleep
+time.sleep = lambda s: (naps.append(s), sleep(s))[1]  # counts the naps (the plugin calls time.sleep)
 t, c = time.perf_counter(), time.process_time()
 for _ in range(200):
     reader.wait()
-print(f"{time.perf_counter() - t:.4f} {time.process_time() - c:.4f}")
+wall, cpu = time.perf_counter() - t, time.process_time() - c
+time.sleep = sleep
+print(f"{wall:.4f} {cpu:.4f} {len(naps)}")
 pid = os.fork()  # a forked child says it has the nap too
 if pid == 0:
     os._exit(0)
@@ -66,9 +70,9 @@ def test_readers_in_their_busy_window_nap_between_checks(monkeypatch: pytest.Mon
         monkeypatch.setenv(NAP_ENV, value)
     done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
-    wall, cpu = map(float, done.stdout.split("\n")[-2].split())
-    if value is None:  # vLLM's sched_yield loop: no sleep, all CPU
-        assert wall < 0.2 and done.stderr.count(NAP_FLAG_LINE) == 0
+    wall, cpu, naps = map(float, done.stdout.split("\n")[-2].split())
+    if value is None:  # vLLM's sched_yield loop: no nap (its wall time is the host's load, not asserted)
+        assert naps == 0 and done.stderr.count(NAP_FLAG_LINE) == 0, (naps, done.stderr)
     else:  # 200 naps of 2 ms: at least 0.4 s asleep, a small part of it on the CPU
-        assert wall >= 0.4 and cpu < wall / 4, (wall, cpu)
+        assert naps == 200 and wall >= 0.4 and cpu < wall / 4, (naps, wall, cpu)
         assert done.stderr.count(NAP_FLAG_LINE) == 2, done.stderr  # this process once (two loads), its child once
