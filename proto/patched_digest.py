@@ -11,8 +11,8 @@ per tensor:
   of a parted one) is copied into one buffer per thread, kept and reused, given its new bits and hashed: three
   calls that release the GIL;
 * a larger range is read where it lives, chunk by chunk (:data:`CHUNK_BYTES`): a chunk the delta does not touch
-  is hashed in place, a touched one copied into a small reused buffer (it stays in the core's cache), given its
-  new bits and hashed, xxh3-128's streaming state carrying over the chunks.
+  is hashed in place, a touched one copied into the start of the same thread buffer (it stays in the core's
+  cache), given its new bits and hashed, xxh3-128's streaming state carrying over the chunks.
 
 Both give the one-shot digest of the applied range bit for bit (xxh3's streaming and one-shot forms are the same
 function). The chunk loop holds the GIL for a few numpy calls per 256 KiB: two engine staging threads running it
@@ -61,7 +61,6 @@ def _apply(buf: np.ndarray, at: np.ndarray, values: np.ndarray, xor: bool) -> No
 def _digest_range(bits: np.ndarray, offset: int, positions: np.ndarray, values: np.ndarray, xor: bool) -> str:
     """xxh3-128 hex of ``bits`` (a flat contiguous range of a tensor starting at flat element ``offset``) with
     the changes ``positions`` (whole-tensor flat indices inside the range, increasing) applied."""
-    n = int(bits.size)
     if bits.nbytes <= WHOLE_BYTES:
         if not positions.size:
             return xxhash.xxh3_128_hexdigest(bits.view(np.uint8).data)
@@ -70,9 +69,10 @@ def _digest_range(bits: np.ndarray, offset: int, positions: np.ndarray, values: 
         _apply(buf, positions - offset if offset else positions, values, xor)
         return xxhash.xxh3_128_hexdigest(buf.view(np.uint8).data)
     h = xxhash.xxh3_128()
+    n = int(bits.size)
     step = max(1, CHUNK_BYTES // bits.itemsize)
     cuts = np.searchsorted(positions, offset + np.arange(0, n + step, step, dtype=np.int64))
-    scratch = np.empty(min(step, n), dtype=bits.dtype)
+    scratch = _buffer(step * bits.itemsize)[: step * bits.itemsize].view(bits.dtype)  # the same thread buffer
     for i, a in enumerate(range(0, n, step)):
         b = min(a + step, n)
         lo, hi = int(cuts[i]), int(cuts[i + 1])
