@@ -46,6 +46,11 @@ XXH3_128_PARTS = "xxh3_128_parts"
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _ALGORITHM = re.compile(r"[a-z0-9_]{1,32}")
+_HEX = re.compile(r"[0-9a-f]+")
+#: Where :meth:`VersionManifest.layout` keeps what it made (not a field: never validated, dumped or compared).
+_LAYOUT_KEY = "_stitch_layout"
+#: What :func:`check_name` refuses anywhere in a name: a drive prefix (``C:``), NUL and other control characters.
+_BAD_IN_NAME = re.compile(r"^[A-Za-z]:|[\x00-\x1f\x7f]")
 #: Hex digits of the digest of each known checksum algorithm; others take 8-128 hex digits.
 DIGEST_HEX_DIGITS = {
     XXH3_128: 32,
@@ -81,8 +86,7 @@ def check_name(name: str, what: str = "name") -> str:
         or ".." in name
         or name.startswith(("/", "\\"))
         or "\\" in name
-        or re.match(r"^[A-Za-z]:", name) is not None
-        or any(ord(c) < 32 or ord(c) == 127 for c in name)
+        or _BAD_IN_NAME.search(name) is not None
         or len(name) > 1024
     )
     if bad or any(part in ("", ".") for part in name.removesuffix("/").split("/")):
@@ -113,7 +117,7 @@ def check_digest(algorithm: str, digest: str) -> str:
     if not _ALGORITHM.fullmatch(algorithm):
         raise SchemaError(f"bad checksum algorithm {algorithm!r}: use 1-32 of [a-z0-9_]")
     want = DIGEST_HEX_DIGITS.get(algorithm)
-    ok = re.fullmatch(r"[0-9a-f]+", digest) is not None and (len(digest) == want if want else 8 <= len(digest) <= 128)
+    ok = _HEX.fullmatch(digest) is not None and (len(digest) == want if want else 8 <= len(digest) <= 128)
     if not ok:
         size = f"exactly {want}" if want else "8-128"
         raise SchemaError(f"bad checksum {algorithm!r}: {digest!r} (want {size} lowercase hex digits)")
@@ -423,8 +427,16 @@ class VersionManifest(_Model):
         return {t.name: tuple(t.parts) for t in self.tensors if t.parts is not None}
 
     def layout(self) -> frozenset[tuple[str, str, tuple[int, ...]]]:
-        """The tensor set as (name, dtype, shape) triples: a delta can only connect equal layouts."""
-        return frozenset((t.name, t.dtype, tuple(t.shape)) for t in self.tensors)
+        """The tensor set as (name, dtype, shape) triples: a delta can only connect equal layouts.
+
+        Made once per manifest (the bulletin's planner compares it for every version back to the anchor, per plan)
+        and kept in the instance's ``__dict__`` beside the tensor list it was made of: pydantic compares models by
+        their fields there, and a ``model_copy`` that replaces the tensors gets a new list, so it is made again."""
+        made = self.__dict__.get(_LAYOUT_KEY)
+        if made is None or made[0] is not self.tensors:
+            made = (self.tensors, frozenset((t.name, t.dtype, tuple(t.shape)) for t in self.tensors))
+            self.__dict__[_LAYOUT_KEY] = made
+        return made[1]
 
 
 class VersionInfo(_Model):

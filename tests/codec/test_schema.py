@@ -66,7 +66,9 @@ def test_base_must_be_previous_version(base):
         parse_manifest(manifest(version=3, base_version=base))
 
 
-@pytest.mark.parametrize("name", ["../etc/passwd", "/abs/path", "a\x00b", "C:evil", "a\\b", "x/../y", ""])
+@pytest.mark.parametrize(
+    "name", ["../etc/passwd", "/abs/path", "a\x00b", "a\x1fb", "end\x7f", "C:evil", "a\\b", "x/../y", "a//b", ""]
+)
 def test_bad_names_are_rejected(name):
     t = [{"name": name, "dtype": "BF16", "shape": [6], "checksums": SUM}]
     with pytest.raises(SchemaError, match="invalid tensor name"):
@@ -112,6 +114,22 @@ def test_bad_run_ids(run):
     with pytest.raises(SchemaError):
         check_run_id(run)
     assert check_run_id("run_1.v2-a") == "run_1.v2-a"
+
+
+@pytest.mark.parametrize("name", ["model.layers.0.w", "dir/ab:c.w", "caf\u00e9.w", "tab\u00a0w"])
+def test_good_names_pass(name):
+    t = [{"name": name, "dtype": "BF16", "shape": [2, 3], "checksums": SUM}]
+    assert parse_manifest(manifest(tensors=t)).tensors[0].name == name
+
+
+def test_layout_follows_a_copy_with_other_tensors():
+    m = parse_manifest(manifest())
+    assert m.layout() == {("model.w", "BF16", (2, 3))}
+    grown = m.model_copy(update={"tensors": [m.tensors[0].model_copy(update={"shape": [3, 2]})]})
+    assert grown.layout() == {("model.w", "BF16", (3, 2))}
+    assert m.model_copy(update={"version": 2, "base_version": 1}).layout() is m.layout()
+    assert m == parse_manifest(manifest()) and parse_manifest(manifest()) == m  # made or not, equal manifests
+    assert canonical_json(m) == canonical_json(parse_manifest(manifest())) and "_stitch" not in m.model_dump_json()
 
 
 def test_manifest_is_immutable():
