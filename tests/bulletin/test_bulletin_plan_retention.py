@@ -10,11 +10,11 @@ from typer.testing import CliRunner
 
 from stitchboard.bulletin.cli import app as bulletin_cli
 from stitchboard.bulletin.errors import InvalidRequestError, NotFoundError
-from stitchboard.bulletin.ledger import Ledger
+from stitchboard.bulletin.ledger import Ledger, version_key
 from stitchboard.bulletin.planner import make_plan
 from stitchboard.bulletin.retention import GcReport, collect_garbage, collect_run, kept_from
 from stitchboard.bulletin.stores import open_store
-from stitchboard.proto.schema import FileRef
+from stitchboard.proto.schema import FileRef, canonical_json
 from tests.bulletin.bulletin_helpers import make_manifest, sha, upload_version
 
 
@@ -142,3 +142,29 @@ def test_publish_refuses_a_tensor_set_change_without_snapshot(tmp_path):
     with pytest.raises(InvalidRequestError, match="changes the tensor set"):
         ledger.publish("r", changed)
     assert ledger.publish("r", v1)[1] is True
+
+
+def test_a_committed_version_is_read_from_memory_until_its_object_changes(tmp_path, monkeypatch):
+    ledger = Ledger(open_store(f"file://{tmp_path}"))
+    store = ledger.store
+    for tag, size in (("s0", 4), ("p1", 2)):
+        data = tag.encode().ljust(size, b"x")[:size]
+        store.put_new(f"runs/r/blobs/{sha(data)}", data)
+    snap = FileRef(path="model.safetensors", sha256=sha(b"s0xx"), size_bytes=4, role="snapshot")
+    patch = FileRef(path="patch.safetensors", sha256=sha(b"p1"), size_bytes=2, role="patch")
+    ledger.publish("r", make_manifest("r", 0, [snap]))
+    v1 = make_manifest("r", 1, [patch])
+    ledger.publish("r", v1)
+    reads: list[str] = []
+    get = store.get
+    monkeypatch.setattr(store, "get", lambda key: reads.append(key) or get(key))
+    for version in (1, 0):  # both filled by their commits: the next commit and the first readers parse neither
+        found = ledger.committed("r", version)
+        assert found.manifest_json == canonical_json(found.manifest)
+    assert reads == [] and ledger.committed("r", 1).manifest == v1
+    key = version_key("r", 1)
+    data, _ = get(key)
+    store.delete(key)
+    time.sleep(0.01)  # another mtime: the object rewritten out of band has another etag
+    store.put_new(key, data)
+    assert ledger.committed("r", 1).manifest == v1 and reads == [key]
