@@ -14,7 +14,7 @@ from stitchboard.bulletin.ledger import Ledger, version_key
 from stitchboard.bulletin.planner import make_plan
 from stitchboard.bulletin.retention import GcReport, collect_garbage, collect_run, kept_from
 from stitchboard.bulletin.stores import open_store
-from stitchboard.proto.schema import FileRef, canonical_json
+from stitchboard.proto.schema import FileRef, VersionManifest, canonical_json
 from tests.bulletin.bulletin_helpers import make_manifest, sha, upload_version
 
 
@@ -128,16 +128,21 @@ def test_plan_never_crosses_a_tensor_set_change_with_deltas():
     assert [(s.version, s.kind) for s in p.steps] == [(2, "snapshot"), (3, "delta")]
 
 
-def test_publish_refuses_a_tensor_set_change_without_snapshot(tmp_path):
+def _at_version_0(tmp_path) -> tuple[Ledger, VersionManifest]:
+    """A ledger on a folder with run ``r`` at version 0 (an anchor) and the blob of version 1's patch stored; the
+    ledger and version 1's manifest (not published)."""
     ledger = Ledger(open_store(f"file://{tmp_path}"))
-    store = ledger.store
     for tag, size in (("s0", 4), ("p1", 2)):
         data = tag.encode().ljust(size, b"x")[:size]
-        store.put_new(f"runs/r/blobs/{sha(data)}", data)
+        ledger.store.put_new(f"runs/r/blobs/{sha(data)}", data)
     snap = FileRef(path="model.safetensors", sha256=sha(b"s0xx"), size_bytes=4, role="snapshot")
     patch = FileRef(path="patch.safetensors", sha256=sha(b"p1"), size_bytes=2, role="patch")
     ledger.publish("r", make_manifest("r", 0, [snap]))
-    v1 = make_manifest("r", 1, [patch])
+    return ledger, make_manifest("r", 1, [patch])
+
+
+def test_publish_refuses_a_tensor_set_change_without_snapshot(tmp_path):
+    ledger, v1 = _at_version_0(tmp_path)
     changed = v1.model_copy(update={"tensors": [v1.tensors[0].model_copy(update={"shape": [2, 4]})]})
     with pytest.raises(InvalidRequestError, match="changes the tensor set"):
         ledger.publish("r", changed)
@@ -145,15 +150,8 @@ def test_publish_refuses_a_tensor_set_change_without_snapshot(tmp_path):
 
 
 def test_a_committed_version_is_read_from_memory_until_its_object_changes(tmp_path, monkeypatch):
-    ledger = Ledger(open_store(f"file://{tmp_path}"))
+    ledger, v1 = _at_version_0(tmp_path)
     store = ledger.store
-    for tag, size in (("s0", 4), ("p1", 2)):
-        data = tag.encode().ljust(size, b"x")[:size]
-        store.put_new(f"runs/r/blobs/{sha(data)}", data)
-    snap = FileRef(path="model.safetensors", sha256=sha(b"s0xx"), size_bytes=4, role="snapshot")
-    patch = FileRef(path="patch.safetensors", sha256=sha(b"p1"), size_bytes=2, role="patch")
-    ledger.publish("r", make_manifest("r", 0, [snap]))
-    v1 = make_manifest("r", 1, [patch])
     ledger.publish("r", v1)
     reads: list[str] = []
     get = store.get
