@@ -397,7 +397,7 @@ class Ledger:
         try:
             self._await_gc(run, {f.sha256 for f in manifest.files})
             self._verify_files(run, manifest)
-            return self._commit(run, manifest, canonical, on_commit)
+            return self._commit(run, manifest, canonical, digest, on_commit)
         finally:
             self.store.delete(intent)
 
@@ -466,13 +466,18 @@ class Ledger:
                 )
 
     def _commit(
-        self, run: str, manifest: VersionManifest, canonical: bytes, on_commit: Callable[[VersionInfo], None] | None
+        self,
+        run: str,
+        manifest: VersionManifest,
+        canonical: bytes,
+        digest: str,
+        on_commit: Callable[[VersionInfo], None] | None,
     ) -> tuple[VersionInfo, bool]:
         """The commit point: the create-only write of the version's object, then the ``latest`` pointer. The
         committed version goes into the cache at once (with the etag the store gives it), so its first readers (the
-        sidecars' plans and manifests, the next commit) do not parse it again (~7 ms for SmolLM2's 272 tensors)."""
+        sidecars' plans and manifests, the next commit) do not parse it again (~7 ms for SmolLM2's 272 tensors).
+        ``canonical`` is the manifest's canonical JSON, ``digest`` its sha256 (hex)."""
         version = manifest.version
-        digest = hashlib.sha256(canonical).hexdigest()
         info = VersionInfo(
             run_id=run,
             version=version,
