@@ -253,10 +253,9 @@ class Fetcher:
     def _check_delta(self, manifest: VersionManifest, paths: list[Path], previous: VersionManifest | None) -> None:
         v = manifest.version
         want = manifest.tensor_map()
-        before = previous.tensor_map() if previous is not None and previous.version == v - 1 else None
-        if before is not None and {(n, s.dtype, tuple(s.shape)) for n, s in before.items()} != {
-            (n, s.dtype, tuple(s.shape)) for n, s in want.items()
-        }:
+        adjacent = previous if previous is not None and previous.version == v - 1 else None
+        before = adjacent.tensor_map() if adjacent is not None else None
+        if adjacent is not None and adjacent.layout() != manifest.layout():
             raise StagingError(
                 f"version {v} changes the tensor set of version {v - 1}: a delta cannot, it needs an anchor"
             )

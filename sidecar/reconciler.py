@@ -74,7 +74,7 @@ from .metrics import SidecarMetrics
 from .pools import Pools
 from .quarantine import SquashQuarantine
 from .rebase import build_rebase
-from .refusals import RefusalBook, is_permanent, tensor_set
+from .refusals import RefusalBook, is_permanent
 from .salt import CacheSalter
 from .settings import SidecarSettings
 from .spans import SpanLedger
@@ -398,7 +398,7 @@ class Reconciler:
         if known is None:
             return
         manifest = await self.pools.io(self.client.manifest, self.run_id, target)
-        if tensor_set(manifest) == known.tensors:
+        if manifest.layout() == known.tensors:
             route: RouteKind = "anchor" if start is None else "delta"
             why = f"{known.cause}: {known.message} (the engine refused this tensor set at version {known.version})"
             raise self._refuse(start, target, route, ApplyRefusedError(why, cause=known.cause), manifest)

@@ -44,19 +44,14 @@ def is_permanent(exc: BaseException) -> bool:
     return False
 
 
-def tensor_set(manifest: VersionManifest) -> frozenset[tuple[str, str, tuple[int, ...]]]:
-    """A version's tensors as (name, dtype, shape): what a permanent refusal is about (a delta
-    never changes it; only an anchor can)."""
-    return frozenset((t.name, t.dtype, tuple(t.shape)) for t in manifest.tensors)
-
-
 @dataclass(frozen=True)
 class RefusedTensorSet:
     """The tensor set of a version the engine refused permanently, and why.
 
     Attributes:
         version: the refused version.
-        tensors: its tensor set (:func:`tensor_set`).
+        tensors: its tensor set (:meth:`~stitchboard.proto.schema.VersionManifest.layout`: (name, dtype,
+            shape) triples, what a permanent refusal is about; a delta never changes it, only an anchor can).
         cause: the refusal's wire type (``UnmappedTensor``...); message: its text.
     """
 
@@ -101,7 +96,7 @@ class RefusalBook:
         kind = exc.type if isinstance(exc, StitchError) else type(exc).__name__
         permanent = is_permanent(exc)
         if permanent and target is not None and isinstance(exc, StitchError):
-            self.tensor_set = RefusedTensorSet(end, tensor_set(target), str(exc.details.get("cause", kind)), str(exc))
+            self.tensor_set = RefusedTensorSet(end, target.layout(), str(exc.details.get("cause", kind)), str(exc))
         now = time.time()
         last = self.refused
         attempts = last.attempts + 1 if last is not None and last.to_version == end else 1
@@ -130,7 +125,7 @@ class RefusalBook:
         later versions of that set are refused without an engine call."""
         if is_permanent(exc) and target is not None and isinstance(exc, StitchError):
             cause = str(exc.details.get("cause", exc.type))
-            self.tensor_set = RefusedTensorSet(version, tensor_set(target), cause, str(exc))
+            self.tensor_set = RefusedTensorSet(version, target.layout(), cause, str(exc))
 
     def clear(self) -> None:
         """A version was applied: no plan is refused any more (a permanently refused tensor set stays known)."""

@@ -92,8 +92,8 @@ def test_the_encoding_is_picked_per_run_and_recorded_in_every_manifest(bulletin,
 
 def test_a_sidecar_fetches_and_checks_cond_versions_without_their_base(bulletin, run, tmp_path):
     """The default ``cond`` patches decode only on their base, which the sidecar does not hold: its
-    fetch check keeps the index and lineage checks (a patch whose base is not the previous version
-    is refused) and leaves the value decode to the engine."""
+    fetch check keeps the index and lineage checks (a patch whose base is not the previous version,
+    or a delta on a base with another tensor set, is refused) and leaves the value decode to the engine."""
     from stitchboard.sidecar.errors import StagingError
     from stitchboard.sidecar.fetch import Fetcher
 
@@ -111,6 +111,11 @@ def test_a_sidecar_fetches_and_checks_cond_versions_without_their_base(bulletin,
             ]
             with pytest.raises(StagingError, match="base checksum is not version 1's"):
                 fetcher.fetch(pub.client.plan(run, 1, 2), pub.client.manifest(run, 0).model_copy(update={"version": 1}))
+            v1 = pub.client.manifest(run, 1)
+            first = v1.tensors[0].model_copy(update={"shape": [*v1.tensors[0].shape, 1]})
+            reshaped = v1.model_copy(update={"tensors": [first, *v1.tensors[1:]]})
+            with pytest.raises(StagingError, match="version 2 changes the tensor set of version 1"):
+                fetcher.fetch(pub.client.plan(run, 1, 2), reshaped)
         finally:
             fetcher.close()
 
