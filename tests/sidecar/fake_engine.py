@@ -53,6 +53,7 @@ from stitchboard.sidecar.errors import (
 
 CONTROL_ROUTES = [
     "/pause",
+    "/stitch/pause",
     "/resume",
     "/collective_rpc",
     "/update_weights",

@@ -392,3 +392,26 @@ def test_a_plain_engine_serves_no_adapters_and_names_its_base_view(vllm_adapter,
         vllm_adapter.load_adapter("x@1", str(vllm_workdir), {"base_model.model.lm_head.lora_A.weight": "0" * 32})
     assert off.value.details["cause"] == "LoraDisabled"
     assert sorted(vllm_adapter.base_names()) == sorted(vllm_views[0])
+
+
+def test_the_pause_route_pauses_at_once_and_refuses_a_bad_query(vllm_engine, vllm_adapter):
+    """``POST /stitch/pause`` (the route :func:`vllm_command` loads) pauses the real engine, as the adapter's pause
+    does through it; a mode vLLM does not know is answered 400 and pauses nothing."""
+    from stitchboard.sidecar.engines.vllm.pause_route import PAUSE_PATH
+
+    bad = httpx.post(f"{vllm_engine.url}{PAUSE_PATH}", params={"mode": "sideways"}, timeout=30)
+    assert bad.status_code == 400 and "sideways" in bad.json()["error"]
+    assert httpx.get(f"{vllm_engine.url}/is_paused", timeout=30).json() == {"is_paused": False}
+    vllm_adapter.pause()
+    try:
+        assert vllm_adapter.state().phase == "paused"
+        assert vllm_adapter.pause_path == PAUSE_PATH  # the route answered: no fallback to vLLM's /pause
+    finally:
+        vllm_adapter.resume()
+    assert vllm_adapter.state().phase == "idle"
+    answer = httpx.post(f"{vllm_engine.url}{PAUSE_PATH}", params={"mode": "keep", "clear_cache": "false"}, timeout=30)
+    try:
+        assert (answer.status_code, answer.json()) == (200, {"status": "paused"})
+        assert httpx.get(f"{vllm_engine.url}/is_paused", timeout=30).json() == {"is_paused": True}
+    finally:
+        vllm_adapter.resume()

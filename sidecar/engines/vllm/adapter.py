@@ -2,15 +2,16 @@
 
 :class:`VllmEngine` implements :class:`~stitchboard.sidecar.engines.base.EngineAdapter` for a
 vLLM server started with ``VLLM_SERVER_DEV_MODE=1`` and ``--worker-extension-cls
-stitchboard.sidecar.vllm_worker.StitchWorkerExtension`` (:mod:`.worker`): ``/pause?mode=keep``
-(in-flight requests are frozen, never aborted), ``/resume``, ``/is_paused``,
+stitchboard.sidecar.vllm_worker.StitchWorkerExtension`` (:mod:`.worker`): ``/stitch/pause?mode=keep``
+(:mod:`.pause_route`; vLLM's ``/pause`` where that route is not loaded: in-flight requests are frozen,
+never aborted), ``/resume``, ``/is_paused``,
 ``/reset_prefix_cache`` and ``/collective_rpc`` into the worker extension (one JSON-string
 argument per call; results are small dicts, one per TP rank). Patches and snapshots travel as
 files under the hand-off folder, never as bytes over HTTP.
 
 The lease (``docs/reference/engine-lease.md``): :meth:`VllmEngine.take_lease` calls
 ``stitch_lease`` on every rank; every later call names that owner, the state-changing
-``stitch_*`` ones are refused in the engine without a live lease, and vLLM's own ``/pause``,
+``stitch_*`` ones are refused in the engine without a live lease, and the HTTP pause routes,
 ``/resume`` and ``/reset_prefix_cache`` (which cannot check it) are not called unless the lease
 is live, renewed first when less than half its TTL is left (:class:`~..base.LeaseGuard`).
 """
@@ -41,6 +42,7 @@ from ..rpc import (
     snapshot_checksums,
 )
 from .lora_calls import LoraCalls
+from .pause_route import PAUSE_PATH
 
 #: How long a staging poll waits in the worker while no request is in flight, seconds (at most the worker's
 #: ``MAX_STAGED_WAIT_S``): a request arriving meanwhile starts at most this much later.
@@ -65,6 +67,8 @@ class VllmEngine(LoraCalls):
         self.apply_timeout_s = apply_timeout_s
         self._http = httpx.Client(base_url=self.engine_url, timeout=timeout_s)
         self._lease = LeaseGuard()
+        #: The route :meth:`pause` posts to: :data:`.pause_route.PAUSE_PATH`, vLLM's ``/pause`` once that answered 404.
+        self.pause_path = PAUSE_PATH
 
     def close(self) -> None:
         """Close the HTTP connection pool."""
@@ -197,15 +201,29 @@ class VllmEngine(LoraCalls):
                 return dataclasses.replace(state, phase="paused")
         return state
 
+    def _pause(self, params: dict[str, str]) -> None:
+        """``POST /stitch/pause`` (:mod:`.pause_route`: vLLM's pause without its fixed 20 ms sleep), or vLLM's own
+        ``/pause`` on an engine started without that route (it answers 404; remembered for this adapter)."""
+        if self.pause_path == PAUSE_PATH:
+            try:
+                self._control(PAUSE_PATH, params)
+                return
+            except EngineRequestError as exc:
+                if exc.details.get("status") != 404:
+                    raise
+                self.pause_path = "/pause"
+        self._control(self.pause_path, params)
+
     def pause(self) -> None:
-        """``POST /pause?mode=keep``: requests in flight are frozen and kept (never aborted)."""
-        self._control("/pause", {"mode": "keep"})
+        """``POST /stitch/pause?mode=keep`` (else ``/pause``, see :meth:`_pause`): requests in flight are frozen and
+        kept (never aborted)."""
+        self._pause({"mode": "keep"})
 
     def pause_keeping_cache(self) -> None:
-        """``POST /pause?mode=keep&clear_cache=false``: as :meth:`pause`, but the prefix cache is kept
-        (a plain pause resets it, running requests preempted); for the version-salted cache
+        """``POST /stitch/pause?mode=keep&clear_cache=false`` (or ``/pause``): as :meth:`pause`, but the prefix cache
+        is kept (a plain pause resets it, running requests preempted); for the version-salted cache
         (:mod:`stitchboard.sidecar.salt`)."""
-        self._control("/pause", {"mode": "keep", "clear_cache": "false"})
+        self._pause({"mode": "keep", "clear_cache": "false"})
 
     def resume(self) -> None:
         """``POST /resume``."""

