@@ -15,7 +15,9 @@ A parted entry (format version 2, :mod:`stitchboard.proto.parts`) decodes block 
 process's part threads (:func:`~stitchboard.proto.parts.pool`) and comes out as the same
 :class:`TensorDelta`, in the whole tensor's positions: a ``cond`` block is checked against its base
 digest (unless the caller verified the whole base) and its decoded bits against its target digest,
-before anything is written.
+before anything is written; an unchanged block's bits against its digest. So every block of a
+decoded ``cond`` entry holds its target digest, and the reader checked that those digests make
+the entry's ``xxh3_128_parts`` target: the decoded tensor is that target, whatever its base.
 """
 
 from __future__ import annotations
@@ -182,12 +184,16 @@ class Patch:
                 return parts.to_whole(part, entry.shape, local), values.view(bits_type(entry.dtype)).reshape(-1)
             assert base is not None
             bits = parts.block(base.bits, base.shape, part.dim, part.start, part.stop)
+            if part.count == 0:  # unchanged: its bits are its target (and its base)
+                if parts.digest(bits) != part.target:
+                    raise BaseMismatchError(
+                        f"{what} is not the base of the patch: a cond patch decodes only against its exact base"
+                    )
+                return np.empty(0, dtype=np.int64), np.empty(0, dtype=bits.dtype)
             if not base_verified and parts.digest(bits) != part.base:
                 raise BaseMismatchError(
                     f"{what} is not the base of the patch: a cond patch decodes only against its exact base"
                 )
-            if part.count == 0:
-                return np.empty(0, dtype=np.int64), np.empty(0, dtype=bits.dtype)
             held = RawTensor(entry.dtype, (bits.size,), bits)
             local, values = cond_codec.decode(stream, held, part.count, what)
             if patched_checksum(bits, (bits.size,), local, values) != part.target:
@@ -196,7 +202,7 @@ class Patch:
                 )
             return parts.to_whole(part, entry.shape, local), values
 
-        todo = [job for job in jobs if job[0].count or (cond and not base_verified)]
+        todo = [job for job in jobs if job[0].count or cond]
         decoded = list(parts.pool().map(one, todo))
         positions = np.concatenate([p for p, _ in decoded])
         values = np.concatenate([v for _, v in decoded])

@@ -110,22 +110,24 @@ class TpSlice:
         """The checkpoint shape as ``(rows, cols)`` (a 1-D tensor is one column)."""
         return (self.shape[0], self.shape[1]) if len(self.shape) == 2 else (self.shape[0], 1)
 
-    def select(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def select(self, positions: np.ndarray) -> tuple[slice | np.ndarray, np.ndarray]:
         """The positions this rank holds, mapped into its block.
 
         Args:
             positions: int64 [k], strictly increasing flat indices in checkpoint coordinates.
 
         Returns:
-            ``(selected, block_index)``: int64 indices into ``positions`` of the elements this
-            rank holds, and their flat row-major indices into this rank's block (both [k_local];
-            padding is never among them).
+            ``(selected, block_index)``: which of ``positions`` this rank holds (a row split: the ``slice`` of
+            them, so ``positions[selected]`` is a view; a column split: their int64 indices), and their flat
+            row-major indices into this rank's block (int64 [k_local]; a view of ``positions`` when the block
+            starts at the tensor's first row, as every tensor held whole does; padding is never among them).
+            At TP = 1 that is two views instead of three copies of the positions per tensor staged.
         """
         start, length = self.local_span
         cols = self.grid[1]
         if self.split_dim == 0:
-            lo, hi = np.searchsorted(positions, [start * cols, (start + length) * cols])
-            return np.arange(lo, hi, dtype=np.int64), positions[lo:hi] - start * cols
+            lo, hi = (int(i) for i in np.searchsorted(positions, [start * cols, (start + length) * cols]))
+            return slice(lo, hi), positions[lo:hi] - start * cols if start else positions[lo:hi]
         col = positions % cols
         selected = np.flatnonzero((col >= start) & (col < start + length))
         return selected, (positions[selected] // cols) * length + (col[selected] - start)

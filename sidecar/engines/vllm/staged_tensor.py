@@ -102,7 +102,8 @@ def stage_live(
     io: WeightIO, p: Placement, step_delta: StepDelta, step: Step, spent: dict[str, float]
 ) -> StagedWrite | None:
     """Stage one tensor's single step on the live parameter, read only (TP = 1): its delta (a ``cond`` one decoded
-    on the live bits) and the target checksum of the bits the delta makes
+    on the live bits, which checks the target itself: :mod:`stitchboard.proto.decode`) and, for ``xor`` and
+    ``overwrite``, the target checksum of the bits the delta makes
     (:func:`~stitchboard.proto.patched_digest.patched_checksum`: no copy of the tensor). Returns its write, or
     None for an ``overwrite`` tensor already at the target. Adds its seconds to ``spent``.
 
@@ -129,7 +130,7 @@ def stage_live(
         delta = step_delta.on(base)
         spent["decode_s"] += time.perf_counter() - t
         xor = delta.encoding == "xor"
-        if delta.encoding != "cond" or entry.parts is not None:  # a one-stream cond decode checked its xxh3_128 itself
+        if delta.encoding != "cond":  # a cond decode checked its target itself (parted: every part's digest)
             t = time.perf_counter()
             layout, target = stated_target(entry)
             if patched_checksum(bits, entry.shape, delta.positions, delta.values, xor=xor, layout=layout) != target:

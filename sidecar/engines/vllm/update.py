@@ -95,7 +95,7 @@ class StagedPatch:
     report: dict
 
 
-def _apply_step(view: torch.Tensor, delta: TensorDelta, index: np.ndarray, selected: np.ndarray) -> None:
+def _apply_step(view: torch.Tensor, delta: TensorDelta, index: np.ndarray, selected: slice | np.ndarray) -> None:
     """Apply one step's delta to this rank's block ``view`` (host bits, flat) in place."""
     values = torch.from_numpy(np.ascontiguousarray(delta.values[selected]).view(NUMPY_OF[view.dtype]))
     at = torch.from_numpy(index)
