@@ -13,6 +13,11 @@
  * A hot class whose next change lies in the block has it at the k-th set bit of its mask
  * (select_bit). x86-64 only (SSE2 and POPCNT, checked at import); elsewhere the one-by-one walk
  * runs. Both walks find the same positions in the same order: the stream is read identically.
+ *
+ * Each block kernel is built twice: with SSE2 (16-byte compares, four per mask) and, for a CPU
+ * that has AVX2 (checked at import, `avx2`), with 32-byte compares, two per mask. Same masks, so
+ * the same streams and results. On the CI's 2-core AMD EPYC, one SmolLM2 step's unparted tensors
+ * (106 M elements, 0.96 M changes, one thread): decode 0.133 -> 0.119 s, encode 0.098 -> 0.084 s.
  */
 #ifndef STITCHBOARD_CONDBLOCKS_H
 #define STITCHBOARD_CONDBLOCKS_H
@@ -22,8 +27,10 @@
 
 #if defined(__x86_64__)
 #include <emmintrin.h>
+#include <immintrin.h>
 #define BLOCK_WALK 1
 #define BLOCK_TARGET __attribute__((target("popcnt")))
+#define AVX2_TARGET __attribute__((target("avx2,popcnt")))
 #else
 #define BLOCK_WALK 0
 #define BLOCK_TARGET
@@ -54,15 +61,16 @@ static void hot_from_counts(hot_t *hot, uint32_t counts[MAX_CLASSES], uint32_t s
     }
 }
 
-static int block_walk_ok;
+static int block_walk_ok, block_avx2_ok;
 
 static void block_walk_init(void) {
     __builtin_cpu_init();
     block_walk_ok = __builtin_cpu_supports("popcnt") != 0;
+    block_avx2_ok = block_walk_ok && __builtin_cpu_supports("avx2") != 0;
 }
 
 /* The 64-bit mask of the bytes of cb[0..63] (in v) equal to the byte in every lane of b. */
-static inline __attribute__((always_inline)) uint64_t eq_mask(const __m128i v[4], __m128i b) {
+static inline __attribute__((always_inline)) uint64_t eq_mask_sse(const __m128i v[4], __m128i b) {
     return (uint64_t)(uint16_t)_mm_movemask_epi8(_mm_cmpeq_epi8(v[0], b)) |
            (uint64_t)(uint16_t)_mm_movemask_epi8(_mm_cmpeq_epi8(v[1], b)) << 16 |
            (uint64_t)(uint16_t)_mm_movemask_epi8(_mm_cmpeq_epi8(v[2], b)) << 32 |
@@ -88,20 +96,53 @@ static inline __attribute__((always_inline)) unsigned first_change(uint64_t m, u
     return togo < (uint64_t)__builtin_popcountll(m) ? select_bit(m, (unsigned)togo) : 64;
 }
 
-/* The 64 bytes at p (16-byte aligned) in four registers. */
-static inline __attribute__((always_inline)) void load64(const uint8_t *p, __m128i v[4]) {
+/* The 64 bytes at p (32-byte aligned) in four registers. */
+static inline __attribute__((always_inline)) void load64_sse(const uint8_t *p, __m128i v[4]) {
     for (unsigned r = 0; r < 4; r++) v[r] = _mm_load_si128((const __m128i *)(p + 16 * r));
 }
 
-/* The hot classes' masks (mh[h]) of a block whose classes are the 64 bytes at cb (16-byte aligned); returns the
- * mask of the elements of any hot class. */
-static inline __attribute__((always_inline)) uint64_t hot_masks(const hot_t *hot, const uint8_t *cb, uint64_t mh[HOT_MAX]) {
+/* The hot classes' masks (mh[h]) of a block whose classes are the 64 bytes at cb (32-byte aligned), lanes[h] the
+ * h-th hot class in every byte; returns the mask of the elements of any hot class. */
+static inline __attribute__((always_inline)) uint64_t hot_masks_sse(unsigned n, const __m128i *lanes, const uint8_t *cb,
+                                                                    uint64_t mh[HOT_MAX]) {
     __m128i v[4];
-    load64(cb, v);
+    load64_sse(cb, v);
     uint64_t covered = 0;
-    for (unsigned h = 0; h < hot->n; h++) covered |= mh[h] = eq_mask(v, hot->lanes[h]);
+    for (unsigned h = 0; h < n; h++) covered |= mh[h] = eq_mask_sse(v, lanes[h]);
     return covered;
 }
+
+/* eq_mask_sse, load64_sse and hot_masks_sse with 32-byte registers (AVX2): two compares per mask, not four. */
+static inline __attribute__((always_inline, target("avx2"))) uint64_t eq_mask_avx2(const __m256i v[2], __m256i b) {
+    return (uint64_t)(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(v[0], b)) |
+           (uint64_t)(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(v[1], b)) << 32;
+}
+
+static inline __attribute__((always_inline, target("avx2"))) void load64_avx2(const uint8_t *p, __m256i v[2]) {
+    for (unsigned r = 0; r < 2; r++) v[r] = _mm256_load_si256((const __m256i *)(p + 32 * r));
+}
+
+static inline __attribute__((always_inline, target("avx2"))) uint64_t hot_masks_avx2(unsigned n, const __m256i *lanes,
+                                                                                    const uint8_t *cb, uint64_t mh[HOT_MAX]) {
+    __m256i v[2];
+    load64_avx2(cb, v);
+    uint64_t covered = 0;
+    for (unsigned h = 0; h < n; h++) covered |= mh[h] = eq_mask_avx2(v, lanes[h]);
+    return covered;
+}
+
+/* Per instruction set: its registers (VEC_*, NVEC_* of them per block), the hot classes' lanes declared as lanes_
+ * from hot_t h (LANES_*), and an all-zero register (ZERO_*). */
+#define VEC_sse __m128i
+#define NVEC_sse 4
+#define LANES_sse(h) const __m128i *lanes_ = (h).lanes
+#define ZERO_sse _mm_setzero_si128()
+#define VEC_avx2 __m256i
+#define NVEC_avx2 2
+#define LANES_avx2(h)                                                                                              \
+    __m256i lanes_[HOT_MAX];                                                                                       \
+    for (unsigned h_ = 0; h_ < (h).n; h_++) lanes_[h_] = _mm256_set1_epi8((char)(h).cls[h_])
+#define ZERO_avx2 _mm256_setzero_si256()
 
 /* hot = the hot classes of the n elements at a (type T), sampled in HOT_SAMPLE_BLOCKS blocks evenly spaced. */
 #define PICK_HOT(hot, a, n, SHIFT, CMASK)                                                                          \
@@ -116,12 +157,19 @@ static inline __attribute__((always_inline)) uint64_t hot_masks(const hot_t *hot
 /* Bits 0 .. p-1 (p <= 64). */
 static inline __attribute__((always_inline)) uint64_t below(unsigned p) { return p >= 64 ? UINT64_MAX : ((uint64_t)1 << p) - 1; }
 #else
-static const int block_walk_ok = 0;
+static const int block_walk_ok = 0, block_avx2_ok = 0;
 static void block_walk_init(void) {}
 #endif
 
-/* Whether a tensor of n elements is walked or scanned in blocks (one_by_one: asked not to). */
-static inline int in_blocks(Py_ssize_t n, int one_by_one) { return block_walk_ok && n >= 64 && !one_by_one; }
+/* Which loops count the classes (the `loops` argument of encode and decode): the fastest this host has, one
+ * element at a time, or the SSE2 blocks on a host that has AVX2 too (so tests can compare all three). */
+enum { LOOPS_FASTEST = 0, LOOPS_ONE_BY_ONE = 1, LOOPS_SSE2 = 2 };
+
+/* Whether a tensor of n elements is walked or scanned in blocks, and with AVX2 (*avx2). */
+static inline int in_blocks(Py_ssize_t n, int loops, int *avx2) {
+    *avx2 = block_avx2_ok && loops != LOOPS_SSE2;
+    return block_walk_ok && n >= 64 && loops != LOOPS_ONE_BY_ONE;
+}
 
 #if BLOCK_WALK
 /*
@@ -130,21 +178,23 @@ static inline int in_blocks(Py_ssize_t n, int one_by_one) { return block_walk_ok
  * so far is below its elements left in the block: that set bit) or a cold element found one by
  * one; the hot elements before it are counted by popcount, the change decoded as WALK_ONE does.
  */
-#define DEFINE_BLOCK_WALK(SUFFIX, T, SHIFT, CMASK)                                                                 \
-    static BLOCK_TARGET Py_ssize_t bwalk_##SUFFIX(const void *va, Py_ssize_t n, int sm, uint64_t *next, uint64_t *left, dec_t *d, \
-                                                  model_t *m, int64_t *pos, void *vvals, Py_ssize_t count, const char **err) { \
+#define DEFINE_BLOCK_WALK_ISA(ISA, TARGET, SUFFIX, T, SHIFT, CMASK)                                                 \
+    static TARGET Py_ssize_t bwalk_##ISA##_##SUFFIX(const void *va, Py_ssize_t n, int sm, uint64_t *next, uint64_t *left, \
+                                                   dec_t *d, model_t *m, int64_t *pos, void *vvals, Py_ssize_t count, \
+                                                   const char **err) {                                              \
         enum { W = 8 * sizeof(T) };                                                                                \
         const T *a = va;                                                                                           \
         T *vals = vvals;                                                                                           \
         uint64_t seen[MAX_CLASSES] = {0};                                                                          \
-        uint8_t cb[64] __attribute__((aligned(16)));                                                               \
+        uint8_t cb[64] __attribute__((aligned(32)));                                                               \
         Py_ssize_t k = 0, i = 0;                                                                                   \
         hot_t hot;                                                                                                 \
         PICK_HOT(hot, a, n, SHIFT, CMASK);                                                                         \
+        LANES_##ISA(hot);                                                                                          \
         for (; i + 64 <= n; i += 64) {                                                                             \
             for (unsigned j = 0; j < 64; j++) cb[j] = (uint8_t)((a[i + j] >> (SHIFT)) & (CMASK));                  \
             uint64_t mh[HOT_MAX];                                                                                  \
-            const uint64_t covered = hot_masks(&hot, cb, mh);                                                      \
+            const uint64_t covered = hot_masks_##ISA(hot.n, lanes_, cb, mh);                                       \
             unsigned cand[HOT_MAX];                                                                                \
             for (unsigned h = 0; h < hot.n; h++) {                                                                 \
                 cand[h] = first_change(mh[h], next[hot.cls[h]] - seen[hot.cls[h]]);                                \
@@ -183,17 +233,18 @@ static inline int in_blocks(Py_ssize_t n, int one_by_one) { return block_walk_ok
  * before the block plus, for a hot class, the popcount of its mask below it; the block's cold
  * elements are counted one by one first, keeping the ranks of the changed ones.
  */
-#define DEFINE_BLOCK_SCAN(SUFFIX, T, SHIFT, CMASK)                                                                 \
-    static BLOCK_TARGET int bscan_##SUFFIX(const void *va, const void *vb, Py_ssize_t n, uint64_t *seen, changes_t *ch) { \
+#define DEFINE_BLOCK_SCAN_ISA(ISA, TARGET, SUFFIX, T, SHIFT, CMASK)                                                 \
+    static TARGET int bscan_##ISA##_##SUFFIX(const void *va, const void *vb, Py_ssize_t n, uint64_t *seen, changes_t *ch) { \
         const T *a = va, *b = vb;                                                                                  \
-        uint8_t cb[64] __attribute__((aligned(16))), ne[64] __attribute__((aligned(16)));                          \
+        uint8_t cb[64] __attribute__((aligned(32))), ne[64] __attribute__((aligned(32)));                          \
         uint64_t cold_rank[64];                                                                                    \
         int hot_of[MAX_CLASSES];                                                                                   \
         hot_t hot;                                                                                                 \
         PICK_HOT(hot, a, n, SHIFT, CMASK);                                                                         \
+        LANES_##ISA(hot);                                                                                          \
         for (unsigned c = 0; c < MAX_CLASSES; c++) seen[c] = 0, hot_of[c] = -1;                                    \
         for (unsigned h = 0; h < hot.n; h++) hot_of[hot.cls[h]] = (int)h;                                          \
-        const __m128i zero = _mm_setzero_si128();                                                                  \
+        const VEC_##ISA zero = ZERO_##ISA;                                                                         \
         Py_ssize_t i = 0;                                                                                          \
         for (; i + 64 <= n; i += 64) {                                                                             \
             for (unsigned j = 0; j < 64; j++) {                                                                    \
@@ -201,10 +252,10 @@ static inline int in_blocks(Py_ssize_t n, int one_by_one) { return block_walk_ok
                 ne[j] = a[i + j] != b[i + j];                                                                      \
             }                                                                                                      \
             uint64_t mh[HOT_MAX];                                                                                  \
-            const uint64_t covered = hot_masks(&hot, cb, mh);                                                      \
-            __m128i d[4];                                                                                          \
-            load64(ne, d);                                                                                         \
-            uint64_t changed = ~eq_mask(d, zero);                                                                  \
+            const uint64_t covered = hot_masks_##ISA(hot.n, lanes_, cb, mh);                                       \
+            VEC_##ISA d[NVEC_##ISA];                                                                               \
+            load64_##ISA(ne, d);                                                                                   \
+            uint64_t changed = ~eq_mask_##ISA(d, zero);                                                            \
             for (uint64_t cold = ~covered; cold; cold &= cold - 1) {                                               \
                 const unsigned j = (unsigned)__builtin_ctzll(cold);                                                \
                 cold_rank[j] = seen[cb[j]]++;                                                                      \
@@ -232,13 +283,23 @@ static inline int in_blocks(Py_ssize_t n, int one_by_one) { return block_walk_ok
         }                                                                                                          \
         return 0;                                                                                                  \
     }
-#define BWALK(SUFFIX) bwalk_##SUFFIX
-#define BSCAN(SUFFIX) bscan_##SUFFIX
+#define DEFINE_BLOCK_WALK(SUFFIX, T, SHIFT, CMASK)                                                                 \
+    DEFINE_BLOCK_WALK_ISA(sse, BLOCK_TARGET, SUFFIX, T, SHIFT, CMASK)                                              \
+    DEFINE_BLOCK_WALK_ISA(avx2, AVX2_TARGET, SUFFIX, T, SHIFT, CMASK)
+#define DEFINE_BLOCK_SCAN(SUFFIX, T, SHIFT, CMASK)                                                                 \
+    DEFINE_BLOCK_SCAN_ISA(sse, BLOCK_TARGET, SUFFIX, T, SHIFT, CMASK)                                              \
+    DEFINE_BLOCK_SCAN_ISA(avx2, AVX2_TARGET, SUFFIX, T, SHIFT, CMASK)
+#define BWALK(SUFFIX) bwalk_sse_##SUFFIX
+#define BSCAN(SUFFIX) bscan_sse_##SUFFIX
+#define BWALK_AVX2(SUFFIX) bwalk_avx2_##SUFFIX
+#define BSCAN_AVX2(SUFFIX) bscan_avx2_##SUFFIX
 #else
 #define DEFINE_BLOCK_SCAN(SUFFIX, T, SHIFT, CMASK)
 #define BSCAN(SUFFIX) NULL
+#define BSCAN_AVX2(SUFFIX) NULL
 #define DEFINE_BLOCK_WALK(SUFFIX, T, SHIFT, CMASK)
 #define BWALK(SUFFIX) NULL
+#define BWALK_AVX2(SUFFIX) NULL
 #endif
 
 #endif

@@ -1,9 +1,9 @@
 /*
  * The `cond` patch encoding's C extension (byte format: proto/cond_codec.py):
  *
- * encode(base, target, itemsize, class_shift, class_bits, sign_magnitude[, one_by_one[, with_change]])
+ * encode(base, target, itemsize, class_shift, class_bits, sign_magnitude[, loops[, with_change]])
  *     -> (count, stream[, gaps, values]: the change record, as _bitdiff.diff gives it)
- * decode(base, stream, positions_out, values_out, itemsize, class_shift, class_bits, sign_magnitude[, one_by_one])
+ * decode(base, stream, positions_out, values_out, itemsize, class_shift, class_bits, sign_magnitude[, loops])
  *
  * Both run without the GIL. Every element's class is a bit field of its base bits (the exponent
  * of a float). Changed positions are coded as gaps within their class's subsequence, values as
@@ -11,7 +11,8 @@
  * with the range coder of _rangecoder.h and the context model of _condmodel.h. This file holds
  * the value coding, the per-dtype loops over the elements and the Python entry points; the same
  * loops counting classes 64 elements at a time are in _condblocks.h (used where the host has
- * them, `blocks`; `one_by_one` asks for these loops instead: same streams, same results).
+ * them, `blocks`, with AVX2 where it has that too, `avx2`; `loops` 1 asks for these loops
+ * instead, 2 for the SSE2 blocks: same streams, same results).
  *
  * decode validates while it decodes: the class counts must add up to `count`, every gap must
  * land inside its class and the stream must end exactly after its last change; any violation
@@ -245,15 +246,14 @@ KERNEL(f64, uint64_t, 52, 8)
 
 static const struct {
     unsigned itemsize, shift, bits;
-    scan_fn scan, bscan;
-    walk_fn walk, bwalk;
+    scan_fn scan, bscan, bscan_avx2;
+    walk_fn walk, bwalk, bwalk_avx2;
 } kernels[] = {
-    {1, 0, 0, scan_u8, BSCAN(u8), walk_u8, BWALK(u8)},       {1, 0, 8, scan_e8m0, BSCAN(e8m0), walk_e8m0, BWALK(e8m0)},
-    {1, 3, 4, scan_e4m3, BSCAN(e4m3), walk_e4m3, BWALK(e4m3)}, {1, 2, 5, scan_e5m2, BSCAN(e5m2), walk_e5m2, BWALK(e5m2)},
-    {2, 0, 0, scan_u16, BSCAN(u16), walk_u16, BWALK(u16)},    {2, 10, 5, scan_f16, BSCAN(f16), walk_f16, BWALK(f16)},
-    {2, 7, 8, scan_bf16, BSCAN(bf16), walk_bf16, BWALK(bf16)}, {4, 0, 0, scan_u32, BSCAN(u32), walk_u32, BWALK(u32)},
-    {4, 23, 8, scan_f32, BSCAN(f32), walk_f32, BWALK(f32)},   {8, 0, 0, scan_u64, BSCAN(u64), walk_u64, BWALK(u64)},
-    {8, 52, 8, scan_f64, BSCAN(f64), walk_f64, BWALK(f64)},
+#define ROW(SUFFIX, ITEMSIZE, SHIFT, BITS)                                                                         \
+    {ITEMSIZE, SHIFT, BITS, scan_##SUFFIX, BSCAN(SUFFIX), BSCAN_AVX2(SUFFIX), walk_##SUFFIX, BWALK(SUFFIX), BWALK_AVX2(SUFFIX)}
+    ROW(u8, 1, 0, 0),  ROW(e8m0, 1, 0, 8), ROW(e4m3, 1, 3, 4), ROW(e5m2, 1, 2, 5), ROW(u16, 2, 0, 0), ROW(f16, 2, 10, 5),
+    ROW(bf16, 2, 7, 8), ROW(u32, 4, 0, 0), ROW(f32, 4, 23, 8), ROW(u64, 8, 0, 0), ROW(f64, 8, 52, 8),
+#undef ROW
 };
 
 static int parse_layout(layout_t *L, Py_ssize_t itemsize, int shift, int class_bits, int sm) {
@@ -272,10 +272,13 @@ static int parse_layout(layout_t *L, Py_ssize_t itemsize, int shift, int class_b
     return -1;
 }
 
-static int encode_tensor(const void *a, const void *b, Py_ssize_t n, const layout_t *L, int one_by_one, enc_t *e, Py_ssize_t *count_out) {
+static int encode_tensor(const void *a, const void *b, Py_ssize_t n, const layout_t *L, int loops, enc_t *e, Py_ssize_t *count_out) {
     uint64_t seen[MAX_CLASSES] = {0}, first[MAX_CLASSES], changes[MAX_CLASSES] = {0};
     workspace_t *w = workspace_get();
-    const scan_fn scan = in_blocks(n, one_by_one) ? kernels[L->kernel].bscan : kernels[L->kernel].scan;
+    int avx2;
+    const scan_fn scan = !in_blocks(n, loops, &avx2) ? kernels[L->kernel].scan
+                         : avx2                      ? kernels[L->kernel].bscan_avx2
+                                                     : kernels[L->kernel].bscan;
     if (!w || scan(a, b, n, seen, &w->ch)) return -1;
     model_t *m = w->model;
     const changes_t *ch = &w->ch;
@@ -310,7 +313,7 @@ static int encode_tensor(const void *a, const void *b, Py_ssize_t n, const layou
 }
 
 static const char *decode_tensor(const void *a, Py_ssize_t n, const unsigned char *data, size_t len, const layout_t *L, int64_t *pos,
-                                 void *vals, Py_ssize_t count, int one_by_one, int *oom) {
+                                 void *vals, Py_ssize_t count, int loops, int *oom) {
     uint64_t next[MAX_CLASSES];
     const char *err = NULL;
     workspace_t *w = workspace_get();
@@ -332,7 +335,10 @@ static const char *decode_tensor(const void *a, Py_ssize_t n, const unsigned cha
         had = left[c] != 0;
     }
     if (!err && total != (uint64_t)count) err = "the class counts add up to less than the index's count";
-    const walk_fn walk = in_blocks(n, one_by_one) ? kernels[L->kernel].bwalk : kernels[L->kernel].walk;
+    int avx2;
+    const walk_fn walk = !in_blocks(n, loops, &avx2) ? kernels[L->kernel].walk
+                         : avx2                      ? kernels[L->kernel].bwalk_avx2
+                                                     : kernels[L->kernel].bwalk;
     const Py_ssize_t k = err ? 0 : walk(a, n, (int)L->sm, next, left, &d, m, pos, vals, count, &err);
     if (err) return err;
     if (k < count) return "a gap runs past the end of its class";
@@ -363,8 +369,8 @@ static int change_record(unsigned itemsize, unsigned char **gaps, size_t *gaps_l
 static PyObject *condcoder_encode(PyObject *self, PyObject *args) {
     Py_buffer a, b;
     Py_ssize_t itemsize;
-    int shift, class_bits, sm, one_by_one = 0, with_change = 0;
-    if (!PyArg_ParseTuple(args, "y*y*niip|pp", &a, &b, &itemsize, &shift, &class_bits, &sm, &one_by_one, &with_change)) return NULL;
+    int shift, class_bits, sm, loops = LOOPS_FASTEST, with_change = 0;
+    if (!PyArg_ParseTuple(args, "y*y*niip|ip", &a, &b, &itemsize, &shift, &class_bits, &sm, &loops, &with_change)) return NULL;
     layout_t L;
     PyObject *result = NULL;
     if (parse_layout(&L, itemsize, shift, class_bits, sm) < 0) goto done;
@@ -378,7 +384,7 @@ static PyObject *condcoder_encode(PyObject *self, PyObject *args) {
     size_t gaps_len = 0;
     int failed;
     Py_BEGIN_ALLOW_THREADS
-    failed = encode_tensor(a.buf, b.buf, a.len / itemsize, &L, one_by_one, &e, &count);
+    failed = encode_tensor(a.buf, b.buf, a.len / itemsize, &L, loops, &e, &count);
     if (!failed && with_change) failed = change_record((unsigned)itemsize, &gaps, &gaps_len, &vals);
     Py_END_ALLOW_THREADS
     if (failed) PyErr_NoMemory();
@@ -398,8 +404,8 @@ done:
 static PyObject *condcoder_decode(PyObject *self, PyObject *args) {
     Py_buffer a, s, pos, vals;
     Py_ssize_t itemsize;
-    int shift, class_bits, sm, one_by_one = 0;
-    if (!PyArg_ParseTuple(args, "y*y*w*w*niip|p", &a, &s, &pos, &vals, &itemsize, &shift, &class_bits, &sm, &one_by_one)) return NULL;
+    int shift, class_bits, sm, loops = LOOPS_FASTEST;
+    if (!PyArg_ParseTuple(args, "y*y*w*w*niip|i", &a, &s, &pos, &vals, &itemsize, &shift, &class_bits, &sm, &loops)) return NULL;
     layout_t L;
     const char *err = NULL;
     int oom = 0, bad_args = parse_layout(&L, itemsize, shift, class_bits, sm) < 0;
@@ -411,7 +417,7 @@ static PyObject *condcoder_decode(PyObject *self, PyObject *args) {
     }
     if (!bad_args && count > 0) {
         Py_BEGIN_ALLOW_THREADS
-        err = decode_tensor(a.buf, a.len / itemsize, s.buf, (size_t)s.len, &L, pos.buf, vals.buf, count, one_by_one, &oom);
+        err = decode_tensor(a.buf, a.len / itemsize, s.buf, (size_t)s.len, &L, pos.buf, vals.buf, count, loops, &oom);
         Py_END_ALLOW_THREADS
     } else if (!bad_args && s.len != 0) {
         err = "a tensor without changes has a coded stream";
@@ -431,12 +437,12 @@ static PyObject *condcoder_decode(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"encode", condcoder_encode, METH_VARARGS,
-     "encode(base, target, itemsize, class_shift, class_bits, sign_magnitude, one_by_one=False, with_change=False) -> "
+     "encode(base, target, itemsize, class_shift, class_bits, sign_magnitude, loops=0, with_change=False) -> "
      "(count, stream) or, with_change, (count, stream, varint gaps, new values) as _bitdiff.diff(base, target, "
-     "itemsize, False) gives them (one_by_one: count classes one element at a time, not in blocks)"},
+     "itemsize, False) gives them (loops: 0 the fastest this host has, 1 one element at a time, 2 the SSE2 blocks)"},
     {"decode", condcoder_decode, METH_VARARGS,
-     "decode(base, stream, positions_out_int64, values_out, itemsize, class_shift, class_bits, sign_magnitude, one_by_one=False): "
-     "decode and validate (one_by_one: count classes one element at a time, not in blocks)"},
+     "decode(base, stream, positions_out_int64, values_out, itemsize, class_shift, class_bits, sign_magnitude, loops=0): "
+     "decode and validate (loops: as encode's)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -449,5 +455,6 @@ PyMODINIT_FUNC PyInit__condcoder(void) {
     if (pthread_key_create(&workspace_key, workspace_free)) return PyErr_NoMemory();
     PyObject *mod = PyModule_Create(&module);
     if (mod && PyModule_AddIntConstant(mod, "blocks", block_walk_ok) < 0) Py_CLEAR(mod);
+    if (mod && PyModule_AddIntConstant(mod, "avx2", block_avx2_ok) < 0) Py_CLEAR(mod);
     return mod;
 }

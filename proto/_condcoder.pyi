@@ -9,6 +9,10 @@ _Bits: TypeAlias = Buffer | np.ndarray
 
 #: 1 when this host counts classes 64 elements at a time (x86-64 with POPCNT), else 0.
 blocks: int
+#: 1 when those blocks use AVX2 (32-byte compares), else 0.
+avx2: int
+#: ``loops`` of encode and decode: the fastest loops this host has, one element at a time, the SSE2 blocks.
+Loops: TypeAlias = Literal[0, 1, 2]
 
 @overload
 def encode(
@@ -18,7 +22,7 @@ def encode(
     class_shift: int,
     class_bits: int,
     sign_magnitude: bool,
-    one_by_one: bool = False,
+    loops: Loops | bool = 0,
     with_change: Literal[False] = False,
     /,
 ) -> tuple[int, bytes]: ...
@@ -30,7 +34,7 @@ def encode(
     class_shift: int,
     class_bits: int,
     sign_magnitude: bool,
-    one_by_one: bool,
+    loops: Loops | bool,
     with_change: Literal[True],
     /,
 ) -> tuple[int, bytes, bytes, bytes]: ...
@@ -43,6 +47,6 @@ def decode(
     class_shift: int,
     class_bits: int,
     sign_magnitude: bool,
-    one_by_one: bool = False,
+    loops: Loops | bool = 0,
     /,
 ) -> None: ...
