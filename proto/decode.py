@@ -184,16 +184,13 @@ class Patch:
                 return parts.to_whole(part, entry.shape, local), values.view(bits_type(entry.dtype)).reshape(-1)
             assert base is not None
             bits = parts.block(base.bits, base.shape, part.dim, part.start, part.stop)
-            if part.count == 0:  # unchanged: its bits are its target (and its base)
-                if parts.digest(bits) != part.target:
-                    raise BaseMismatchError(
-                        f"{what} is not the base of the patch: a cond patch decodes only against its exact base"
-                    )
-                return np.empty(0, dtype=np.int64), np.empty(0, dtype=bits.dtype)
-            if not base_verified and parts.digest(bits) != part.base:
+            # An unchanged part is checked even on a verified base: its base digest is its target (check_parts).
+            if (part.count == 0 or not base_verified) and parts.digest(bits) != part.base:
                 raise BaseMismatchError(
                     f"{what} is not the base of the patch: a cond patch decodes only against its exact base"
                 )
+            if part.count == 0:
+                return np.empty(0, dtype=np.int64), np.empty(0, dtype=bits.dtype)
             held = RawTensor(entry.dtype, (bits.size,), bits)
             local, values = cond_codec.decode(stream, held, part.count, what)
             if patched_checksum(bits, (bits.size,), local, values) != part.target:

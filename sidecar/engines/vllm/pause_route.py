@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from starlette.datastructures import QueryParams
 from starlette.responses import JSONResponse
 
 __all__ = ["PAUSE_PATH", "StitchPauseRoute"]
@@ -75,8 +76,6 @@ class StitchPauseRoute:
 
     @staticmethod
     async def _pause(engine: Any, core: Any, scope: dict[str, Any]) -> JSONResponse:
-        from starlette.datastructures import QueryParams
-
         query = QueryParams(scope.get("query_string", b""))
         mode, clear = query.get("mode", "abort"), query.get("clear_cache", "true").lower()
         if mode not in MODES or clear not in ("true", "false"):
